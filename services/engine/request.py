@@ -1,0 +1,86 @@
+"""A request's state as the scheduler and model runner see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from services.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    # Blocks are allocated and being filled from outside (a KV pull); not schedulable yet.
+    WAITING_FOR_KV = "waiting_for_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+# OpenAI-style finish reasons.
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. ``block_ids[g]`` is its block table in KV-cache group ``g``.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache; the tokens still to run are
+    ``all_token_ids[num_computed_tokens:]``. After a preemption it drops back to 0 and the prompt
+    plus everything generated so far is recomputed.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    # Tokens served from the prefix cache when the request was first scheduled.
+    num_cached_tokens: int = 0
+    block_ids: list[list[int]] = field(default_factory=list)
+    # Keep the KV blocks after finishing until `release` (prefill worker: held for a pull).
+    hold_kv_on_finish: bool = False
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)

@@ -1,0 +1,53 @@
+"""KV-cache groups: the layers that share one block table.
+
+A model whose layers all attend over the full context has one group. A hybrid (Gemma-2/3 style)
+has a full-attention group and a sliding-window group; the window group only ever needs the
+blocks that cover its last ``sliding_window`` tokens, which is what transfers clip to.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class AttentionKind(enum.Enum):
+    FULL = "full"
+    SLIDING_WINDOW = "sliding_window"
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """One KV-cache group: which layers, how they attend, and the block size in tokens."""
+
+    group_id: int
+    kind: AttentionKind
+    layer_ids: tuple[int, ...]
+    block_size: int
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not self.layer_ids:
+            raise ValueError(f"KV group {self.group_id} has no layers")
+        if (self.kind is AttentionKind.SLIDING_WINDOW) != (self.sliding_window is not None):
+            raise ValueError("sliding_window is set exactly when kind is SLIDING_WINDOW")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks a block table needs to address ``num_tokens`` tokens (ceil division)."""
+        return -(-num_tokens // self.block_size)
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        """Index of the first block the newest of ``num_tokens`` tokens can still attend to.
+
+        Full attention needs every block. With a window of W tokens, the query at position
+        ``n - 1`` sees keys ``n - W .. n - 1``; blocks wholly before that are never read again::
+
+            block_size=4, W=6, n=14: keys 8..13 -> blocks 2, 3 -> first needed block = 8 // 4 = 2
+        """
+        if self.sliding_window is None or num_tokens <= self.sliding_window:
+            return 0
+        return (num_tokens - self.sliding_window) // self.block_size
