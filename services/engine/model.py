@@ -1,0 +1,266 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Projections run on the flattened tokens of the whole step; only attention needs the
+per-request structure (see ``attention.py``). q/k/v and gate/up are fused into one matmul each
+at load time. Tensor parallelism shards heads and MLP columns; the row-parallel outputs are
+all-reduced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from services.engine.attention import AttentionBatch, paged_attention
+from services.engine.config import ModelConfig, RopeScaling
+from services.engine.parallel import ParallelConfig, all_reduce
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)`` with uninitialised storage: weights always come from a loader."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies, with linear or llama3 (wavelength-banded) scaling applied."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    blend = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - blend) * scaled / scaling.factor + blend * scaled
+    in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a precomputed fp32 cos/sin table indexed by position."""
+
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+        positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.parallel = parallel
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_heads // parallel.tp_size
+        self.num_kv_heads = parallel.num_local_kv_heads(config.num_kv_heads)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        h = config.hidden_size
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, config.attention_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, h, False, dtype, device)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, group: int) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        out = paged_attention(q, k, v, kv[0], kv[1], batch, batch.groups[group], self.scale)
+        return all_reduce(self.o_proj(out), self.parallel)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.parallel = parallel
+        inter = config.intermediate_size // parallel.tp_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, config.mlp_bias, dtype, device)
+        self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return all_reduce(self.down_proj(nn.functional.silu(gate) * up), self.parallel)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(config, layer_id, parallel, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = MLP(config, parallel, dtype, device)
+
+
+class CausalLM(nn.Module):
+    """The whole decoder plus LM head. ``kv_views[layer]`` is that layer's (K, V) cache view."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        parallel.check_divides(config.num_heads, config.num_kv_heads, config.intermediate_size)
+        self.config = config
+        self.parallel = parallel
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel, dtype, device) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )
+        self.rope = RotaryEmbedding(config, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv_views: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: list[int]) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm."""
+        h = self.embed_tokens[input_ids]
+        for i, layer in enumerate(self.layers):
+            h = h + layer.self_attn(layer.input_layernorm(h), positions, self.rope, kv_views[i], batch, layer_groups[i])
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return nn.functional.linear(hidden, head).float()
+
+    # ---- weight loading ------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up and taking this TP rank's shard.
+
+        Raises ValueError naming any missing tensor or any tensor of the wrong shape.
+        """
+        expected = set(self._expected_names())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name not in expected:
+                if name == "lm_head.weight" or "rotary_emb" in name:
+                    continue  # tied head stored anyway / precomputed RoPE buffers
+                raise ValueError(f"unexpected tensor {name!r} for a {self.config.architecture} model")
+            self._load_one(name, tensor)
+            seen.add(name)
+        missing = sorted(expected - seen)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing tensors: {shown}")
+
+    def _expected_names(self) -> Iterator[str]:
+        c = self.config
+        yield "model.embed_tokens.weight"
+        yield "model.norm.weight"
+        if not c.tie_word_embeddings:
+            yield "lm_head.weight"
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            yield from (p + "input_layernorm.weight", p + "post_attention_layernorm.weight")
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                yield p + f"self_attn.{proj}.weight"
+            if c.attention_bias:
+                yield from (p + f"self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj"))
+            if c.qk_norm:
+                yield from (p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                yield p + f"mlp.{proj}.weight"
+                if c.mlp_bias:
+                    yield p + f"mlp.{proj}.bias"
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        c, tp = self.config, self.parallel
+        if name == "model.embed_tokens.weight":
+            return _copy(name, self.embed_tokens, tensor)
+        if name == "lm_head.weight":
+            return _copy(name, self.lm_head, tensor)
+        if name == "model.norm.weight":
+            return _copy(name, self.norm.weight, tensor)
+        parts = name.split(".")
+        layer = self.layers[int(parts[2])]
+        module = parts[3]
+        if module in ("input_layernorm", "post_attention_layernorm"):
+            return _copy(name, getattr(layer, module).weight, tensor)
+        proj, kind = parts[4], parts[5]
+        if module == "self_attn":
+            attn = layer.self_attn
+            if proj in ("q_norm", "k_norm"):
+                return _copy(name, getattr(attn, proj).weight, tensor)
+            if proj == "o_proj":
+                return _copy(name, attn.o_proj.weight, tp.shard(tensor, 1))
+            dest = getattr(attn.qkv_proj, kind)
+            if proj == "q_proj":
+                return _copy(name, dest[: attn.q_size], tp.shard(tensor, 0))
+            start, end = tp.kv_head_range(c.num_kv_heads)
+            rows = tensor[start * c.head_dim: end * c.head_dim]
+            offset = attn.q_size + (0 if proj == "k_proj" else attn.kv_size)
+            return _copy(name, dest[offset: offset + attn.kv_size], rows)
+        mlp = layer.mlp
+        if proj == "down_proj":
+            if kind == "bias":  # row-parallel output is all-reduced: add the bias on one rank only
+                return _copy(name, mlp.down_proj.bias, tensor if tp.tp_rank == 0 else torch.zeros_like(tensor))
+            return _copy(name, mlp.down_proj.weight, tp.shard(tensor, 1))
+        dest = getattr(mlp.gate_up_proj, kind)
+        half = dest.shape[0] // 2
+        dest = dest[:half] if proj == "gate_proj" else dest[half:]
+        return _copy(name, dest, tp.shard(tensor, 0))
+
+
+def _copy(name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(dest.shape) != tuple(src.shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
+    with torch.no_grad():
+        dest.copy_(src)

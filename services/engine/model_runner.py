@@ -1,0 +1,110 @@
+"""Turns a scheduled step into tensors, runs the model, and returns the logits that matter.
+
+The runner never sees the scheduler: it takes the step's chunks (request, start, num_tokens,
+samples) and the request's block tables, and knows nothing of queues or preemption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from services.engine.attention import AttentionBatch, GroupAttentionMetadata, build_mask
+from services.engine.kv_cache import KVCache
+from services.engine.model import CausalLM
+from services.engine.request import Request
+
+
+class Chunk(Protocol):
+    """What the runner reads of a scheduled chunk."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    samples: bool
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """``sample_logits[i]`` belongs to ``sample_rows[i]`` (index into the step's chunks).
+
+    ``all_logits[chunk index]`` holds logits for every position of a chunk whose request asked
+    for them (``SamplingParams.return_logits``).
+    """
+
+    sample_rows: list[int]
+    sample_logits: torch.Tensor
+    all_logits: dict[int, torch.Tensor]
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        spec = kv_cache.spec
+        self.groups = spec.groups
+        self.layer_groups = [spec.group_of_layer(i).group_id for i in range(model.config.num_layers)]
+        self.kv_views = [kv_cache.views[i] for i in range(model.config.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[Chunk]) -> StepLogits:
+        if not chunks:
+            raise ValueError("execute() needs at least one chunk")
+        input_ids, positions, batch = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, batch, self.kv_views, self.layer_groups)
+
+        ends = torch.tensor([0] + [c.num_tokens for c in chunks]).cumsum(0).tolist()
+        sample_rows = [i for i, c in enumerate(chunks) if c.samples]
+        last = torch.tensor([ends[i + 1] - 1 for i in sample_rows], device=self.device, dtype=torch.long)
+        sample_logits = self.model.compute_logits(hidden[last]) if sample_rows else hidden.new_empty(0)
+        all_logits = {
+            i: self.model.compute_logits(hidden[ends[i]: ends[i + 1]])
+            for i, c in enumerate(chunks) if c.request.sampling_params.return_logits
+        }
+        return StepLogits(sample_rows, sample_logits, all_logits)
+
+    def _prepare(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        ids: list[int] = []
+        positions: list[int] = []
+        query_slots: list[int] = []
+        q_lens = [c.num_tokens for c in chunks]
+        ctx_lens = [c.start + c.num_tokens for c in chunks]
+        max_q = max(q_lens)
+        for i, c in enumerate(chunks):
+            ids.extend(c.request.all_token_ids[c.start: c.start + c.num_tokens])
+            positions.extend(range(c.start, c.start + c.num_tokens))
+            query_slots.extend(range(i * max_q, i * max_q + c.num_tokens))
+        dev = self.device
+        groups = tuple(self._group_metadata(g.group_id, chunks, positions, q_lens, ctx_lens, max_q)
+                       for g in self.groups)
+        batch = AttentionBatch(
+            num_reqs=len(chunks),
+            max_query_len=max_q,
+            query_slots=torch.tensor(query_slots, device=dev),
+            groups=groups,
+        )
+        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), batch
+
+    def _group_metadata(self, group_id: int, chunks: Sequence[Chunk], positions: list[int],
+                        q_lens: list[int], ctx_lens: list[int], max_q: int) -> GroupAttentionMetadata:
+        group = self.groups[group_id]
+        bs = group.block_size
+        tables = [c.request.block_ids[group_id] for c in chunks]
+        write_blocks: list[int] = []
+        for c, table in zip(chunks, tables, strict=True):
+            write_blocks.extend(table[p // bs] for p in range(c.start, c.start + c.num_tokens))
+        max_ctx = max(ctx_lens)
+        max_blocks = -(-max_ctx // bs)
+        padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
+        dev = self.device
+        return GroupAttentionMetadata(
+            write_blocks=torch.tensor(write_blocks, device=dev),
+            write_offsets=torch.tensor([p % bs for p in positions], device=dev),
+            block_tables=torch.tensor(padded, device=dev),
+            mask=build_mask(q_lens, ctx_lens, max_q, max_ctx, group.sliding_window, dev),
+            max_context_len=max_ctx,
+        )

@@ -1,0 +1,57 @@
+"""Tensor-parallel sharding arithmetic: which heads and weight rows a TP rank owns.
+
+Query heads split evenly across ranks. KV heads split evenly when ``tp_size <= num_kv_heads``;
+otherwise each KV head is replicated on ``tp_size // num_kv_heads`` consecutive ranks::
+
+    num_kv_heads=2, tp_size=4:  rank 0,1 -> kv head 0    rank 2,3 -> kv head 1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"invalid tensor-parallel rank {self.tp_rank} of {self.tp_size}")
+
+    def check_divides(self, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
+        tp = self.tp_size
+        if num_heads % tp:
+            raise ValueError(f"tp_size {tp} does not divide num_attention_heads {num_heads}")
+        if intermediate_size % tp:
+            raise ValueError(f"tp_size {tp} does not divide intermediate_size {intermediate_size}")
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(f"tp_size {tp} and num_key_value_heads {num_kv_heads}: neither divides the other")
+
+    def num_local_kv_heads(self, num_kv_heads: int) -> int:
+        return max(1, num_kv_heads // self.tp_size)
+
+    def kv_head_range(self, num_kv_heads: int) -> tuple[int, int]:
+        """[start, end) of the global KV heads this rank holds."""
+        if self.tp_size <= num_kv_heads:
+            n = num_kv_heads // self.tp_size
+            return self.tp_rank * n, (self.tp_rank + 1) * n
+        head = self.tp_rank * num_kv_heads // self.tp_size
+        return head, head + 1
+
+    def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's even slice of ``tensor`` along ``dim``."""
+        if self.tp_size == 1:
+            return tensor
+        size = tensor.shape[dim] // self.tp_size
+        return tensor.narrow(dim, self.tp_rank * size, size)
+
+
+def all_reduce(x: torch.Tensor, parallel: ParallelConfig) -> torch.Tensor:
+    """Sum partial results across TP ranks (no-op without TP)."""
+    if parallel.tp_size > 1:
+        torch.distributed.all_reduce(x)
+    return x

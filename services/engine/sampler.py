@@ -1,0 +1,198 @@
+"""Pick one token per row of a step's logits, batched, on whatever device the logits live.
+
+One call per engine step. Rows are grouped by what they need so the common cases stay cheap:
+an all-greedy batch is one argmax; the vocabulary sort runs only over rows with top-k/top-p.
+
+Sampling uses the exponential-race trick: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. per
+token draws from ``probs``. A seeded row's ``q`` comes from its own generator, so its tokens
+depend on its seed and logits only, never on which rows share the batch or in what order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.sampling_params import SamplingParams
+
+# Exp(1) draws can be exactly 0; dividing 0-probability tokens by 0 would give NaN, which argmax
+# prefers over every number. Clamping keeps filtered tokens at probability 0.
+_MIN_NOISE = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One token per row, on the host.
+
+    ``logprobs[i]`` is log-softmax of row ``i``'s raw logits (before temperature, top-k/top-p and
+    min-tokens bans) at ``token_ids[i]``; it is computed for every row when any row asked for it,
+    and is None when none did.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator for one seeded request; any Python int is accepted (taken modulo 2**64)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed % 2**64)
+    return generator
+
+
+def min_tokens_banned_ids(
+    params: SamplingParams, num_output_tokens: int, eos_token_ids: Collection[int]
+) -> frozenset[int]:
+    """Token ids that would end the request before it has ``min_tokens`` outputs, so must not be drawn.
+
+    EOS counts only when it stops the request (``ignore_eos`` off), matching ``check_token_stop``.
+    """
+    if num_output_tokens >= params.min_tokens:
+        return frozenset()
+    banned = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned.update(eos_token_ids)
+    return frozenset(banned)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    banned_token_ids: Sequence[Collection[int]] | None = None,
+) -> SamplerOutput:
+    """Choose the next token for each row of ``logits`` [num_rows, vocab].
+
+    ``generators[i]`` is row ``i``'s own generator (from ``make_generator``) or None for the
+    device's default RNG; ``banned_token_ids[i]`` are ids row ``i`` must not get (see
+    ``min_tokens_banned_ids``). Returns after a single device-to-host copy.
+    """
+    _check_inputs(logits, params, generators, banned_token_ids)
+    raw = logits.float()
+    masked = _ban(raw, banned_token_ids) if banned_token_ids is not None else raw
+
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if len(sampled_rows) == len(params):
+        token_ids = _sample_rows(masked, params, generators)
+    else:
+        token_ids = masked.argmax(dim=-1)
+        if sampled_rows:
+            index = _to_device(sampled_rows, torch.long, masked.device)
+            drawn = _sample_rows(
+                masked.index_select(0, index),
+                [params[i] for i in sampled_rows],
+                [generators[i] for i in sampled_rows],
+            )
+            token_ids.index_copy_(0, index, drawn)
+
+    if not any(p.logprobs for p in params):
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None)
+    logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)
+    # Pack both into one float64 tensor (exact for ids below 2**53) so the host waits once.
+    ids_host, logprobs_host = torch.stack((token_ids.double(), logprobs.double())).tolist()
+    return SamplerOutput(token_ids=[int(t) for t in ids_host], logprobs=logprobs_host)
+
+
+def _check_inputs(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    banned_token_ids: Sequence[Collection[int]] | None,
+) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a 2-D float tensor, got {logits.dtype} {tuple(logits.shape)}")
+    num_rows, vocab_size = logits.shape
+    if vocab_size == 0:
+        raise ValueError("logits have an empty vocabulary")
+    if len(params) != num_rows or len(generators) != num_rows:
+        raise ValueError(
+            f"{num_rows} logit rows but {len(params)} params and {len(generators)} generators"
+        )
+    if banned_token_ids is None:
+        return
+    if len(banned_token_ids) != num_rows:
+        raise ValueError(f"{num_rows} logit rows but {len(banned_token_ids)} banned-id sets")
+    for row, banned in enumerate(banned_token_ids):
+        if any(not 0 <= t < vocab_size for t in banned):
+            raise ValueError(f"row {row}: banned ids {sorted(banned)} outside vocab of {vocab_size}")
+
+
+def _ban(logits: torch.Tensor, banned_token_ids: Sequence[Collection[int]]) -> torch.Tensor:
+    """A copy of ``logits`` with each row's banned ids at -inf (the input is left untouched)."""
+    rows = [row for row, banned in enumerate(banned_token_ids) for _ in banned]
+    if not rows:
+        return logits
+    cols = [t for banned in banned_token_ids for t in banned]
+    masked = logits.clone()
+    masked[_to_device(rows, torch.long, logits.device), _to_device(cols, torch.long, logits.device)] = (
+        -math.inf
+    )
+    return masked
+
+
+def _sample_rows(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, then one draw per row; every row has temperature > 0."""
+    temperatures = _to_device([p.temperature for p in params], torch.float32, logits.device)
+    scaled = logits / temperatures.unsqueeze(1)
+    filtered_rows = [i for i, p in enumerate(params) if p.top_k is not None or p.top_p < 1.0]
+    if filtered_rows:
+        scaled = _filter_rows(scaled, filtered_rows, params)
+    probs = scaled.softmax(dim=-1)
+    noise = _exponential_noise(probs, generators)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _filter_rows(logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Apply top-k/top-p to ``rows`` only, leaving the other rows unsorted and untouched."""
+    vocab_size = logits.shape[1]
+    top_k = [params[i].top_k or vocab_size for i in rows]
+    # top_p == 1.0 must keep everything even where float cumsums overshoot 1; inf never cuts.
+    top_p = [params[i].top_p if params[i].top_p < 1.0 else math.inf for i in rows]
+    top_k_t = _to_device(top_k, torch.long, logits.device)
+    top_p_t = _to_device(top_p, torch.float32, logits.device)
+    if len(rows) == logits.shape[0]:
+        return _top_k_top_p(logits, top_k_t, top_p_t)
+    index = _to_device(rows, torch.long, logits.device)
+    filtered = _top_k_top_p(logits.index_select(0, index), top_k_t, top_p_t)
+    return logits.index_copy(0, index, filtered)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every token outside the row's top-k and then outside its top-p nucleus.
+
+    In sorted order, token ``r`` survives top-p when the probability mass strictly before it is
+    below ``top_p``: that keeps the smallest prefix reaching ``top_p``, and always rank 0::
+
+        probs      0.5  0.3  0.15  0.05      top_p = 0.8
+        mass before 0.0  0.5  0.8   0.95  -> keep ranks 0, 1
+    """
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), -math.inf)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), -math.inf)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Exp(1) noise shaped like ``probs``: seeded rows from their own generator, one draw per step."""
+    noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        noise.exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    return noise.clamp_min_(_MIN_NOISE)
+
+
+def _to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device``, copied without waiting on the device."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

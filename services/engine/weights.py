@@ -1,0 +1,59 @@
+"""Weight sources: safetensors checkpoints (single or sharded) and seeded dummy weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from services.engine.model import CausalLM
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's shard files, from model.safetensors.index.json when present."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: not a valid safetensors index ({e})") from None
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.exists()]
+        if absent:
+            raise FileNotFoundError(f"{model_dir}: index names missing weight files: {', '.join(absent)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weight files (only safetensors is supported)")
+    return files
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every shard, memory-mapped, one tensor at a time."""
+    for path in safetensors_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{path}: corrupt or unreadable safetensors file ({e})") from None
+
+
+@torch.no_grad()
+def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
+    """Seeded random weights at the model's real shapes (for benchmarks and smoke tests).
+
+    Matrices get N(0, 0.02) like HF's initialiser; norms are 1 and biases 0 so activations stay
+    in range through many layers.
+    """
+    gen = torch.Generator(device=model.embed_tokens.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=gen)

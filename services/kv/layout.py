@@ -1,0 +1,166 @@
+"""Explicit KV-cache layout specs: where every (layer, K/V, block, token, head) lives in memory.
+
+The engine allocates its KV buffers from a :class:`KVLayoutSpec`, attention reads through the
+views the spec describes, and the transfer planner computes byte offsets from the same spec.
+Nobody guesses a layout from a tensor's shape.
+
+Two kinds are supported. In both, a block's tokens and heads are ordered NHD
+(``[block_size, heads, head_dim]``) or HND (``[heads, block_size, head_dim]``).
+
+Per-layer: one buffer per layer, K and V split::
+
+    buffer[layer] = [2 (K,V), num_blocks, <block: NHD or HND>]
+    one block of one layer's K = block_size * heads * head_dim elements (8-32 KB typically)
+
+Cross-layer: one buffer per KV group; a block holds every layer's K and V contiguously, so a
+block is one descriptor (0.5-2.5 MB) instead of ``2 * num_layers`` small ones::
+
+    buffer[group] = [num_blocks, num_layers_in_group, 2 (K,V), <block: NHD or HND>]
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from services.kv.groups import KVCacheGroupSpec
+
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class LayoutKind(enum.Enum):
+    PER_LAYER = "per_layer"
+    CROSS_LAYER = "cross_layer"
+
+
+class BlockOrder(enum.Enum):
+    """Order of tokens and heads inside one block."""
+
+    NHD = "NHD"
+    HND = "HND"
+
+
+@dataclass(frozen=True)
+class KVBufferSpec:
+    """One contiguous allocation: which group and layers it holds and how big it is."""
+
+    index: int
+    group_id: int
+    layer_ids: tuple[int, ...]
+    num_bytes: int
+    # Bytes between consecutive blocks of the same (layer, K/V) inside this buffer.
+    block_stride_bytes: int
+
+
+@dataclass(frozen=True)
+class KVView:
+    """The strided view of one layer's K or V: shape [num_blocks, block_size, heads, head_dim].
+
+    ``offset`` and ``strides`` are in elements of the buffer's dtype.
+    """
+
+    buffer_index: int
+    offset: int
+    shape: tuple[int, int, int, int]
+    strides: tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class KVLayoutSpec:
+    """Everything needed to allocate, read and address the KV cache of one TP rank."""
+
+    kind: LayoutKind
+    order: BlockOrder
+    num_blocks: int
+    num_kv_heads: int  # heads held by this rank, after TP sharding
+    head_dim: int
+    dtype: str
+    groups: tuple[KVCacheGroupSpec, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r}; expected one of {sorted(DTYPE_SIZES)}")
+        for name in ("num_blocks", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.groups:
+            raise ValueError("a KV layout needs at least one KV-cache group")
+        layers = [layer for g in self.groups for layer in g.layer_ids]
+        if len(layers) != len(set(layers)):
+            raise ValueError("a layer belongs to more than one KV-cache group")
+
+    # ---- sizes ---------------------------------------------------------------------------------
+    @property
+    def element_size(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    def block_size(self, group_id: int) -> int:
+        return self.groups[group_id].block_size
+
+    def page_elements(self, group_id: int) -> int:
+        """Elements of one layer's K (or V) in one block."""
+        return self.block_size(group_id) * self.num_kv_heads * self.head_dim
+
+    def page_bytes(self, group_id: int) -> int:
+        return self.page_elements(group_id) * self.element_size
+
+    def block_bytes(self, group_id: int) -> int:
+        """Bytes of one block across all of the group's layers, K and V."""
+        return 2 * len(self.groups[group_id].layer_ids) * self.page_bytes(group_id)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.num_bytes for b in self.buffers())
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return tuple(sorted(layer for g in self.groups for layer in g.layer_ids))
+
+    def group_of_layer(self, layer_id: int) -> KVCacheGroupSpec:
+        for g in self.groups:
+            if layer_id in g.layer_ids:
+                return g
+        raise KeyError(f"layer {layer_id} holds no KV in this layout")
+
+    # ---- buffers and views ---------------------------------------------------------------------
+    def buffers(self) -> tuple[KVBufferSpec, ...]:
+        out: list[KVBufferSpec] = []
+        for g in self.groups:
+            page = self.page_bytes(g.group_id)
+            if self.kind is LayoutKind.PER_LAYER:
+                for layer in g.layer_ids:
+                    out.append(KVBufferSpec(len(out), g.group_id, (layer,), 2 * self.num_blocks * page, page))
+            else:
+                block = self.block_bytes(g.group_id)
+                out.append(KVBufferSpec(len(out), g.group_id, g.layer_ids, self.num_blocks * block, block))
+        return tuple(out)
+
+    def buffer_of_layer(self, layer_id: int) -> KVBufferSpec:
+        for b in self.buffers():
+            if layer_id in b.layer_ids:
+                return b
+        raise KeyError(f"layer {layer_id} holds no KV in this layout")
+
+    def view(self, layer_id: int, kv: int) -> KVView:
+        """Where layer ``layer_id``'s K (kv=0) or V (kv=1) lives, as a strided 4-D view."""
+        if kv not in (0, 1):
+            raise ValueError(f"kv must be 0 (K) or 1 (V), got {kv}")
+        group = self.group_of_layer(layer_id)
+        buf = self.buffer_of_layer(layer_id)
+        bs, h, d = group.block_size, self.num_kv_heads, self.head_dim
+        page = self.page_elements(group.group_id)
+        token_stride, head_stride = (h * d, d) if self.order is BlockOrder.NHD else (d, bs * d)
+        if self.kind is LayoutKind.PER_LAYER:
+            offset = kv * self.num_blocks * page
+            block_stride = page
+        else:
+            slot = buf.layer_ids.index(layer_id)
+            offset = (slot * 2 + kv) * page
+            block_stride = 2 * len(buf.layer_ids) * page
+        return KVView(buf.index, offset, (self.num_blocks, bs, h, d), (block_stride, token_stride, head_stride, 1))
+
+    def byte_offset(self, layer_id: int, kv: int, block: int, token: int = 0, head: int = 0) -> int:
+        """Byte offset inside the layer's buffer of one (block, token, head) row of head_dim elements."""
+        v = self.view(layer_id, kv)
+        elems = v.offset + block * v.strides[0] + token * v.strides[1] + head * v.strides[2]
+        return elems * self.element_size
