@@ -50,6 +50,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2 always)
+    o_proj_bias: bool = False  # bias on the attention output projection (Llama/Mistral attention_bias)
     mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     sliding_window: int | None = None
@@ -119,6 +120,7 @@ class ModelConfig:
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
+                o_proj_bias=arch != "qwen2" and bool(d.get("attention_bias", False)),
                 mlp_bias=bool(d.get("mlp_bias", False)),
                 qk_norm=arch == "qwen3",
                 sliding_window=int(sliding) if sliding else None,

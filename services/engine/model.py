@@ -105,7 +105,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         h = config.hidden_size
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, config.attention_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, h, False, dtype, device)
+        self.o_proj = Linear(self.q_size, h, config.o_proj_bias, dtype, device)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
@@ -214,6 +214,8 @@ class CausalLM(nn.Module):
                 yield p + f"self_attn.{proj}.weight"
             if c.attention_bias:
                 yield from (p + f"self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj"))
+            if c.o_proj_bias:
+                yield p + "self_attn.o_proj.bias"
             if c.qk_norm:
                 yield from (p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
             for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -240,6 +242,8 @@ class CausalLM(nn.Module):
             if proj in ("q_norm", "k_norm"):
                 return _copy(name, getattr(attn, proj).weight, tensor)
             if proj == "o_proj":
+                if kind == "bias":
+                    return _copy(name, attn.o_proj.bias, _row_parallel_bias(tensor, tp))
                 return _copy(name, attn.o_proj.weight, tp.shard(tensor, 1))
             dest = getattr(attn.qkv_proj, kind)
             if proj == "q_proj":
@@ -250,13 +254,18 @@ class CausalLM(nn.Module):
             return _copy(name, dest[offset: offset + attn.kv_size], rows)
         mlp = layer.mlp
         if proj == "down_proj":
-            if kind == "bias":  # row-parallel output is all-reduced: add the bias on one rank only
-                return _copy(name, mlp.down_proj.bias, tensor if tp.tp_rank == 0 else torch.zeros_like(tensor))
+            if kind == "bias":
+                return _copy(name, mlp.down_proj.bias, _row_parallel_bias(tensor, tp))
             return _copy(name, mlp.down_proj.weight, tp.shard(tensor, 1))
         dest = getattr(mlp.gate_up_proj, kind)
         half = dest.shape[0] // 2
         dest = dest[:half] if proj == "gate_proj" else dest[half:]
         return _copy(name, dest, tp.shard(tensor, 0))
+
+
+def _row_parallel_bias(bias: torch.Tensor, tp: ParallelConfig) -> torch.Tensor:
+    """Row-parallel outputs are all-reduced, so only rank 0 adds the bias."""
+    return bias if tp.tp_rank == 0 else torch.zeros_like(bias)
 
 
 def _copy(name: str, dest: torch.Tensor, src: torch.Tensor) -> None:

@@ -108,9 +108,7 @@ def _check_inputs(
     if vocab_size == 0:
         raise ValueError("logits have an empty vocabulary")
     if len(params) != num_rows or len(generators) != num_rows:
-        raise ValueError(
-            f"{num_rows} logit rows but {len(params)} params and {len(generators)} generators"
-        )
+        raise ValueError(f"{num_rows} logit rows but {len(params)} params and {len(generators)} generators")
     if banned_token_ids is None:
         return
     if len(banned_token_ids) != num_rows:
@@ -127,9 +125,7 @@ def _ban(logits: torch.Tensor, banned_token_ids: Sequence[Collection[int]]) -> t
         return logits
     cols = [t for banned in banned_token_ids for t in banned]
     masked = logits.clone()
-    masked[_to_device(rows, torch.long, logits.device), _to_device(cols, torch.long, logits.device)] = (
-        -math.inf
-    )
+    masked[_to_device(rows, torch.long, logits.device), _to_device(cols, torch.long, logits.device)] = -math.inf
     return masked
 
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 from services.engine.request import Request, RequestStatus
 
 
-def check_token_stop(
-    request: Request, eos_token_ids: frozenset[int], max_model_len: int
-) -> RequestStatus | None:
+def check_token_stop(request: Request, eos_token_ids: frozenset[int], max_model_len: int) -> RequestStatus | None:
     """The finished status a request reached with its newest token, or None to keep going.
 
     Stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) count only once the request

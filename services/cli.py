@@ -1,0 +1,105 @@
+"""The one entry point: ``pdserve generate|...``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import services  # noqa: F401  (sets the oneDNN ISA cap before torch loads)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF model directory, .gguf file or dummy:<preset> (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    p.add_argument("--kv-layout", default="cross_layer", choices=["cross_layer", "per_layer"])
+    p.add_argument("--kv-block-order", default="NHD", choices=["NHD", "HND"])
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: from memory)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
+
+
+def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig
+    from services.engine.engine_config import EngineConfig
+    from services.kv.layout import BlockOrder, LayoutKind
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        block_size=args.block_size,
+        kv_layout=LayoutKind(args.kv_layout),
+        kv_block_order=BlockOrder(args.kv_block_order),
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Offline, one process: print the completion text and nothing else on stdout."""
+    from services.engine.llm_engine import LLMEngine
+    from services.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.sampling_seed, stop=tuple(args.stop or ()),
+    )
+    engine = LLMEngine(engine_config_from_args(args))
+    prompt = args.prompt
+    if args.chat:
+        if engine.tokenizer is None:
+            raise ValueError("--chat needs a model with a tokenizer and chat template")
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    engine.add_request("cli", prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion offline in this process")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Engine-level settings: where the model runs, how big the KV cache is, how batches are formed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.parallel import ParallelConfig
+from services.kv.layout import BlockOrder, LayoutKind
+
+DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF dir, .gguf file, dummy:<preset>; None = bundled SmolLM2
+    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's 16-bit type (else bfloat16) on CUDA
+    device: str = "auto"  # auto: cuda when available
+    seed: int = 0
+    block_size: int = 16
+    kv_layout: LayoutKind = LayoutKind.CROSS_LAYER
+    kv_block_order: BlockOrder = BlockOrder.NHD
+    num_kv_blocks: int | None = None  # explicit pool size; else sized from the memory budget below
+    kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, a share of free memory on CUDA
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int | None = None  # default: the model's max positions, capped by the KV pool
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; expected auto, float32, float16 or bfloat16")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but no CUDA device is available")
+        return device
+
+    def resolve_dtype(self, device: torch.device, checkpoint_dtype: str | None) -> str:
+        if self.dtype != "auto":
+            return DTYPE_ALIASES[self.dtype]
+        if device.type == "cpu":
+            return "float32"
+        if checkpoint_dtype in ("float16", "bfloat16"):
+            return checkpoint_dtype
+        return "bfloat16"

@@ -1,0 +1,291 @@
+"""The step loop: schedule -> run the model -> sample -> update -> detokenize and check stops.
+
+``LLMEngine`` is synchronous and single-threaded; the daemons drive ``step()`` from their own
+loop. Requests come in as token ids or text and leave as ``RequestOutput`` deltas.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.block_manager import KVCacheManager
+from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.engine_config import EngineConfig
+from services.engine.kv_cache import TORCH_DTYPES, KVCache, kv_bytes_per_block, kv_groups_for
+from services.engine.loader import ModelSource, resolve_model
+from services.engine.model import CausalLM
+from services.engine.model_runner import ModelRunner
+from services.engine.request import Request, RequestStatus
+from services.engine.sampler import make_generator, min_tokens_banned_ids, sample
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.stopping import StopStringMatcher, check_token_stop
+from services.engine.tokenizer import Tokenizer
+from services.engine.weights import init_dummy_weights
+from services.kv.layout import KVLayoutSpec
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced in one step (``new_*``) and so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    new_text: str
+    logprobs: list[float] | None
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    # (first position, logits [n, vocab]) for every chunk computed so far, in order; positions
+    # may repeat after a preemption (only with SamplingParams.return_logits).
+    logits: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class _RequestState:
+    """Engine-side companions of a Request: RNG, detokenizer, stop-string matcher, text."""
+
+    request: Request
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer | None
+    stop_matcher: StopStringMatcher | None
+    text: str = ""
+    emitted_tokens: int = 0
+    logits: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+        self.config = config
+        self.source = source or resolve_model(config.model)
+        self.model_config = self.source.config
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device, self.source.checkpoint_dtype)
+        self.model = self._load_model()
+        self.tokenizer: Tokenizer | None = self.source.load_tokenizer()
+        self.eos_token_ids = self._eos_ids()
+        self.kv_layout = self._kv_layout()
+        self.kv_cache = KVCache(self.kv_layout, self.device)
+        self.max_model_len = self._max_model_len()
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.kv_manager = KVCacheManager(
+            self.kv_layout.groups, [self.kv_layout.num_blocks] * len(self.kv_layout.groups),
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.kv_manager,
+        )
+        self._states: dict[str, _RequestState] = {}
+        self._generate_ids = itertools.count()
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def _load_model(self) -> CausalLM:
+        model = CausalLM(self.model_config, self.config.parallel, TORCH_DTYPES[self.dtype], self.device)
+        if self.source.weights is None:
+            init_dummy_weights(model, self.config.seed)
+        else:
+            model.load_weights(self.source.weights())
+        return model.eval()
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            ids |= set(self.tokenizer.eos_token_ids)
+        return frozenset(ids)
+
+    def _kv_layout(self) -> KVLayoutSpec:
+        c, mc = self.config, self.model_config
+        num_kv_heads = self.config.parallel.num_local_kv_heads(mc.num_kv_heads)
+        num_blocks = c.num_kv_blocks or self._num_blocks_from_budget(num_kv_heads)
+        return KVLayoutSpec(
+            kind=c.kv_layout,
+            order=c.kv_block_order,
+            num_blocks=num_blocks,
+            num_kv_heads=num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=self.dtype,
+            groups=kv_groups_for(mc.num_layers, c.block_size, mc.sliding_window),
+        )
+
+    def _num_blocks_from_budget(self, num_kv_heads: int) -> int:
+        mc, c = self.model_config, self.config
+        per_block = kv_bytes_per_block(mc.num_layers, num_kv_heads, mc.head_dim, c.block_size, self.dtype)
+        budget = c.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = int(free - total * (1.0 - c.gpu_memory_utilization))
+            else:
+                budget = CPU_KV_CACHE_BYTES
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV-cache budget of {budget} bytes holds no block of {per_block} bytes")
+        return int(num_blocks)
+
+    def _max_model_len(self) -> int:
+        capacity = self.kv_layout.num_blocks * self.config.block_size
+        limit = min(self.model_config.max_position_embeddings, capacity)
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            positions = self.model_config.max_position_embeddings
+            raise ValueError(
+                f"max_model_len {self.config.max_model_len} exceeds what the model ({positions} positions)"
+                f" and the KV cache ({capacity} tokens) allow"
+            )
+        return self.config.max_model_len
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        hold_kv_on_finish: bool = False,
+    ) -> Request:
+        """Queue a request. Raises ValueError (and changes nothing) for bad input."""
+        params = params or SamplingParams()
+        token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids, params)
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, params, hold_kv_on_finish=hold_kv_on_finish)
+        self.scheduler.add_request(request)
+        self._states[request_id] = self._new_state(request)
+        return request
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but the context length is {self.max_model_len} "
+                "(the prompt must leave room for at least one generated token)"
+            )
+        params.validate()
+
+    def _new_state(self, request: Request) -> _RequestState:
+        p = request.sampling_params
+        generator = make_generator(p.seed, self.device) if p.seed is not None and not p.greedy else None
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids) if self.tokenizer else None
+        matcher = StopStringMatcher(p.stop) if p.stop and detok is not None else None
+        return _RequestState(request, generator, detok, matcher)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. False if it is unknown."""
+        found = self.scheduler.abort_request(request_id)
+        self._states.pop(request_id, None)
+        return found
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch. Returns a delta for every request that produced a token or finished."""
+        output = self.scheduler.schedule()
+        if not output.chunks:
+            return []
+        logits = self.runner.execute(output.chunks)
+        for i, chunk_logits in logits.all_logits.items():
+            chunk = output.chunks[i]
+            self._states[chunk.request.request_id].logits.append((chunk.start, chunk_logits.cpu()))
+
+        rows = [output.chunks[i].request for i in logits.sample_rows]
+        sampled: dict[str, tuple[int, float | None]] = {}
+        if rows:
+            result = sample(
+                logits.sample_logits,
+                [r.sampling_params for r in rows],
+                [self._states[r.request_id].generator for r in rows],
+                [min_tokens_banned_ids(r.sampling_params, r.num_output_tokens, self.eos_token_ids) for r in rows],
+            )
+            for j, r in enumerate(rows):
+                sampled[r.request_id] = (result.token_ids[j], result.logprobs[j] if result.logprobs else None)
+        updated = self.scheduler.update_from_output(output, sampled)
+        return [self._finish_step(r) for r in updated]
+
+    def _finish_step(self, request: Request) -> RequestOutput:
+        state = self._states[request.request_id]
+        new_tokens = request.output_token_ids[state.emitted_tokens:]
+        state.emitted_tokens = request.num_output_tokens
+        status = check_token_stop(request, self.eos_token_ids, self.max_model_len)
+        new_text = ""
+        if state.detokenizer is not None:
+            new_text = state.detokenizer.step(new_tokens)
+            if status is not None:
+                new_text += state.detokenizer.flush()
+            if state.stop_matcher is not None:
+                new_text, matched = state.stop_matcher.feed(new_text)
+                if matched is not None:
+                    status, request.stop_reason = RequestStatus.FINISHED_STOPPED, matched
+                elif status is not None:
+                    new_text += state.stop_matcher.flush()
+                    if state.stop_matcher.matched is not None:  # a match that waited for the text's end
+                        status, request.stop_reason = RequestStatus.FINISHED_STOPPED, state.stop_matcher.matched
+        state.text += new_text
+        if status is not None:
+            self.scheduler.finish_request(request.request_id, status)
+            del self._states[request.request_id]
+        p = request.sampling_params
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            new_token_ids=new_tokens,
+            text=state.text,
+            new_text=new_text,
+            logprobs=list(request.output_logprobs) if p.logprobs else None,
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            logits=state.logits if p.return_logits else [],
+        )
+
+    # ---- convenience ---------------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run prompts together to completion (offline use and tests). Outputs in prompt order."""
+        params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        ids = [f"generate-{next(self._generate_ids)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while any(rid not in final for rid in ids):
+            if not self.has_unfinished_requests():
+                raise RuntimeError("engine went idle before every request finished")
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]

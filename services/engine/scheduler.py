@@ -1,0 +1,396 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+One token budget per step, spent on running requests first (a decode needs 1 token, an
+unfinished prefill its next chunk), then on waiting requests in arrival order. No torch here;
+the model runner reads the ``ScheduledChunk`` values and the requests' block tables.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from services.engine.block_manager import KVCacheManager
+from services.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Batch-shape limits, fixed for the engine's lifetime (runtime facts live in the Scheduler)."""
+
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget per step
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None  # cap on one request's tokens per step
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and (not isinstance(threshold, int) or isinstance(threshold, bool)
+                                      or threshold < 1):
+            raise ValueError(f"long_prefill_token_threshold must be None or >= 1, got {threshold!r}")
+        if not self.enable_chunked_prefill:
+            if threshold is not None:
+                raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
+            if self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                    f">= max_model_len ({self.max_model_len}), or long prompts could never be scheduled")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Run ``request.all_token_ids[start:start + num_tokens]`` at positions ``start..``.
+
+    ``samples`` is True when the chunk reaches the request's newest token, so the logits at its
+    last position give the next token::
+
+        all_token_ids  t0 t1 t2 t3 t4 t5        request.num_tokens = 6
+        chunk          start=0, num_tokens=2 -> t0 t1,       samples=False (prefill continues)
+        chunk          start=2, num_tokens=4 -> t2 t3 t4 t5, samples=True  (logits at t5)
+    """
+
+    request: Request
+    start: int
+    num_tokens: int
+    samples: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    # Preempted this step: their blocks are gone; they will be recomputed from token 0.
+    preempted_request_ids: tuple[str, ...]
+    # Finished (or aborted) since the previous step: the runner can drop their per-request state.
+    finished_request_ids: tuple[str, ...]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill, prefix caching and preemption by recompute."""
+
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        if not kv_manager.can_ever_fit(config.max_model_len):
+            raise ValueError(f"the KV pool cannot hold one request of max_model_len={config.max_model_len} "
+                             "tokens; lower max_model_len or add blocks")
+        self.config = config
+        self.kv = kv_manager
+        self._requests: dict[str, Request] = {}  # every live (unfinished) request
+        self._arrival: dict[str, int] = {}  # request id -> arrival sequence number
+        self._next_arrival = 0
+        self._waiting: deque[Request] = deque()  # WAITING and PREEMPTED, front first
+        self._running: list[Request] = []  # sorted by arrival: the newest is last
+        self._waiting_for_kv: dict[str, Request] = {}
+        self._held: dict[str, Request] = {}  # finished, blocks kept for a pull
+        self._finished_ids: list[str] = []
+
+    # ---- introspection -----------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return len(self._waiting_for_kv)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """A live request, or a finished one whose blocks are still held."""
+        return self._requests.get(request_id) or self._held.get(request_id)
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request at the back of the waiting queue."""
+        self._check_new(request)
+        self._register(request)
+        self._waiting.append(request)
+
+    def _check_new(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self._requests or rid in self._held:
+            raise ValueError(f"duplicate request id {rid!r}")
+        if (request.status is not RequestStatus.WAITING or request.num_computed_tokens
+                or request.block_ids or request.output_token_ids):
+            raise ValueError(f"request {rid!r} is not new (status {request.status.value}, "
+                             f"{request.num_computed_tokens} computed tokens)")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        if not self.kv.can_ever_fit(request.num_tokens):
+            raise ValueError(f"request {rid!r}: prompt of {request.num_tokens} tokens does not fit "
+                             "in the whole KV pool")
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt of {request.num_tokens} tokens leaves no room "
+                             f"below max_model_len={self.config.max_model_len}")
+
+    def _register(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        self._arrival[request.request_id] = self._next_arrival
+        self._next_arrival += 1
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Spend one step's token budget: running requests first, then waiting ones in order.
+
+        A step that had to preempt admits nobody new: the freed blocks go to the survivors.
+        """
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(self.config.max_num_batched_tokens, chunks, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, chunks)
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(chunks=tuple(chunks), preempted_request_ids=tuple(preempted),
+                               finished_request_ids=finished,
+                               num_batched_tokens=sum(c.num_tokens for c in chunks))
+
+    def _schedule_running(self, budget: int, chunks: list[ScheduledChunk], preempted: list[str]) -> int:
+        # Oldest first. The preemption victim is always the last entry, which is either the
+        # request being scheduled or one not reached yet: nothing scheduled here is taken back.
+        i = 0
+        while i < len(self._running) and budget > 0:
+            request = self._running[i]
+            num_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
+            if not num_tokens:
+                i += 1
+                continue
+            if not self._allocate_or_preempt(request, num_tokens, preempted):
+                break  # the request preempted itself; it was the last one
+            chunks.append(_chunk(request, num_tokens))
+            budget -= num_tokens
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
+        """Get blocks for ``request``, preempting the newest running requests until they fit."""
+        while self.kv.allocate_slots(request, num_tokens) is None:
+            victim = self._running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Free the blocks and requeue at the front; the tokens so far are recomputed later."""
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self._waiting.appendleft(request)
+
+    def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> None:
+        # Head of line: a request that cannot start now blocks the ones behind it (FCFS).
+        while self._waiting and budget > 0 and self._num_seats_taken() < self.config.max_num_seqs:
+            request = self._waiting[0]
+            computed, num_hit = self.kv.get_computed_blocks(request)
+            num_tokens = self._num_tokens_to_schedule(request, num_hit, budget)
+            if not num_tokens or self.kv.allocate_slots(request, num_tokens, computed) is None:
+                return
+            self._waiting.popleft()
+            self._admit(request, num_hit)
+            chunks.append(_chunk(request, num_tokens))
+            budget -= num_tokens
+
+    def _num_seats_taken(self) -> int:
+        # Requests pulling KV have a seat reserved: they join the running set when the pull ends.
+        return len(self._running) + len(self._waiting_for_kv)
+
+    def _admit(self, request: Request, num_hit: int) -> None:
+        request.num_computed_tokens = num_hit
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self._running, request, key=self._arrival_of)
+
+    def _arrival_of(self, request: Request) -> int:
+        return self._arrival[request.request_id]
+
+    def _num_tokens_to_schedule(self, request: Request, start: int, budget: int) -> int:
+        """Tokens to run from ``start`` this step: what is left, cut by the budget and the caps.
+
+        0 means "not this step" (no chunking allowed and the rest does not fit).
+        """
+        remaining = request.num_tokens - start
+        num_tokens = min(remaining, budget, self.config.max_model_len - start)
+        if self.config.long_prefill_token_threshold is not None:
+            num_tokens = min(num_tokens, self.config.long_prefill_token_threshold)
+        if num_tokens < remaining and not self.config.enable_chunked_prefill:
+            return 0
+        return max(num_tokens, 0)
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: Mapping[str, tuple[int, float | None]]) -> list[Request]:
+        """Advance each scheduled request past its chunk; append the sampled token where one was due.
+
+        ``sampled`` maps request id -> (token id, logprob or None); entries for chunks that do
+        not sample are ignored. Requests finished or aborted since ``schedule`` are skipped.
+        Returns the requests that got a new token (the engine checks their stop conditions).
+        """
+        live = [c for c in output.chunks if self._is_current(c)]
+        for c in live:
+            if c.samples:
+                _check_sample(c.request.request_id, sampled.get(c.request.request_id))
+        updated = []
+        for c in live:
+            request = c.request
+            request.num_computed_tokens += c.num_tokens
+            self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            if c.samples:
+                token_id, logprob = sampled[request.request_id]
+                _append_token(request, token_id, logprob)
+                updated.append(request)
+        return updated
+
+    def _is_current(self, chunk: ScheduledChunk) -> bool:
+        request = chunk.request
+        return (self._requests.get(request.request_id) is request
+                and request.status is RequestStatus.RUNNING
+                and request.num_computed_tokens == chunk.start)
+
+    # ---- finishing ---------------------------------------------------------------------------
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Retire a live request: free its blocks, or hold them if it asked (and ran to the end)."""
+        if not status.finished:
+            raise ValueError(f"{status.value} is not a finished status")
+        request = self._requests.get(request_id)
+        if request is None:
+            raise ValueError(f"unknown request id {request_id!r}")
+        hold = (request.hold_kv_on_finish and status is not RequestStatus.FINISHED_ABORTED
+                and request.status is RequestStatus.RUNNING)
+        self._remove(request)
+        if hold:
+            self.kv.hold(request)
+            self._held[request_id] = request
+        else:
+            self.kv.free(request)
+        request.status = status
+        self._finished_ids.append(request_id)
+
+    def _remove(self, request: Request) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_KV:
+            del self._waiting_for_kv[request.request_id]
+        else:
+            self._waiting.remove(request)
+        del self._requests[request.request_id]
+        del self._arrival[request.request_id]
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a live request in any state, freeing its blocks; False if it is not live.
+
+        A finished request whose blocks are held is not live: ``release_held`` frees those.
+        """
+        if request_id not in self._requests:
+            return False
+        self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks a finished request kept for a pull; False if none are held."""
+        request = self._held.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv.release(request_id)
+        request.block_ids = []
+        return True
+
+    # ---- external KV (decode worker pulling a prefill worker's blocks) ----------------------
+
+    def allocate_external(self, request: Request) -> list[list[int]] | None:
+        """Reserve blocks for a prompt whose KV another worker computed; None if it cannot now.
+
+        Blocks the local prefix cache already holds are reused; the caller fills the rest::
+
+            block table   [ local hit ... | to fill ... ]
+                          0               num_cached_tokens // block_size
+
+        None (nothing changed) when the pool is short or every sequence seat is taken.
+        """
+        self._check_new(request)
+        if self._num_seats_taken() >= self.config.max_num_seqs:
+            return None
+        computed, num_hit = self.kv.get_computed_blocks(request)
+        if self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit, computed) is None:
+            return None
+        self._register(request)
+        self._waiting_for_kv[request.request_id] = request
+        request.status = RequestStatus.WAITING_FOR_KV
+        request.num_computed_tokens = request.num_cached_tokens = num_hit
+        return [list(table) for table in request.block_ids]
+
+    def complete_external(self, request_id: str, first_token_id: int,
+                          first_logprob: float | None = None) -> Request:
+        """The pulled blocks are filled: the request runs, starting from its first token."""
+        request = self._waiting_for_kv_request(request_id)
+        _check_sample(request_id, (first_token_id, first_logprob))
+        del self._waiting_for_kv[request_id]
+        request.num_computed_tokens = request.num_prompt_tokens
+        _append_token(request, first_token_id, first_logprob)
+        self.kv.cache_full_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self._running, request, key=self._arrival_of)
+        return request
+
+    def fail_external(self, request_id: str) -> None:
+        """The pull failed: free the blocks and queue the request to be prefilled here."""
+        request = self._waiting_for_kv_request(request_id)
+        del self._waiting_for_kv[request_id]
+        self.kv.free(request)
+        request.num_computed_tokens = request.num_cached_tokens = 0
+        request.status = RequestStatus.WAITING
+        arrival = self._arrival_of(request)
+        position = next((i for i, r in enumerate(self._waiting) if self._arrival_of(r) > arrival),
+                        len(self._waiting))
+        self._waiting.insert(position, request)
+
+    def _waiting_for_kv_request(self, request_id: str) -> Request:
+        request = self._waiting_for_kv.get(request_id)
+        if request is None:
+            raise ValueError(f"request {request_id!r} is not waiting for KV")
+        return request
+
+
+def _chunk(request: Request, num_tokens: int) -> ScheduledChunk:
+    start = request.num_computed_tokens
+    return ScheduledChunk(request, start, num_tokens, samples=start + num_tokens == request.num_tokens)
+
+
+def _check_sample(request_id: str, sample: tuple[int, float | None] | None) -> None:
+    if sample is None:
+        raise ValueError(f"no sampled token for request {request_id!r}")
+    token_id = sample[0]
+    if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < 2**32:
+        raise ValueError(f"request {request_id!r}: bad token id {token_id!r}")
+
+
+def _append_token(request: Request, token_id: int, logprob: float | None) -> None:
+    request.output_token_ids.append(token_id)
+    if logprob is not None:
+        request.output_logprobs.append(logprob)

@@ -1,0 +1,470 @@
+"""Block pool, prefix-cache hashing and the request-level KV-cache manager (no torch)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.engine.block_manager import (
+    BlockPool,
+    KVCacheManager,
+    SlidingWindowManager,
+    hash_block_tokens,
+    hash_request_blocks,
+)
+from services.engine.request import Request
+from services.engine.sampling_params import SamplingParams
+from services.kv.groups import AttentionKind, KVCacheGroupSpec
+
+BS = 4
+
+
+def full_group(group_id: int = 0, block_size: int = BS) -> KVCacheGroupSpec:
+    return KVCacheGroupSpec(group_id, AttentionKind.FULL, (0,), block_size)
+
+
+def make_kv(num_blocks: int = 16, **kwargs) -> KVCacheManager:
+    return KVCacheManager([full_group()], [num_blocks], **kwargs)
+
+
+def req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, list(tokens), SamplingParams())
+
+
+def runs(block_ids: list[int]) -> int:
+    """Number of maximal ascending consecutive runs (one transfer descriptor each)."""
+    return sum(1 for i, b in enumerate(block_ids) if i == 0 or b != block_ids[i - 1] + 1)
+
+
+def pool_state(pool: BlockPool) -> tuple:
+    free = [b for b in range(pool.num_blocks) if pool._fresh.is_free(b)]
+    return (list(pool._ref_counts), list(pool._hashes), dict(pool._by_hash), list(pool._evictable), free)
+
+
+def kv_state(kv: KVCacheManager, *requests: Request) -> tuple:
+    pools = tuple(pool_state(m.pool) for m in kv.managers)
+    return (pools, copy.deepcopy(kv._cursors), copy.deepcopy(kv._held),
+            [(r.block_ids and [list(t) for t in r.block_ids], r.num_computed_tokens) for r in requests])
+
+
+# ---- hashing ---------------------------------------------------------------------------------
+
+
+def test_block_hash_is_chained_salted_and_sized():
+    h0 = hash_block_tokens(None, [1, 2, 3, 4])
+    assert len(h0) == 16 and h0 == hash_block_tokens(None, [1, 2, 3, 4])
+    assert hash_block_tokens(h0, [5, 6, 7, 8]) != hash_block_tokens(None, [5, 6, 7, 8])
+    assert hash_block_tokens(None, [1, 2, 3, 4], b"salt") != h0
+    assert hash_block_tokens(None, [1, 2, 3, 5]) != h0
+    assert hash_request_blocks([1, 2, 3, 4, 5, 6, 7, 8, 9], 4) == [h0, hash_block_tokens(h0, [5, 6, 7, 8])]
+    assert hash_request_blocks([1, 2, 3], 4) == []
+
+
+def test_block_hash_encoding_is_pinned():
+    # Other processes (the router) recompute these; changing the encoding is a protocol change.
+    h0 = hash_block_tokens(None, [1, 2, 3, 4])
+    assert h0.hex() == "449bd3b074261d5bef39136d641c8f17"
+    assert hash_block_tokens(h0, [5, 6, 7, 8], b"salt").hex() == "f4a95e14fbbcfb2499f1a8d5557191b2"
+
+
+def test_block_hash_rejects_bad_input():
+    with pytest.raises(ValueError, match="token ids"):
+        hash_block_tokens(None, [-1])
+    with pytest.raises(ValueError, match="parent"):
+        hash_block_tokens(b"short", [1])
+    with pytest.raises(ValueError, match="block_size"):
+        hash_request_blocks([1], 0)
+
+
+def test_block_hash_is_stable_across_processes():
+    code = ("from services.engine.block_manager import hash_request_blocks;"
+            "print(hash_request_blocks(list(range(64)), 16, b'x')[-1].hex())")
+    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=os.getcwd())
+    other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == hash_request_blocks(list(range(64)), 16, b"x")[-1].hex()
+
+
+# ---- block pool: contiguity ---------------------------------------------------------------------
+
+
+def test_allocation_returns_ascending_runs():
+    pool = BlockPool(10)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.allocate(2) == [3, 4]
+    assert pool.allocate(3) == [5, 6, 7]
+    pool.free([3, 4])
+    pool.free([0])
+    assert pool.allocate(2) == [3, 4]  # lowest run that fits, not the lone block 0
+    assert pool.allocate(0) == []
+
+
+def test_allocation_without_a_fitting_run_uses_fewest_runs():
+    pool = BlockPool(12)
+    pool.allocate(12)
+    pool.free([0, 3, 4, 6, 7, 8, 10])  # runs: [0], [3, 4], [6, 7, 8], [10]
+    got = pool.allocate(5)
+    assert runs(got) == 2 and sorted(got) == [3, 4, 6, 7, 8]
+
+
+def test_allocation_continues_after_prefer_after():
+    pool = BlockPool(12)
+    pool.allocate(12)
+    pool.free([1, 2, 7, 8, 9])
+    assert pool.allocate(2, prefer_after=6) == [7, 8]  # not the lower run 1..2
+    assert pool.allocate(2, prefer_after=9) == [1, 2]  # 10 is used: lowest run instead
+    assert pool.allocate(1, prefer_after=11) == [9]  # past the end is fine
+    pool.free([3, 5, 6, 7])
+    assert pool.allocate(3, prefer_after=2) == [5, 6, 7]  # 3 alone is too short; one run beats two
+    pool.free([4, 8])
+    assert pool.allocate(3, prefer_after=7) == [8, 3, 4]  # no run of 3: continue, then the rest
+    with pytest.raises(ValueError):
+        pool.allocate(1, prefer_after=12)
+
+
+def test_allocation_when_full_returns_none_and_changes_nothing():
+    pool = BlockPool(4)
+    pool.allocate(3)
+    before = pool_state(pool)
+    assert pool.allocate(2) is None
+    assert pool_state(pool) == before
+    with pytest.raises(ValueError):
+        pool.allocate(-1)
+
+
+def _lowest_fitting_run(free: set[int], n: int, num_blocks: int) -> int | None:
+    length = 0
+    for b in range(num_blocks):
+        length = length + 1 if b in free else 0
+        if length == n:
+            return b - n + 1
+    return None
+
+
+def _min_runs(free: set[int], n: int, num_blocks: int) -> int:
+    lengths, length = [], 0
+    for b in range(num_blocks + 1):
+        if b in free:
+            length += 1
+        elif length:
+            lengths.append(length)
+            length = 0
+    count = 0
+    for length in sorted(lengths, reverse=True):
+        if n <= 0:
+            break
+        n -= length
+        count += 1
+    return count
+
+
+def test_allocation_matches_brute_force_on_random_workloads():
+    rng = random.Random(0)
+    for num_blocks in (1, 7, 64, 100):
+        pool, owned, free = BlockPool(num_blocks), [], set(range(num_blocks))
+        for _ in range(400):
+            if owned and rng.random() < 0.45:
+                blocks = owned.pop(rng.randrange(len(owned)))
+                pool.free(blocks)
+                free |= set(blocks)
+                continue
+            n = rng.randint(1, max(1, num_blocks // 4))
+            got = pool.allocate(n)
+            if n > len(free):
+                assert got is None
+                continue
+            start = _lowest_fitting_run(free, n, num_blocks)
+            if start is not None:
+                assert got == list(range(start, start + n))
+            else:
+                assert sorted(got) == got and runs(got) == _min_runs(free, n, num_blocks)
+            assert set(got) <= free and len(set(got)) == n
+            free -= set(got)
+            owned.append(got)
+            assert pool.num_free_blocks == len(free)
+
+
+def test_large_pool_allocation_is_fast():
+    pool = BlockPool(100_000)
+    start = time.perf_counter()
+    tables = [pool.allocate(64) for _ in range(1_000)]
+    for table in tables[::2]:
+        pool.free(table[::-1])
+    for _ in range(2_000):
+        assert pool.allocate(1) is not None
+    assert time.perf_counter() - start < 3.0
+    assert pool.num_used_blocks == 500 * 64 + 2_000
+
+
+# ---- block pool: refcounts and the prefix cache ---------------------------------------------------
+
+
+def test_refcounts_and_over_free():
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    pool.cache_block(a[0], b"h" * 16)
+    pool.touch(a)
+    assert [pool.ref_count(b) for b in a] == [2, 2]
+    pool.free(a)
+    assert pool.num_used_blocks == 2
+    before = pool_state(pool)
+    with pytest.raises(ValueError, match="more often"):
+        pool.free([a[1], a[1]])
+    assert pool_state(pool) == before
+    pool.free(a)
+    assert pool.num_free_blocks == 4 and pool.num_evictable_blocks == 1
+    with pytest.raises(ValueError, match="no cached content"):
+        pool.touch([a[1]])  # fresh-free: nothing to revive
+
+
+def test_cache_block_rules():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    h = hash_block_tokens(None, [1, 2, 3, 4])
+    assert pool.cache_block(a, h) and pool.cache_block(a, h)  # idempotent
+    assert not pool.cache_block(b, h)  # duplicate content stays an ordinary block
+    assert pool.lookup(h) == a and pool.block_hash(b) is None
+    with pytest.raises(ValueError, match="another hash"):
+        pool.cache_block(a, hash_block_tokens(None, [9]))
+    with pytest.raises(ValueError, match="free"):
+        pool.cache_block(3, h)
+    pool.free([a, b])
+    assert pool.num_cached_blocks == 1 and pool.num_evictable_blocks == 1
+
+
+def test_fresh_blocks_are_used_before_evicting_and_eviction_is_lru():
+    pool = BlockPool(6)
+    blocks = pool.allocate(4)
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, hash_block_tokens(None, [i]))
+    pool.free([blocks[2], blocks[0], blocks[3], blocks[1]])  # freed in this order
+    assert pool.allocate(2) == [4, 5]  # never-cached first
+    assert pool.num_cached_blocks == 4
+    assert pool.allocate(1) == [blocks[2]]  # least recently freed
+    assert pool.allocate(2) == sorted([blocks[0], blocks[3]])
+    assert pool.lookup(hash_block_tokens(None, [2])) is None
+    assert pool.lookup(hash_block_tokens(None, [1])) == blocks[1]
+
+
+def test_revived_block_leaves_the_eviction_queue():
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, hash_block_tokens(None, [0]))
+    pool.cache_block(b, hash_block_tokens(None, [1]))
+    pool.free([a, b])
+    pool.touch([a])
+    assert pool.num_free_blocks == 1 and pool.allocate(1) == [b]
+    assert pool.allocate(1) is None
+
+
+def test_reset_prefix_cache_forgets_hashes():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, hash_block_tokens(None, [0]))
+    pool.cache_block(b, hash_block_tokens(None, [1]))
+    pool.free([a])
+    assert pool.reset_prefix_cache() == 2
+    assert pool.num_cached_blocks == 0 and pool.num_evictable_blocks == 0 and pool.num_free_blocks == 3
+    pool.free([b])
+    assert pool.allocate(4) == [0, 1, 2, 3]
+
+
+# ---- KV-cache manager ---------------------------------------------------------------------------
+
+
+def test_allocate_slots_grows_tables_contiguously():
+    kv = make_kv(16)
+    r = req("a", range(10))
+    assert r.block_ids == []
+    assert kv.allocate_slots(r, 6) == [[0, 1]]
+    r.num_computed_tokens = 6
+    assert kv.allocate_slots(r, 4) == [[2]]
+    r.num_computed_tokens = 10
+    assert kv.allocate_slots(r, 1) == [[]]  # position 10 still fits block 2
+    assert r.block_ids == [[0, 1, 2]]
+    assert kv.usage == 3 / 16
+
+
+def test_prefix_hit_drops_last_block_and_is_shared():
+    kv = make_kv(16)
+    a = req("a", range(8))
+    kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    kv.cache_full_blocks(a, 8)
+    assert kv.pool(0).num_cached_blocks == 2
+
+    same = req("b", range(8))
+    computed, num_hit = kv.get_computed_blocks(same)
+    assert computed == [[0]] and num_hit == 4  # the whole prompt is cached: keep one block to run
+
+    longer = req("c", list(range(8)) + [99, 98])
+    computed, num_hit = kv.get_computed_blocks(longer)
+    assert computed == [[0, 1]] and num_hit == 8
+    assert kv.pool(0).ref_count(0) == 1  # lookup takes no reference
+    assert kv.allocate_slots(longer, 2, computed) == [[2]]
+    assert longer.block_ids == [[0, 1, 2]] and kv.pool(0).ref_count(0) == 2
+
+    other = req("d", [7] + list(range(1, 8)))
+    assert kv.get_computed_blocks(other) == ([[]], 0)
+    assert make_kv(16, enable_prefix_caching=False).get_computed_blocks(same) == ([[]], 0)
+
+
+def test_cache_salt_separates_caches():
+    salted, plain = make_kv(8, cache_salt=b"tenant"), make_kv(8)
+    for kv in (salted, plain):
+        r = req("a", range(8))
+        kv.allocate_slots(r, 8)
+        kv.cache_full_blocks(r, 8)
+    assert salted.pool(0).block_hash(0) != plain.pool(0).block_hash(0)
+
+
+def test_freed_blocks_are_revived_by_a_later_request():
+    kv = make_kv(4)
+    a = req("a", range(12))
+    kv.allocate_slots(a, 12)
+    kv.cache_full_blocks(a, 12)
+    kv.free(a)
+    assert a.block_ids == [] and kv.pool(0).num_free_blocks == 4
+    b = req("b", list(range(12)) + [5])
+    computed, num_hit = kv.get_computed_blocks(b)
+    assert computed == [[0, 1, 2]] and num_hit == 12
+    assert kv.can_allocate(b, 1, computed)
+    assert kv.allocate_slots(b, 1, computed) == [[3]]  # a fresh block, not an eviction
+    assert kv.pool(0).num_free_blocks == 0
+
+
+def test_free_evicts_tail_blocks_first():
+    kv = make_kv(4)
+    a = req("a", range(16))
+    kv.allocate_slots(a, 16)
+    kv.cache_full_blocks(a, 16)
+    kv.free(a)
+    b = req("b", [100] * 4)
+    kv.allocate_slots(b, 4)  # evicts one block: a's last
+    assert b.block_ids == [[3]]
+    _, num_hit = kv.get_computed_blocks(req("c", list(range(16)) + [1]))
+    assert num_hit == 12  # the head of a's prefix survived
+
+
+def test_revival_counts_against_free_space():
+    kv = make_kv(3)
+    a = req("a", range(8))
+    kv.allocate_slots(a, 8)
+    kv.cache_full_blocks(a, 8)
+    kv.free(a)  # 3 free, 2 of them cached
+    b = req("b", list(range(8)) + [1, 2, 3, 4, 5])
+    computed, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 8
+    # 5 new tokens need 2 new blocks, plus reviving the 2 hits = 4 > 3.
+    assert not kv.can_allocate(b, 5, computed)
+    before = kv_state(kv, b)
+    assert kv.allocate_slots(b, 5, computed) is None
+    assert kv_state(kv, b) == before
+    assert kv.allocate_slots(b, 4, computed) == [[2]]
+
+
+def test_failed_allocation_changes_nothing():
+    kv = make_kv(6)
+    a, b = req("a", range(12)), req("b", range(12))
+    kv.allocate_slots(a, 12)
+    kv.cache_full_blocks(a, 12)
+    a.num_computed_tokens = 12
+    before = kv_state(kv, a, b)
+    assert kv.allocate_slots(a, 13) is None  # grow a running request
+    computed, _ = kv.get_computed_blocks(b)
+    assert kv.allocate_slots(b, 20, computed) is None  # first allocation with a prefix hit
+    assert kv_state(kv, a, b) == before
+
+
+def test_allocate_slots_rejects_bad_input():
+    kv = make_kv(8)
+    a = req("a", range(8))
+    with pytest.raises(ValueError):
+        kv.allocate_slots(a, -1)
+    kv.allocate_slots(a, 8)
+    kv.cache_full_blocks(a, 8)
+    with pytest.raises(ValueError, match="already has blocks"):
+        kv.allocate_slots(a, 1, [[0]])
+    with pytest.raises(ValueError, match="groups"):
+        kv.allocate_slots(req("b", range(8)), 1, [[0], [1]])
+    kv.reset_prefix_cache()
+    with pytest.raises(ValueError, match="no longer cached"):
+        kv.allocate_slots(req("c", range(8)), 4, [[0]])
+
+
+def test_a_reallocated_request_republishes_from_its_first_block():
+    kv = make_kv(4)
+    a = req("a", range(8))
+    kv.allocate_slots(a, 8)
+    kv.cache_full_blocks(a, 8)
+    kv.free(a)  # e.g. preempted
+    filler = req("x", [9] * 16)
+    kv.allocate_slots(filler, 16)  # evicts a's cached blocks
+    kv.free(filler)
+    kv.allocate_slots(a, 8)  # recomputed into new blocks
+    kv.cache_full_blocks(a, 8)
+    computed, num_hit = kv.get_computed_blocks(req("b", list(range(8)) + [1]))
+    assert num_hit == 8 and computed == a.block_ids
+
+
+def test_hold_and_release():
+    kv = make_kv(8)
+    a = req("a", range(8))
+    kv.allocate_slots(a, 8)
+    kv.hold(a)
+    assert a.block_ids == [[0, 1]]  # kept for building the transfer ticket
+    assert kv.held_block_ids("a") == [[0, 1]]
+    assert kv.stats()[0].num_held == 2 and kv.pool(0).num_used_blocks == 2
+    with pytest.raises(ValueError, match="held"):
+        kv.free(a)
+    with pytest.raises(ValueError, match="already held"):
+        kv.hold(a)
+    assert kv.release("a") and not kv.release("a") and not kv.release("nope")
+    assert kv.pool(0).num_free_blocks == 8 and kv.stats()[0].num_held == 0
+
+
+def test_reset_prefix_cache_republishes_live_blocks():
+    kv = make_kv(8)
+    a = req("a", range(9))
+    kv.allocate_slots(a, 9)
+    kv.cache_full_blocks(a, 8)
+    assert kv.reset_prefix_cache() == 2
+    assert kv.get_computed_blocks(req("b", range(9)))[1] == 0
+    kv.cache_full_blocks(a, 8)
+    assert kv.get_computed_blocks(req("b", range(9)))[1] == 8
+
+
+def test_two_groups_share_a_prefix_boundary():
+    groups = [full_group(0, 4), KVCacheGroupSpec(1, AttentionKind.SLIDING_WINDOW, (1,), 8, sliding_window=8)]
+    kv = KVCacheManager(groups, [16, 8])
+    assert isinstance(kv.managers[1], SlidingWindowManager)
+    a = req("a", range(20))
+    assert kv.allocate_slots(a, 20) == [[0, 1, 2, 3, 4], [0, 1, 2]]
+    kv.cache_full_blocks(a, 20)  # group 0: 5 full blocks, group 1: 2 full blocks
+    computed, num_hit = kv.get_computed_blocks(req("b", range(21)))
+    assert num_hit == 16 and computed == [[0, 1, 2, 3], [0, 1]]
+    # Out-of-window blocks stay allocated; the window part is what a transfer needs.
+    assert kv.managers[1].needed_blocks(a.block_ids[1], 20) == [1, 2]
+    assert kv.managers[0].needed_blocks(a.block_ids[0], 20) == [0, 1, 2, 3, 4]
+    full = req("c", range(30))
+    before = kv_state(kv, full)
+    assert kv.allocate_slots(full, 48) is None  # group 1 is short (6 > 5 free), group 0 is not
+    assert kv_state(kv, full) == before
+    kv.free(a)
+    assert [s.num_free for s in kv.stats()] == [16, 8]
+
+
+def test_manager_rejects_bad_groups():
+    with pytest.raises(ValueError):
+        KVCacheManager([], [])
+    with pytest.raises(ValueError):
+        KVCacheManager([full_group()], [4, 4])
+    with pytest.raises(ValueError, match="in order"):
+        KVCacheManager([full_group(1)], [4])
+    with pytest.raises(ValueError):
+        BlockPool(0)
