@@ -19,6 +19,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# cuDNN's SDPA builds a new execution plan for every new shape (~1 ms of CPU per call), and a
+# serving step's context length changes every step; the other backends have no such cost.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -83,17 +88,22 @@ def paged_attention(
 
     num_tokens, num_heads, head_dim = q.shape
     b, qm, lm = batch.num_reqs, batch.max_query_len, meta.max_context_len
+    kv_heads = k.shape[1]
+    group = num_heads // kv_heads
     padded_q = q.new_zeros(b * qm, num_heads, head_dim)
     padded_q[batch.query_slots] = q
-    padded_q = padded_q.view(b, qm, num_heads, head_dim).transpose(1, 2)
+    # Fold each KV head's query heads into the query axis: [b, kv_heads, group * qm, d]. Every
+    # SDPA backend then sees plain multi-head attention (no GQA expansion of K/V), and a decode
+    # step is one long query row per KV head instead of `group` tiny ones.
+    folded_q = padded_q.view(b, qm, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    folded_q = folded_q.reshape(b, kv_heads, group * qm, head_dim)
+    mask = meta.mask if group == 1 else meta.mask.expand(b, group, qm, lm).reshape(b, 1, group * qm, lm)
 
     keys = _gather(k_cache, meta.block_tables, lm)
     values = _gather(v_cache, meta.block_tables, lm)
-    out = F.scaled_dot_product_attention(
-        padded_q, keys, values, attn_mask=meta.mask, scale=scale,
-        enable_gqa=num_heads != keys.shape[1],
-    )
-    out = out.transpose(1, 2).reshape(b * qm, num_heads * head_dim)
+    with sdpa_kernel(_SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(folded_q, keys, values, attn_mask=mask, scale=scale)
+    out = out.view(b, kv_heads, group, qm, head_dim).permute(0, 3, 1, 2, 4).reshape(b * qm, num_heads * head_dim)
     return out[batch.query_slots]
 
 

@@ -17,11 +17,11 @@ from services.engine.tokenizer import Tokenizer
 
 
 def smollm2_path() -> Path:
-    """The model file, or a skip of the calling test when the package is not installed."""
+    """The model file; `make install` always installs it, so its absence fails the test."""
     try:
         return default_model_path()
     except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+        pytest.fail(str(exc))
 
 
 @functools.cache
@@ -37,6 +37,18 @@ def smollm2_tokenizer() -> Tokenizer:
 @functools.cache
 def transformers_tokenizer():
     """transformers' tokenizer built from the same GGUF: the reference our encodings must equal."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     path = smollm2_path()
     return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@functools.cache
+def transformers_model():
+    """transformers' model loaded from the same GGUF (fp32): the reference for the engine's tokens."""
+    import torch
+    import transformers
+
+    path = smollm2_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, torch_dtype=torch.float32
+    ).eval()

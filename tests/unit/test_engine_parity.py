@@ -8,6 +8,7 @@ tokens are identical.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from services.engine.sampling_params import SamplingParams
 from services.kv.layout import BlockOrder, LayoutKind
 from tests.checkpoints import ARCHITECTURES, make_checkpoint
 
+# The GPU machine runs this file once with PDSERVE_TEST_DEVICE=cuda (see bench/RESULTS.md).
+DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
 NUM_TOKENS = 32
 PROMPT_LENS = (5, 17, 33, 40)
 LAYOUTS = [(k, o) for k in LayoutKind for o in BlockOrder]
@@ -60,7 +63,7 @@ def reference(request, tmp_path_factory) -> Reference:
 
 def _engine(ref: Reference, kind: LayoutKind, order: BlockOrder, num_kv_blocks: int) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ref.checkpoint, device="cpu", dtype="float32", block_size=4, kv_layout=kind,
+        model=ref.checkpoint, device=DEVICE, dtype="float32", block_size=4, kv_layout=kind,
         kv_block_order=order, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=24,
     ))
 

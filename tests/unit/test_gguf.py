@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from services.engine.gguf_loader import _unpermute_rope_rows, load_gguf
-from tests.unit._smollm2 import smollm2_checkpoint, smollm2_path, smollm2_tokenizer
+from tests.unit._smollm2 import smollm2_checkpoint, smollm2_path, smollm2_tokenizer, transformers_model
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 CONFIG_FIELDS = [
     "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -65,7 +65,7 @@ def checkpoint():
 
 @pytest.fixture(scope="module")
 def reference_model():
-    return _load_reference(smollm2_path())
+    return transformers_model()
 
 
 def test_tensors_equal_transformers(checkpoint, reference_model):

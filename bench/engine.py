@@ -1,0 +1,174 @@
+"""Engine throughput: prefill and decode tokens/s at several batch sizes, beside their floors.
+
+    python bench/engine.py                                    # CPU, bundled SmolLM2 GGUF, fp32
+    python bench/engine.py --model dummy:llama-3.1-8b --dtype bfloat16 --device cuda
+
+Floors (speed of light): a decode step must read every weight once, so it cannot beat
+weight_bytes / memory bandwidth; a prefill cannot beat 2 * params * tokens / peak FLOP/s.
+On CUDA the peaks come from the device's datasheet; on CPU they are measured here (a large
+matmul and a large copy), so the floor is this machine's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import services  # noqa: E402,F401  (oneDNN ISA cap before torch)
+import torch  # noqa: E402
+
+from services.engine.engine_config import EngineConfig  # noqa: E402
+from services.engine.kv_cache import TORCH_DTYPES  # noqa: E402
+from services.engine.llm_engine import LLMEngine  # noqa: E402
+from services.engine.sampling_params import SamplingParams  # noqa: E402
+from services.kv.layout import LayoutKind  # noqa: E402
+
+# (bandwidth bytes/s, dense bf16/fp16 FLOP/s) by device-name substring.
+GPU_PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def machine_peaks(device: torch.device, dtype: torch.dtype) -> tuple[float, float, str]:
+    """(memory bandwidth B/s, matmul FLOP/s, where the numbers come from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, (bw, flops) in GPU_PEAKS.items():
+            if key in name:
+                return bw, flops, f"datasheet {key}"
+    n = 2048 if device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    for _ in range(2):
+        a @ b
+    _sync(device)
+    t = time.perf_counter()
+    reps = 3
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    flops = 2 * n**3 * reps / (time.perf_counter() - t)
+    src = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    _sync(device)
+    bandwidth = 2 * src.numel() * reps / (time.perf_counter() - t)  # read + write
+    return bandwidth, flops, "measured on this machine"
+
+
+def bench_prefill(engine: LLMEngine, batch: int, prompt_len: int, rounds: int) -> float:
+    """Seconds to prefill `batch` distinct prompts (first token sampled), best of `rounds`."""
+    best = float("inf")
+    vocab = min(engine.model_config.vocab_size, 30000)
+    for r in range(rounds):
+        gen = torch.Generator().manual_seed(1000 * r + batch)
+        prompts = [torch.randint(100, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"prefill-{batch}-{r}-{i}", p, params)
+        _sync(engine.device)
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        _sync(engine.device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def bench_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
+    """Seconds per decode step with `batch` running sequences (prefill excluded)."""
+    vocab = min(engine.model_config.vocab_size, 30000)
+    gen = torch.Generator().manual_seed(7 + batch)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"decode-{batch}-{i}", torch.randint(100, vocab, (prompt_len,), generator=gen).tolist(),
+                           params)
+    while engine.scheduler.num_waiting or any(  # until every prompt is prefilled
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler._running
+    ):
+        engine.step()
+    for _ in range(3):  # warm-up decode steps
+        engine.step()
+    _sync(engine.device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync(engine.device)
+    elapsed = (time.perf_counter() - t) / steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: bundled SmolLM2-135M-Instruct GGUF")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch-sizes", default="1,32")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--kv-layout", default="cross_layer", choices=[k.value for k in LayoutKind])
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--json", action="store_true", help="one JSON object per case per line")
+    ap.add_argument("--json-out", default=None, help="also write the JSON lines to this file")
+    args = ap.parse_args()
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    engine = LLMEngine(EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, kv_layout=LayoutKind(args.kv_layout),
+        max_num_seqs=max(batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+    ))
+    mc, dev = engine.model_config, engine.device
+    dtype = TORCH_DTYPES[engine.dtype]
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    bandwidth, flops, peak_src = machine_peaks(dev, dtype)
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+    bench_prefill(engine, 1, args.prompt_len, 1)  # warm-up
+    rows = []
+    for batch in batch_sizes:
+        prefill_s = bench_prefill(engine, batch, args.prompt_len, args.rounds)
+        tokens = batch * args.prompt_len
+        prefill_floor_s = 2 * mc.num_parameters * tokens / flops
+        step_s = bench_decode(engine, batch, args.prompt_len, args.decode_steps)
+        decode_floor_s = weight_bytes / bandwidth
+        rows.append(dict(
+            device=device_name, model=engine.source.name, dtype=engine.dtype, kv_layout=args.kv_layout,
+            batch=batch, prompt_len=args.prompt_len, weight_gb=weight_bytes / 1e9,
+            prefill_tok_s=tokens / prefill_s, prefill_s=prefill_s, prefill_floor_s=prefill_floor_s,
+            prefill_mfu=prefill_floor_s / prefill_s,
+            decode_tok_s=batch / step_s, decode_step_ms=step_s * 1e3, decode_floor_ms=decode_floor_s * 1e3,
+            decode_vs_floor=step_s / decode_floor_s, peak_source=peak_src,
+            peak_bandwidth_gbs=bandwidth / 1e9, peak_tflops=flops / 1e12,
+        ))
+    if args.json_out:
+        Path(args.json_out).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return
+    print(f"# {device_name}  model={engine.source.name}  dtype={engine.dtype}  weights={weight_bytes / 1e9:.2f} GB  "
+          f"peaks ({peak_src}): {bandwidth / 1e9:.0f} GB/s, {flops / 1e12:.1f} TFLOP/s")
+    print(f"{'batch':>5} {'prefill tok/s':>14} {'MFU':>6} {'decode tok/s':>13} {'step ms':>8} {'floor ms':>9} {'x floor':>8}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['prefill_tok_s']:>14.0f} {r['prefill_mfu']:>6.2f} {r['decode_tok_s']:>13.1f} "
+              f"{r['decode_step_ms']:>8.2f} {r['decode_floor_ms']:>9.3f} {r['decode_vs_floor']:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Profile a few decode steps of the engine (torch.profiler) to see where a step's time goes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import services  # noqa: E402,F401
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from services.engine.engine_config import EngineConfig  # noqa: E402
+from services.engine.llm_engine import LLMEngine  # noqa: E402
+from services.engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"r{i}", list(range(100 + i, 612 + i)), params)
+    for _ in range(5):
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            engine.step()
+    sort = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by=sort, row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
