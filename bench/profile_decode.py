@@ -8,10 +8,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import services  # noqa: E402,F401
-import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+import services  # noqa: E402,F401
 from services.engine.engine_config import EngineConfig  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
 from services.engine.sampling_params import SamplingParams  # noqa: E402

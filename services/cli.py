@@ -22,6 +22,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
 
 
@@ -42,6 +43,7 @@ def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
     )
 
 

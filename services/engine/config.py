@@ -95,43 +95,37 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face config.json dict; raises ValueError naming what is wrong."""
+        """Build from a Hugging Face config.json dict; raises ValueError naming the field that is wrong."""
         arch = _architecture_of(d)
-        try:
-            hidden = int(d["hidden_size"])
-            heads = int(d["num_attention_heads"])
-            head_dim = d.get("head_dim") or hidden // heads
-            eos = d.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            sliding = d.get("sliding_window")
-            if arch == "qwen2" and not d.get("use_sliding_window", False):
-                sliding = None  # Qwen2 configs carry a window they do not use unless asked
-            return cls(
-                architecture=arch,
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(head_dim),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(d.get("rope_theta", 10000.0)),
-                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
-                o_proj_bias=arch != "qwen2" and bool(d.get("attention_bias", False)),
-                mlp_bias=bool(d.get("mlp_bias", False)),
-                qk_norm=arch == "qwen3",
-                sliding_window=int(sliding) if sliding else None,
-                rope_scaling=_rope_scaling(d.get("rope_scaling")),
-                bos_token_id=d.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-            )
-        except KeyError as e:
-            raise ValueError(f"config is missing required field {e.args[0]!r}") from None
-        except TypeError as e:
-            raise ValueError(f"config has a field of the wrong type: {e}") from None
+        hidden = _field(d, "hidden_size", int)
+        heads = _field(d, "num_attention_heads", int)
+        eos_ids = _field(d, "eos_token_id", lambda v: tuple(int(x) for x in (v if isinstance(v, list) else [v])), ())
+        sliding = _field(d, "sliding_window", int, None)
+        if arch == "qwen2" and not d.get("use_sliding_window", False):
+            sliding = None  # Qwen2 configs carry a window they do not use unless asked
+        bias = _field(d, "attention_bias", bool, False)
+        return cls(
+            architecture=arch,
+            vocab_size=_field(d, "vocab_size", int),
+            hidden_size=hidden,
+            intermediate_size=_field(d, "intermediate_size", int),
+            num_layers=_field(d, "num_hidden_layers", int),
+            num_heads=heads,
+            num_kv_heads=_field(d, "num_key_value_heads", int, None) or heads,
+            head_dim=_field(d, "head_dim", int, None) or hidden // heads,
+            rms_norm_eps=_field(d, "rms_norm_eps", float, 1e-6),
+            rope_theta=_field(d, "rope_theta", float, 10000.0),
+            max_position_embeddings=_field(d, "max_position_embeddings", int, 2048),
+            tie_word_embeddings=_field(d, "tie_word_embeddings", bool, False),
+            attention_bias=arch == "qwen2" or bias,
+            o_proj_bias=arch != "qwen2" and bias,
+            mlp_bias=_field(d, "mlp_bias", bool, False),
+            qk_norm=arch == "qwen3",
+            sliding_window=sliding or None,
+            rope_scaling=_rope_scaling(d.get("rope_scaling")),
+            bos_token_id=_field(d, "bos_token_id", int, None),
+            eos_token_ids=eos_ids,
+        )
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -142,7 +136,27 @@ class ModelConfig:
             raise FileNotFoundError(f"{path}: no config.json") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: config.json is not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: config.json must hold a JSON object, got {type(d).__name__}")
         return cls.from_hf_dict(d)
+
+
+_REQUIRED = object()
+
+
+def _field(d: dict[str, Any], name: str, convert: Any, default: Any = _REQUIRED) -> Any:
+    """``convert(d[name])``, or ``default`` when absent or null; errors name the field."""
+    value = d.get(name)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"config is missing required field {name!r}")
+        return default
+    if isinstance(value, (dict, str)) and convert in (int, float):
+        raise ValueError(f"config field {name!r} must be a number, got {value!r}")
+    try:
+        return convert(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"config field {name!r} has the wrong type: {value!r}") from None
 
 
 def _architecture_of(d: dict[str, Any]) -> str:

@@ -16,11 +16,18 @@ class KVCache:
 
     The buffers are plain contiguous tensors so a transfer agent can register them by address;
     the views are ``as_strided`` windows onto them as the spec dictates.
+
+    ``scratch_block`` (if set) is a block of the spec that the block manager never hands out:
+    padded rows of a decode CUDA graph write their K/V there, so no request's block is touched.
+    The spec counts it (the buffers really hold it); the manager's pool does not.
     """
 
-    def __init__(self, spec: KVLayoutSpec, device: torch.device) -> None:
+    def __init__(self, spec: KVLayoutSpec, device: torch.device, scratch_block: int | None = None) -> None:
+        if scratch_block is not None and not 0 <= scratch_block < spec.num_blocks:
+            raise ValueError(f"scratch block {scratch_block} is outside the {spec.num_blocks} blocks of the layout")
         self.spec = spec
         self.device = device
+        self.scratch_block = scratch_block
         dtype = TORCH_DTYPES[spec.dtype]
         self.buffers = [
             torch.zeros(b.num_bytes // spec.element_size, dtype=dtype, device=device) for b in spec.buffers()

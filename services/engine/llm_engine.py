@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.block_manager import KVCacheManager
+from services.engine.cuda_graphs import DecodeGraphRunner
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.engine_config import EngineConfig
 from services.engine.kv_cache import TORCH_DTYPES, KVCache, kv_bytes_per_block, kv_groups_for
@@ -77,11 +78,13 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = self.source.load_tokenizer()
         self.eos_token_ids = self._eos_ids()
         self.kv_layout = self._kv_layout()
-        self.kv_cache = KVCache(self.kv_layout, self.device)
+        # The layout's last block is the scratch block: allocated, never given to the manager.
+        self.num_kv_blocks = self.kv_layout.num_blocks - 1
+        self.kv_cache = KVCache(self.kv_layout, self.device, scratch_block=self.num_kv_blocks)
         self.max_model_len = self._max_model_len()
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, decode_graphs=self._decode_graphs())
         self.kv_manager = KVCacheManager(
-            self.kv_layout.groups, [self.kv_layout.num_blocks] * len(self.kv_layout.groups),
+            self.kv_layout.groups, [self.num_kv_blocks] * len(self.kv_layout.groups),
             enable_prefix_caching=config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(
@@ -114,7 +117,9 @@ class LLMEngine:
     def _kv_layout(self) -> KVLayoutSpec:
         c, mc = self.config, self.model_config
         num_kv_heads = self.config.parallel.num_local_kv_heads(mc.num_kv_heads)
-        num_blocks = c.num_kv_blocks or self._num_blocks_from_budget(num_kv_heads)
+        # num_kv_blocks counts the blocks requests can use; the budget counts bytes. Either way
+        # the layout holds one more block, the scratch block (see KVCache).
+        num_blocks = c.num_kv_blocks + 1 if c.num_kv_blocks else self._num_blocks_from_budget(num_kv_heads)
         return KVLayoutSpec(
             kind=c.kv_layout,
             order=c.kv_block_order,
@@ -136,12 +141,19 @@ class LLMEngine:
             else:
                 budget = CPU_KV_CACHE_BYTES
         num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"KV-cache budget of {budget} bytes holds no block of {per_block} bytes")
+        if num_blocks < 2:
+            raise ValueError(f"KV-cache budget of {budget} bytes holds no block of {per_block} bytes "
+                             "beside the scratch block")
         return int(num_blocks)
 
+    def _decode_graphs(self) -> DecodeGraphRunner | None:
+        """CUDA graphs for pure-decode steps, unless disabled or unsupported (CPU, TP > 1)."""
+        if self.config.enforce_eager or self.device.type != "cuda" or self.config.parallel.tp_size > 1:
+            return None
+        return DecodeGraphRunner(self.model, self.kv_cache, self.config.max_num_seqs, self.max_model_len)
+
     def _max_model_len(self) -> int:
-        capacity = self.kv_layout.num_blocks * self.config.block_size
+        capacity = self.num_kv_blocks * self.config.block_size
         limit = min(self.model_config.max_position_embeddings, capacity)
         if self.config.max_model_len is None:
             return limit

@@ -194,6 +194,10 @@ class CausalLM(nn.Module):
                 if name == "lm_head.weight" or "rotary_emb" in name:
                     continue  # tied head stored anyway / precomputed RoPE buffers
                 raise ValueError(f"unexpected tensor {name!r} for a {self.config.architecture} model")
+            # Checked before sharding: slicing a rank's rows out of an oversized tensor would pass.
+            shape = self._hf_shape(name)
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
             self._load_one(name, tensor)
             seen.add(name)
         missing = sorted(expected - seen)
@@ -222,6 +226,21 @@ class CausalLM(nn.Module):
                 yield p + f"mlp.{proj}.weight"
                 if c.mlp_bias:
                     yield p + f"mlp.{proj}.bias"
+
+    def _hf_shape(self, name: str) -> tuple[int, ...]:
+        """The full, unsharded shape the checkpoint must store ``name`` at."""
+        c = self.config
+        h, q, kv, i = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return (c.vocab_size, h)
+        proj, kind = name.split(".")[-2:]
+        if proj in ("q_norm", "k_norm"):
+            return (c.head_dim,)
+        if proj.endswith("norm"):
+            return (h,)
+        rows, cols = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+                      "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}[proj]
+        return (rows, cols) if kind == "weight" else (rows,)
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         c, tp = self.config, self.parallel

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from services.engine.attention import AttentionBatch, GroupAttentionMetadata, build_mask
+from services.engine.cuda_graphs import DecodeGraphRunner
 from services.engine.kv_cache import KVCache
 from services.engine.model import CausalLM
 from services.engine.request import Request
@@ -41,10 +42,14 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device) -> None:
+    """Runs a step eagerly, or through ``decode_graphs`` when every chunk is one token (decode)."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device,
+                 decode_graphs: DecodeGraphRunner | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.decode_graphs = decode_graphs
         spec = kv_cache.spec
         self.groups = spec.groups
         self.layer_groups = [spec.group_of_layer(i).group_id for i in range(model.config.num_layers)]
@@ -54,6 +59,8 @@ class ModelRunner:
     def execute(self, chunks: Sequence[Chunk]) -> StepLogits:
         if not chunks:
             raise ValueError("execute() needs at least one chunk")
+        if self.decode_graphs is not None and self.decode_graphs.can_run(chunks):
+            return self._execute_graph(chunks)
         input_ids, positions, batch = self._prepare(chunks)
         hidden = self.model(input_ids, positions, batch, self.kv_views, self.layer_groups)
 
@@ -66,6 +73,14 @@ class ModelRunner:
             for i, c in enumerate(chunks) if c.request.sampling_params.return_logits
         }
         return StepLogits(sample_rows, sample_logits, all_logits)
+
+    def _execute_graph(self, chunks: Sequence[Chunk]) -> StepLogits:
+        logits = self.decode_graphs.run(chunks)  # the graph's static output: copy out what is kept
+        sample_rows = [i for i, c in enumerate(chunks) if c.samples]
+        if len(sample_rows) == len(chunks):
+            return StepLogits(sample_rows, logits.clone(), {})
+        rows = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return StepLogits(sample_rows, logits[rows], {})
 
     def _prepare(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         ids: list[int] = []

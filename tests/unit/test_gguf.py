@@ -10,11 +10,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from services.engine.gguf_loader import _unpermute_rope_rows, load_gguf
 from tests.unit._smollm2 import smollm2_checkpoint, smollm2_path, smollm2_tokenizer, transformers_model
-
-import transformers
 
 CONFIG_FIELDS = [
     "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

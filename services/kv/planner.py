@@ -1,0 +1,424 @@
+"""The descriptor planner: the fewest contiguous (src, dst, len) copies that move a request's KV.
+
+Every NIXL descriptor costs ~6 us whatever its size, so the descriptor count is the lever (see
+DESIGN.md). A plan is computed from the two layout specs, the block pieces (after block-size ratio,
+prefix skip and window clipping, see ``topology.map_blocks``) and one :class:`RankRead` (after TP).
+
+How rows coalesce. One (layer, K/V, token, head) row is ``head_dim`` elements. Inside one block
+page the copy is a small nest of strided axes; an axis folds into the run below it when it is
+contiguous with that run on BOTH sides::
+
+    NHD page [block_size, H, D]          HND page [H, block_size, D]
+      run  = D elements                     run  = D elements
+      + heads   always (stride D)           + tokens  always (stride D)
+      + tokens  iff all heads, both sides   + heads   iff whole block, both sides
+
+which gives, coarsest first: a whole page (all heads, whole block), an NHD token run (all heads),
+an HND head-slice of whole blocks, and otherwise one run per token (NHD head slice) or per head
+(HND partial block). Pages themselves are then merged: all runs are ordered by source address and
+a run joins its predecessor when it starts where that one ends in the same source buffer AND in
+the same destination buffer. This one rule does the rest: per-layer pages of consecutive block
+ids (on both sides) become one run per (layer, K/V); a cross-layer block (every layer's K and V
+back to back) becomes one descriptor when both sides are cross-layer with the same block size and
+all heads, and a run of consecutive such blocks one descriptor in total. Ordering by source makes
+the merge optimal: a source byte is read once, so each run has at most one possible successor.
+
+Everything is vectorised with numpy: offsets are built by broadcasting (planes x pieces x rows)
+and merged with one pass of ``np.add.reduceat``; no Python loop runs per descriptor.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from services.kv.groups import KVCacheGroupSpec
+from services.kv.layout import BlockOrder, KVLayoutSpec, KVView, LayoutKind
+from services.kv.topology import BlockPiece, RankRead
+
+_FIELDS = ("src_buffer", "src_offset", "dst_buffer", "dst_offset", "length")
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """One contiguous copy: ``length_bytes`` from (src buffer, offset) to (dst buffer, offset)."""
+
+    src_buffer_index: int
+    src_offset_bytes: int
+    dst_buffer_index: int
+    dst_offset_bytes: int
+    length_bytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    """Descriptors for one remote rank, as parallel read-only int64 arrays (one entry each).
+
+    Buffer indices are ``KVLayoutSpec.buffers()`` indices on the remote (src) and local (dst) side.
+    """
+
+    remote_rank: int
+    src_buffer: np.ndarray
+    src_offset: np.ndarray
+    dst_buffer: np.ndarray
+    dst_offset: np.ndarray
+    length: np.ndarray
+
+    def __post_init__(self) -> None:
+        sizes = {getattr(self, name).shape for name in _FIELDS}
+        if len(sizes) != 1 or len(next(iter(sizes))) != 1:
+            raise ValueError(f"descriptor arrays must be 1-D and of equal length, got shapes {sorted(sizes)}")
+        for name in _FIELDS:
+            arr = np.array(getattr(self, name), dtype=np.int64)  # a private, read-only copy
+            arr.flags.writeable = False
+            object.__setattr__(self, name, arr)
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.length.size)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.length.sum())
+
+    def descriptors(self) -> list[Descriptor]:
+        """The same plan as a list of values (convenient in tests and logs, slow for big plans)."""
+        cols = [getattr(self, name).tolist() for name in _FIELDS]
+        return [Descriptor(*row) for row in zip(*cols, strict=True)]
+
+    def address_rows(
+        self, src_regions: Sequence[tuple[int, int]], dst_regions: Sequence[tuple[int, int]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(remote, local) ``[n, 3]`` uint64 (addr, len, device) rows, the form the NIXL agent takes.
+
+        ``*_regions[i]`` is buffer i's (base address, device id); row j of both arrays is one copy.
+        """
+        out = []
+        for side, regions, buf, off in (
+            ("src", src_regions, self.src_buffer, self.src_offset),
+            ("dst", dst_regions, self.dst_buffer, self.dst_offset),
+        ):
+            table = np.asarray(regions, dtype=np.int64).reshape(-1, 2)
+            if buf.size and int(buf.max()) >= table.shape[0]:
+                raise ValueError(f"plan names {side} buffer {int(buf.max())}, only {table.shape[0]} regions given")
+            base, device = table[buf, 0], table[buf, 1]
+            out.append(np.ascontiguousarray(np.stack([base + off, self.length, device], axis=1), dtype=np.uint64))
+        return out[0], out[1]
+
+    @classmethod
+    def empty(cls, remote_rank: int) -> TransferPlan:
+        none = np.zeros(0, dtype=np.int64)
+        return cls(remote_rank, none, none, none, none, none)
+
+
+# ---- validation ----------------------------------------------------------------------------------
+
+
+def _group(spec: KVLayoutSpec, group_id: int, side: str) -> KVCacheGroupSpec:
+    for g in spec.groups:
+        if g.group_id == group_id:
+            return g
+    raise ValueError(f"{side} layout has no KV group {group_id}")
+
+
+def _check_specs(remote: KVLayoutSpec, local: KVLayoutSpec, group_id: int) -> tuple[KVCacheGroupSpec, KVCacheGroupSpec]:
+    """Refuse spec pairs whose bytes do not mean the same thing."""
+    for name in ("dtype", "head_dim"):
+        if getattr(remote, name) != getattr(local, name):
+            raise ValueError(f"{name} differs: remote {getattr(remote, name)}, local {getattr(local, name)}")
+    if remote.order is not local.order:
+        raise ValueError(f"block order differs: remote {remote.order.value}, local {local.order.value}")
+    rg, lg = _group(remote, group_id, "remote"), _group(local, group_id, "local")
+    if set(rg.layer_ids) != set(lg.layer_ids):
+        raise ValueError(f"group {group_id} layers differ: remote {rg.layer_ids}, local {lg.layer_ids}")
+    if (rg.kind, rg.sliding_window) != (lg.kind, lg.sliding_window):
+        raise ValueError(f"group {group_id} attention differs: remote {rg.kind.value}, local {lg.kind.value}")
+    return rg, lg
+
+
+def _check_heads(read: RankRead, remote: KVLayoutSpec, local: KVLayoutSpec) -> None:
+    if read.remote_heads[1] > remote.num_kv_heads:
+        raise ValueError(f"remote heads {read.remote_heads} exceed the remote rank's {remote.num_kv_heads} heads")
+    if read.local_heads[1] > local.num_kv_heads:
+        raise ValueError(f"local heads {read.local_heads} exceed the local rank's {local.num_kv_heads} heads")
+
+
+def _piece_arrays(pieces: Sequence[BlockPiece]) -> np.ndarray:
+    """Pieces as a [5, N] int64 array: remote block, remote offset, local block, local offset, tokens."""
+    if not len(pieces):
+        return np.zeros((5, 0), dtype=np.int64)
+    rows = [(p.remote_block, p.remote_offset, p.local_block, p.local_offset, p.num_tokens) for p in pieces]
+    return np.array(rows, dtype=np.int64).T
+
+
+def _check_pieces(
+    arr: np.ndarray, remote: KVLayoutSpec, local: KVLayoutSpec, rg: KVCacheGroupSpec, lg: KVCacheGroupSpec
+) -> None:
+    """Pieces inside both sides' blocks and never two writing one local token (a race)."""
+    rb, ro, lb, lo, nt = arr
+    if (nt < 1).any():
+        raise ValueError("a block piece must move at least one token")
+    for side, blk, off, spec, g in (("remote", rb, ro, remote, rg), ("local", lb, lo, local, lg)):
+        if ((blk < 0) | (blk >= spec.num_blocks)).any():
+            raise ValueError(f"{side} block id outside [0, {spec.num_blocks})")
+        if ((off < 0) | (off + nt > g.block_size)).any():
+            raise ValueError(f"a piece overruns a {side} block of {g.block_size} tokens")
+    order = np.lexsort((lo, lb))
+    same_block = lb[order][1:] == lb[order][:-1]
+    if (same_block & (lo[order][1:] < (lo + nt)[order][:-1])).any():
+        raise ValueError("block pieces overlap in the local blocks")
+
+
+def _pad_partial(arr: np.ndarray, unit: int) -> np.ndarray:
+    """Widen pieces that start on a ``unit`` boundary on both sides to the full unit."""
+    rb, ro, lb, lo, nt = arr
+    pad = (nt < unit) & (ro % unit == 0) & (lo % unit == 0)
+    return np.stack([rb, ro, lb, lo, np.where(pad, unit, nt)])
+
+
+@functools.lru_cache(maxsize=64)
+def _views(spec: KVLayoutSpec, layers: tuple[int, ...]) -> tuple[KVView, ...]:
+    """``spec.view`` of every (layer, K/V), K before V; cached as the same spec pair recurs per request."""
+    views = tuple(spec.view(layer, kv) for layer in layers for kv in (0, 1))
+    if len({v.strides for v in views}) != 1:
+        raise ValueError("a group's layers do not share one block/token/head stride")
+    return views
+
+
+# ---- within one page -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Axis:
+    extent: int
+    src_stride: int  # bytes
+    dst_stride: int  # bytes
+
+
+def _coalesce(row_bytes: int, axes_inner_first: Sequence[_Axis]) -> tuple[int, list[_Axis]]:
+    """Fold axes into the contiguous run while each is contiguous with it on both sides.
+
+    Returns the run length and the axes left over (outermost first) that enumerate the runs.
+    """
+    run, left = row_bytes, []
+    for axis in axes_inner_first:
+        if axis.extent == 1:
+            continue
+        if not left and axis.src_stride == run and axis.dst_stride == run:
+            run *= axis.extent
+        else:
+            left.append(axis)
+    return run, left[::-1]
+
+
+def _grid(axes_outer_first: Sequence[_Axis]) -> tuple[np.ndarray, np.ndarray]:
+    """Relative (src, dst) byte offsets of every run, outermost axis slowest."""
+    src, dst = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    for axis in axes_outer_first:
+        idx = np.arange(axis.extent, dtype=np.int64)
+        src = (src[:, None] + idx[None, :] * axis.src_stride).ravel()
+        dst = (dst[:, None] + idx[None, :] * axis.dst_stride).ravel()
+    return src, dst
+
+
+def _expand(plane: np.ndarray, piece: np.ndarray, grid: np.ndarray, piece_major: bool) -> np.ndarray:
+    """``plane[P] + piece[N] + grid[K]`` over every combination, flattened.
+
+    Plane-major ``[P, N, K]`` follows a per-layer source's address order (a buffer per layer, its
+    blocks inside); piece-major ``[N, P, K]`` a cross-layer source's (a block holds every plane).
+    With ascending source block ids the result is then already sorted and the merge skips its sort.
+    """
+    if piece_major:
+        total = piece[:, None, None] + plane[None, :, None] + grid[None, None, :]
+    else:
+        total = plane[:, None, None] + piece[None, :, None] + grid[None, None, :]
+    return total.ravel()
+
+
+# ---- merging -------------------------------------------------------------------------------------
+
+
+def _merge(cols: list[np.ndarray], src_buffer_bytes: int) -> list[np.ndarray]:
+    """Order runs by source address, then join each run to its predecessor where both continue.
+
+    ::
+
+        src  [b3 p0][b3 p1][b4 p0]...      run i+1 joins run i iff
+        dst  [b7 p0][b7 p1][b8 p0]...        src_buf and dst_buf equal and
+                                             src_off[i]+len[i] == src_off[i+1] and
+                                             dst_off[i]+len[i] == dst_off[i+1]
+    """
+    sb, so, db, do, ln = cols
+    if sb.size == 0:
+        return cols
+    if int(sb.max()) < (1 << 62) // max(src_buffer_bytes, 1):
+        key = sb * src_buffer_bytes + so
+        if (np.diff(key) < 0).any():
+            order = np.argsort(key, kind="stable")
+            sb, so, db, do, ln = (c[order] for c in (sb, so, db, do, ln))
+    else:  # pragma: no cover - buffers beyond 2**62 bytes in total
+        order = np.lexsort((so, sb))
+        sb, so, db, do, ln = (c[order] for c in (sb, so, db, do, ln))
+    joins = (sb[1:] == sb[:-1]) & (db[1:] == db[:-1]) & (so[1:] == so[:-1] + ln[:-1]) & (do[1:] == do[:-1] + ln[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return [sb[starts], so[starts], db[starts], do[starts], np.add.reduceat(ln, starts)]
+
+
+# ---- planning ------------------------------------------------------------------------------------
+
+
+def plan_transfer(
+    remote: KVLayoutSpec,
+    local: KVLayoutSpec,
+    group_id: int,
+    pieces: Sequence[BlockPiece],
+    read: RankRead,
+    layers: Sequence[int] | None = None,
+    *,
+    pad_partial_blocks: bool = False,
+) -> TransferPlan:
+    """Descriptors that copy ``pieces`` of group ``group_id`` for the heads in ``read``.
+
+    ``remote`` is the spec of rank ``read.remote_rank`` (its own head count), ``local`` the spec
+    of the reading rank. ``layers`` defaults to all of the group's layers.
+
+    ``pad_partial_blocks`` widens a partial piece to its whole ``min(block sizes)`` unit: the tail
+    copies stale bytes into slots the reader owns and has not filled yet, and in exchange a partial
+    last block costs no more descriptors than a full one (one instead of ``2 * layers`` per block
+    for cross-layer). Only use it when nobody else reads those local slots.
+    """
+    rg, lg = _check_specs(remote, local, group_id)
+    _check_heads(read, remote, local)
+    if layers is None:
+        layers = rg.layer_ids
+    layers = tuple(layers)
+    if len(set(layers)) != len(layers) or not set(layers) <= set(rg.layer_ids):
+        raise ValueError(f"layers {layers} must be distinct layers of group {group_id} {rg.layer_ids}")
+    arr = _piece_arrays(pieces)
+    if pad_partial_blocks:
+        arr = _pad_partial(arr, min(rg.block_size, lg.block_size))
+    _check_pieces(arr, remote, local, rg, lg)
+    if not layers or arr.shape[1] == 0:
+        return TransferPlan.empty(read.remote_rank)
+
+    e = remote.element_size
+    # Planes: one (layer, K/V) each, sorted by source address so a sorted source needs no sort.
+    r_views, l_views = _views(remote, layers), _views(local, layers)
+    planes = sorted(
+        (rv.buffer_index, rv.offset * e, lv.buffer_index, lv.offset * e)
+        for rv, lv in zip(r_views, l_views, strict=True)
+    )
+    p_sb, p_so, p_db, p_do = (np.array(c, dtype=np.int64) for c in zip(*planes, strict=True))
+    r_block, r_token, r_head = (s * e for s in r_views[0].strides[:3])
+    l_block, l_token, l_head = (s * e for s in l_views[0].strides[:3])
+    num_heads = read.num_heads
+    row_bytes = remote.head_dim * e
+    head_base_src = read.remote_heads[0] * r_head
+    head_base_dst = read.local_heads[0] * l_head
+    piece_major = remote.kind is LayoutKind.CROSS_LAYER
+
+    rb, ro, lb, lo, nt = arr
+    out: list[list[np.ndarray]] = [[] for _ in _FIELDS]
+    for tokens in np.unique(nt).tolist():  # full pieces, and at most a partial first/last one
+        sel = nt == tokens
+        head_axis = _Axis(num_heads, r_head, l_head)
+        token_axis = _Axis(tokens, r_token, l_token)
+        inner_first = [head_axis, token_axis] if remote.order is BlockOrder.NHD else [token_axis, head_axis]
+        run, left = _coalesce(row_bytes, inner_first)
+        g_src, g_dst = _grid(left)
+        piece_src = rb[sel] * r_block + ro[sel] * r_token + head_base_src
+        piece_dst = lb[sel] * l_block + lo[sel] * l_token + head_base_dst
+        no_piece, no_grid = np.zeros_like(piece_src), np.zeros_like(g_src)
+        out[0].append(_expand(p_sb, no_piece, no_grid, piece_major))
+        out[1].append(_expand(p_so, piece_src, g_src, piece_major))
+        out[2].append(_expand(p_db, no_piece, no_grid, piece_major))
+        out[3].append(_expand(p_do, piece_dst, g_dst, piece_major))
+        out[4].append(np.full(out[1][-1].size, run, dtype=np.int64))
+
+    cols = [np.concatenate(c) for c in out]
+    src_buffer_bytes = max(b.num_bytes for b in remote.buffers())
+    return TransferPlan(read.remote_rank, *_merge(cols, src_buffer_bytes))
+
+
+def plan_groups(
+    remote: KVLayoutSpec,
+    local: KVLayoutSpec,
+    pieces_by_group: Mapping[int, Sequence[BlockPiece]],
+    read: RankRead,
+    *,
+    pad_partial_blocks: bool = False,
+) -> TransferPlan:
+    """One plan for several KV groups of the same remote rank (each group planned on its own)."""
+    plans = [
+        plan_transfer(remote, local, gid, pieces, read, pad_partial_blocks=pad_partial_blocks)
+        for gid, pieces in pieces_by_group.items()
+    ]
+    return concat_plans(plans, read.remote_rank, max(b.num_bytes for b in remote.buffers()))
+
+
+def concat_plans(plans: Sequence[TransferPlan], remote_rank: int, src_buffer_bytes: int = 1 << 40) -> TransferPlan:
+    """Join plans that read the same remote rank, merging runs that meet across them."""
+    if any(p.remote_rank != remote_rank for p in plans):
+        raise ValueError(f"plans read different remote ranks: {sorted({p.remote_rank for p in plans})}")
+    if not plans:
+        return TransferPlan.empty(remote_rank)
+    cols = [np.concatenate([getattr(p, name) for p in plans]) for name in _FIELDS]
+    return TransferPlan(remote_rank, *_merge(cols, src_buffer_bytes))
+
+
+# ---- reference copy ------------------------------------------------------------------------------
+
+
+def _byte_view(buf: Any, side: str, index: int) -> Any:
+    """A flat uint8 view sharing memory with ``buf`` (numpy on CPU, torch tensor on a device)."""
+    if isinstance(buf, bytearray | memoryview | bytes):
+        return np.frombuffer(buf, dtype=np.uint8)
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ValueError(f"{side} buffer {index} is not contiguous")
+        return buf.reshape(-1).view(np.uint8)
+    if type(buf).__module__.startswith("torch"):
+        import torch
+
+        if not buf.is_contiguous():
+            raise ValueError(f"{side} buffer {index} is not contiguous")
+        flat = buf.detach().reshape(-1).view(torch.uint8)
+        return flat.numpy() if flat.device.type == "cpu" else flat
+    raise ValueError(f"{side} buffer {index}: unsupported type {type(buf).__name__}")
+
+
+def _check_bounds(bufs: list[Any], index: np.ndarray, offset: np.ndarray, length: np.ndarray, side: str) -> None:
+    if index.size == 0:
+        return
+    if int(index.min()) < 0 or int(index.max()) >= len(bufs):
+        raise ValueError(f"plan names a {side} buffer outside [0, {len(bufs)})")
+    sizes = np.array([b.shape[0] for b in bufs], dtype=np.int64)
+    if ((offset < 0) | (offset + length > sizes[index])).any():
+        raise ValueError(f"plan reaches past the end of a {side} buffer")
+
+
+def apply_plan(plan: TransferPlan, src_buffers: Sequence[Any], dst_buffers: Sequence[Any]) -> None:
+    """Execute ``plan`` as plain memcpys (reference for tests; a same-process copy).
+
+    Buffers may be ``bytearray``, contiguous numpy arrays or contiguous torch tensors of any
+    dtype; they are addressed as bytes.
+    """
+    src = [_byte_view(b, "src", i) for i, b in enumerate(src_buffers)]
+    dst = [_byte_view(b, "dst", i) for i, b in enumerate(dst_buffers)]
+    _check_bounds(src, plan.src_buffer, plan.src_offset, plan.length, "src")
+    _check_bounds(dst, plan.dst_buffer, plan.dst_offset, plan.length, "dst")
+    on_device = any(not isinstance(b, np.ndarray) for b in src + dst)
+    if on_device:
+        import torch
+
+        src = [torch.from_numpy(b) if isinstance(b, np.ndarray) else b for b in src]
+        dst = [torch.from_numpy(b) if isinstance(b, np.ndarray) else b for b in dst]
+    for sb, so, db, do, n in zip(*(getattr(plan, name).tolist() for name in _FIELDS), strict=True):
+        if on_device:
+            dst[db][do : do + n].copy_(src[sb][so : so + n], non_blocking=False)
+        else:
+            dst[db][do : do + n] = src[sb][so : so + n]

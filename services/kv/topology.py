@@ -1,0 +1,260 @@
+"""Reconcile a prefill ("remote", P) engine with a decode ("local", D) engine.
+
+The two sides may run different TP sizes and different block sizes; neither is in the
+compatibility hash, both are reconciled here into plain values the descriptor planner reads:
+
+* :func:`rank_reads` -- which remote ranks a local rank reads, and which of their heads land where.
+* :func:`readers_per_remote_rank` -- how many local ranks read each remote rank, so the owner knows
+  how many notifications to wait for before it frees a request's blocks.
+* :func:`map_blocks` -- runs of tokens that sit in one remote block and one local block.
+* :func:`window_start_token` -- the first token a sliding-window group still needs.
+
+Head arithmetic follows ``services.engine.parallel``: KV heads split evenly when
+``tp <= num_kv_heads``, otherwise each head is replicated on ``tp // num_kv_heads`` consecutive
+ranks. It is restated here (no torch import) and a test checks the two agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.kv.groups import AttentionKind, KVCacheGroupSpec
+
+# ---- TP ranks ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankRead:
+    """One remote rank's contribution to one local rank.
+
+    Heads are indices into each rank's own (sharded) head axis, half-open ``[start, end)``.
+    """
+
+    remote_rank: int
+    remote_heads: tuple[int, int]
+    local_heads: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        (rs, re_), (ls, le) = self.remote_heads, self.local_heads
+        if self.remote_rank < 0:
+            raise ValueError(f"remote_rank must be >= 0, got {self.remote_rank}")
+        if not (0 <= rs < re_ and 0 <= ls < le):
+            raise ValueError(f"empty or negative head range: remote {self.remote_heads}, local {self.local_heads}")
+        if re_ - rs != le - ls:
+            raise ValueError(f"head ranges differ in length: remote {self.remote_heads}, local {self.local_heads}")
+
+    @property
+    def num_heads(self) -> int:
+        return self.remote_heads[1] - self.remote_heads[0]
+
+
+def check_tp(tp_size: int, num_kv_heads: int, side: str = "") -> None:
+    """Refuse a TP size that cannot shard ``num_kv_heads`` (neither divides the other)."""
+    who = f"{side} " if side else ""
+    if num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be >= 1, got {num_kv_heads}")
+    if tp_size < 1:
+        raise ValueError(f"{who}tp size must be >= 1, got {tp_size}")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(
+            f"{who}tp size {tp_size} and num_kv_heads {num_kv_heads}: neither divides the other, "
+            "so KV heads cannot be sharded evenly"
+        )
+
+
+def kv_head_range(tp_size: int, rank: int, num_kv_heads: int) -> tuple[int, int]:
+    """[start, end) of the global KV heads ``rank`` holds (same rule as ``ParallelConfig``)."""
+    check_tp(tp_size, num_kv_heads)
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} out of range for tp size {tp_size}")
+    if tp_size <= num_kv_heads:
+        n = num_kv_heads // tp_size
+        return rank * n, (rank + 1) * n
+    head = rank * num_kv_heads // tp_size
+    return head, head + 1
+
+
+def _holder(head: int, replica: int, tp_size: int, num_kv_heads: int) -> tuple[int, int]:
+    """(rank, head index inside that rank) of the ``replica``-th holder of global ``head``.
+
+    Replicas wrap around, so any non-negative ``replica`` names a holder.
+    """
+    if tp_size <= num_kv_heads:
+        per_rank = num_kv_heads // tp_size
+        return head // per_rank, head % per_rank
+    copies = tp_size // num_kv_heads
+    return head * copies + replica % copies, 0
+
+
+def rank_reads(local_tp: int, local_rank: int, remote_tp: int, num_kv_heads: int) -> tuple[RankRead, ...]:
+    """The remote ranks local rank ``local_rank`` reads, each with its head ranges.
+
+    Each local head is read exactly once. A replicated remote head is read from the holder whose
+    replica index matches the local rank's own replica index (modulo the remote copies), so equal
+    TP pairs rank r with rank r and replicated readers spread over replicated owners::
+
+        num_kv_heads=8, local tp 2 <- remote tp 4     local rank 0 holds heads 0..3
+            remote 0 heads [0,2) -> local [0,2)
+            remote 1 heads [0,2) -> local [2,4)
+
+        num_kv_heads=2, local tp 4 <- remote tp 2     local rank 3 holds head 1 (replica 1 of 2)
+            remote 1 heads [0,1) -> local [0,1)
+
+        num_kv_heads=2, local tp 1 <- remote tp 4     heads 0,1 live on ranks {0,1} and {2,3}
+            remote 0 heads [0,1) -> local [0,1)
+            remote 2 heads [0,1) -> local [1,2)
+    """
+    check_tp(local_tp, num_kv_heads, "local")
+    check_tp(remote_tp, num_kv_heads, "remote")
+    start, end = kv_head_range(local_tp, local_rank, num_kv_heads)
+    replica = local_rank % (local_tp // num_kv_heads) if local_tp > num_kv_heads else 0
+
+    reads: list[RankRead] = []
+    for head in range(start, end):
+        rank, remote_head = _holder(head, replica, remote_tp, num_kv_heads)
+        local_head = head - start
+        last = reads[-1] if reads else None
+        if last and last.remote_rank == rank and last.remote_heads[1] == remote_head:
+            reads[-1] = RankRead(rank, (last.remote_heads[0], remote_head + 1), (last.local_heads[0], local_head + 1))
+        else:
+            reads.append(RankRead(rank, (remote_head, remote_head + 1), (local_head, local_head + 1)))
+    return tuple(reads)
+
+
+def readers_per_remote_rank(local_tp: int, remote_tp: int, num_kv_heads: int) -> tuple[int, ...]:
+    """For each remote rank, how many local ranks read from it (0: nobody; free at once).
+
+    The owner side waits for this many notifications per request before freeing its blocks.
+    """
+    counts = [0] * remote_tp
+    for local_rank in range(local_tp):
+        for rank in {r.remote_rank for r in rank_reads(local_tp, local_rank, remote_tp, num_kv_heads)}:
+            counts[rank] += 1
+    return tuple(counts)
+
+
+# ---- blocks ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPiece:
+    """A run of tokens that sits inside one remote block and one local block (offsets in tokens)."""
+
+    remote_block: int
+    remote_offset: int
+    local_block: int
+    local_offset: int
+    num_tokens: int
+
+
+def _as_ids(block_ids: Sequence[int] | np.ndarray, side: str) -> np.ndarray:
+    ids = np.asarray(block_ids)
+    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise ValueError(f"{side} block ids must be a flat sequence of integers")
+    return ids.astype(np.int64, copy=False)
+
+
+def _check_ids(ids: np.ndarray, side: str) -> None:
+    """The ids a transfer touches: non-negative and distinct (a repeat would mean a double write)."""
+    if ids.size == 0:
+        return
+    if int(ids.min()) < 0:
+        raise ValueError(f"{side} block ids must be >= 0, got {int(ids.min())}")
+    if np.unique(ids).size != ids.size:
+        raise ValueError(f"{side} block ids repeat inside the transferred range")
+
+
+def map_blocks(
+    remote_block_ids: Sequence[int] | np.ndarray,
+    remote_block_size: int,
+    local_block_ids: Sequence[int] | np.ndarray,
+    local_block_size: int,
+    num_tokens: int,
+    start_token: int = 0,
+) -> tuple[BlockPiece, ...]:
+    """Split tokens ``[start_token, num_tokens)`` into runs that stay in one block on each side.
+
+    Both id lists are block tables from token 0; entries before ``start_token`` are not read.
+    One block size must divide the other, so every run is ``min(sizes)`` tokens except a partial
+    last one, which moves only the tokens that exist::
+
+        remote block 16, local block 4, tokens [4, 22):
+          remote  |r0 .............................|r1 .....
+          local   |l0  |l1  |l2  |l3  |l4  |l5  |..
+          pieces        (r0@4,l1@0,4) (r0@8,l2@0,4) (r0@12,l3@0,4) (r1@0,l4@0,4) (r1@4,l5@0,2)
+
+    ``start_token`` must sit on a local block boundary: the reader's prefix cache holds whole
+    local blocks, and rounding would either overwrite a cached block or skip needed tokens.
+    """
+    if remote_block_size < 1 or local_block_size < 1:
+        raise ValueError(f"block sizes must be >= 1, got remote {remote_block_size}, local {local_block_size}")
+    small, large = sorted((remote_block_size, local_block_size))
+    if large % small:
+        raise ValueError(
+            f"remote block size {remote_block_size} and local block size {local_block_size}: neither divides the other"
+        )
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if not 0 <= start_token <= num_tokens:
+        raise ValueError(f"start_token {start_token} outside [0, num_tokens={num_tokens}]")
+    if start_token % local_block_size:
+        raise ValueError(f"start_token {start_token} is not on a local block boundary (block size {local_block_size})")
+    remote_ids = _as_ids(remote_block_ids, "remote")
+    local_ids = _as_ids(local_block_ids, "local")
+    for side, ids, size in (("remote", remote_ids, remote_block_size), ("local", local_ids, local_block_size)):
+        needed = -(-num_tokens // size)
+        if ids.size < needed:
+            raise ValueError(f"{num_tokens} tokens need {needed} {side} blocks of {size}, got {ids.size}")
+    if start_token == num_tokens:
+        return ()
+
+    starts = np.arange(start_token, num_tokens, small, dtype=np.int64)
+    counts = np.minimum(starts + small, num_tokens) - starts
+    r_idx, r_off = np.divmod(starts, remote_block_size)
+    l_idx, l_off = np.divmod(starts, local_block_size)
+    _check_ids(remote_ids[r_idx[0] : r_idx[-1] + 1], "remote")
+    _check_ids(local_ids[l_idx[0] : l_idx[-1] + 1], "local")
+    cols = (remote_ids[r_idx], r_off, local_ids[l_idx], l_off, counts)
+    rows = zip(*(c.tolist() for c in cols), strict=True)
+    return tuple(BlockPiece(*row) for row in rows)
+
+
+# ---- sliding window ----------------------------------------------------------------------------
+
+
+def window_start_token(remote_group: KVCacheGroupSpec, local_group: KVCacheGroupSpec, num_tokens: int) -> int:
+    """First token a transfer of this group must move; 0 for full attention.
+
+    Blocks wholly before the window are not pulled. The clip uses ``first_needed_block`` on the
+    LARGER of the two block sizes, so the token is a boundary on both sides and never later than
+    what either side's attention still reads::
+
+        W=6, n=30, remote block 4, local block 8:
+          remote first needed block (30-6)//4 = 6 -> token 24
+          local  first needed block (30-6)//8 = 3 -> token 24     -> start 24
+        W=6, n=22:  remote -> token 16, local -> token 16 // 8 * 8 = 16  -> start 16
+        W=10, n=22: remote (12//4)*4 = 12, local (12//8)*8 = 8   -> start 8 (both sides hold 8..)
+    """
+    if remote_group.group_id != local_group.group_id:
+        raise ValueError(f"group ids differ: remote {remote_group.group_id}, local {local_group.group_id}")
+    if (remote_group.kind, remote_group.sliding_window) != (local_group.kind, local_group.sliding_window):
+        raise ValueError(
+            f"group {local_group.group_id} attends differently: "
+            f"remote {remote_group.kind.value}(window={remote_group.sliding_window}), "
+            f"local {local_group.kind.value}(window={local_group.sliding_window})"
+        )
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if local_group.kind is AttentionKind.FULL:
+        return 0
+    coarse = max(remote_group, local_group, key=lambda g: g.block_size)
+    fine = min(remote_group.block_size, local_group.block_size)
+    if coarse.block_size % fine:
+        raise ValueError(
+            f"remote block size {remote_group.block_size} and local block size {local_group.block_size}: "
+            "neither divides the other"
+        )
+    return coarse.first_needed_block(num_tokens) * coarse.block_size

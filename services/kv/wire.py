@@ -1,0 +1,85 @@
+"""Conversions between the KV value types and their protobuf messages (services/proto_gen)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.kv.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.proto_gen.pdserve.v1 import kv_pb2
+
+_KIND_TO_PB = {AttentionKind.FULL: kv_pb2.FULL, AttentionKind.SLIDING_WINDOW: kv_pb2.SLIDING_WINDOW}
+_LAYOUT_TO_PB = {LayoutKind.PER_LAYER: kv_pb2.PER_LAYER, LayoutKind.CROSS_LAYER: kv_pb2.CROSS_LAYER}
+_ORDER_TO_PB = {BlockOrder.NHD: kv_pb2.NHD, BlockOrder.HND: kv_pb2.HND}
+_MEM_TO_PB = {"DRAM": kv_pb2.DRAM, "VRAM": kv_pb2.VRAM}
+
+
+def _inverse(table: dict) -> dict:
+    return {v: k for k, v in table.items()}
+
+
+_KIND_FROM_PB, _LAYOUT_FROM_PB = _inverse(_KIND_TO_PB), _inverse(_LAYOUT_TO_PB)
+_ORDER_FROM_PB, _MEM_FROM_PB = _inverse(_ORDER_TO_PB), _inverse(_MEM_TO_PB)
+
+
+def _lookup(table: dict, value: int, what: str):
+    try:
+        return table[value]
+    except KeyError:
+        raise ValueError(f"unknown {what} {value} on the wire") from None
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    """A registered KV buffer as a peer sees it: where it is and what kind of memory."""
+
+    buffer_index: int
+    address: int
+    length: int
+    device_id: int
+    kind: str  # "DRAM" | "VRAM"
+
+
+def group_to_proto(g: KVCacheGroupSpec) -> kv_pb2.KVGroup:
+    return kv_pb2.KVGroup(
+        group_id=g.group_id, kind=_KIND_TO_PB[g.kind], layer_ids=list(g.layer_ids), block_size=g.block_size,
+        sliding_window=g.sliding_window or 0,
+    )
+
+
+def group_from_proto(m: kv_pb2.KVGroup) -> KVCacheGroupSpec:
+    kind = _lookup(_KIND_FROM_PB, m.kind, "attention kind")
+    window = m.sliding_window if kind is AttentionKind.SLIDING_WINDOW else None
+    return KVCacheGroupSpec(m.group_id, kind, tuple(m.layer_ids), m.block_size, window)
+
+
+def layout_to_proto(spec: KVLayoutSpec) -> kv_pb2.KVLayout:
+    return kv_pb2.KVLayout(
+        kind=_LAYOUT_TO_PB[spec.kind], order=_ORDER_TO_PB[spec.order], num_blocks=spec.num_blocks,
+        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=spec.dtype,
+        groups=[group_to_proto(g) for g in spec.groups],
+    )
+
+
+def layout_from_proto(m: kv_pb2.KVLayout) -> KVLayoutSpec:
+    """Decode and validate (KVLayoutSpec's own checks run): a malformed layout is a ValueError."""
+    return KVLayoutSpec(
+        kind=_lookup(_LAYOUT_FROM_PB, m.kind, "layout kind"),
+        order=_lookup(_ORDER_FROM_PB, m.order, "block order"),
+        num_blocks=m.num_blocks,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        dtype=m.dtype,
+        groups=tuple(group_from_proto(g) for g in m.groups),
+    )
+
+
+def region_to_proto(r: MemoryRegion) -> kv_pb2.MemoryRegion:
+    return kv_pb2.MemoryRegion(
+        buffer_index=r.buffer_index, address=r.address, length=r.length, device_id=r.device_id,
+        kind=_MEM_TO_PB[r.kind],
+    )
+
+
+def region_from_proto(m: kv_pb2.MemoryRegion) -> MemoryRegion:
+    return MemoryRegion(m.buffer_index, m.address, m.length, m.device_id, _lookup(_MEM_FROM_PB, m.kind, "memory kind"))
