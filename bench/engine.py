@@ -3,6 +3,10 @@
     python bench/engine.py                                    # CPU, bundled SmolLM2 GGUF, fp32
     python bench/engine.py --model dummy:llama-3.1-8b --dtype bfloat16 --device cuda
 
+On CUDA every decode step is timed twice, through the decode CUDA graphs and eagerly (the same
+engine with its graph runner detached), so the two columns share weights, KV and prompts;
+--enforce-eager builds the engine without graphs and times the eager path only.
+
 Floors (speed of light): a decode step must read every weight once, so it cannot beat
 weight_bytes / memory bandwidth; a prefill cannot beat 2 * params * tokens / peak FLOP/s.
 On CUDA the peaks come from the device's datasheet; on CPU they are measured here (a large
@@ -19,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import services  # noqa: E402,F401  (oneDNN ISA cap before torch)
+import services  # noqa: E402,F401,I001  (oneDNN ISA cap before torch)
 import torch  # noqa: E402
 
 from services.engine.engine_config import EngineConfig  # noqa: E402
@@ -112,6 +116,15 @@ def bench_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> 
     return elapsed
 
 
+def bench_decode_eager(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
+    """``bench_decode`` with the engine's decode graphs switched off for the run."""
+    graphs, engine.runner.decode_graphs = engine.runner.decode_graphs, None
+    try:
+        return bench_decode(engine, batch, prompt_len, steps)
+    finally:
+        engine.runner.decode_graphs = graphs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: bundled SmolLM2-135M-Instruct GGUF")
@@ -123,6 +136,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kv-layout", default="cross_layer", choices=[k.value for k in LayoutKind])
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs (eager column only)")
     ap.add_argument("--json", action="store_true", help="one JSON object per case per line")
     ap.add_argument("--json-out", default=None, help="also write the JSON lines to this file")
     args = ap.parse_args()
@@ -131,8 +145,9 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, kv_layout=LayoutKind(args.kv_layout),
         max_num_seqs=max(batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, enforce_eager=args.enforce_eager,
     ))
+    graphs = engine.runner.decode_graphs
     mc, dev = engine.model_config, engine.device
     dtype = TORCH_DTYPES[engine.dtype]
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
@@ -146,6 +161,7 @@ def main() -> None:
         tokens = batch * args.prompt_len
         prefill_floor_s = 2 * mc.num_parameters * tokens / flops
         step_s = bench_decode(engine, batch, args.prompt_len, args.decode_steps)
+        eager_s = bench_decode_eager(engine, batch, args.prompt_len, args.decode_steps) if graphs else step_s
         decode_floor_s = weight_bytes / bandwidth
         rows.append(dict(
             device=device_name, model=engine.source.name, dtype=engine.dtype, kv_layout=args.kv_layout,
@@ -153,7 +169,8 @@ def main() -> None:
             prefill_tok_s=tokens / prefill_s, prefill_s=prefill_s, prefill_floor_s=prefill_floor_s,
             prefill_mfu=prefill_floor_s / prefill_s,
             decode_tok_s=batch / step_s, decode_step_ms=step_s * 1e3, decode_floor_ms=decode_floor_s * 1e3,
-            decode_vs_floor=step_s / decode_floor_s, peak_source=peak_src,
+            decode_vs_floor=step_s / decode_floor_s, decode_graphs=graphs is not None,
+            decode_step_eager_ms=eager_s * 1e3, graph_speedup=eager_s / step_s, peak_source=peak_src,
             peak_bandwidth_gbs=bandwidth / 1e9, peak_tflops=flops / 1e12,
         ))
     if args.json_out:
@@ -164,10 +181,16 @@ def main() -> None:
         return
     print(f"# {device_name}  model={engine.source.name}  dtype={engine.dtype}  weights={weight_bytes / 1e9:.2f} GB  "
           f"peaks ({peak_src}): {bandwidth / 1e9:.0f} GB/s, {flops / 1e12:.1f} TFLOP/s")
-    print(f"{'batch':>5} {'prefill tok/s':>14} {'MFU':>6} {'decode tok/s':>13} {'step ms':>8} {'floor ms':>9} {'x floor':>8}")
+    if graphs is not None:
+        print(f"# decode CUDA graphs: {len(graphs.captured)} captured in {graphs.capture_s:.2f} s "
+              f"(batch, context): {graphs.captured}")
+    step = "graph ms" if graphs is not None else "step ms"
+    print(f"{'batch':>5} {'prefill tok/s':>14} {'MFU':>6} {'decode tok/s':>13} {step:>8} {'eager ms':>9} "
+          f"{'floor ms':>9} {'x floor':>8}")
     for r in rows:
         print(f"{r['batch']:>5} {r['prefill_tok_s']:>14.0f} {r['prefill_mfu']:>6.2f} {r['decode_tok_s']:>13.1f} "
-              f"{r['decode_step_ms']:>8.2f} {r['decode_floor_ms']:>9.3f} {r['decode_vs_floor']:>8.1f}")
+              f"{r['decode_step_ms']:>8.2f} {r['decode_step_eager_ms']:>9.2f} {r['decode_floor_ms']:>9.3f} "
+              f"{r['decode_vs_floor']:>8.1f}")
 
 
 if __name__ == "__main__":

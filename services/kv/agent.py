@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -119,7 +119,10 @@ def _describe(exc: BaseException) -> str:
 
 def as_descriptor_array(descs: DescriptorsLike, side: str) -> np.ndarray:
     """(addr, len, dev) rows as the C-contiguous uint64 [n, 3] array NIXL copies without a Python loop."""
-    arr = descs if isinstance(descs, np.ndarray) else np.asarray(descs, dtype=np.int64)
+    try:
+        arr = descs if isinstance(descs, np.ndarray) else np.asarray(descs, dtype=np.int64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{side} descriptors must be (addr, len, dev) integer triples: {exc}") from None
     if arr.ndim != 2 or arr.shape[1] != 3 or arr.shape[0] == 0:
         raise ValueError(f"{side} descriptors must be a non-empty [n, 3] (addr, len, dev) list, got shape {arr.shape}")
     if not np.issubdtype(arr.dtype, np.integer):
@@ -266,7 +269,9 @@ class TransferHandle:
 class TransferAgent:
     """One NIXL agent (one per TP rank): registers KV memory, knows peers, reads, collects notifications.
 
-    Not for concurrent use from several threads except as documented in the module docstring.
+    ``device`` says which memory it moves: "cpu" registers DRAM only; "cuda" registers VRAM (and
+    DRAM, e.g. a CPU tier) and turns on UCX's cuda_ipc GET unless the operator already chose a value.
+    Safe to share between the event loop and the agent's own worker thread, as the module docstring says.
     """
 
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), device: Device = "cpu") -> None:
@@ -325,6 +330,11 @@ class TransferAgent:
     @property
     def peers(self) -> tuple[str, ...]:
         return tuple(self._peers)
+
+    @property
+    def num_in_flight(self) -> int:
+        """READs posted and not yet completed, failed or released (a gauge for metrics and leak checks)."""
+        return len(self._active)
 
     @property
     def regions(self) -> tuple[RegisteredRegion, ...]:
@@ -467,16 +477,16 @@ class TransferAgent:
         # Validate here so bad input raises at once, in the caller's thread.
         local_arr, remote_arr = self._prepare(peer, local, remote, notify, mem_kind, remote_mem_kind)
         ctx = {"peer": peer, "num_descriptors": int(local_arr.shape[0]), "num_bytes": int(local_arr[:, 1].sum())}
-        future = asyncio.get_running_loop().run_in_executor(
-            self._worker(), lambda: self.start_read(peer, local_arr, remote_arr, notify, mem_kind,
-                                                    remote_mem_kind=remote_mem_kind))
+        posting = self._worker().submit(
+            self.start_read, peer, local_arr, remote_arr, notify, mem_kind, remote_mem_kind=remote_mem_kind)
         try:
-            handle = await asyncio.wait_for(asyncio.shield(future), max(deadline - time.monotonic(), 0.0))
-        except TimeoutError:
-            future.add_done_callback(_abort_when_posted)
-            raise TransferTimeout(f"posting READ took more than {timeout_s:.3f}s", aborted=False, **ctx) from None
-        except asyncio.CancelledError:
-            future.add_done_callback(_abort_when_posted)
+            handle = await asyncio.wait_for(asyncio.wrap_future(posting), max(deadline - time.monotonic(), 0.0))
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            # The post cannot be interrupted; abort its READ when it returns (runs even after the loop closed).
+            posting.add_done_callback(_abort_when_posted)
+            if isinstance(exc, TimeoutError):
+                raise TransferTimeout(f"posting READ took more than {timeout_s:.3f}s", aborted=False,
+                                      **ctx) from None
             raise
         try:
             await _wait_done(handle, deadline)
@@ -590,9 +600,9 @@ class TransferAgent:
         self._unreleased = still
 
 
-def _abort_when_posted(future: Any) -> None:
-    if not future.cancelled() and future.exception() is None:
-        future.result().abort()
+def _abort_when_posted(posting: Future) -> None:
+    if not posting.cancelled() and posting.exception() is None:
+        posting.result().abort()
 
 
 async def _wait_done(handle: TransferHandle, deadline: float) -> None:

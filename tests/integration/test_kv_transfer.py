@@ -1,0 +1,279 @@
+"""KV transfer end to end: a real owner process and this (reader) process, gRPC handshake, NIXL READ.
+
+The owner fills its KV with a pattern that depends only on (layer, K/V, block, token, global
+head, element); the reader regenerates the pattern and checks every byte it received, and that
+every byte it should not have touched (held prefix, blocks outside the window, other blocks)
+still holds its sentinel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from services.engine.kv_cache import KVCache
+from services.engine.parallel import ParallelConfig
+from services.kv.agent import TransferAgent, TransferError
+from services.kv.compat import CompatInfo, KVCompatibilityError, compat_fields
+from services.kv.handshake import HandshakeError, StaleTicketError
+from services.kv.puller import KVPuller, ReaderRank, TicketError
+from services.proto_gen.pdserve.v1 import kv_pb2
+from tests.integration.kv_owner import layout_for, pattern
+
+SENTINEL = -7.5
+BASE = dict(kind="per_layer", order="NHD", num_blocks=24, num_kv_heads=4, head_dim=8, dtype="float16",
+            num_layers=3, block_size=4, seed=11)
+
+
+@dataclass
+class Owner:
+    proc: subprocess.Popen
+    port: int
+    epoch: int
+    tickets: dict[str, kv_pb2.TransferTicket]
+    lines: queue.Queue
+
+    def wait_released(self, request_id: str, timeout_s: float = 10.0) -> None:
+        while True:
+            msg = self.lines.get(timeout=timeout_s)
+            if msg.get("released") == request_id:
+                return
+
+
+@contextmanager
+def owner_process(cfg: dict):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.kv_owner", json.dumps(cfg)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            try:  # NIXL/UCX may print their own lines on stdout
+                lines.put(json.loads(line))
+            except json.JSONDecodeError:
+                sys.stderr.write(f"owner: {line}")
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        first = lines.get(timeout=60)
+        tickets = {rid: kv_pb2.TransferTicket.FromString(bytes.fromhex(h)) for rid, h in first["tickets"].items()}
+        yield Owner(proc, first["port"], first["epoch"], tickets, lines)
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class Reader:
+    puller: KVPuller
+    caches: list[KVCache]
+    agents: list[TransferAgent]
+    cfg: dict
+    tp: int
+
+    def close(self) -> None:
+        for a in self.agents:
+            a.close()
+
+
+@contextmanager
+def reader(cfg: dict, tp: int, token: str | None = None):
+    layout = layout_for(cfg, tp)
+    caches, agents, ranks = [], [], []
+    for rank in range(tp):
+        cache = KVCache(layout, torch.device("cpu"))
+        for b in cache.buffers:
+            b.fill_(SENTINEL)
+        agent = TransferAgent(f"reader-{uuid.uuid4().hex[:8]}-tp{rank}")
+        caches.append(cache)
+        agents.append(agent)
+        ranks.append(ReaderRank(agent, layout, cache.buffers))
+    compat = CompatInfo.of(compat_fields(architecture="llama", num_layers=cfg["num_layers"],
+                                         num_kv_heads=cfg["num_kv_heads"], head_dim=cfg["head_dim"], layout=layout))
+    puller = KVPuller(engine_id="reader", compat=compat, num_kv_heads=cfg["num_kv_heads"], ranks=ranks,
+                      auth_token=token, handshake_timeout_s=10, transfer_timeout_s=20)
+    r = Reader(puller, caches, agents, cfg, tp)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def expected_views(owner_cfg: dict, r: Reader, remote_ids: list[int], local_ids: list[int], num_tokens: int,
+                   start: int) -> list[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Per local rank and layer: what K and V must hold after the pull (sentinel elsewhere)."""
+    values = pattern(owner_cfg)
+    rbs, lbs = owner_cfg["block_size"], r.cfg["block_size"]
+    out = []
+    for rank, cache in enumerate(r.caches):
+        h0, h1 = ParallelConfig(r.tp, rank).kv_head_range(owner_cfg["num_kv_heads"])
+        views = {}
+        for layer, (k, v) in cache.views.items():
+            exp = [torch.full_like(k, SENTINEL), torch.full_like(v, SENTINEL)]
+            for t in range(start, num_tokens):
+                for kv in (0, 1):
+                    exp[kv][local_ids[t // lbs], t % lbs] = values[layer, kv, remote_ids[t // rbs], t % rbs, h0:h1]
+            views[layer] = (exp[0], exp[1])
+        out.append(views)
+    return out
+
+
+def check_received(owner_cfg: dict, r: Reader, ticket: kv_pb2.TransferTicket, local_ids: list[int], start: int):
+    remote_ids = list(ticket.groups[0].block_ids)
+    expected = expected_views(owner_cfg, r, remote_ids, local_ids, ticket.num_tokens, start)
+    lbs = r.cfg["block_size"]
+    last_block, tail = local_ids[(ticket.num_tokens - 1) // lbs], ticket.num_tokens % lbs
+    for rank, cache in enumerate(r.caches):
+        for layer, (k, v) in cache.views.items():
+            for kv, (got, exp) in enumerate(zip((k, v), expected[rank][layer], strict=True)):
+                if tail:  # slots past the prompt in its last block may hold padding: don't care
+                    exp[last_block, tail:] = got[last_block, tail:]
+                assert torch.equal(got, exp), f"rank {rank} layer {layer} {'KV'[kv]} differs"
+
+
+def _request(rid: str, num_tokens: int, block_size: int, first_block: int, shuffle: bool) -> dict:
+    n = -(-num_tokens // block_size)
+    ids = list(range(first_block, first_block + n))
+    if shuffle:  # a few runs of consecutive ids, out of order
+        ids = ids[n // 2:] + ids[: n // 2]
+    return {"request_id": rid, "num_tokens": num_tokens, "block_ids": [ids]}
+
+
+CASES = {
+    # name: (owner overrides, reader overrides, owner tp, reader tp)
+    "per_layer-to-per_layer": ({}, {}, 1, 1),
+    "cross_layer-to-cross_layer": ({"kind": "cross_layer"}, {"kind": "cross_layer"}, 1, 1),
+    "per_layer-to-cross_layer": ({"order": "HND"}, {"kind": "cross_layer", "order": "HND"}, 1, 1),
+    "block-ratio-1:4": ({"kind": "cross_layer", "block_size": 4}, {"kind": "cross_layer", "block_size": 16}, 1, 1),
+    "block-ratio-4:1": ({"block_size": 16}, {"block_size": 4}, 1, 1),
+    "tp-1-to-2": ({}, {}, 1, 2),
+    "tp-2-to-1": ({"kind": "cross_layer"}, {}, 2, 1),
+    "tp-2-to-4": ({"order": "HND"}, {"order": "HND"}, 2, 4),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_pull_reproduces_owner_bytes(case: str) -> None:
+    owner_over, reader_over, owner_tp, reader_tp = CASES[case]
+    num_tokens = 29  # a partial last block on every block size used
+    owner_cfg = {**BASE, **owner_over, "engine_id": f"owner-{case}", "tp": owner_tp, "reader_tp": reader_tp}
+    owner_cfg["requests"] = [_request("req-1", num_tokens, owner_cfg["block_size"], 3, shuffle=True)]
+    reader_cfg = {**BASE, **reader_over}
+    local_ids = list(range(1, 1 + -(-num_tokens // reader_cfg["block_size"])))[::-1]
+    with owner_process(owner_cfg) as owner, reader(reader_cfg, reader_tp) as r:
+        ticket = owner.tickets["req-1"]
+        result = asyncio.run(r.puller.pull(ticket, [local_ids]))
+        check_received(owner_cfg, r, ticket, local_ids, start=0)
+        assert result.num_descriptors > 0 and result.num_bytes > 0
+        owner.wait_released("req-1")  # every reading rank notified: the owner frees the blocks
+
+
+def test_sliding_window_group_moves_only_the_window() -> None:
+    cfg = {**BASE, "kind": "cross_layer", "window": 8}
+    num_tokens = 30
+    owner_cfg = {**cfg, "engine_id": "owner-window", "tp": 1, "reader_tp": 1,
+                 "requests": [_request("w", num_tokens, 4, 0, shuffle=False)]}
+    local_ids = list(range(10, 18))
+    with owner_process(owner_cfg) as owner, reader(cfg, 1) as r:
+        result = asyncio.run(r.puller.pull(owner.tickets["w"], [local_ids]))
+        # Last token 29 sees keys 22..29: blocks 5..7 (tokens 20..29) are needed, blocks 0..4 are not.
+        check_received(owner_cfg, r, owner.tickets["w"], local_ids, start=20)
+        assert result.num_descriptors == 1  # consecutive ids, cross-layer: one run
+        owner.wait_released("w")
+
+
+def test_prefix_already_held_is_not_read() -> None:
+    owner_cfg = {**BASE, "engine_id": "owner-prefix", "tp": 1, "reader_tp": 1,
+                 "requests": [_request("p", 25, 4, 2, shuffle=False)]}
+    local_ids = list(range(7))
+    with owner_process(owner_cfg) as owner, reader(BASE, 1) as r:
+        full = asyncio.run(r.puller.pull(owner.tickets["p"], [local_ids], num_cached_tokens=12))
+        check_received(owner_cfg, r, owner.tickets["p"], local_ids, start=12)  # blocks 0..2 untouched
+        per_token = 3 * 2 * 4 * 8 * 2  # layers * K/V * heads * head_dim * bytes
+        assert full.num_bytes == (7 - 3) * 4 * per_token  # local blocks 3..6 (the last padded), not 0..2
+
+
+@pytest.mark.parametrize(
+    ("reader_over", "field"),
+    [({"dtype": "bfloat16"}, "dtype"), ({"num_layers": 4}, "num_layers"), ({"head_dim": 16}, "head_dim"),
+     ({"order": "HND"}, "kv_layout")],
+)
+def test_incompatible_reader_is_refused_with_the_field_named(reader_over: dict, field: str) -> None:
+    owner_cfg = {**BASE, "engine_id": f"owner-compat-{field}", "tp": 1, "reader_tp": 1,
+                 "requests": [_request("c", 12, 4, 0, shuffle=False)]}
+    reader_cfg = {**BASE, **reader_over}
+    with owner_process(owner_cfg) as owner, reader(reader_cfg, 1) as r:
+        with pytest.raises(KVCompatibilityError, match=field) as e:
+            asyncio.run(r.puller.pull(owner.tickets["c"], [[0, 1, 2]]))
+        assert field in e.value.differences
+        assert all(bool((b == SENTINEL).all()) for b in r.caches[0].buffers)  # nothing was read
+
+
+def test_restarted_owner_is_handshaked_again_and_never_read_stale() -> None:
+    cfg = {**BASE, "engine_id": "owner-restart", "tp": 1, "reader_tp": 1}
+    with reader(BASE, 1) as r:
+        with owner_process({**cfg, "epoch": 1, "requests": [_request("a", 12, 4, 0, shuffle=False)]}) as first:
+            old_ticket = first.tickets["a"]
+            asyncio.run(r.puller.pull(old_ticket, [[0, 1, 2]]))
+            port = first.port
+        assert r.puller.peers.num_handshakes == 1
+        # Same engine id and address, new life: new epoch, different bytes (another seed).
+        restarted = {**cfg, "epoch": 2, "seed": 99, "port": port, "requests": [_request("b", 12, 4, 0, False)]}
+        with owner_process(restarted) as second:
+            # The cached epoch-1 agents are gone: the read fails (nothing from the new life is read)...
+            with pytest.raises(TransferError):
+                asyncio.run(r.puller.pull(old_ticket, [[3, 4, 5]]))
+            # ...and the failure dropped the cached metadata: the new epoch's ticket handshakes again.
+            for b in r.caches[0].buffers:
+                b.fill_(SENTINEL)
+            ticket = second.tickets["b"]
+            asyncio.run(r.puller.pull(ticket, [[3, 4, 5]]))
+            check_received(restarted, r, ticket, [3, 4, 5], start=0)
+            assert r.puller.peers.num_handshakes == 2
+            # Now the old ticket is known stale at once: no read is attempted.
+            with pytest.raises(StaleTicketError, match="epoch"):
+                asyncio.run(r.puller.pull(old_ticket, [[6, 7, 8]]))
+            assert r.puller.peers.num_handshakes == 3
+
+
+def test_agent_metadata_needs_the_shared_token() -> None:
+    owner_cfg = {**BASE, "engine_id": "owner-token", "tp": 1, "reader_tp": 1, "token": "s3cret",
+                 "requests": [_request("t", 8, 4, 0, shuffle=False)]}
+    with owner_process(owner_cfg) as owner:
+        with reader(BASE, 1, token="wrong") as r, pytest.raises(HandshakeError, match="PERMISSION_DENIED"):
+            asyncio.run(r.puller.pull(owner.tickets["t"], [[0, 1]]))
+        with reader(BASE, 1, token="s3cret") as r:
+            asyncio.run(r.puller.pull(owner.tickets["t"], [[0, 1]]))
+            check_received(owner_cfg, r, owner.tickets["t"], [0, 1], start=0)
+
+
+def test_forged_ticket_cannot_read_outside_the_owner_blocks() -> None:
+    owner_cfg = {**BASE, "engine_id": "owner-forged", "tp": 1, "reader_tp": 1,
+                 "requests": [_request("f", 8, 4, 0, shuffle=False)]}
+    with owner_process(owner_cfg) as owner, reader(BASE, 1) as r:
+        forged = kv_pb2.TransferTicket()
+        forged.CopyFrom(owner.tickets["f"])
+        forged.groups[0].block_ids[1] = 10_000  # beyond the owner's 24 blocks
+        with pytest.raises(TicketError, match="outside"):
+            asyncio.run(r.puller.pull(forged, [[0, 1]]))
+        forged.CopyFrom(owner.tickets["f"])
+        forged.num_tokens = 4096  # more tokens than its blocks hold
+        with pytest.raises(TicketError):
+            asyncio.run(r.puller.pull(forged, [[0, 1]]))
+        assert all(bool((b == SENTINEL).all()) for b in r.caches[0].buffers)

@@ -1,0 +1,483 @@
+"""TransferAgent against real NIXL (UCX, DRAM) between real processes; nothing is mocked.
+
+An owner process (the prefill side) registers a buffer filled with a seeded random pattern and
+hands its metadata and region over a Pipe (the daemons use gRPC). This process plays the decode
+side with two reader agents, i.e. two reading TP ranks. Every wait is bounded.
+
+Owners start from a forkserver that has imported torch, nixl and this module once (importing nixl
+alone costs ~1.5 s on a CPU machine: it imports torch to learn the CUDA version), so an owner is up
+in well under a second instead of several.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl")
+import torch  # noqa: E402
+
+from services.kv.agent import (  # noqa: E402
+    CUDA_IPC_GET_ENV,
+    NotificationTracker,
+    RegisteredRegion,
+    TrackerStats,
+    TransferAgent,
+    TransferError,
+    TransferHandle,
+    TransferTimeout,
+    UnknownPeerError,
+    as_descriptor_array,
+)
+
+BUF_BYTES = 32 << 20
+WAIT_S = 30.0  # the longest any single wait on another process may take
+RUN_ID = os.getpid()  # agent names unique to this test run
+_MP = mp.get_context("forkserver")  # never fork this process: it runs NIXL/UCX threads
+_MP.set_forkserver_preload([__name__])
+
+
+def _pattern(seed: int, nbytes: int = BUF_BYTES) -> np.ndarray:
+    """Seeded random bytes (raw generator output: ~30 ms for 64 MB)."""
+    return np.random.default_rng(seed).bit_generator.random_raw(nbytes // 8).view(np.uint8)
+
+
+# ---- the owner process ---------------------------------------------------------------------------
+
+
+def _owner_main(conn, name: str, seed: int, nbytes: int) -> None:
+    """Register a patterned buffer, publish it, feed notifications to a tracker, answer commands."""
+    agent = TransferAgent(name)
+    buf = torch.from_numpy(_pattern(seed, nbytes))
+    (region,) = agent.register([buf])
+    conn.send((agent.metadata(), dataclasses.astuple(region)))
+    tracker, completed, received = NotificationTracker(), [], []
+    try:
+        while True:  # the test process going away closes the pipe: EOFError
+            if conn.poll(0.002):
+                cmd, *args = conn.recv()
+                if cmd == "exit":
+                    break
+                if cmd == "expect":
+                    tracker.expect(*args)
+                    conn.send("ok")
+                elif cmd == "report":
+                    conn.send((list(completed), list(received), tracker.stats()))
+            notifications = agent.poll_notifications()
+            if notifications:
+                received.extend((peer, msg) for peer, msgs in notifications.items() for msg in msgs)
+                completed.extend(tracker.feed(notifications))
+    except (EOFError, BrokenPipeError):
+        pass
+    finally:
+        agent.close()
+
+
+class Owner:
+    """Handle on an owner process."""
+
+    def __init__(self, name: str, seed: int, nbytes: int = BUF_BYTES) -> None:
+        self.name, self.pattern = name, _pattern(seed, nbytes)
+        self.conn, child = _MP.Pipe()
+        self.proc = _MP.Process(target=_owner_main, args=(child, name, seed, nbytes), daemon=True)
+        self.proc.start()
+        child.close()
+        self.metadata, region = self._recv()
+        self.region = RegisteredRegion(*region)
+
+    def _recv(self):
+        if not self.conn.poll(WAIT_S):
+            raise AssertionError(f"owner {self.name} said nothing for {WAIT_S}s (exit code {self.proc.exitcode})")
+        return self.conn.recv()
+
+    def call(self, *cmd):
+        self.conn.send(cmd)
+        return self._recv()
+
+    def wait_report(self, until, timeout_s: float = 5.0) -> tuple[list[bytes], list[tuple[str, bytes]], TrackerStats]:
+        """Poll the owner's report until ``until(report)`` holds; fail after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            report = self.call("report")
+            if until(*report):
+                return report
+            if time.monotonic() > deadline:
+                raise AssertionError(f"owner {self.name}: condition not met in {timeout_s}s; last report {report}")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(OSError):  # BrokenPipeError included
+                self.conn.send(("exit",))
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+# ---- fixtures and helpers ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Reader:
+    agent: TransferAgent
+    buf: torch.Tensor
+    sentinel: np.ndarray
+    region: RegisteredRegion
+
+    def reset(self) -> None:
+        self.buf.copy_(torch.from_numpy(self.sentinel))
+
+    def view(self) -> np.ndarray:
+        return self.buf.numpy()
+
+
+@pytest.fixture(scope="module")
+def owner() -> Iterator[Owner]:
+    o = Owner(f"owner-{RUN_ID}", seed=1)
+    yield o
+    o.stop()
+
+
+@pytest.fixture(scope="module")
+def readers() -> Iterator[list[Reader]]:
+    made = []
+    for rank in range(2):
+        sentinel = _pattern(100 + rank)
+        buf = torch.from_numpy(sentinel.copy())
+        agent = TransferAgent(f"reader{rank}-{RUN_ID}")
+        (region,) = agent.register([buf])
+        made.append(Reader(agent, buf, sentinel, region))
+    yield made
+    for r in made:
+        r.agent.close()
+
+
+def _descs(base: int, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[n, 3] int64 (addr, len, dev) rows, as the planner's arrays turn into."""
+    return np.stack([base + offsets, lengths, np.zeros_like(lengths)], axis=1).astype(np.int64)
+
+
+def _wait(handle: TransferHandle, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while handle.poll() == "PROC":
+        assert time.monotonic() < deadline, f"READ not done in {timeout_s}s"
+        time.sleep(0.001)
+
+
+def _expected(reader: Reader, owner: Owner, local_off, remote_off, lengths) -> np.ndarray:
+    want = reader.sentinel.copy()
+    for lo, ro, n in zip(local_off.tolist(), remote_off.tolist(), lengths.tolist(), strict=True):
+        want[lo : lo + n] = owner.pattern[ro : ro + n]
+    return want
+
+
+# ---- reads ---------------------------------------------------------------------------------------
+
+
+def test_single_descriptor_read_is_exact(owner: Owner, readers: list[Reader]) -> None:
+    rd = readers[0]
+    rd.reset()
+    assert rd.agent.add_peer(owner.metadata) == owner.name
+    assert rd.agent.add_peer(owner.metadata) == owner.name  # idempotent
+    remote_off, local_off, n = 3_000_005, 1_000_003, 20 << 20  # unaligned on purpose
+    handle = rd.agent.start_read(
+        owner.name, [(rd.region.addr + local_off, n, 0)], [(owner.region.addr + remote_off, n, 0)]
+    )
+    _wait(handle)
+    result = handle.result()
+    assert (result.num_bytes, result.num_descriptors) == (n, 1)
+    got = rd.view()
+    assert np.array_equal(got[local_off : local_off + n], owner.pattern[remote_off : remote_off + n])
+    assert np.array_equal(got[:local_off], rd.sentinel[:local_off])
+    assert np.array_equal(got[local_off + n :], rd.sentinel[local_off + n :])
+
+
+def test_scattered_small_descriptors_from_numpy(owner: Owner, readers: list[Reader]) -> None:
+    rd = readers[1]
+    rd.reset()
+    rd.agent.add_peer(owner.metadata)
+    rng = np.random.default_rng(7)
+    num, slot = 1500, 8192
+    lengths = rng.integers(1, slot + 1, num)
+    remote_off = rng.choice(BUF_BYTES // slot, num, replace=False) * slot + rng.integers(0, slot - lengths + 1)
+    local_off = rng.choice(BUF_BYTES // slot, num, replace=False) * slot + rng.integers(0, slot - lengths + 1)
+    result = asyncio.run(
+        rd.agent.read(
+            owner.name, _descs(rd.region.addr, local_off, lengths), _descs(owner.region.addr, remote_off, lengths),
+            timeout_s=10,
+        )
+    )
+    print(f"\n{num} scattered descriptors: {result.seconds * 1e3:.1f} ms")
+    assert (result.num_descriptors, result.num_bytes) == (num, int(lengths.sum()))
+    assert np.array_equal(rd.view(), _expected(rd, owner, local_off, remote_off, lengths))
+
+
+def test_event_loop_keeps_running_during_a_large_read(owner: Owner, readers: list[Reader]) -> None:
+    rd = readers[0]
+    rd.reset()
+    rd.agent.add_peer(owner.metadata)
+    size = 16 << 10
+    offsets = np.arange(BUF_BYTES // size, dtype=np.int64) * size
+    lengths = np.full(offsets.size, size)
+    local, remote = _descs(rd.region.addr, offsets, lengths), _descs(owner.region.addr, offsets, lengths)
+
+    async def main():
+        ticks: list[float] = []
+
+        async def ticker():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.001)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        start = time.monotonic()
+        result = await rd.agent.read(owner.name, local, remote, timeout_s=10)
+        end = time.monotonic()
+        task.cancel()
+        return result, [t for t in ticks if start <= t <= end], start, end
+
+    result, during, start, end = asyncio.run(main())
+    gaps = np.diff([start, *during, end])
+    print(f"\n{BUF_BYTES >> 20} MB in {offsets.size} x 16 KB descriptors: {result.gb_per_s:.2f} GB/s, "
+          f"{len(during)} ticks, longest loop stall {gaps.max() * 1e3:.1f} ms")
+    assert np.array_equal(rd.view(), owner.pattern)
+    # A loop blocked by the READ would not tick between post and completion: one gap ~ the whole read.
+    assert len(during) >= 3, f"the event loop ticked {len(during)} times in a {end - start:.3f}s read"
+    assert gaps.max() < 0.8 * (end - start), f"event loop stalled {gaps.max():.3f}s of a {end - start:.3f}s read"
+
+
+def test_timeout_releases_the_read_and_the_agent_stays_usable(owner: Owner, readers: list[Reader]) -> None:
+    rd = readers[1]
+    rd.reset()
+    rd.agent.add_peer(owner.metadata)
+    size = 1 << 10  # 32768 descriptors: on DRAM the post alone takes far longer than 5 ms
+    offsets = np.arange(BUF_BYTES // size, dtype=np.int64)[::-1] * size  # reversed: nothing merges
+    lengths = np.full(offsets.size, size)
+    local, remote = _descs(rd.region.addr, offsets, lengths), _descs(owner.region.addr, offsets, lengths)
+    start = time.monotonic()
+    with pytest.raises(TransferTimeout, match=f"{offsets.size} descriptors") as info:
+        asyncio.run(rd.agent.read(owner.name, local, remote, timeout_s=0.005))
+    assert time.monotonic() - start < 1.0 and owner.name in str(info.value)
+    deadline = time.monotonic() + 10
+    while rd.agent.num_in_flight:  # the late READ is released once its post returns
+        assert time.monotonic() < deadline, "timed-out READ never released"
+        time.sleep(0.01)
+    rd.reset()
+    result = asyncio.run(rd.agent.read(owner.name, local, remote, timeout_s=20))
+    print(f"\n{offsets.size} x 1 KB descriptors: {result.seconds * 1e3:.0f} ms")
+    assert np.array_equal(rd.view(), owner.pattern)
+    assert rd.agent.num_in_flight == 0
+
+
+# ---- notifications -------------------------------------------------------------------------------
+
+
+def test_key_completes_only_after_every_reader(owner: Owner, readers: list[Reader]) -> None:
+    key = f"req-{RUN_ID}-a".encode()
+    assert owner.call("expect", key, 2) == "ok"
+    r0, r1 = readers
+    one = lambda rd: ([(rd.region.addr, 4096, 0)], [(owner.region.addr, 4096, 0)])  # noqa: E731
+    for rd in readers:
+        rd.agent.add_peer(owner.metadata)
+
+    _wait(r0.agent.start_read(owner.name, *one(r0), notify=key))
+    _wait(r0.agent.start_read(owner.name, *one(r0), notify=key))  # the same rank again: a duplicate
+    completed, received, stats = owner.wait_report(lambda c, r, s: s.num_duplicate >= 1)
+    assert key not in completed
+    assert received.count((r0.agent.name, key)) == 2
+
+    _wait(r1.agent.start_read(owner.name, *one(r1), notify=key))
+    completed, _, stats = owner.wait_report(lambda c, r, s: key in c)
+    assert completed.count(key) == 1
+    assert (stats.num_duplicate, stats.num_pending) == (1, 0)
+
+    unknown_before = stats.num_unknown
+    _wait(r1.agent.start_read(owner.name, *one(r1), notify=key))  # late: the key is gone
+    completed, _, stats = owner.wait_report(lambda c, r, s: s.num_unknown > unknown_before)
+    assert completed.count(key) == 1
+
+
+def test_tracker_expires_and_ignores_unknown_keys() -> None:
+    now = [100.0]
+    tracker = NotificationTracker(clock=lambda: now[0])
+    tracker.expect(b"a", 1)
+    tracker.expect(b"b", 2)
+    now[0] += 10
+    tracker.expect(b"c", 1)
+    assert tracker.feed({"r0": [b"b"]}) == []
+    assert sorted(tracker.expire(older_than_s=5)) == [b"a", b"b"]
+    assert tracker.feed({"r1": [b"b", b"zzz"], "r0": [b"c"]}) == [b"c"]
+    assert tracker.stats() == TrackerStats(num_pending=0, num_completed=1, num_expired=2, num_unknown=2,
+                                           num_duplicate=0)
+    with pytest.raises(ValueError, match="num_readers"):
+        tracker.expect(b"d", 0)
+    tracker.expect(b"d", 1)
+    with pytest.raises(ValueError, match="already expected"):
+        tracker.expect(b"d", 1)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+def test_bad_requests_raise_clear_errors(owner: Owner, readers: list[Reader]) -> None:
+    rd = readers[0]
+    rd.agent.add_peer(owner.metadata)
+    loc, rem = (rd.region.addr, 64, 0), (owner.region.addr, 64, 0)
+    with pytest.raises(UnknownPeerError, match="no peer 'nobody'"):
+        rd.agent.start_read("nobody", [loc], [rem])
+    with pytest.raises(ValueError, match="2 local descriptors but 1 remote"):
+        rd.agent.start_read(owner.name, [loc, loc], [rem])
+    with pytest.raises(ValueError, match="descriptor 1 length mismatch: local 64 bytes, remote 32 bytes"):
+        rd.agent.start_read(owner.name, np.array([loc, loc]), np.array([rem, (owner.region.addr, 32, 0)]))
+    with pytest.raises(ValueError, match=r"\[n, 3\]"):
+        rd.agent.start_read(owner.name, np.zeros((2, 2), np.int64), np.zeros((2, 2), np.int64))
+    with pytest.raises(ValueError, match="negative"):
+        as_descriptor_array(np.array([[1, -5, 0]]), "local")
+    with pytest.raises(TransferError, match="preparing READ failed") as info:
+        rd.agent.start_read(owner.name, [loc], [(owner.region.addr + BUF_BYTES, 64, 0)])
+    assert "NIXL_ERR" in str(info.value) and owner.name in str(info.value)
+    with pytest.raises(ValueError, match="non-contiguous"):
+        rd.agent.register([torch.zeros(8, 8, dtype=torch.uint8)[:, 0]])
+    with pytest.raises(ValueError, match="cannot register VRAM"):
+        rd.agent.register([(rd.region.addr, 64, 0, "VRAM")])
+    with pytest.raises(ValueError, match="notify must be bytes"):
+        rd.agent.start_read(owner.name, [loc], [rem], notify="key")  # type: ignore[arg-type]
+
+
+def test_descriptor_lists_convert_without_copying_rows() -> None:
+    rows = [(4096 * i + 1, 16, 0) for i in range(40_000)]
+    arr = as_descriptor_array(rows, "local")
+    assert arr.dtype == np.uint64 and arr.flags.c_contiguous and arr.shape == (40_000, 3)
+    already = np.ascontiguousarray(arr)
+    assert as_descriptor_array(already, "local") is already  # no copy for the fast path
+    with pytest.raises(ValueError, match="length 0"):
+        as_descriptor_array([(1, 0, 0)], "remote")
+
+
+def test_read_from_an_exited_peer_fails_in_bounded_time(readers: list[Reader]) -> None:
+    rd = readers[1]
+    dying = Owner(f"dying-{RUN_ID}", seed=3, nbytes=4 << 20)
+    try:
+        name = rd.agent.add_peer(dying.metadata)
+        descs = ([(rd.region.addr, 1 << 20, 0)], [(dying.region.addr, 1 << 20, 0)])
+        asyncio.run(rd.agent.read(name, *descs, timeout_s=10))  # connected and working
+        dying.proc.kill()
+        dying.proc.join(5)
+        start = time.monotonic()
+        with pytest.raises(TransferError) as info:  # TransferTimeout is one too
+            asyncio.run(rd.agent.read(name, *descs, timeout_s=3))
+        elapsed = time.monotonic() - start
+        print(f"\nread from a killed peer: {type(info.value).__name__} after {elapsed:.3f}s: {info.value}")
+        assert elapsed < 6
+        assert name in str(info.value)
+        if isinstance(info.value, TransferTimeout):
+            assert "not complete" in str(info.value) or "posting" in str(info.value)
+    finally:
+        rd.agent.remove_peer(dying.name)
+        dying.stop()
+    assert dying.name not in rd.agent.peers
+
+
+def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP is asynchronous: wait until /proc shows the process stopped ("T")."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        assert time.monotonic() < deadline, f"process {pid} did not stop in {timeout_s}s"
+        time.sleep(0.005)
+
+
+def test_read_from_a_frozen_peer_times_out_and_is_aborted(readers: list[Reader]) -> None:
+    """A stopped owner makes UCX's READ wait (with nixl 1.5.1 a DRAM READ needs the owner's progress
+    thread), which is how a hung peer looks: the read must time out, abort, and leave nothing behind."""
+    rd, n = readers[1], 4 << 20
+    frozen = Owner(f"frozen-{RUN_ID}", seed=4, nbytes=n)
+    try:
+        name = rd.agent.add_peer(frozen.metadata)
+        descs = ([(rd.region.addr, n, 0)], [(frozen.region.addr, n, 0)])
+        asyncio.run(rd.agent.read(name, *descs, timeout_s=10))
+        os.kill(frozen.proc.pid, signal.SIGSTOP)  # alive but making no progress: the READ stays in flight
+        try:
+            _wait_stopped(frozen.proc.pid)
+            for _ in range(4):  # UCX may finish one READ from resources the owner set up before it froze
+                start = time.monotonic()
+                try:
+                    asyncio.run(rd.agent.read(name, *descs, notify=b"late", timeout_s=1.0))
+                except TransferTimeout as exc:
+                    timeout = exc
+                    break
+            else:
+                raise AssertionError("every READ from a stopped peer completed")
+            assert time.monotonic() - start < 3.0
+            assert "not complete after 1.000s" in str(timeout) and name in str(timeout)
+            assert timeout.aborted and rd.agent.num_in_flight == 0
+        finally:
+            os.kill(frozen.proc.pid, signal.SIGCONT)
+        rd.reset()
+        asyncio.run(rd.agent.read(name, *descs, timeout_s=10))  # the peer recovered: reads work again
+        assert np.array_equal(rd.view()[:n], frozen.pattern)
+    finally:
+        rd.agent.remove_peer(frozen.name)
+        frozen.stop()
+
+
+def test_restarted_peer_replaces_the_old_one(readers: list[Reader]) -> None:
+    rd = readers[0]
+    name, n = f"restart-{RUN_ID}", 2 << 20
+    first = Owner(name, seed=11, nbytes=4 << 20)
+    try:
+        assert rd.agent.add_peer(first.metadata) == name
+        descs = ([(rd.region.addr, n, 0)], [(first.region.addr, n, 0)])
+        asyncio.run(rd.agent.read(name, *descs, timeout_s=10))
+        assert np.array_equal(rd.view()[:n], first.pattern[:n])
+    finally:
+        first.stop()
+    second = Owner(name, seed=12, nbytes=4 << 20)
+    try:
+        assert second.metadata != first.metadata
+        assert rd.agent.add_peer(second.metadata) == name
+        assert rd.agent.peers.count(name) == 1
+        descs = ([(rd.region.addr, n, 0)], [(second.region.addr, n, 0)])
+        asyncio.run(rd.agent.read(name, *descs, timeout_s=10))
+        assert np.array_equal(rd.view()[:n], second.pattern[:n])
+    finally:
+        rd.agent.remove_peer(name)
+        second.stop()
+
+
+# ---- construction --------------------------------------------------------------------------------
+
+
+def test_cuda_reader_enables_cuda_ipc_get_only_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CUDA_IPC_GET_ENV, raising=False)
+    with TransferAgent(f"env-a-{RUN_ID}", device="cuda"):
+        assert os.environ[CUDA_IPC_GET_ENV] == "y"
+    monkeypatch.setenv(CUDA_IPC_GET_ENV, "n")
+    with TransferAgent(f"env-b-{RUN_ID}", device="cuda"):
+        assert os.environ[CUDA_IPC_GET_ENV] == "n"
+    monkeypatch.delenv(CUDA_IPC_GET_ENV)
+    with TransferAgent(f"env-c-{RUN_ID}", device="cpu"):
+        assert CUDA_IPC_GET_ENV not in os.environ
+
+
+def test_closed_agent_refuses_work() -> None:
+    agent = TransferAgent(f"closing-{RUN_ID}")
+    agent.register([torch.zeros(4096, dtype=torch.uint8)])
+    agent.close()
+    agent.close()  # idempotent
+    with pytest.raises(TransferError, match="is closed"):
+        agent.metadata()
