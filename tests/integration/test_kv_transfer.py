@@ -28,8 +28,8 @@ from services.kv.agent import TransferAgent, TransferError
 from services.kv.compat import CompatInfo, KVCompatibilityError, compat_fields
 from services.kv.handshake import HandshakeError, StaleTicketError
 from services.kv.puller import KVPuller, ReaderRank, TicketError
+from services.kv.synthetic import layout_for, pattern
 from services.proto_gen.pdserve.v1 import kv_pb2
-from tests.integration.kv_owner import layout_for, pattern
 
 SENTINEL = -7.5
 BASE = dict(kind="per_layer", order="NHD", num_blocks=24, num_kv_heads=4, head_dim=8, dtype="float16",
@@ -54,7 +54,7 @@ class Owner:
 @contextmanager
 def owner_process(cfg: dict):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.kv_owner", json.dumps(cfg)],
+    proc = subprocess.Popen([sys.executable, "-m", "services.kv.synthetic", json.dumps(cfg)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue = queue.Queue()
 

@@ -1,6 +1,6 @@
-"""A KV owner process for integration tests: the prefill side of a transfer, without a model.
+"""A synthetic KV owner: the prefill side of a transfer without a model, for tests and benchmarks.
 
-Run as ``python -m tests.integration.kv_owner '<json config>'``. It allocates one KV cache per
+Run as ``python -m services.kv.synthetic '<json config>'``. It allocates one KV cache per
 TP rank from the configured layout, fills it with a seeded pattern that depends only on
 (layer, K/V, block, token, global head, element) — so replicated heads agree across ranks —
 registers each rank with its own NIXL agent, serves Handshake over gRPC on 127.0.0.1, hands
@@ -9,7 +9,10 @@ out one ticket per configured request and prints, one JSON object per line:
     {"port": ..., "tickets": {request_id: hex(TransferTicket)}}
     {"released": request_id}            when every reading rank has notified
 
-It exits when its stdin closes.
+It exits when its stdin closes. Config keys: engine_id, tp, reader_tp, kind, order, num_blocks,
+num_kv_heads (total), head_dim, dtype, num_layers, block_size, window (optional), seed, requests
+[{request_id, num_tokens, block_ids: [[...] per group]}], and optionally epoch, port, token,
+device ("cpu" or "cuda") and fill ("pattern", or "none" for benchmarks that need no content).
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ def pattern(cfg: dict) -> torch.Tensor:
 
 
 def fill_rank(cache: KVCache, values: torch.Tensor, tp_size: int, rank: int, num_kv_heads: int) -> None:
+    """Copy this rank's head slice of the pattern into every layer's K and V views."""
     start, end = ParallelConfig(tp_size, rank).kv_head_range(num_kv_heads)
+    values = values.to(cache.device)
     for layer, (k, v) in cache.views.items():
         k.copy_(values[layer, 0, :, :, start:end])
         v.copy_(values[layer, 1, :, :, start:end])
@@ -60,14 +65,16 @@ def fill_rank(cache: KVCache, values: torch.Tensor, tp_size: int, rank: int, num
 
 async def serve(cfg: dict) -> None:
     layout = layout_for(cfg, cfg["tp"])
-    values = pattern(cfg)
+    device = cfg.get("device", "cpu")
+    values = pattern(cfg) if cfg.get("fill", "pattern") == "pattern" else None
     epoch = cfg.get("epoch") or time.time_ns()
     ranks = []
     for rank in range(cfg["tp"]):
-        cache = KVCache(layout, torch.device("cpu"))
-        fill_rank(cache, values, cfg["tp"], rank, cfg["num_kv_heads"])
+        cache = KVCache(layout, torch.device(device))
+        if values is not None:
+            fill_rank(cache, values, cfg["tp"], rank, cfg["num_kv_heads"])
         # Agent names are unique per life of the engine, so a reader never confuses a restarted peer.
-        agent = TransferAgent(f"{cfg['engine_id']}-{epoch}-tp{rank}")
+        agent = TransferAgent(f"{cfg['engine_id']}-{epoch}-tp{rank}", device=device)
         ranks.append(OwnerRank(agent, layout, cache.buffers))
     exporter = KVExporter(
         engine_id=cfg["engine_id"], model_name="pattern", architecture="llama", num_layers=cfg["num_layers"],
