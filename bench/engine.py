@@ -16,7 +16,6 @@ matmul and a large copy), so the floor is this machine's own.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import services  # noqa: E402,F401,I001  (oneDNN ISA cap before torch)
 import torch  # noqa: E402
 
+from bench._common import emit_json  # noqa: E402
 from services.engine.engine_config import EngineConfig  # noqa: E402
 from services.engine.kv_cache import TORCH_DTYPES  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
@@ -173,11 +173,7 @@ def main() -> None:
             decode_step_eager_ms=eager_s * 1e3, graph_speedup=eager_s / step_s, peak_source=peak_src,
             peak_bandwidth_gbs=bandwidth / 1e9, peak_tflops=flops / 1e12,
         ))
-    if args.json_out:
-        Path(args.json_out).write_text("".join(json.dumps(row) + "\n" for row in rows))
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
+    if emit_json(rows, args.json_out, args.json):
         return
     print(f"# {device_name}  model={engine.source.name}  dtype={engine.dtype}  weights={weight_bytes / 1e9:.2f} GB  "
           f"peaks ({peak_src}): {bandwidth / 1e9:.0f} GB/s, {flops / 1e12:.1f} TFLOP/s")

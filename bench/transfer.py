@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import services  # noqa: E402,F401,I001
+from bench._common import emit_json  # noqa: E402
 from services.engine.kv_cache import KVCache  # noqa: E402
 from services.kv.agent import TransferAgent  # noqa: E402
 from services.kv.compat import CompatInfo, compat_fields  # noqa: E402
@@ -140,11 +141,7 @@ def main() -> None:
             proc.stdin.close()
             proc.wait(timeout=30)
 
-    if args.json_out:
-        Path(args.json_out).write_text("".join(json.dumps(row) + "\n" for row in rows))
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
+    if emit_json(rows, args.json_out, args.json):
         return
     print(f"# KV transfer, {args.device}, Llama-3.1-8B KV shape (bf16, block 16), best of {repeats}")
     print(f"{'tokens':>7} {'layout':>17} {'MiB':>8} {'descs':>7} {'ms':>9} {'GB/s':>8} {'vs raw':>7}")

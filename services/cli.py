@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 import services  # noqa: F401  (sets the oneDNN ISA cap before torch loads)
+
+if TYPE_CHECKING:
+    from services.engine.engine_config import EngineConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -26,7 +30,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
 
 
-def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from services.engine.engine_config import EngineConfig
     from services.kv.layout import BlockOrder, LayoutKind
 

@@ -52,7 +52,6 @@ CUDA_IPC_GET_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 _MEM_KINDS = ("DRAM", "VRAM")
 _MD_HEADER = b"nixlSerDes|Agent"  # nixl's metadata starts: header, u64-le name length, name
 _MIN_POLL_S, _MAX_POLL_S = 0.0002, 0.002  # the event loop rounds sleeps up to ~1 ms anyway
-_SPIN_S, _SPIN_SLEEP_S = 0.01, 0.00005  # worker-thread polling right after a post (see _post_and_spin)
 _LOCK_TIMEOUT_S = 30.0
 
 
@@ -482,7 +481,7 @@ class TransferAgent:
         local_arr, remote_arr = self._prepare(peer, local, remote, notify, mem_kind, remote_mem_kind)
         ctx = {"peer": peer, "num_descriptors": int(local_arr.shape[0]), "num_bytes": int(local_arr[:, 1].sum())}
         posting = self._worker().submit(
-            self._post_and_spin, deadline, peer, local_arr, remote_arr, notify, mem_kind, remote_mem_kind)
+            self.start_read, peer, local_arr, remote_arr, notify, mem_kind, remote_mem_kind=remote_mem_kind)
         try:
             handle = await asyncio.wait_for(asyncio.wrap_future(posting), max(deadline - time.monotonic(), 0.0))
         except (TimeoutError, asyncio.CancelledError) as exc:
@@ -500,19 +499,6 @@ class TransferAgent:
         finally:
             handle.abort()  # a no-op once finished; covers cancellation
         return handle.result()
-
-    def _post_and_spin(self, deadline: float, peer: str, local: np.ndarray, remote: np.ndarray, notify: bytes,
-                       mem_kind: MemKind, remote_mem_kind: MemKind | None) -> TransferHandle:
-        """Post on the worker thread, then poll there for a few ms before handing back to the loop.
-
-        A request's READ often finishes within a millisecond or two (VRAM), and the event loop's
-        timer cannot wait less than ~1 ms per poll; a thread can poll at ~0.1 ms granularity.
-        """
-        handle = self.start_read(peer, local, remote, notify, mem_kind, remote_mem_kind=remote_mem_kind)
-        spin_until = min(time.monotonic() + _SPIN_S, deadline)
-        while time.monotonic() < spin_until and handle.try_poll() == "PROC":
-            time.sleep(_SPIN_SLEEP_S)
-        return handle
 
     def send_notification(self, peer: str, message: bytes) -> None:
         """A notification not tied to a READ (e.g. after several READs for one request all finished)."""
