@@ -213,6 +213,44 @@ class LLMEngine:
         matcher = StopStringMatcher(p.stop) if p.stop and detok is not None else None
         return _RequestState(request, generator, detok, matcher)
 
+    # ---- KV computed elsewhere (disaggregation) ---------------------------------------------------
+    def add_request_with_external_kv(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> Request | None:
+        """Decode side: reserve blocks for a prompt whose KV another worker computed.
+
+        Returns the request, whose ``block_ids[g]`` the caller fills from block
+        ``request.num_cached_tokens // block_size`` on (earlier blocks came from the local prefix
+        cache), then calls :meth:`complete_external_kv`; or None when there is no room now.
+        """
+        params = params or SamplingParams()
+        token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids, params)
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, params)
+        if self.scheduler.allocate_external(request) is None:
+            return None
+        self._states[request_id] = self._new_state(request)
+        return request
+
+    def complete_external_kv(
+        self, request_id: str, first_token_id: int, first_logprob: float | None = None
+    ) -> RequestOutput:
+        """The blocks are filled: the request joins the batch, its first token already known."""
+        if not 0 <= first_token_id < self.model_config.vocab_size:
+            raise ValueError(f"first token id {first_token_id} is outside the vocabulary")
+        request = self.scheduler.complete_external(request_id, first_token_id, first_logprob)
+        return self._finish_step(request)
+
+    def fail_external_kv(self, request_id: str) -> None:
+        """The KV never arrived: prefill the prompt here instead (the request is not lost)."""
+        self.scheduler.fail_external(request_id)
+
+    def release_held_kv(self, request_id: str) -> bool:
+        """Prefill side: free the blocks a finished ``hold_kv_on_finish`` request kept for a pull."""
+        return self.scheduler.release_held(request_id)
+
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if it is unknown."""
         found = self.scheduler.abort_request(request_id)
