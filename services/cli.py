@@ -76,6 +76,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one, printed on the ready line)")
+    p.add_argument("--advertise-host", default=None, help="host peers should dial (default: --host)")
+    p.add_argument("--engine-id", default=None, help=f"stable id of this engine (default: {role}@host:port)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: a free one)")
+    p.add_argument("--kv-auth-token", default=None,
+                   help="shared token: KV agent metadata is only exchanged with peers presenting it")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0, help="SIGTERM: how long in-flight work may finish")
+    if role == "prefill":
+        p.add_argument("--kv-lease-s", type=float, default=30.0,
+                       help="free pinned KV that no decode worker pulled within this time")
+    else:
+        p.add_argument("--kv-transfer-timeout-s", type=float, default=30.0, help="give up on a KV pull after this")
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Run a prefill or decode daemon until SIGTERM/SIGINT drains it."""
+    import asyncio
+
+    from services.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config_from_args(args))
+    if args.command == "prefill":
+        from services.prefill.server import serve
+    else:
+        from services.decode.server import serve
+    asyncio.run(serve(args, engine))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     parser.add_argument("--log-level", default="WARNING")
@@ -92,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.set_defaults(func=cmd_generate)
+
+    for role in ("prefill", "decode"):
+        worker = sub.add_parser(role, help=f"run a {role} worker daemon (gRPC)")
+        _add_engine_args(worker)
+        _add_worker_args(worker, role)
+        worker.set_defaults(func=cmd_worker)
     return parser
 
 

@@ -1,0 +1,84 @@
+"""What every worker daemon's gRPC server shares: health service, ready line, SIGTERM drain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class InFlight:
+    """Counts in-flight requests so a drain can wait for them; refuses new ones while draining."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+
+class WorkerServer:
+    """A grpc.aio server with grpc.health.v1 and a drain that SIGTERM triggers."""
+
+    def __init__(self, service_names: list[str]) -> None:
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = ["", *service_names]
+        self.in_flight = InFlight()
+        self.stopped = asyncio.Event()
+
+    def bind(self, host: str, port: int) -> int:
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        return bound
+
+    async def start(self, ready: dict, drain_timeout_s: float) -> None:
+        await self.server.start()
+        for name in self.service_names:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain(drain_timeout_s)))
+        print(json.dumps({"ready": True, **ready}), flush=True)  # one line tests and `pdserve up` wait for
+
+    async def drain(self, timeout_s: float, on_drained: Callable[[], None] | None = None) -> None:
+        """Stop taking work (NOT_SERVING, UNAVAILABLE for new calls), finish in-flight, stop."""
+        if self.in_flight.draining:
+            return
+        self.in_flight.draining = True
+        started = time.monotonic()
+        for name in self.service_names:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        finished = await self.in_flight.wait_idle(timeout_s)
+        log.info("drained in %.1fs (%s)", time.monotonic() - started,
+                 "all finished" if finished else f"{self.in_flight.count} cut off")
+        if on_drained is not None:
+            on_drained()
+        await self.server.stop(grace=1.0)
+        self.stopped.set()

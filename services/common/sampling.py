@@ -1,0 +1,32 @@
+"""SamplingParams to and from the worker proto (the one place the two shapes meet)."""
+
+from __future__ import annotations
+
+from services.engine.sampling_params import SamplingParams
+from services.proto_gen.pdserve.v1 import worker_pb2
+
+
+def sampling_from_proto(m: worker_pb2.SamplingParams) -> SamplingParams:
+    """Validated SamplingParams; ValueError names the bad field (mapped to INVALID_ARGUMENT)."""
+    return SamplingParams(
+        max_tokens=m.max_tokens,
+        temperature=m.temperature,
+        top_p=m.top_p or 1.0,
+        top_k=m.top_k or None,
+        seed=m.seed if m.HasField("seed") else None,
+        stop=tuple(m.stop),
+        stop_token_ids=tuple(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+        min_tokens=m.min_tokens,
+        logprobs=m.logprobs,
+    )
+
+
+def sampling_to_proto(p: SamplingParams) -> worker_pb2.SamplingParams:
+    m = worker_pb2.SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0, stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, logprobs=p.logprobs,
+    )
+    if p.seed is not None:
+        m.seed = p.seed
+    return m

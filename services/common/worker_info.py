@@ -1,0 +1,19 @@
+"""The Info RPC's answer, shared by both worker daemons: identity, compatibility, load."""
+
+from __future__ import annotations
+
+from services.engine.async_engine import AsyncEngine
+from services.kv.compat import CompatInfo
+from services.proto_gen.pdserve.v1 import worker_pb2
+
+
+def worker_info(engine: AsyncEngine, engine_id: str, role: str, compat: CompatInfo, draining: bool,
+                epoch: int) -> worker_pb2.WorkerInfo:
+    e, s = engine.engine, engine.stats
+    return worker_pb2.WorkerInfo(
+        engine_id=engine_id, role=role, model_name=e.source.name, compat_hash=compat.hash,
+        compat_fields=dict(compat.fields), tp_size=e.config.parallel.tp_size, block_size=e.config.block_size,
+        max_model_len=e.max_model_len, num_running=s.num_running, num_waiting=s.num_waiting,
+        kv_usage=1.0 - s.kv_blocks_free / max(s.kv_blocks_total, 1), draining=draining, epoch=epoch,
+        kv_blocks_pinned=s.kv_blocks_held, kv_blocks_free=s.kv_blocks_free,
+    )

@@ -1,0 +1,169 @@
+"""The decode daemon: pull a prompt's KV from a prefill worker and stream the rest of the tokens.
+
+``Generate(ticket)`` handshakes with the ticket's prefill engine on first contact (cached by
+engine id + epoch), reserves local blocks (reusing what its own prefix cache holds), pulls the
+rest over NIXL, then decodes with continuous batching alongside other requests. If the pull
+fails or the peer is gone, it prefills the prompt itself: the request still completes. Without
+a ticket it prefills locally (conditional disaggregation).
+
+The stream's first chunk is the ticket's first token, so a client of this service sees the whole
+output; the router, which already sent that token, skips it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import time
+
+import grpc
+
+from services.common.grpc_server import WorkerServer
+from services.common.metrics import WorkerMetrics
+from services.common.sampling import sampling_from_proto
+from services.common.worker_info import worker_info
+from services.engine.async_engine import AsyncEngine
+from services.engine.llm_engine import LLMEngine, RequestOutput
+from services.engine.sampling_params import SamplingParams
+from services.kv.agent import TransferAgent, TransferError
+from services.kv.compat import CompatInfo, compat_fields
+from services.kv.handshake import HandshakeError
+from services.kv.puller import KVPuller, ReaderRank
+from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+PULL_ERRORS = (TransferError, HandshakeError, ValueError, OSError)
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, server: WorkerServer, engine: AsyncEngine, puller: KVPuller, compat: CompatInfo,
+                 engine_id: str, epoch: int, metrics: WorkerMetrics) -> None:
+        self.server = server
+        self.engine = engine
+        self.puller = puller
+        self.compat = compat
+        self.engine_id = engine_id
+        self.epoch = epoch
+        self.metrics = metrics
+
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        if self.server.in_flight.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
+        self.server.in_flight.enter()
+        started = time.monotonic()
+        try:
+            try:
+                params = sampling_from_proto(request.params)
+                prompt = list(request.prompt_token_ids)
+                if request.HasField("ticket"):
+                    prefix, recomputed = await self._start_from_ticket(request.request_id, prompt, params,
+                                                                       request.ticket)
+                else:
+                    await self.engine.add_request(request.request_id, prompt, params)
+                    prefix, recomputed = [], False
+            except ValueError as e:
+                self.metrics.requests.labels("decode", "invalid").inc()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            last = time.monotonic()
+            if prefix:  # the ticket's first token, when the engine restarted the request without it
+                yield worker_pb2.TokenChunk(token_ids=prefix, num_prompt_tokens=len(prompt), recomputed_locally=True)
+            async for out in self.engine.outputs(request.request_id):
+                now = time.monotonic()
+                self.metrics.itl.labels("decode").observe(now - last)
+                last = now
+                yield _chunk(out, len(prompt), recomputed)
+            self.metrics.e2e.labels("decode").observe(time.monotonic() - started)
+            self.metrics.requests.labels("decode", "finished").inc()
+        finally:
+            self.server.in_flight.leave()
+
+    async def _start_from_ticket(self, rid: str, prompt: list[int], params: SamplingParams,
+                                 ticket: kv_pb2.TransferTicket) -> tuple[list[int], bool]:
+        """Reserve, pull, and start decoding; on any pull failure prefill here instead.
+
+        Returns (tokens to emit before the engine's own outputs, whether it was recomputed).
+        """
+        if list(ticket.groups) and ticket.num_tokens != len(prompt):
+            raise ValueError(f"ticket covers {ticket.num_tokens} tokens, the prompt has {len(prompt)}")
+        request = await self.engine.add_request_with_external_kv(rid, prompt, params)
+        if request is not None:
+            try:
+                result = await self.puller.pull(ticket, request.block_ids, request.num_cached_tokens)
+            except PULL_ERRORS as e:
+                log.warning("request %s: KV pull from %s failed (%s); prefilling locally", rid, ticket.engine_id, e)
+                failure = self.metrics.handshake_failures if isinstance(e, HandshakeError) else \
+                    self.metrics.transfer_failures
+                failure.labels("decode").inc()
+                await self.engine.abort(rid)
+            else:
+                self.metrics.transfer_bytes.labels("decode").inc(result.num_bytes)
+                self.metrics.transfer_descriptors.labels("decode").inc(result.num_descriptors)
+                self.metrics.transfer_seconds.labels("decode").observe(result.seconds)
+                await self.engine.complete_external_kv(rid, ticket.first_token_id, ticket.first_token_logprob)
+                return [], False
+        # Recompute: the prompt plus the first token the client already has, one token fewer to go.
+        self.metrics.local_recomputes.labels("decode").inc()
+        rest = dataclasses.replace(params, max_tokens=params.max_tokens - 1, min_tokens=max(params.min_tokens - 1, 0))
+        await self.engine.add_request(rid, [*prompt, ticket.first_token_id], rest)
+        return [ticket.first_token_id], True
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context):  # noqa: N802
+        return worker_pb2.AbortResponse(aborted=await self.engine.abort(request.request_id))
+
+    async def Info(self, request: worker_pb2.InfoRequest, context):  # noqa: N802
+        return worker_info(self.engine, self.engine_id, "decode", self.compat, self.server.in_flight.draining,
+                           self.epoch)
+
+
+def _chunk(out: RequestOutput, num_prompt_tokens: int, recomputed: bool) -> worker_pb2.TokenChunk:
+    n = len(out.new_token_ids)
+    return worker_pb2.TokenChunk(
+        token_ids=out.new_token_ids,
+        logprobs=out.logprobs[-n:] if out.logprobs and n else [],
+        text=out.new_text,
+        finished=out.finished,
+        finish_reason=out.finish_reason or "",
+        num_prompt_tokens=num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+        recomputed_locally=recomputed,
+    )
+
+
+async def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
+    """Run the decode daemon until drained (SIGTERM/SIGINT)."""
+    metrics = WorkerMetrics("decode")
+    server = WorkerServer(["pdserve.v1.DecodeWorker"])
+    port = server.bind(args.host, args.port)
+    address = f"{args.advertise_host or args.host}:{port}"
+    epoch = time.time_ns()
+    engine_id = args.engine_id or f"decode@{address}"
+    mc, layout = engine.model_config, engine.kv_layout
+    compat = CompatInfo.of(compat_fields(architecture=mc.architecture, num_layers=mc.num_layers,
+                                         num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, layout=layout))
+    agent = TransferAgent(f"{engine_id}-{epoch}-tp0", device=engine.device.type)
+    puller = KVPuller(engine_id=engine_id, compat=compat, num_kv_heads=mc.num_kv_heads,
+                      ranks=[ReaderRank(agent, layout, engine.kv_cache.buffers)], auth_token=args.kv_auth_token,
+                      transfer_timeout_s=args.kv_transfer_timeout_s)
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
+        DecodeServicer(server, aengine, puller, compat, engine_id, epoch, metrics), server.server)
+    metrics_port = metrics.serve(args.host, args.metrics_port)
+    stop = asyncio.Event()
+
+    async def stats_loop() -> None:
+        while not stop.is_set():
+            metrics.set_engine_stats(aengine.stats)
+            await asyncio.sleep(0.5)
+
+    stats = asyncio.create_task(stats_loop())
+    await server.start({"role": "decode", "port": port, "metrics_port": metrics_port, "engine_id": engine_id},
+                       args.drain_timeout_s)
+    await server.stopped.wait()
+    stop.set()
+    await stats
+    await aengine.stop()
+    agent.close()

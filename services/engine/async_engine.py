@@ -1,0 +1,211 @@
+"""The engine's step loop on its own thread, with an asyncio API for the daemons.
+
+``LLMEngine`` is single-threaded and a step takes milliseconds to tens of milliseconds, which must
+not stall a gRPC event loop. So one thread owns the engine: it runs commands submitted from the
+event loop between steps, steps while there is work, and hands each request's outputs back to
+that request's asyncio queue. Nothing else ever touches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from services.engine.llm_engine import LLMEngine, RequestOutput
+from services.engine.request import Request
+from services.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shutdown or a failed step); the request cannot complete."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_waiting_for_kv: int
+    num_held: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_held: int
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+        self.stats = self._read_stats()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(None)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+        self._thread = None
+
+    # ---- calls onto the engine thread ----------------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is not running: {self._dead}")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_set_exception, future, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        self._commands.put(run)
+        return await future
+
+    async def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                          hold_kv_on_finish: bool = False) -> Request:
+        """Queue a request; read its outputs with :meth:`outputs`. ValueError for bad input."""
+        self._open_stream(request_id)
+        try:
+            return await self.call(
+                lambda e: e.add_request(request_id, prompt_token_ids, params, hold_kv_on_finish=hold_kv_on_finish))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+
+    async def add_request_with_external_kv(self, request_id: str, prompt_token_ids: Sequence[int],
+                                           params: SamplingParams) -> Request | None:
+        """Reserve blocks for KV that will be pulled; None when there is no room now."""
+        self._open_stream(request_id)
+        try:
+            request = await self.call(lambda e: e.add_request_with_external_kv(request_id, prompt_token_ids, params))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        if request is None:
+            self._streams.pop(request_id, None)
+        return request
+
+    async def complete_external_kv(self, request_id: str, first_token_id: int,
+                                   first_logprob: float | None = None) -> None:
+        out = await self.call(lambda e: e.complete_external_kv(request_id, first_token_id, first_logprob))
+        self._deliver(out)
+
+    async def fail_external_kv(self, request_id: str) -> None:
+        await self.call(lambda e: e.fail_external_kv(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        found = await self.call(lambda e: e.abort_request(request_id))
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+        return found
+
+    async def release_held_kv(self, request_id: str) -> bool:
+        return await self.call(lambda e: e.release_held_kv(request_id))
+
+    async def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes. Leaving early (cancellation, a client
+        that went away) aborts the request on the engine, so nothing is left running or held."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            raise KeyError(f"no request {request_id!r} is streaming")
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self._dead is None:
+                with contextlib.suppress(EngineDeadError):
+                    await asyncio.shield(self.call(lambda e: e.abort_request(request_id)))
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                try:
+                    command = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
+                except queue.Empty:
+                    command = _NO_COMMAND
+                while command is not _NO_COMMAND:
+                    if command is None:
+                        return
+                    command()
+                    try:
+                        command = self._commands.get_nowait()
+                    except queue.Empty:
+                        command = _NO_COMMAND
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._loop.call_soon_threadsafe(self._deliver, out)
+                self.stats = self._read_stats()
+        except BaseException as e:  # a failed step: fail every stream rather than hang them
+            log.exception("engine thread stopped")
+            self._dead = e
+            self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _read_stats(self) -> EngineStats:
+        e = self.engine
+        sched, pool = e.scheduler, e.kv_manager.pool(0)
+        return EngineStats(
+            num_running=sched.num_running, num_waiting=sched.num_waiting,
+            num_waiting_for_kv=sched.num_waiting_for_kv, num_held=sched.num_held,
+            kv_blocks_total=pool.num_blocks, kv_blocks_free=pool.num_free_blocks,
+            kv_blocks_held=sum(s.num_held for s in e.kv_manager.stats()),
+        )
+
+    # ---- event-loop side -----------------------------------------------------------------------
+    def _open_stream(self, request_id: str) -> None:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._streams[request_id] = asyncio.Queue()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put_nowait(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(EngineDeadError(f"engine stopped: {error}"))
+
+
+_NO_COMMAND: Any = object()
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,52 @@
+"""The router's settings, one frozen value built from the command line (or directly, in tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything ``create_app`` needs; runtime facts (workers, their limits) live elsewhere.
+
+    Worker endpoints come from ``prefill``/``decode`` (``host:port``) and from ``prefill_dns``/
+    ``decode_dns`` (``name:port`` resolving to several addresses, e.g. a Kubernetes headless
+    Service). A router with no prefill source at all runs decode-only.
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    prefill_dns: tuple[str, ...] = ()
+    decode_dns: tuple[str, ...] = ()
+    dns_refresh_s: float = 10.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 1.0
+    # Prompts with fewer tokens than this skip the prefill worker (0: always disaggregate).
+    direct_decode_threshold: int = 0
+    # None: the smallest max_model_len the workers report.
+    max_model_len: int | None = None
+    request_timeout_s: float = 600.0
+    # None: no limit; beyond it new requests get 429.
+    max_inflight_requests: int | None = None
+    retry_after_s: int = 1
+    # How long the router waits for Abort/Release after a client goes away.
+    cleanup_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("dns_refresh_s", "health_interval_s", "health_timeout_s", "request_timeout_s",
+                     "cleanup_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.direct_decode_threshold < 0:
+            raise ValueError(f"direct_decode_threshold must be >= 0, got {self.direct_decode_threshold}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_inflight_requests is not None and self.max_inflight_requests < 1:
+            raise ValueError(f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}")
+
+    @property
+    def decode_only(self) -> bool:
+        """No prefill worker was configured: every request goes straight to a decode worker."""
+        return not (self.prefill or self.prefill_dns)

@@ -1,0 +1,191 @@
+"""Every failure the router reports, and the one place it becomes an HTTP status and an OpenAI error body.
+
+Code that detects a problem raises a :class:`RouterError` subclass (or lets a msgspec decode error
+or a gRPC error through); :func:`to_router_error` turns anything into a ``RouterError`` and
+:func:`error_response` into the response. The same body goes into an SSE ``error`` event when a
+stream fails after its headers were sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import grpc
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    """OpenAI's error format: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
+
+
+class RouterError(Exception):
+    """A failure with its HTTP status; subclasses fix the status and OpenAI error type."""
+
+    status_code = 500
+    error_type = "server_error"
+    code: str | None = None
+    # Statuses a client should retry (429, 503) always carry Retry-After.
+    default_retry_after_s: int | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.retry_after_s = retry_after_s if retry_after_s is not None else self.default_retry_after_s
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(ErrorDetail(self.message, self.error_type, self.param, self.code))
+
+
+class InvalidRequest(RouterError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(RouterError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class NotFound(RouterError):
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
+class MethodNotAllowed(RouterError):
+    status_code = 405
+    error_type = "invalid_request_error"
+
+
+class Overloaded(RouterError):
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "overloaded"
+    default_retry_after_s = 1
+
+
+class NoHealthyWorkers(RouterError):
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "no_healthy_workers"
+    default_retry_after_s = 1
+
+
+class WorkerFailure(RouterError):
+    """A worker broke (connection lost, internal error, stream cut short): it is marked unhealthy."""
+
+    status_code = 502
+    error_type = "server_error"
+    code = "worker_failure"
+
+
+class WorkerUnavailable(WorkerFailure):
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "worker_unavailable"
+    default_retry_after_s = 1
+
+
+class RequestTimeout(RouterError):
+    status_code = 504
+    error_type = "timeout"
+    code = "request_timeout"
+
+
+# gRPC codes that say the worker itself is broken or gone, not that the request was bad.
+WORKER_FAULT_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DATA_LOSS, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNIMPLEMENTED,
+})
+
+_MSGSPEC_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_MISSING_FIELD = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+def from_decode_error(exc: msgspec.DecodeError) -> InvalidRequest:
+    """A msgspec error as a 400 naming the offending parameter (``max_tokens``, ``messages[0].role``)."""
+    message = str(exc)
+    if not isinstance(exc, msgspec.ValidationError):
+        return InvalidRequest(f"the request body is not valid JSON: {message}")
+    path_match = _MSGSPEC_PATH.search(message)
+    path = path_match["path"].lstrip(".") if path_match else ""
+    missing = _MISSING_FIELD.search(message)
+    if missing:
+        path = f"{path}.{missing['field']}" if path else missing["field"]
+    return InvalidRequest(message, param=path or None)
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError, role: str, address: str) -> RouterError:
+    """A worker's gRPC status as the router's answer; the message names the worker."""
+    code = exc.code()
+    detail = f"{role} worker {address}: {code.name}: {exc.details()}"
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                grpc.StatusCode.FAILED_PRECONDITION):
+        return InvalidRequest(exc.details() or detail)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(detail)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RequestTimeout(detail)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return WorkerUnavailable(detail)
+    return WorkerFailure(detail)
+
+
+def to_router_error(exc: BaseException) -> RouterError:
+    """Any exception as a RouterError; unexpected ones become a 500 and are logged with their stack."""
+    if isinstance(exc, RouterError):
+        return exc
+    if isinstance(exc, msgspec.DecodeError):
+        return from_decode_error(exc)
+    if isinstance(exc, StarletteHTTPException):
+        if exc.status_code == 404:
+            return NotFound(str(exc.detail))
+        if exc.status_code == 405:
+            return MethodNotAllowed(str(exc.detail))
+        error = RouterError(str(exc.detail))
+        error.status_code = exc.status_code
+        return error
+    log.error("unexpected error while serving a request", exc_info=exc)
+    return RouterError(f"internal error: {type(exc).__name__}: {exc}")
+
+
+def error_response(exc: BaseException) -> Response:
+    error = to_router_error(exc)
+    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
+    return Response(msgspec.json.encode(error.body()), status_code=error.status_code,
+                    media_type="application/json", headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception a handler lets out through :func:`error_response`."""
+
+    async def handle(_request: Request, exc: Exception) -> Response:
+        return error_response(exc)
+
+    app.add_exception_handler(RouterError, handle)
+    app.add_exception_handler(msgspec.DecodeError, handle)
+    app.add_exception_handler(StarletteHTTPException, handle)
+    app.add_exception_handler(Exception, handle)

@@ -1,0 +1,122 @@
+"""The router's tokenizer and model name, read from the same ``--model`` argument the workers get.
+
+``services.engine.loader.resolve_model`` would do the dispatch, but it imports torch and the model
+code (weights, GGUF dequantization), a second or more of start-up and hundreds of MB the router
+never uses. The tokenizer module itself imports no torch, so the dispatch is repeated here for the
+tokenizer alone; names follow ``resolve_model`` so that they match what the workers report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.engine.default_model import default_model_path
+from services.engine.tokenizer import Tokenizer
+from services.router.errors import ContextLengthExceeded, InvalidRequest
+from services.router.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    AnyRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+
+# Chat without max_tokens and no known context length: ask for "everything", the worker stops at its limit.
+UNTIL_CONTEXT_ENDS = 2**31 - 1
+
+
+def model_name(model: str | None, served_model_name: str | None = None) -> str:
+    """The id ``/v1/models`` lists: ``--served-model-name``, else the name ``resolve_model`` gives."""
+    if served_model_name:
+        return served_model_name
+    if not model:
+        return default_model_path().stem
+    if model.startswith("dummy:"):
+        return f"dummy-{model.removeprefix('dummy:')}"
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def load_tokenizer(model: str | None) -> Tokenizer | None:
+    """The tokenizer of a model argument, or None when the model has none (an HF dir without one).
+
+    Raise FileNotFoundError / ValueError naming the problem when the argument is unusable.
+    """
+    if not model:
+        return Tokenizer.from_gguf(default_model_path())
+    if model.startswith("dummy:"):
+        # Dummy models borrow the bundled SmolLM2 tokenizer, as the engine does.
+        try:
+            return Tokenizer.from_gguf(default_model_path())
+        except (FileNotFoundError, ValueError):
+            return None
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
+    if path.suffix == ".gguf":
+        return Tokenizer.from_gguf(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{model}: not a directory, a .gguf file or dummy:<preset> (models are never downloaded)")
+    raise ValueError(f"{model}: expected a Hugging Face model directory, a .gguf file or dummy:<preset>")
+
+
+def prompt_token_ids(request: AnyRequest, tokenizer: Tokenizer | None, vocab_size: int | None = None) -> list[int]:
+    """Tokenize once: a text prompt, token ids (checked against ``vocab_size`` when known), or chat messages."""
+    if isinstance(request, CompletionRequest):
+        if isinstance(request.prompt, list):
+            if vocab_size is not None and max(request.prompt) >= vocab_size:
+                raise InvalidRequest(
+                    f"prompt token id {max(request.prompt)} is outside the vocabulary [0, {vocab_size})",
+                    param="prompt")
+            return list(request.prompt)
+        return _require(tokenizer, "prompt").encode(request.prompt)
+    tokenizer = _require(tokenizer, "messages")
+    try:
+        text = tokenizer.apply_chat_template(request.template_messages(),
+                                             add_generation_prompt=request.add_generation_prompt)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="messages") from None
+    # The template writes its own BOS where it wants one.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_text_features(request: AnyRequest, tokenizer: Tokenizer | None) -> None:
+    """Stop strings need text; without a tokenizer the router has none."""
+    if tokenizer is None and request.stop_strings:
+        raise InvalidRequest("stop strings need a tokenizer, and this model has none", param="stop")
+
+
+def _require(tokenizer: Tokenizer | None, param: str) -> Tokenizer:
+    if tokenizer is None:
+        raise InvalidRequest("this model has no tokenizer: send the prompt as a list of token ids", param=param)
+    return tokenizer
+
+
+def resolve_max_tokens(request: AnyRequest, num_prompt_tokens: int, max_model_len: int | None) -> int:
+    """The number of tokens to ask the workers for, or a 400 in OpenAI's context-length wording.
+
+    Chat defaults to the rest of the context, completions to 16 (capped to the context). Without a
+    known ``max_model_len`` nothing can be checked here; the workers stop at their own limit.
+    """
+    chat = isinstance(request, ChatCompletionRequest)
+    param = "messages" if chat else "prompt"
+    requested = request.requested_max_tokens
+    if max_model_len is None:
+        if requested is not None:
+            return requested
+        return UNTIL_CONTEXT_ENDS if chat else DEFAULT_COMPLETION_MAX_TOKENS
+    if num_prompt_tokens >= max_model_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, your {param} resulted "
+            f"in {num_prompt_tokens} tokens. Please reduce the length of the {param}.", param=param)
+    room = max_model_len - num_prompt_tokens
+    if requested is None:
+        return room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+    if requested > room:
+        new_name = chat and request.max_completion_tokens is not None
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the {param}, {requested} in the "
+            f"completion). Please reduce the length of the {param} or completion.",
+            param="max_completion_tokens" if new_name else "max_tokens")
+    return requested
