@@ -35,7 +35,7 @@ test: install lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 run: install
-	$(VENV)/bin/pdserve generate --chat --prompt "What is the capital of France?"
+	$(VENV)/bin/pdserve up
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

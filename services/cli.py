@@ -30,6 +30,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
 
 
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` as a command line, to start workers with the same engine."""
+    argv = []
+    for flag, value in (("--model", args.model), ("--dtype", args.dtype), ("--device", args.device),
+                        ("--block-size", args.block_size), ("--kv-layout", args.kv_layout),
+                        ("--kv-block-order", args.kv_block_order), ("--num-kv-blocks", args.num_kv_blocks),
+                        ("--max-model-len", args.max_model_len), ("--max-num-seqs", args.max_num_seqs),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens), ("--seed", args.seed)):
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += ["--no-prefix-caching"] * args.no_prefix_caching + ["--enforce-eager"] * args.enforce_eager
+    return argv
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from services.engine.engine_config import EngineConfig
     from services.kv.layout import BlockOrder, LayoutKind
@@ -107,6 +121,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    from services.launcher import run_up
+
+    return run_up(args, engine_argv(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     parser.add_argument("--log-level", default="WARNING")
@@ -123,6 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.set_defaults(func=cmd_generate)
+
+    from services.router.cli_args import add_router_parser
+
+    add_router_parser(sub)
+
+    up = sub.add_parser("up", help="start a router, N prefill and M decode workers here; Ctrl-C stops all")
+    up.add_argument("--host", default="127.0.0.1", help="router address (default 127.0.0.1)")
+    up.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
+    up.add_argument("--num-prefill", type=int, default=1)
+    up.add_argument("--num-decode", type=int, default=1)
+    up.add_argument("--served-model-name", default=None)
+    up.add_argument("--direct-decode-threshold", type=int, default=0, metavar="TOKENS")
+    _add_engine_args(up)
+    up.set_defaults(func=cmd_up)
 
     for role in ("prefill", "decode"):
         worker = sub.add_parser(role, help=f"run a {role} worker daemon (gRPC)")

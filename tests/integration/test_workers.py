@@ -16,9 +16,9 @@ from services.common.sampling import sampling_to_proto
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
+from services.launcher import daemons, start_daemon, stop_daemon
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.checkpoints import make_checkpoint
-from tests.integration.workers import daemons, start_daemon, stop_daemon
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 # Prefill and decode deliberately differ in KV layout and block size: both are reconciled.

@@ -1,0 +1,269 @@
+"""The router's FastAPI app: OpenAI-compatible routes over the pairing policy and the worker pool.
+
+Everything stateful (the worker pool with its channels, the pairing table, discovery's refresh
+task, the metrics registry) is made per app and kept on ``app.state.runtime``; channels and the
+refresh task live from the lifespan's start to its end. A request is validated, checked against
+the served model and the context length, and tokenized before any worker is contacted, so bad
+input gets a 4xx and the workers never see it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.engine.tokenizer import Tokenizer
+from services.router.answers import ChatAnswer, CompletionAnswer, answer_for
+from services.router.config import RouterConfig
+from services.router.discovery import Discovery, EndpointSource, Probe, Resolver, resolve
+from services.router.errors import ModelNotFound, WorkerFailure, install_error_handlers, to_router_error
+from services.router.flow import Delta, Dispatcher, GenerationRequest, Outcome
+from services.router.metrics import CONTENT_TYPE, RouterMetrics
+from services.router.pairing import PairingPolicy, Role, WorkerIdentity
+from services.router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestT,
+    decode_request,
+    to_sampling_params,
+)
+from services.router.responses import ModelCard, ModelList, join_deltas
+from services.router.streaming import DONE_EVENT, SSEResponse, run_until_disconnect, sse_event
+from services.router.tokenizing import (
+    check_text_features,
+    load_tokenizer,
+    model_name,
+    prompt_token_ids,
+    resolve_max_tokens,
+)
+from services.router.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+# Status reported for a request whose client went away (nginx's convention); nobody reads it.
+_CLIENT_CLOSED = 499
+
+
+@dataclass
+class RouterRuntime:
+    """What the routes share, on ``app.state.runtime``."""
+
+    config: RouterConfig
+    model_name: str
+    tokenizer: Tokenizer | None
+    vocab_size: int | None
+    policy: PairingPolicy
+    pool: WorkerPool
+    discovery: Discovery
+    dispatcher: Dispatcher
+    metrics: RouterMetrics
+    created: int
+
+    def max_model_len(self) -> int | None:
+        return self.config.max_model_len or self.policy.max_model_len()
+
+    def healthy(self) -> bool:
+        """A compatible healthy pair exists; decode-only routers need a healthy decode worker."""
+        if self.config.decode_only:
+            return self.policy.has_healthy_decode()
+        return self.policy.has_healthy_pair()
+
+
+def create_app(
+    config: RouterConfig,
+    *,
+    tokenizer_loader: Callable[[str | None], Tokenizer | None] = load_tokenizer,
+    probe: Probe | None = None,
+    resolver: Resolver = resolve,
+) -> FastAPI:
+    """The router app. The tokenizer is loaded now (a bad ``--model`` fails before serving).
+
+    ``probe`` (default: the worker's ``Info`` RPC through the pool) and ``resolver`` (default: the
+    system resolver) are the seams discovery is tested through.
+    """
+    tokenizer = tokenizer_loader(config.model)
+    policy = PairingPolicy(config.direct_decode_threshold)
+    pool = WorkerPool()
+    metrics = RouterMetrics(policy)
+
+    async def info_probe(role: Role, address: str) -> WorkerIdentity:
+        return await pool.info(role, address, config.health_timeout_s)
+
+    sources = [EndpointSource(Role.PREFILL, config.prefill, config.prefill_dns),
+               EndpointSource(Role.DECODE, config.decode, config.decode_dns)]
+    discovery = Discovery(policy, sources, probe or info_probe, dns_refresh_s=config.dns_refresh_s,
+                          health_interval_s=config.health_interval_s, health_timeout_s=config.health_timeout_s,
+                          resolver=resolver, on_removed=pool.close)
+    is_dummy = bool(config.model and config.model.startswith("dummy:"))
+    runtime = RouterRuntime(
+        config=config,
+        model_name=model_name(config.model, config.served_model_name),
+        tokenizer=tokenizer,
+        # A dummy model borrows a tokenizer whose vocabulary is not the model's.
+        vocab_size=tokenizer.vocab_size if tokenizer is not None and not is_dummy else None,
+        policy=policy,
+        pool=pool,
+        discovery=discovery,
+        dispatcher=Dispatcher(config, policy, pool, tokenizer, metrics),
+        metrics=metrics,
+        created=int(time.time()),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await discovery.refresh()  # know the workers before the first request
+        refresher = asyncio.create_task(discovery.run(), name="pdserve-router-discovery")
+        try:
+            yield
+        finally:
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
+            await pool.close_all()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.runtime = runtime
+    install_error_handlers(app)
+    app.add_middleware(_CountRequests, metrics=metrics)
+    _add_routes(app)
+    return app
+
+
+def _runtime(request: Request) -> RouterRuntime:
+    return request.app.state.runtime
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, ChatCompletionRequest)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        rt = _runtime(request)
+        card = ModelCard(rt.model_name, rt.created, max_model_len=rt.max_model_len() or msgspec.UNSET)
+        return _json(ModelList([card]))
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        rt = _runtime(request)
+        counts = {role.value: sum(w.available for w in rt.policy.workers(role)) for role in Role}
+        body = {"status": "ok" if rt.healthy() else "unavailable", "healthy_workers": counts,
+                "decode_only": rt.config.decode_only}
+        return _json(body, status_code=200 if rt.healthy() else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(_runtime(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _json(payload: object, status_code: int = 200) -> Response:
+    return Response(msgspec.json.encode(payload), status_code=status_code, media_type="application/json")
+
+
+async def _generate(request: Request, kind: type[RequestT]) -> Response:
+    """Validate, tokenize, then run the request over a worker pair, streamed or collected."""
+    arrival_s = time.monotonic()
+    rt = _runtime(request)
+    body = decode_request(await request.body(), kind)
+    if body.model is not None and body.model != rt.model_name:
+        raise ModelNotFound(f"The model `{body.model}` does not exist.", param="model")
+    check_text_features(body, rt.tokenizer)
+    token_ids = prompt_token_ids(body, rt.tokenizer, rt.vocab_size)
+    max_tokens = resolve_max_tokens(body, len(token_ids), rt.max_model_len())
+    prefix = "chatcmpl" if kind is ChatCompletionRequest else "cmpl"
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    generation = GenerationRequest(request_id, token_ids, to_sampling_params(body, max_tokens), arrival_s)
+    outcome = Outcome(num_prompt_tokens=len(token_ids))
+    answer = answer_for(request_id, rt.model_name, body, rt.tokenizer)
+    deltas = rt.dispatcher.stream(generation, outcome)
+    if body.stream:
+        # Wait for the first token before answering, so failures up to there get their HTTP status.
+        first, gone = await run_until_disconnect(request.receive, _first(deltas))
+        if gone:
+            rt.metrics.client_disconnects.inc()
+            return Response(status_code=_CLIENT_CLOSED)
+        return SSEResponse(_events(first, deltas, answer, outcome, rt))
+    collected, gone = await run_until_disconnect(request.receive, _collect(deltas))
+    if gone:
+        rt.metrics.client_disconnects.inc()
+        return Response(status_code=_CLIENT_CLOSED)
+    return _json(answer.full(join_deltas(collected), outcome))
+
+
+async def _first(deltas: AsyncIterator[Delta]) -> Delta:
+    try:
+        return await anext(deltas)
+    except StopAsyncIteration:
+        raise WorkerFailure("the request ended without a token") from None
+
+
+async def _collect(deltas: AsyncIterator[Delta]) -> list[Delta]:
+    return [delta async for delta in deltas]
+
+
+async def _events(first: Delta, deltas: AsyncIterator[Delta], answer: CompletionAnswer | ChatAnswer,
+                  outcome: Outcome, rt: RouterRuntime) -> AsyncIterator[bytes]:
+    """SSE: chunks, the usage chunk if asked for, [DONE]; a failure mid-stream is an error event."""
+    try:
+        delta = first
+        while True:
+            for chunk in answer.chunks(delta):
+                yield sse_event(chunk)
+            if delta.finish_reason is not None:
+                break
+            delta = await anext(deltas)
+        if answer.include_usage:
+            yield sse_event(answer.usage_chunk(outcome))
+    except StopAsyncIteration:
+        yield sse_event(WorkerFailure("the stream ended before the request finished").body())
+    except Exception as exc:  # the headers are out: report it in the stream, in the same error format
+        yield sse_event(to_router_error(exc).body())
+    except (asyncio.CancelledError, GeneratorExit):
+        rt.metrics.client_disconnects.inc()
+        raise
+    finally:
+        await deltas.aclose()  # runs the flow's clean-up now if it did not finish
+    yield DONE_EVENT
+
+
+class _CountRequests:
+    """Pure ASGI middleware counting responses by endpoint and status (streaming-safe)."""
+
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_counting(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counting)
+        finally:
+            endpoint = scope["path"] if scope["path"] in _ENDPOINTS else "other"
+            self.metrics.requests.labels(endpoint, str(status)).inc()

@@ -1,0 +1,173 @@
+"""Where the workers are and whether they answer: endpoints from flags and DNS, health from ``Info``.
+
+Static endpoints come from ``--prefill``/``--decode``. A DNS name (``name:port``) stands for every
+address it resolves to, the way a Kubernetes headless Service lists its pods; it is re-resolved
+every ``dns_refresh_s``, and a failed lookup keeps the previous answer rather than dropping every
+worker behind the name. Each ``health_interval_s`` every known worker is asked for its ``Info``
+with a short timeout: one that answers (with the role it was listed under) is put in rotation,
+one that does not is taken out until it answers again. The request flow also takes out a worker
+whose RPC failed; the next health check decides when it comes back.
+
+The probe and the resolver are injected, so the state machine is tested without sockets or workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+from services.router.pairing import PairingPolicy, Role, WorkerIdentity
+
+log = logging.getLogger(__name__)
+
+Probe = Callable[[Role, str], Awaitable[WorkerIdentity]]
+Resolver = Callable[[str], Awaitable[list[str]]]
+OnRemoved = Callable[[str], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class EndpointSource:
+    """The endpoints of one role: fixed ``host:port`` addresses and DNS ``name:port`` entries."""
+
+    role: Role
+    static: tuple[str, ...] = ()
+    dns: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for entry in (*self.static, *self.dns):
+            split_host_port(entry)  # raises ValueError naming the bad entry
+
+
+def split_host_port(entry: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` as (host, port); ValueError for anything else."""
+    host, sep, port_text = entry.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"{entry!r} is not host:port (a port in 1..65535; IPv6 as [addr]:port)")
+    return host, int(port_text)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """The gRPC target of an address: IPv6 literals in brackets."""
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host).version == 6:
+            return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+async def resolve(entry: str) -> list[str]:
+    """Every address ``name:port`` resolves to, as sorted ``ip:port`` targets (socket.gaierror if none)."""
+    host, port = split_host_port(entry)
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({join_host_port(sockaddr[0], port) for *_, sockaddr in infos})
+
+
+class Discovery:
+    """Keeps the pairing table's worker list and health current."""
+
+    def __init__(
+        self,
+        policy: PairingPolicy,
+        sources: Iterable[EndpointSource],
+        probe: Probe,
+        *,
+        dns_refresh_s: float = 10.0,
+        health_interval_s: float = 2.0,
+        health_timeout_s: float = 1.0,
+        resolver: Resolver = resolve,
+        on_removed: OnRemoved | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``on_removed`` is awaited for an address no role lists any more (to close its channel)."""
+        self._policy = policy
+        self._sources = tuple(sources)
+        self._probe = probe
+        self._dns_refresh_s = dns_refresh_s
+        self._health_interval_s = health_interval_s
+        self._health_timeout_s = health_timeout_s
+        self._resolver = resolver
+        self._on_removed = on_removed
+        self._clock = clock
+        self._resolved: dict[str, list[str]] = {}
+        self._next_dns_at: float | None = None
+
+    # ---- endpoints -------------------------------------------------------------------------------
+
+    async def refresh_endpoints(self) -> None:
+        """Re-resolve DNS entries and make the table list exactly the current endpoints."""
+        removed: set[str] = set()
+        for source in self._sources:
+            addresses = list(source.static)
+            for entry in source.dns:
+                addresses += await self._resolve(entry)
+            added, gone = self._policy.set_addresses(source.role, addresses)
+            if added or gone:
+                log.info("%s workers: +%s -%s", source.role, added, gone)
+            removed.update(gone)
+        still_listed = {w.address for w in self._policy.workers()}
+        for address in sorted(removed - still_listed):
+            if self._on_removed is not None:
+                await self._on_removed(address)
+        self._next_dns_at = self._clock() + self._dns_refresh_s
+
+    async def _resolve(self, entry: str) -> list[str]:
+        try:
+            self._resolved[entry] = await self._resolver(entry)
+        except OSError as exc:  # socket.gaierror and friends
+            log.warning("DNS lookup of %s failed (%s); keeping %s", entry, exc, self._resolved.get(entry, []))
+        return self._resolved.get(entry, [])
+
+    # ---- health ----------------------------------------------------------------------------------
+
+    async def check_health(self) -> None:
+        """Probe every known worker at once; mark each healthy or not by its answer."""
+        workers = self._policy.workers()
+        results = await asyncio.gather(*(self._check(w.role, w.address) for w in workers))
+        for worker, (identity, error) in zip(workers, results, strict=True):
+            was_healthy = worker.healthy
+            if identity is not None:
+                self._policy.mark_healthy(worker.role, worker.address, identity)
+                if not was_healthy:
+                    log.info("%s worker %s is up (engine %s)", worker.role, worker.address, identity.engine_id)
+            else:
+                self._policy.mark_unhealthy(worker.role, worker.address, error)
+                if was_healthy:
+                    log.warning("%s worker %s is down: %s", worker.role, worker.address, error)
+
+    async def _check(self, role: Role, address: str) -> tuple[WorkerIdentity | None, str]:
+        try:
+            identity = await asyncio.wait_for(self._probe(role, address), self._health_timeout_s)
+        except TimeoutError:
+            return None, f"no answer within {self._health_timeout_s:g} s"
+        except Exception as exc:  # any failure of the probe means "not healthy", never a crash of the loop
+            return None, f"{type(exc).__name__}: {exc}"
+        if identity.role != role:
+            return None, f"listed as {role} but reports role {identity.role!r}"
+        return identity, ""
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """One round: endpoints when due (always the first time), then health."""
+        if self._next_dns_at is None or self._clock() >= self._next_dns_at:
+            await self.refresh_endpoints()
+        await self.check_health()
+
+    async def run(self) -> None:
+        """After the first round (the caller's), refresh every interval until cancelled.
+
+        A failing round is logged and the next one tried.
+        """
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("discovery round failed")

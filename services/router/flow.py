@@ -1,0 +1,307 @@
+"""One request's trip through a (prefill, decode) pair, as a stream of text deltas.
+
+    acquire pair ──► Prefill(prompt) ──► first token ──► client      (TTFT = prefill time)
+                         │ ticket
+                         ▼
+                     Generate(ticket) ──► tokens 2..n ──► client
+    short prompt / no prefill worker up / prefill worker failed:
+                     Generate(no ticket) ──► tokens 1..n ──► client
+
+The decode stream of a ticketed ``Generate`` starts with the ticket's first token (the engine's
+``complete_external_kv`` reports it as the request's first output); the client already has it,
+so the router skips it there.
+
+Whatever ends the stream early (the client went away, a worker failed, the router found a stop
+string first), the ``finally`` aborts the decode request and releases the prefill worker's pinned
+blocks, shielded from the cancellation that got it there, and uncounts the pair's outstanding work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import anyio
+import grpc
+
+from services.engine.tokenizer import Tokenizer
+from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2
+from services.router.config import RouterConfig
+from services.router.errors import (
+    WORKER_FAULT_CODES,
+    NoHealthyWorkers,
+    Overloaded,
+    WorkerFailure,
+    from_rpc_error,
+)
+from services.router.metrics import RouterMetrics
+from services.router.pairing import Assignment, PairingPolicy, Role
+from services.router.text import TextStream
+from services.router.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated, tokenized request, ready for the workers."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: worker_pb2.SamplingParams
+    arrival_s: float  # time.monotonic() when the HTTP request arrived
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one step adds to the answer; ``finish_reason`` is set on the last one."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str | None = None
+
+
+@dataclass
+class Outcome:
+    """Facts about a request gathered while it streams (usage, route)."""
+
+    num_prompt_tokens: int
+    num_generated_tokens: int = 0
+    num_cached_tokens: int | None = None
+    route: str = ""
+    recomputed_locally: bool = False
+    finish_reason: str | None = None
+
+
+class Dispatcher:
+    """Runs requests over the workers; one per app, holding the shared pool, table and metrics."""
+
+    def __init__(self, config: RouterConfig, policy: PairingPolicy, pool: WorkerPool,
+                 tokenizer: Tokenizer | None, metrics: RouterMetrics) -> None:
+        self.config = config
+        self.policy = policy
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.num_in_flight = 0
+
+    async def stream(self, request: GenerationRequest, outcome: Outcome) -> AsyncIterator[Delta]:
+        """The request's deltas. Raises a RouterError before the first delta, or between two."""
+        limit = self.config.max_inflight_requests
+        if limit is not None and self.num_in_flight >= limit:
+            raise Overloaded(f"{self.num_in_flight} requests in flight (limit {limit})",
+                             retry_after_s=self.config.retry_after_s)
+        assignment = self.policy.acquire(len(request.prompt_token_ids))
+        if assignment is None:
+            known = len(self.policy.workers(Role.DECODE))
+            raise NoHealthyWorkers(f"no healthy decode worker ({known} known)",
+                                   retry_after_s=self.config.retry_after_s)
+        run = _Run(self, request, assignment, outcome)
+        self.num_in_flight += 1
+        self.metrics.in_flight.inc()
+        ending = "cancelled"  # unless it finished or failed: the consumer stopped listening
+        try:
+            async with aclosing(_timed(run.deltas(), self.metrics, request.arrival_s, outcome)) as deltas:
+                async for delta in deltas:
+                    outcome.finish_reason = delta.finish_reason
+                    yield delta
+        except Exception as exc:
+            ending = f"error:{type(exc).__name__}"
+            raise
+        finally:
+            try:
+                await run.clean_up()
+            finally:
+                self.policy.finish(assignment)
+                self.num_in_flight -= 1
+                self.metrics.in_flight.dec()
+                _log_request(request, assignment, outcome, outcome.finish_reason or ending)
+
+
+def _log_request(request: GenerationRequest, assignment: Assignment, outcome: Outcome, ending: str) -> None:
+    """One structured line per request."""
+    log.info("request id=%s end=%s route=%s prefill=%s decode=%s prompt_tokens=%d cached_tokens=%s "
+             "completion_tokens=%d recomputed=%s e2e_ms=%.1f", request.request_id, ending, outcome.route,
+             assignment.prefill, assignment.decode, outcome.num_prompt_tokens, outcome.num_cached_tokens,
+             outcome.num_generated_tokens, outcome.recomputed_locally,
+             (time.monotonic() - request.arrival_s) * 1e3)
+
+
+async def _timed(deltas: AsyncIterator[Delta], metrics: RouterMetrics, arrival_s: float,
+                 outcome: Outcome) -> AsyncIterator[Delta]:
+    """Observe TTFT, inter-token and end-to-end latency as deltas leave the flow."""
+    last_token_s: float | None = None
+    async with aclosing(deltas):
+        async for delta in deltas:
+            now = time.monotonic()
+            if delta.token_ids:
+                if last_token_s is None:
+                    metrics.ttft.labels(outcome.route).observe(now - arrival_s)
+                else:
+                    gap = (now - last_token_s) / len(delta.token_ids)
+                    for _ in delta.token_ids:
+                        metrics.inter_token.observe(gap)
+                last_token_s = now
+                metrics.generation_tokens.inc(len(delta.token_ids))
+            if delta.finish_reason is not None:
+                metrics.e2e.labels(outcome.route).observe(now - arrival_s)
+                metrics.prompt_tokens.inc(outcome.num_prompt_tokens)
+            yield delta
+
+
+@dataclass
+class _Run:
+    """The per-request state the clean-up needs: what was started and what finished."""
+
+    owner: Dispatcher
+    request: GenerationRequest
+    assignment: Assignment
+    outcome: Outcome
+    prefill_sent: bool = False
+    prefill_answered: bool = False
+    prefill_holds_blocks: bool = False
+    decode_call: grpc.aio.UnaryStreamCall | None = None
+    decode_finished: bool = False
+    # Workers that failed this request: broken or gone, they are not asked to clean up.
+    failed: set[Role] = field(default_factory=set)
+    text: TextStream = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.text = TextStream(self.owner.tokenizer, self.request.prompt_token_ids, tuple(self.request.params.stop))
+
+    def _remaining_s(self) -> float:
+        deadline = self.request.arrival_s + self.owner.config.request_timeout_s
+        return max(deadline - time.monotonic(), 0.001)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        ticket: kv_pb2.TransferTicket | None = None
+        first: Delta | None = None
+        self.owner.metrics.added_latency.observe(time.monotonic() - self.request.arrival_s)
+        self.outcome.route = "direct"
+        if self.assignment.prefill is not None:
+            response = await self._prefill(self.assignment.prefill)
+            self.outcome.route = "fallback" if response is None else "disaggregated"
+            if response is not None:
+                first, ticket = self._first_delta(response), response.ticket
+        self.owner.metrics.routes.labels(self.outcome.route).inc()
+        if first is not None:
+            yield first
+            if first.finish_reason is not None:
+                return  # done at the first token; clean_up releases blocks if a stop string ended it
+        async with aclosing(self._decode(self.assignment.decode, ticket)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    # ---- prefill ---------------------------------------------------------------------------------
+
+    async def _prefill(self, address: str) -> worker_pb2.PrefillResponse | None:
+        """The prefill worker's answer, or None when it failed (the request falls back to decode)."""
+        self.prefill_sent = True
+        try:
+            response = await self.owner.pool.prefill(
+                address, self.request.request_id, self.request.prompt_token_ids, self.request.params,
+                self.assignment.reader_tp_size, timeout_s=self._remaining_s())
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in WORKER_FAULT_CODES:
+                raise from_rpc_error(exc, Role.PREFILL, address) from None
+            self._worker_failed(Role.PREFILL, address, f"{exc.code().name}: {exc.details()}")
+            log.warning("request %s: prefill worker %s failed; decoding without it",
+                        self.request.request_id, address)
+            return None
+        finally:
+            self.owner.policy.finish_prefill(self.assignment)
+        self.prefill_answered = True
+        self.prefill_holds_blocks = response.HasField("ticket")
+        return response
+
+    def _first_delta(self, response: worker_pb2.PrefillResponse) -> Delta:
+        self.outcome.num_cached_tokens = response.num_cached_tokens
+        self.outcome.num_generated_tokens = 1
+        finished = response.finished
+        text = self.text.feed([response.first_token_id], final=finished)
+        finish_reason = (response.finish_reason or "stop") if finished else None
+        if self.text.stopped:
+            finish_reason = "stop"
+        if not finished and finish_reason is None and not response.HasField("ticket"):
+            raise WorkerFailure(f"prefill worker {self.assignment.prefill} answered an unfinished request "
+                                "without a transfer ticket")
+        logprobs = (response.first_logprob,) if self.request.params.logprobs else ()
+        return Delta(text, (response.first_token_id,), logprobs, finish_reason)
+
+    # ---- decode ----------------------------------------------------------------------------------
+
+    async def _decode(self, address: str, ticket: kv_pb2.TransferTicket | None) -> AsyncIterator[Delta]:
+        call = self.owner.pool.generate(address, self.request.request_id, self.request.prompt_token_ids,
+                                        self.request.params, ticket, timeout_s=self._remaining_s())
+        self.decode_call = call
+        skip_first = ticket is not None
+        try:
+            async for chunk in call:
+                token_ids, logprobs = list(chunk.token_ids), list(chunk.logprobs)
+                if skip_first and token_ids:
+                    skip_first = False
+                    if token_ids[0] != ticket.first_token_id:
+                        log.warning("request %s: decode stream starts with token %d, not the ticket's %d",
+                                    self.request.request_id, token_ids[0], ticket.first_token_id)
+                    token_ids, logprobs = token_ids[1:], logprobs[1:]
+                delta = self._decode_delta(chunk, token_ids, logprobs)
+                if delta.token_ids or delta.finish_reason is not None:
+                    yield delta
+                if delta.finish_reason is not None:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in WORKER_FAULT_CODES:
+                self._worker_failed(Role.DECODE, address, f"{exc.code().name}: {exc.details()}")
+            raise from_rpc_error(exc, Role.DECODE, address) from None
+        self._worker_failed(Role.DECODE, address, "stream ended before the request finished")
+        raise WorkerFailure(f"decode worker {address} ended the stream before the request finished")
+
+    def _decode_delta(self, chunk: worker_pb2.TokenChunk, token_ids: list[int], logprobs: list[float]) -> Delta:
+        outcome = self.outcome
+        outcome.num_generated_tokens += len(token_ids)
+        outcome.recomputed_locally |= chunk.recomputed_locally
+        if outcome.num_cached_tokens is None and chunk.num_prompt_tokens:
+            outcome.num_cached_tokens = chunk.num_cached_tokens
+        text = self.text.feed(token_ids, final=chunk.finished)
+        finish_reason = (chunk.finish_reason or "stop") if chunk.finished else None
+        if self.text.stopped:
+            finish_reason = "stop"
+        self.decode_finished = chunk.finished
+        logprobs_out = tuple(logprobs) if self.request.params.logprobs else ()
+        return Delta(text, tuple(token_ids), logprobs_out, finish_reason)
+
+    def _worker_failed(self, role: Role, address: str, reason: str) -> None:
+        self.failed.add(role)
+        self.owner.policy.mark_unhealthy(role, address, reason)
+        self.owner.metrics.worker_failures.labels(role.value).inc()
+
+    # ---- clean-up --------------------------------------------------------------------------------
+
+    async def clean_up(self) -> None:
+        """Tell the workers to drop whatever this request still holds there; never raises."""
+        calls = []
+        rid, timeout_s = self.request.request_id, self.owner.config.cleanup_timeout_s
+        pool, prefill, decode = self.owner.pool, self.assignment.prefill, self.assignment.decode
+        if self.decode_call is not None and not self.decode_finished:
+            self.decode_call.cancel()
+            if Role.DECODE not in self.failed:
+                calls.append(pool.abort(Role.DECODE, decode, rid, timeout_s))
+        if prefill is None or Role.PREFILL in self.failed:
+            pass
+        elif self.prefill_sent and not self.prefill_answered:
+            calls += [pool.abort(Role.PREFILL, prefill, rid, timeout_s), pool.release(prefill, rid, timeout_s)]
+        elif self.prefill_holds_blocks and not self.decode_finished:
+            # A finished decode pulled the blocks (or recomputed); otherwise nobody will.
+            calls.append(pool.release(prefill, rid, timeout_s))
+        if not calls:
+            return
+        with anyio.move_on_after(timeout_s, shield=True):
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    log.info("request %s: clean-up call failed: %s", rid, result)

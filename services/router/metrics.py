@@ -1,0 +1,89 @@
+"""The router's Prometheus metrics, in a registry of its own per app (no process-global state).
+
+Latencies are what a client sees: TTFT from the request's arrival to its first token leaving the
+router, inter-token latency between tokens reaching the router, end-to-end to the last byte. The
+router's own cost is ``router_added_latency``: arrival to the first worker RPC (parse, validate,
+tokenize, pick a pair). Worker counts are read from the pairing table at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from services.router.pairing import PairingPolicy, Role
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+_ROUTER_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+
+class _WorkerCollector(Collector):
+    """Workers per role and state, read from the pairing table when scraped."""
+
+    def __init__(self, policy: PairingPolicy) -> None:
+        self._policy = policy
+
+    def collect(self) -> Iterator[Metric]:
+        workers = GaugeMetricFamily("pdserve_router_workers", "Known workers by role and state",
+                                    labels=["role", "state"])
+        outstanding = GaugeMetricFamily("pdserve_router_worker_outstanding_requests",
+                                        "Requests the router has outstanding on each worker",
+                                        labels=["role", "address"])
+        for role in Role:
+            states = {"healthy": 0, "unhealthy": 0, "draining": 0}
+            for worker in self._policy.workers(role):
+                if worker.available:
+                    states["healthy"] += 1
+                elif worker.healthy:
+                    states["draining"] += 1
+                else:
+                    states["unhealthy"] += 1
+                outstanding.add_metric([role.value, worker.address], worker.outstanding_requests)
+            for state, count in states.items():
+                workers.add_metric([role.value, state], count)
+        yield workers
+        yield outstanding
+
+
+class RouterMetrics:
+    """Every metric the router exports, registered in ``self.registry``."""
+
+    def __init__(self, policy: PairingPolicy) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("pdserve_router_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.in_flight = Gauge("pdserve_router_requests_in_flight", "Generation requests being served",
+                               registry=r)
+        self.ttft = Histogram("pdserve_router_time_to_first_token_seconds",
+                              "Request arrival to the first token sent to the client", ["route"],
+                              buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.inter_token = Histogram("pdserve_router_inter_token_latency_seconds",
+                                     "Time between successive output tokens", buckets=_TOKEN_BUCKETS_S, registry=r)
+        self.e2e = Histogram("pdserve_router_e2e_request_latency_seconds",
+                             "Request arrival to the end of the response", ["route"],
+                             buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.added_latency = Histogram("pdserve_router_added_latency_seconds",
+                                       "Router time before the first worker RPC (parse, tokenize, pair)",
+                                       buckets=_ROUTER_BUCKETS_S, registry=r)
+        self.routes = Counter("pdserve_router_routed_requests",
+                              "Requests by route: disaggregated, direct (short prompt or no prefill worker)"
+                              " or fallback (the prefill worker failed)", ["route"], registry=r)
+        self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens of served requests",
+                                     registry=r)
+        self.generation_tokens = Counter("pdserve_router_generation_tokens", "Tokens sent to clients",
+                                         registry=r)
+        self.worker_failures = Counter("pdserve_router_worker_failures", "Worker RPCs that failed, by role",
+                                       ["role"], registry=r)
+        self.client_disconnects = Counter("pdserve_router_client_disconnects",
+                                          "Requests whose client went away before the end", registry=r)
+        r.register(_WorkerCollector(policy))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,202 @@
+"""Which prefill and which decode worker take a request: a pure policy over the known workers.
+
+The table holds every worker discovery knows of, with what its ``Info`` last said and the work the
+router has outstanding on it. A request gets the least-loaded decode worker that has a compatible
+prefill partner, and the least-loaded such partner; prefill load is counted in prompt tokens
+(its cost grows with them), decode load in requests. Compatible means equal, non-empty
+compatibility hashes (what the KV handshake checks) and block sizes that divide one another (what
+it can reconcile). Short prompts, and requests with no compatible prefill worker up, go straight
+to a decode worker, which prefills them itself.
+
+Counts change only through :meth:`acquire` and the two ``finish_*`` calls, so a caller that
+finishes what it acquired (in a ``finally``) can never leave a count behind. No I/O, no clock:
+discovery and the request flow drive it, tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+class Role(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """What a worker's ``Info`` says about it, as far as pairing is concerned."""
+
+    engine_id: str
+    role: str
+    compat_hash: str
+    model_name: str = ""
+    tp_size: int = 1
+    block_size: int | None = None
+    max_model_len: int | None = None
+    draining: bool = False
+    epoch: int = 0
+
+
+@dataclass
+class WorkerState:
+    """One worker as the router sees it; ``identity`` is None until it first answered."""
+
+    address: str
+    role: Role
+    identity: WorkerIdentity | None = None
+    healthy: bool = False
+    last_error: str | None = None
+    outstanding_requests: int = 0
+    outstanding_tokens: int = 0
+    # Breaks ties between equally loaded workers, so sequential requests rotate.
+    num_picks: int = 0
+
+    @property
+    def available(self) -> bool:
+        """May take new work: answered its last health check and is not draining."""
+        return self.healthy and self.identity is not None and not self.identity.draining
+
+
+@dataclass
+class Assignment:
+    """The workers one request holds; ``prefill`` is None for a request sent straight to decode."""
+
+    decode: str
+    prefill: str | None
+    num_prompt_tokens: int
+    reader_tp_size: int = 1
+    # The states counted on: a worker that leaves and comes back is a new state, never uncounted.
+    _decode_state: WorkerState | None = field(default=None, repr=False)
+    _prefill_state: WorkerState | None = field(default=None, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self._decode_state is None and self._prefill_state is None
+
+
+def compatible(prefill: WorkerIdentity, decode: WorkerIdentity) -> bool:
+    """Whether the decode worker's handshake with the prefill worker can succeed."""
+    if not prefill.compat_hash or prefill.compat_hash != decode.compat_hash:
+        return False
+    if prefill.block_size and decode.block_size:
+        small, large = sorted((prefill.block_size, decode.block_size))
+        return large % small == 0
+    return True
+
+
+class PairingPolicy:
+    """The worker table and the pairing rule."""
+
+    def __init__(self, direct_decode_threshold: int = 0) -> None:
+        """Prompts with fewer than ``direct_decode_threshold`` tokens skip the prefill worker."""
+        if direct_decode_threshold < 0:
+            raise ValueError(f"direct_decode_threshold must be >= 0, got {direct_decode_threshold}")
+        self.direct_decode_threshold = direct_decode_threshold
+        self._workers: dict[tuple[Role, str], WorkerState] = {}
+
+    # ---- membership (driven by discovery) --------------------------------------------------------
+
+    def set_addresses(self, role: Role, addresses: Iterable[str]) -> tuple[list[str], list[str]]:
+        """Make ``addresses`` the workers of ``role``; return (added, removed). New ones start unhealthy."""
+        wanted = list(dict.fromkeys(addresses))
+        current = [address for (r, address) in self._workers if r == role]
+        added = [a for a in wanted if (role, a) not in self._workers]
+        removed = [a for a in current if a not in wanted]
+        for address in added:
+            self._workers[(role, address)] = WorkerState(address, role)
+        for address in removed:
+            del self._workers[(role, address)]
+        return added, removed
+
+    def get(self, role: Role, address: str) -> WorkerState | None:
+        return self._workers.get((role, address))
+
+    def workers(self, role: Role | None = None) -> list[WorkerState]:
+        return [w for (r, _), w in self._workers.items() if role is None or r == role]
+
+    def mark_healthy(self, role: Role, address: str, identity: WorkerIdentity) -> None:
+        worker = self._workers.get((role, address))
+        if worker is not None:
+            worker.identity, worker.healthy, worker.last_error = identity, True, None
+
+    def mark_unhealthy(self, role: Role, address: str, reason: str) -> None:
+        """Take a worker out of rotation until its next successful health check."""
+        worker = self._workers.get((role, address))
+        if worker is not None:
+            worker.healthy, worker.last_error = False, reason
+
+    # ---- what is up ------------------------------------------------------------------------------
+
+    def _available(self, role: Role) -> list[WorkerState]:
+        return [w for w in self.workers(role) if w.available]
+
+    def _partners(self, decode: WorkerState) -> list[WorkerState]:
+        """Available prefill workers the (available) decode worker can pull from."""
+        return [p for p in self._available(Role.PREFILL)
+                if p.identity and decode.identity and compatible(p.identity, decode.identity)]
+
+    def has_healthy_pair(self) -> bool:
+        return any(self._partners(d) for d in self._available(Role.DECODE))
+
+    def has_healthy_decode(self) -> bool:
+        return bool(self._available(Role.DECODE))
+
+    def max_model_len(self) -> int | None:
+        """The smallest context length any available worker reports (a request must fit both sides)."""
+        limits = [w.identity.max_model_len for w in self.workers() if w.available and w.identity.max_model_len]
+        return min(limits, default=None)
+
+    # ---- pairing ---------------------------------------------------------------------------------
+
+    def acquire(self, num_prompt_tokens: int) -> Assignment | None:
+        """Pick workers for a request and count it on them; None when no decode worker is up."""
+        decodes = self._available(Role.DECODE)
+        if not decodes:
+            return None
+        prefill: WorkerState | None = None
+        if num_prompt_tokens >= self.direct_decode_threshold:
+            paired = [d for d in decodes if self._partners(d)]
+            if paired:
+                decodes = paired
+        decode = min(decodes, key=lambda w: (w.outstanding_requests, w.num_picks, w.address))
+        if num_prompt_tokens >= self.direct_decode_threshold:
+            partners = self._partners(decode)
+            if partners:
+                prefill = min(partners, key=lambda w: (w.outstanding_tokens, w.outstanding_requests,
+                                                        w.num_picks, w.address))
+        for worker in (decode, prefill):
+            if worker is not None:
+                worker.outstanding_requests += 1
+                worker.outstanding_tokens += num_prompt_tokens
+                worker.num_picks += 1
+        return Assignment(
+            decode=decode.address,
+            prefill=prefill.address if prefill else None,
+            num_prompt_tokens=num_prompt_tokens,
+            reader_tp_size=(decode.identity.tp_size if decode.identity else 0) or 1,
+            _decode_state=decode,
+            _prefill_state=prefill,
+        )
+
+    def finish_prefill(self, assignment: Assignment) -> None:
+        """The prefill worker is done with the request (answered, failed or was abandoned). Idempotent."""
+        _uncount(assignment._prefill_state, assignment.num_prompt_tokens)
+        assignment._prefill_state = None
+
+    def finish_decode(self, assignment: Assignment) -> None:
+        """The decode worker is done with the request. Idempotent."""
+        _uncount(assignment._decode_state, assignment.num_prompt_tokens)
+        assignment._decode_state = None
+
+    def finish(self, assignment: Assignment) -> None:
+        self.finish_prefill(assignment)
+        self.finish_decode(assignment)
+
+
+def _uncount(worker: WorkerState | None, num_tokens: int) -> None:
+    if worker is not None:
+        worker.outstanding_requests -= 1
+        worker.outstanding_tokens -= num_tokens

@@ -1,0 +1,117 @@
+"""The router's only door to the workers: one pooled grpc.aio channel per worker address.
+
+Every RPC the router makes goes through :class:`WorkerPool`, so the request flow and discovery
+never build a channel or a stub, and the end-to-end tests exercise exactly these calls against
+real worker processes. Channels are created on first use (inside the running event loop) and
+closed when discovery drops the address or the app shuts down. Errors are the stubs' own
+``grpc.aio.AioRpcError``; :mod:`services.router.errors` turns them into HTTP answers.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
+from services.router.pairing import Role, WorkerIdentity
+
+# Keep idle connections to workers alive through NATs and proxies; notice dead peers quickly.
+_CHANNEL_OPTIONS = (
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 64 << 20),
+)
+
+
+def identity_from_info(info: worker_pb2.WorkerInfo) -> WorkerIdentity:
+    return WorkerIdentity(
+        engine_id=info.engine_id,
+        role=info.role,
+        compat_hash=info.compat_hash,
+        model_name=info.model_name,
+        tp_size=info.tp_size or 1,
+        block_size=info.block_size or None,
+        max_model_len=info.max_model_len or None,
+        draining=info.draining,
+        epoch=info.epoch,
+    )
+
+
+class WorkerPool:
+    """Channels and stubs keyed by address, and one method per RPC the router makes."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._prefill_stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
+        self._decode_stubs: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
+
+    @property
+    def addresses(self) -> list[str]:
+        """Addresses with an open channel."""
+        return list(self._channels)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            self._channels[address] = channel
+        return channel
+
+    def _prefill(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
+        stub = self._prefill_stubs.get(address)
+        if stub is None:
+            stub = self._prefill_stubs[address] = worker_pb2_grpc.PrefillWorkerStub(self._channel(address))
+        return stub
+
+    def _decode(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
+        stub = self._decode_stubs.get(address)
+        if stub is None:
+            stub = self._decode_stubs[address] = worker_pb2_grpc.DecodeWorkerStub(self._channel(address))
+        return stub
+
+    # ---- RPCs ------------------------------------------------------------------------------------
+
+    async def info(self, role: Role, address: str, timeout_s: float) -> WorkerIdentity:
+        """The worker's identity and limits; the health check."""
+        stub = self._prefill(address) if role == Role.PREFILL else self._decode(address)
+        return identity_from_info(await stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s))
+
+    async def prefill(self, address: str, request_id: str, prompt_token_ids: list[int],
+                      params: worker_pb2.SamplingParams, reader_tp_size: int,
+                      timeout_s: float) -> worker_pb2.PrefillResponse:
+        request = worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                            params=params, reader_tp_size=reader_tp_size)
+        return await self._prefill(address).Prefill(request, timeout=timeout_s)
+
+    async def release(self, address: str, request_id: str, timeout_s: float) -> bool:
+        """Free a request's pinned blocks on the prefill worker; False when it held none."""
+        response = await self._prefill(address).Release(worker_pb2.ReleaseRequest(request_id=request_id),
+                                                        timeout=timeout_s)
+        return response.released
+
+    def generate(self, address: str, request_id: str, prompt_token_ids: list[int],
+                 params: worker_pb2.SamplingParams, ticket: kv_pb2.TransferTicket | None,
+                 timeout_s: float) -> grpc.aio.UnaryStreamCall:
+        """Start decoding; iterate the call for TokenChunks, ``cancel()`` it to stop."""
+        request = worker_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                             params=params, ticket=ticket)
+        return self._decode(address).Generate(request, timeout=timeout_s)
+
+    async def abort(self, role: Role, address: str, request_id: str, timeout_s: float) -> bool:
+        stub = self._prefill(address) if role == Role.PREFILL else self._decode(address)
+        response = await stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=timeout_s)
+        return response.aborted
+
+    # ---- lifetime --------------------------------------------------------------------------------
+
+    async def close(self, address: str) -> None:
+        """Close a worker's channel (discovery dropped it); calls in flight on it fail."""
+        self._prefill_stubs.pop(address, None)
+        self._decode_stubs.pop(address, None)
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close(grace=1.0)
+
+    async def close_all(self) -> None:
+        for address in list(self._channels):
+            await self.close(address)

@@ -1,0 +1,300 @@
+"""The router's HTTP routes that need no worker: models, health, metrics, and every 4xx.
+
+Worker health comes from an injected probe (no worker process runs here). That bad requests never
+reach a worker is checked on the pool itself: it opens a channel on the first RPC to an address,
+so an empty pool means no worker was contacted. The one request that does go out targets a port
+nothing listens on, to show the check would notice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.engine.tokenizer import Tokenizer
+from services.router.app import RouterRuntime, create_app
+from services.router.cli_args import add_router_parser, router_config_from_args, run_router
+from services.router.config import RouterConfig
+from services.router.pairing import Role, WorkerIdentity
+from services.router.tokenizing import load_tokenizer, model_name
+from tests.unit._router_model import write_tiny_model_dir
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Nothing listens on port 1: an RPC there fails at once with UNAVAILABLE.
+NOWHERE = "127.0.0.1:1"
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture()
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-router-model"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Tokenizer:
+    return load_tokenizer(str(model_dir))
+
+
+class Probe:
+    """Health answers per address; an address not listed is down."""
+
+    def __init__(self, up: dict[str, WorkerIdentity] | None = None) -> None:
+        self.up = up or {}
+
+    async def __call__(self, role: Role, address: str) -> WorkerIdentity:
+        if address not in self.up:
+            raise ConnectionRefusedError(address)
+        return self.up[address]
+
+
+def _identity(role: Role, max_model_len: int = 64) -> WorkerIdentity:
+    return WorkerIdentity(engine_id=f"{role}-0", role=role.value, compat_hash="h", max_model_len=max_model_len)
+
+
+@dataclass
+class Router:
+    """A running app (lifespan entered) and an HTTP client talking to it in-process."""
+
+    http: httpx.AsyncClient
+    runtime: RouterRuntime
+
+    async def get(self, path: str) -> httpx.Response:
+        return await self.http.get(path)
+
+    async def post(self, path: str, **kwargs) -> httpx.Response:
+        return await self.http.post(path, **kwargs)
+
+    def pool_untouched(self) -> bool:
+        """No channel was ever opened: no worker was contacted."""
+        return self.runtime.pool.addresses == []
+
+
+@asynccontextmanager
+async def _router(model_dir: Path, tokenizer: Tokenizer | None, probe: Probe | None = None,
+                  **config) -> AsyncIterator[Router]:
+    fields = {"model": str(model_dir), "prefill": (NOWHERE,), "decode": (NOWHERE,), **config}
+    app = create_app(RouterConfig(**fields), tokenizer_loader=lambda _: tokenizer, probe=probe or Probe())
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            yield Router(http, app.state.runtime)
+
+
+@pytest.fixture()
+async def healthy(model_dir: Path, tokenizer: Tokenizer) -> AsyncIterator[Router]:
+    """A router whose (unreachable) workers the probe reports healthy: valid requests would go out.
+
+    The health interval is long, so only the first probe round (at start-up) runs during a test.
+    """
+    probe = Probe({"127.0.0.1:2": _identity(Role.PREFILL), NOWHERE: _identity(Role.DECODE)})
+    async with _router(model_dir, tokenizer, probe, prefill=("127.0.0.1:2",), decode=(NOWHERE,),
+                       health_interval_s=3600) as router:
+        yield router
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+# ---- models --------------------------------------------------------------------------------------
+
+
+async def test_models_lists_the_name_derived_from_the_model_path(model_dir: Path, tokenizer: Tokenizer) -> None:
+    async with _router(model_dir, tokenizer) as router:
+        body = (await router.get("/v1/models")).json()
+    assert body["object"] == "list"
+    (card,) = body["data"]
+    assert card["id"] == model_dir.name and card["object"] == "model" and card["owned_by"] == "pdserve"
+
+
+async def test_models_lists_the_served_model_name(model_dir: Path, tokenizer: Tokenizer) -> None:
+    async with _router(model_dir, tokenizer, served_model_name="my-llm", max_model_len=128) as router:
+        (card,) = (await router.get("/v1/models")).json()["data"]
+    assert card["id"] == "my-llm" and card["max_model_len"] == 128
+
+
+def test_model_names_follow_resolve_model() -> None:
+    assert model_name("/models/Qwen3-0.6B/") == "Qwen3-0.6B"
+    assert model_name("/x/SmolLM2.Q4_1.gguf") == "SmolLM2.Q4_1"
+    assert model_name("dummy:tiny") == "dummy-tiny"
+    assert model_name("/x/a.gguf", "served") == "served"
+
+
+async def test_unknown_model_is_404(healthy: Router) -> None:
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions",
+                                                                 {"messages": [{"role": "user", "content": "hi"}]})):
+        error = _error(await healthy.post(path, json={"model": "gpt-4o", **body}), 404)
+        assert error["code"] == "model_not_found" and error["param"] == "model" and "gpt-4o" in error["message"]
+    assert healthy.pool_untouched()
+
+
+# ---- bad input never reaches a worker ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({"max_tokens": 5}, "prompt"),
+    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "stop": 7}, "stop"),
+    ({"prompt": "hi", "logprobs": 20}, "logprobs"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": [1, 2, 100000]}, "prompt"),
+    ({"prompt": "x" * 64}, "prompt"),
+    ({"prompt": "hi", "max_tokens": 63}, "max_tokens"),
+])
+async def test_bad_completion_bodies_are_400(healthy: Router, body: dict, param: str) -> None:
+    error = _error(await healthy.post("/v1/completions", json={"model": healthy.runtime.model_name, **body}), 400)
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert healthy.pool_untouched()
+
+
+async def test_malformed_json_is_400(healthy: Router) -> None:
+    for raw in (b"{not json", b"", b"[]", b'"prompt"'):
+        response = await healthy.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+        _error(response, 400)
+    assert healthy.pool_untouched()
+
+
+async def test_context_length_message(healthy: Router) -> None:
+    response = await healthy.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 80}]})
+    error = _error(response, 400)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert "maximum context length is 64 tokens" in error["message"]
+    assert healthy.pool_untouched()
+
+
+async def test_bad_chat_bodies_are_400(healthy: Router) -> None:
+    cases = [({"messages": []}, "messages"),
+             ({"messages": [{"role": "user"}], "top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+             ({"messages": [{"content": "hi"}]}, "messages[0].role")]
+    for body, param in cases:
+        assert _error(await healthy.post("/v1/chat/completions", json=body), 400)["param"] == param
+    assert healthy.pool_untouched()
+
+
+async def test_chat_without_a_template_is_400(tmp_path: Path) -> None:
+    plain = load_tokenizer(str(write_tiny_model_dir(tmp_path, chat_template=None)))
+    async with _router(tmp_path, plain) as router:
+        error = _error(await router.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}]}),
+                       400)
+        assert error["param"] == "messages" and "chat template" in error["message"]
+        assert router.pool_untouched()
+
+
+async def test_without_a_tokenizer_only_token_ids_are_accepted(model_dir: Path) -> None:
+    async with _router(model_dir, None) as router:
+        assert _error(await router.post("/v1/completions", json={"prompt": "text"}), 400)["param"] == "prompt"
+        assert _error(await router.post("/v1/completions", json={"prompt": [1], "stop": "x"}), 400)["param"] == "stop"
+        assert router.pool_untouched()
+
+
+# ---- no workers ----------------------------------------------------------------------------------
+
+
+async def test_no_workers_health_503_and_requests_retry_after(model_dir: Path, tokenizer: Tokenizer) -> None:
+    async with _router(model_dir, tokenizer) as router:
+        response = await router.get("/health")
+        assert response.status_code == 503 and response.json()["status"] == "unavailable"
+        response = await router.post("/v1/completions", json={"prompt": "hi"})
+        error = _error(response, 503)
+        assert error["code"] == "no_healthy_workers" and response.headers["Retry-After"] == "1"
+        assert router.pool_untouched()
+
+
+async def test_health_follows_compatible_pairs(model_dir: Path, tokenizer: Tokenizer) -> None:
+    probe = Probe({"p:1": _identity(Role.PREFILL), "d:1": _identity(Role.DECODE)})
+    async with _router(model_dir, tokenizer, probe, prefill=("p:1",), decode=("d:1",)) as router:
+        body = (await router.get("/health")).json()
+        assert body == {"status": "ok", "healthy_workers": {"prefill": 1, "decode": 1}, "decode_only": False}
+        probe.up["d:1"] = WorkerIdentity(engine_id="d", role="decode", compat_hash="other")
+        await router.runtime.discovery.check_health()
+        assert (await router.get("/health")).status_code == 503  # both up, but not compatible
+
+
+async def test_health_of_a_decode_only_router(model_dir: Path, tokenizer: Tokenizer) -> None:
+    probe = Probe({"d:1": _identity(Role.DECODE)})
+    async with _router(model_dir, tokenizer, probe, prefill=(), decode=("d:1",)) as router:
+        body = (await router.get("/health")).json()
+    assert body["status"] == "ok" and body["decode_only"]
+
+
+async def test_unreachable_workers_fail_cleanly_and_are_taken_out(healthy: Router) -> None:
+    """The one request that does go out: prefill fails, decode fails, 503, both marked down."""
+    response = await healthy.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    error = _error(response, 503)
+    assert error["code"] == "worker_unavailable" and "Retry-After" in response.headers
+    policy = healthy.runtime.policy
+    assert not policy.has_healthy_decode() and not policy.has_healthy_pair()
+    assert sorted(healthy.runtime.pool.addresses) == ["127.0.0.1:1", "127.0.0.1:2"]
+    assert all(w.outstanding_requests == 0 for w in policy.workers())
+    assert _error(await healthy.post("/v1/completions", json={"prompt": "hi"}), 503)["code"] == "no_healthy_workers"
+
+
+async def test_overload_is_429(model_dir: Path, tokenizer: Tokenizer) -> None:
+    probe = Probe({NOWHERE: _identity(Role.DECODE)})
+    async with _router(model_dir, tokenizer, probe, prefill=(), max_inflight_requests=1) as router:
+        router.runtime.dispatcher.num_in_flight = 1  # as if one request were being served
+        response = await router.post("/v1/completions", json={"prompt": "hi", "stream": True})
+        assert _error(response, 429)["type"] == "rate_limit_error" and response.headers["Retry-After"] == "1"
+        assert router.pool_untouched()
+
+
+# ---- other routes --------------------------------------------------------------------------------
+
+
+async def test_unknown_route_and_method_in_openai_format(healthy: Router) -> None:
+    assert _error(await healthy.get("/v1/nothing"), 404)["type"] == "invalid_request_error"
+    _error(await healthy.get("/v1/completions"), 405)
+
+
+async def test_metrics(healthy: Router) -> None:
+    await healthy.post("/v1/completions", json={"prompt": "hi", "max_tokens": -1})
+    await healthy.get("/v1/nothing")
+    text = (await healthy.get("/metrics")).text
+    assert 'pdserve_router_requests_total{endpoint="/v1/completions",status="400"} 1.0' in text
+    assert 'pdserve_router_requests_total{endpoint="other",status="404"} 1.0' in text
+    assert 'pdserve_router_workers{role="decode",state="healthy"} 1.0' in text
+    for name in ("pdserve_router_time_to_first_token_seconds", "pdserve_router_inter_token_latency_seconds",
+                 "pdserve_router_e2e_request_latency_seconds", "pdserve_router_requests_in_flight",
+                 "pdserve_router_added_latency_seconds"):
+        assert f"# TYPE {name} " in text
+
+
+def test_router_import_does_not_load_torch() -> None:
+    code = "import sys, services.router.app, services.router.cli_args; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_cli_flags_build_the_config(model_dir: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_router_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["router", "--model", str(model_dir), "--prefill", "a:1,b:2", "--prefill", "c:3",
+                              "--decode-dns", "decode.svc:9000", "--direct-decode-threshold", "64",
+                              "--max-model-len", "4096", "--dns-refresh-s", "5"])
+    config = router_config_from_args(args)
+    assert (args.host, args.port, args.func) == ("127.0.0.1", 8000, run_router)
+    assert config.prefill == ("a:1", "b:2", "c:3") and config.decode_dns == ("decode.svc:9000",)
+    assert config.direct_decode_threshold == 64 and config.max_model_len == 4096 and config.dns_refresh_s == 5
+    assert not config.decode_only
+    with pytest.raises(ValueError, match="decode"):
+        router_config_from_args(parser.parse_args(["router", "--prefill", "a:1"]))
