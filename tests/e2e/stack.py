@@ -1,0 +1,83 @@
+"""A running pdserve stack for end-to-end tests: real worker processes, a real router, HTTP."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import grpc
+import httpx
+
+from services.launcher import Daemon, Router, daemons, start_router, stop_router
+from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+# Small pools and blocks so prompts span several blocks; prefill and decode differ in layout and
+# block size on purpose (both are reconciled by the transfer).
+PREFILL_ARGS = ("--kv-layout", "cross_layer", "--block-size", "4", "--num-kv-blocks", "512", "--max-num-seqs", "32")
+DECODE_ARGS = ("--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "512", "--max-num-seqs", "32")
+
+
+@dataclass
+class Stack:
+    router: Router
+    prefill: list[Daemon]
+    decode: list[Daemon]
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+
+@contextmanager
+def stack(model: str | None, num_prefill: int = 1, num_decode: int = 1, *router_args: str) -> Iterator[Stack]:
+    specs = [("prefill", model, PREFILL_ARGS)] * num_prefill + [("decode", model, DECODE_ARGS)] * num_decode
+    with daemons(*specs) as started:
+        prefill = [d for d in started if d.role == "prefill"]
+        decode = [d for d in started if d.role == "decode"]
+        router = start_router(model, [d.address for d in prefill], [d.address for d in decode], *router_args)
+        try:
+            yield Stack(router, prefill, decode)
+        finally:
+            stop_router(router)
+
+
+def info(d: Daemon) -> worker_pb2.WorkerInfo:
+    with grpc.insecure_channel(d.address) as ch:
+        stub = worker_pb2_grpc.PrefillWorkerStub(ch) if d.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub(ch)
+        return stub.Info(worker_pb2.InfoRequest(), timeout=5)
+
+
+def completion_tokens(url: str, prompt: list[int] | str, max_tokens: int, stream: bool, **extra) -> list[int]:
+    """Greedy completion through the router; the token ids the client received, in order."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, "logprobs": 0,
+            "return_tokens_as_token_ids": True, "ignore_eos": True, **extra}
+    with httpx.Client(timeout=300) as client:
+        if not stream:
+            response = client.post(f"{url}/v1/completions", json=body)
+            response.raise_for_status()
+            return _token_ids(response.json()["choices"][0]["logprobs"]["tokens"])
+        tokens: list[int] = []
+        with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"]
+                    if choice and choice[0].get("logprobs"):
+                        tokens += _token_ids(choice[0]["logprobs"]["tokens"])
+        return tokens
+
+
+def _token_ids(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def finished_requests(d: Daemon) -> float:
+    """``pdserve_requests_total{outcome="finished"}`` scraped from the worker's /metrics endpoint."""
+    text = httpx.get(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("pdserve_requests_total{") and 'outcome="finished"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
