@@ -90,16 +90,20 @@ def start_daemon(role: str, model: str | None, *extra: str, timeout_s: float = 3
     return wait_ready(spawn_daemon(role, model, *extra), timeout_s)
 
 
-def stop_daemon(d: Daemon, timeout_s: float = 30.0) -> int:
-    """SIGTERM (drain), then kill if it does not exit in time; returns the exit code."""
-    if d.proc.poll() is None:
-        d.proc.send_signal(signal.SIGTERM)
+def terminate(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """SIGTERM (the daemons drain on it), then kill if it does not exit in time; the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
         try:
-            d.proc.wait(timeout=timeout_s)
+            proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            d.proc.kill()
-            d.proc.wait()
-    return d.proc.returncode
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def stop_daemon(d: Daemon, timeout_s: float = 30.0) -> int:
+    return terminate(d.proc, timeout_s)
 
 
 @contextmanager
@@ -187,11 +191,5 @@ def run_up(args, worker_argv: list[str]) -> int:
     return 0
 
 
-def stop_router(router: Router, timeout_s: float = 30.0) -> None:
-    if router.proc.poll() is None:
-        router.proc.send_signal(signal.SIGTERM)
-        try:
-            router.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            router.proc.kill()
-            router.proc.wait()
+def stop_router(router: Router, timeout_s: float = 30.0) -> int:
+    return terminate(router.proc, timeout_s)

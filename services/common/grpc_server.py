@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,6 +33,17 @@ class InFlight:
         self.count -= 1
         if self.count == 0:
             self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def admit(self, context: grpc.aio.ServicerContext, who: str) -> AsyncIterator[None]:
+        """Count one request for its whole life; UNAVAILABLE while draining."""
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{who} is draining")
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
 
     async def wait_idle(self, timeout_s: float) -> bool:
         try:

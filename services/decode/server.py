@@ -50,11 +50,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.metrics = metrics
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        if self.server.in_flight.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
-        self.server.in_flight.enter()
-        started = time.monotonic()
-        try:
+        async with self.server.in_flight.admit(context, "decode worker"):
+            started = time.monotonic()
             try:
                 params = sampling_from_proto(request.params)
                 prompt = list(request.prompt_token_ids)
@@ -77,8 +74,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 yield _chunk(out, len(prompt), recomputed)
             self.metrics.e2e.labels("decode").observe(time.monotonic() - started)
             self.metrics.requests.labels("decode", "finished").inc()
-        finally:
-            self.server.in_flight.leave()
 
     async def _start_from_ticket(self, rid: str, prompt: list[int], params: SamplingParams,
                                  ticket: kv_pb2.TransferTicket) -> tuple[list[int], bool]:

@@ -42,14 +42,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.metrics = metrics
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        if self.server.in_flight.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining")
-        started = time.monotonic()
-        self.server.in_flight.enter()
-        try:
-            return await self._prefill(request, context, started)
-        finally:
-            self.server.in_flight.leave()
+        async with self.server.in_flight.admit(context, "prefill worker"):
+            return await self._prefill(request, context, time.monotonic())
 
     async def _prefill(self, request: worker_pb2.PrefillRequest, context, started: float):
         rid = request.request_id

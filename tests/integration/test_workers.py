@@ -7,6 +7,7 @@ and the pull must not lose the request; every pinned block is freed once the dec
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import grpc
@@ -147,3 +148,34 @@ def test_bad_requests_are_refused_and_change_nothing(checkpoint: str, reference)
         assert [t for c in chunks for t in c.token_ids] == reference[tuple(_prompts()[1])]
         info = _wait_unpinned(p.address)
         assert info.kv_blocks_pinned == 0 and info.num_running == 0 and info.num_waiting == 0
+
+
+def test_sigterm_drains_in_flight_work_and_refuses_new(checkpoint: str, reference) -> None:
+    decode = start_daemon("decode", checkpoint, *DECODE_ARGS)
+    try:
+        prompt = _prompts()[2]
+        long_params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+
+        async def drain_during_stream():
+            async with grpc.aio.insecure_channel(decode.address) as ch:
+                stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+                stream = stub.Generate(worker_pb2.GenerateRequest(
+                    request_id="long", prompt_token_ids=prompt, params=sampling_to_proto(long_params)))
+                tokens = []
+                async for chunk in stream:
+                    tokens += chunk.token_ids
+                    if len(tokens) == 3:
+                        decode.proc.send_signal(signal.SIGTERM)
+                        await asyncio.sleep(0.3)
+                        with pytest.raises(grpc.aio.AioRpcError) as e:  # a new request is refused...
+                            async for _ in stub.Generate(worker_pb2.GenerateRequest(
+                                    request_id="late", prompt_token_ids=prompt, params=sampling_to_proto(GREEDY))):
+                                pass
+                        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                return tokens  # ...while the one in flight runs to its end
+
+        tokens = asyncio.run(drain_during_stream())
+        assert len(tokens) == 300 and tokens[:12] == reference[tuple(prompt)]
+        assert decode.proc.wait(timeout=30) == 0
+    finally:
+        stop_daemon(decode)
