@@ -68,6 +68,14 @@ def test_disaggregated_equals_colocated(model: str, colocated, num_prefill: int,
             for stream in (False, True):
                 assert completion_tokens(s.url, prompt, MAX_TOKENS, stream) == colocated(prompt)
 
+        # The same prompt again: a prefill worker that saw it serves all but its last block from its
+        # prefix cache (with two prefill workers, after one round each).
+        with httpx.Client(timeout=60) as client:
+            for _ in range(num_prefill):
+                usage = client.post(f"{s.url}/v1/completions", json={
+                    "prompt": prompts[-1], "max_tokens": 2, "temperature": 0}).json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= len(prompts[-1]) - 4
+
         many = _prompts(32, seed=11)
         with ThreadPoolExecutor(32) as pool:
             results = list(pool.map(lambda p: completion_tokens(s.url, p[1], MAX_TOKENS, p[0] % 2 == 0),

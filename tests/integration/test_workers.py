@@ -11,6 +11,7 @@ import signal
 import time
 
 import grpc
+import httpx
 import pytest
 
 from services.common.sampling import sampling_to_proto
@@ -179,3 +180,19 @@ def test_sigterm_drains_in_flight_work_and_refuses_new(checkpoint: str, referenc
         assert decode.proc.wait(timeout=30) == 0
     finally:
         stop_daemon(decode)
+
+
+def test_unpulled_kv_is_freed_when_its_lease_expires(checkpoint: str) -> None:
+    args = [a for a in PREFILL_ARGS if a not in ("--kv-lease-s", "60")] + ["--kv-lease-s", "1"]
+    with daemons(("prefill", checkpoint, tuple(args))) as (p,):
+        async def prefill_only():
+            async with grpc.aio.insecure_channel(p.address) as ch:
+                return await worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(worker_pb2.PrefillRequest(
+                    request_id="never-pulled", prompt_token_ids=_prompts()[3], params=sampling_to_proto(GREEDY)))
+
+        first = asyncio.run(prefill_only())
+        assert first.HasField("ticket")
+        assert asyncio.run(_info(p.address, "prefill")).kv_blocks_pinned > 0
+        assert _wait_unpinned(p.address, timeout_s=10).kv_blocks_pinned == 0  # nobody pulled: the lease freed it
+        metrics = httpx.get(f"http://127.0.0.1:{p.metrics_port}/metrics", timeout=10).text
+        assert 'pdserve_kv_lease_expiries_total{role="prefill"} 1.0' in metrics
