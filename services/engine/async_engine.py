@@ -108,8 +108,13 @@ class AsyncEngine:
 
     async def complete_external_kv(self, request_id: str, first_token_id: int,
                                    first_logprob: float | None = None) -> None:
-        out = await self.call(lambda e: e.complete_external_kv(request_id, first_token_id, first_logprob))
-        self._deliver(out)
+        def complete(e: LLMEngine) -> None:
+            out = e.complete_external_kv(request_id, first_token_id, first_logprob)
+            # Queued from the engine thread, so it reaches the stream before any later step's output
+            # (delivering after `call` returns would let the next step's token overtake it).
+            self._loop.call_soon_threadsafe(self._deliver, out)
+
+        await self.call(complete)
 
     async def fail_external_kv(self, request_id: str) -> None:
         await self.call(lambda e: e.fail_external_kv(request_id))

@@ -1,0 +1,40 @@
+"""AsyncEngine: the engine thread's outputs reach each request's stream in order."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.engine.async_engine import AsyncEngine
+from services.engine.engine_config import EngineConfig
+from services.engine.llm_engine import LLMEngine
+from services.engine.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def test_first_token_of_external_kv_comes_first_and_aborts_free_everything() -> None:
+    engine = LLMEngine(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=64))
+
+    async def main() -> tuple:
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        streams = []
+        try:
+            for i in range(20):  # the race this guards against was timing dependent
+                rid = f"r{i}"
+                request = await aengine.add_request_with_external_kv(rid, [5, 6, 7, 8, 9], PARAMS)
+                assert request is not None
+                await aengine.complete_external_kv(rid, 1234)
+                streams.append([t async for out in aengine.outputs(rid) for t in out.new_token_ids])
+            # A consumer that walks away aborts its request: nothing stays running or allocated.
+            await aengine.add_request("walk-away", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+            async for _ in aengine.outputs("walk-away"):
+                break
+            await asyncio.sleep(0.2)
+            return streams, await aengine.call(lambda e: (e.has_unfinished_requests(), e.kv_manager.pool(0)))
+        finally:
+            await aengine.stop()
+
+    streams, (busy, pool) = asyncio.run(main())
+    assert all(s[0] == 1234 and len(s) == 6 for s in streams)
+    assert not busy and pool.num_free_blocks == pool.num_blocks
