@@ -247,14 +247,21 @@ def test_event_loop_keeps_running_during_a_large_read(owner: Owner, readers: lis
         task.cancel()
         return result, [t for t in ticks if start <= t <= end], start, end
 
-    result, during, start, end = asyncio.run(main())
-    gaps = np.diff([start, *during, end])
-    print(f"\n{BUF_BYTES >> 20} MB in {offsets.size} x 16 KB descriptors: {result.gb_per_s:.2f} GB/s, "
-          f"{len(during)} ticks, longest loop stall {gaps.max() * 1e3:.1f} ms")
-    assert np.array_equal(rd.view(), owner.pattern)
-    # A loop blocked by the READ would not tick between post and completion: one gap ~ the whole read.
-    assert len(during) >= 3, f"the event loop ticked {len(during)} times in a {end - start:.3f}s read"
-    assert gaps.max() < 0.8 * (end - start), f"event loop stalled {gaps.max():.3f}s of a {end - start:.3f}s read"
+    # A 2-core CI machine can starve the loop's thread for reasons that are not the READ (other
+    # processes); a READ that blocks the loop fails every attempt, so one clean attempt of three passes.
+    attempts = []
+    for _ in range(3):
+        rd.reset()
+        result, during, start, end = asyncio.run(main())
+        gaps = np.diff([start, *during, end])
+        print(f"\n{BUF_BYTES >> 20} MB in {offsets.size} x 16 KB descriptors: {result.gb_per_s:.2f} GB/s, "
+              f"{len(during)} ticks, longest loop stall {gaps.max() * 1e3:.1f} ms")
+        assert np.array_equal(rd.view(), owner.pattern)
+        # A loop blocked by the READ would not tick between post and completion: one gap ~ the whole read.
+        attempts.append((len(during), gaps.max(), end - start))
+        if len(during) >= 3 and gaps.max() < 0.8 * (end - start):
+            return
+    pytest.fail(f"the event loop stalled during every read: (ticks, longest stall s, read s) = {attempts}")
 
 
 def test_timeout_releases_the_read_and_the_agent_stays_usable(owner: Owner, readers: list[Reader]) -> None:
