@@ -1,16 +1,13 @@
 """The router's tokenizer and model name, read from the same ``--model`` argument the workers get.
 
-``services.engine.loader.resolve_model`` would do the dispatch, but it imports torch and the model
-code (weights, GGUF dequantization), a second or more of start-up and hundreds of MB the router
-never uses. The tokenizer module itself imports no torch, so the dispatch is repeated here for the
-tokenizer alone; names follow ``resolve_model`` so that they match what the workers report.
+``services.engine.model_ref`` reads the argument exactly as the workers' loader does, without
+importing torch or model code the router never uses.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from services.engine.default_model import default_model_path
+from services.engine.model_ref import load_tokenizer as load_model_tokenizer
+from services.engine.model_ref import model_display_name, parse_model
 from services.engine.tokenizer import Tokenizer
 from services.router.errors import ContextLengthExceeded, InvalidRequest
 from services.router.protocol import (
@@ -25,15 +22,8 @@ UNTIL_CONTEXT_ENDS = 2**31 - 1
 
 
 def model_name(model: str | None, served_model_name: str | None = None) -> str:
-    """The id ``/v1/models`` lists: ``--served-model-name``, else the name ``resolve_model`` gives."""
-    if served_model_name:
-        return served_model_name
-    if not model:
-        return default_model_path().stem
-    if model.startswith("dummy:"):
-        return f"dummy-{model.removeprefix('dummy:')}"
-    path = Path(model).expanduser()
-    return path.stem if path.suffix == ".gguf" else path.name
+    """The id ``/v1/models`` lists: ``--served-model-name``, else the name the workers' loader gives."""
+    return served_model_name or model_display_name(model)
 
 
 def load_tokenizer(model: str | None) -> Tokenizer | None:
@@ -41,23 +31,7 @@ def load_tokenizer(model: str | None) -> Tokenizer | None:
 
     Raise FileNotFoundError / ValueError naming the problem when the argument is unusable.
     """
-    if not model:
-        return Tokenizer.from_gguf(default_model_path())
-    if model.startswith("dummy:"):
-        # Dummy models borrow the bundled SmolLM2 tokenizer, as the engine does.
-        try:
-            return Tokenizer.from_gguf(default_model_path())
-        except (FileNotFoundError, ValueError):
-            return None
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
-    if path.suffix == ".gguf":
-        return Tokenizer.from_gguf(path)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{model}: not a directory, a .gguf file or dummy:<preset> (models are never downloaded)")
-    raise ValueError(f"{model}: expected a Hugging Face model directory, a .gguf file or dummy:<preset>")
+    return load_model_tokenizer(parse_model(model))
 
 
 def prompt_token_ids(request: AnyRequest, tokenizer: Tokenizer | None, vocab_size: int | None = None) -> list[int]:
