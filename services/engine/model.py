@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from services.engine.attention import AttentionBatch, paged_attention
-from services.engine.config import ModelConfig, RopeScaling
+from services.engine.config import ModelConfig, RopeSpec
 from services.engine.parallel import ParallelConfig, all_reduce
 
 
@@ -49,21 +49,30 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies, with linear or llama3 (wavelength-banded) scaling applied."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
+def rope_inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] for rotate-half RoPE, with the spec's scaling applied.
+
+    ``proportional``: the first ``partial_rotary_factor`` of the pairs get the usual frequencies
+    (spaced over the whole head dim), the rest get 0 and so are not rotated.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta ** exponents)
+    if rope.rope_type == "default":
         return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "proportional":
+        num_rotated = int(rope.partial_rotary_factor * head_dim // 2)
+        inv_freq[num_rotated:] = 0.0
+        return inv_freq / rope.factor
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    old_len = scaling.original_max_position_embeddings
-    low_wavelen = old_len / scaling.low_freq_factor
-    high_wavelen = old_len / scaling.high_freq_factor
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    blend = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    blended = (1 - blend) * scaled / scaling.factor + blend * scaled
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    blend = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - blend) * scaled / rope.factor + blend * scaled
     in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(in_band, blended, scaled)
 
@@ -71,10 +80,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a precomputed fp32 cos/sin table indexed by position."""
 
-    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+    def __init__(self, head_dim: int, rope: RopeSpec, max_positions: int, device: torch.device) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
-        positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
+        inv_freq = rope_inv_freq(head_dim, rope).to(device)
+        positions = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -166,7 +175,7 @@ class CausalLM(nn.Module):
             None if config.tie_word_embeddings
             else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
-        self.rope = RotaryEmbedding(config, device)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_views: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: list[int]) -> torch.Tensor:
