@@ -47,6 +47,26 @@ class AttentionBatch:
     groups: tuple[GroupAttentionMetadata, ...]
 
 
+@dataclass(frozen=True)
+class TailBatch:
+    """The step's tokens whose output is read, for the layers after the last one that writes KV.
+
+    Layers that only read earlier layers' KV (KV-shared layers) write nothing a later token needs,
+    so past the last KV-writing layer only tokens whose logits are used must go on: the last token
+    of each sampling chunk, every token of a chunk that returns logits, none of a chunk in the
+    middle of a chunked prefill. Each request's tail rows are a suffix of its chunk, so ``batch``
+    is the same attention problem with shorter queries over the same contexts::
+
+        chunk of 5 tokens at positions 3..7, samples   -> tail row: position 7 (query length 1)
+        chunk of 4 tokens at positions 0..3, mid-prefill -> no tail rows
+
+    ``rows`` index the step's flattened tokens; ``batch`` holds only requests with tail rows.
+    """
+
+    rows: torch.Tensor
+    batch: AttentionBatch | None  # None when no token of the step needs output
+
+
 def build_mask(
     query_lens: list[int],
     context_lens: list[int],
@@ -78,17 +98,21 @@ def paged_attention(
     batch: AttentionBatch,
     meta: GroupAttentionMetadata,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V in the cache, then attend. Returns [num_tokens, heads * head_dim].
 
     ``k_cache``/``v_cache`` are [num_blocks, block_size, kv_heads, head_dim] views (any strides).
+    ``k``/``v`` None: a layer that reads another layer's KV and writes none. ``softcap``: scores
+    become ``softcap * tanh(scores / softcap)`` before the mask (Gemma-2), which SDPA cannot do.
     """
-    k_cache[meta.write_blocks, meta.write_offsets] = k
-    v_cache[meta.write_blocks, meta.write_offsets] = v
+    if k is not None:
+        k_cache[meta.write_blocks, meta.write_offsets] = k
+        v_cache[meta.write_blocks, meta.write_offsets] = v
 
     num_tokens, num_heads, head_dim = q.shape
     b, qm, lm = batch.num_reqs, batch.max_query_len, meta.max_context_len
-    kv_heads = k.shape[1]
+    kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads
     padded_q = q.new_zeros(b * qm, num_heads, head_dim)
     padded_q[batch.query_slots] = q
@@ -101,10 +125,21 @@ def paged_attention(
 
     keys = _gather(k_cache, meta.block_tables, lm)
     values = _gather(v_cache, meta.block_tables, lm)
-    with sdpa_kernel(_SDPA_BACKENDS):
-        out = F.scaled_dot_product_attention(folded_q, keys, values, attn_mask=mask, scale=scale)
+    if softcap is None:
+        with sdpa_kernel(_SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(folded_q, keys, values, attn_mask=mask, scale=scale)
+    else:
+        out = _softcapped_attention(folded_q, keys, values, mask, scale, softcap)
     out = out.view(b, kv_heads, group, qm, head_dim).permute(0, 3, 1, 2, 4).reshape(b * qm, num_heads * head_dim)
     return out[batch.query_slots]
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                          softcap: float) -> torch.Tensor:
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: int) -> torch.Tensor:

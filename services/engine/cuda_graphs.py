@@ -27,7 +27,7 @@ import torch
 
 from services.engine.attention import AttentionBatch, GroupAttentionMetadata
 from services.engine.kv_cache import KVCache
-from services.engine.model import CausalLM
+from services.engine.models import DecoderModel
 from services.engine.request import Request
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class DecodeGraphRunner:
     is how the padding logic is tested on CPU.
     """
 
-    def __init__(self, model: CausalLM, kv_cache: KVCache, max_batch_size: int, max_context_len: int,
+    def __init__(self, model: DecoderModel, kv_cache: KVCache, max_batch_size: int, max_context_len: int,
                  *, capture: bool | None = None, min_context_bucket: int = MIN_CONTEXT_BUCKET) -> None:
         if kv_cache.scratch_block is None:
             raise ValueError("decode graphs need a KV cache with a scratch block for padded rows")
@@ -111,8 +111,7 @@ class DecodeGraphRunner:
             raise ValueError("CUDA graphs need a CUDA device")
         spec = kv_cache.spec
         self.groups = spec.groups
-        self.layer_groups = [spec.group_of_layer(i).group_id for i in range(model.config.num_layers)]
-        self.kv_views = [kv_cache.views[i] for i in range(model.config.num_layers)]
+        self.kv_views, self.layer_groups = kv_cache.views_by_layer(model.config.kv_sharing, model.config.num_layers)
         self.scratch_block = kv_cache.scratch_block
         self.batch_sizes = batch_buckets(max_batch_size)
         granularity = 1

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.layout import DTYPE_SIZES, KVLayoutSpec
+
+if TYPE_CHECKING:
+    from services.engine.config import ModelConfig
+    from services.engine.parallel import ParallelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -40,6 +46,12 @@ class KVCache:
         v = self.spec.view(layer, kv)
         return torch.as_strided(self.buffers[v.buffer_index], v.shape, v.strides, v.offset)
 
+    def views_by_layer(self, kv_sharing: dict[int, int], num_layers: int
+                       ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
+        """(K, V) views and KV group of every layer; a KV-sharing layer gets its source layer's."""
+        sources = [kv_sharing.get(i, i) for i in range(num_layers)]
+        return ([self.views[s] for s in sources], [self.spec.group_of_layer(s).group_id for s in sources])
+
     @property
     def num_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
@@ -59,3 +71,30 @@ def kv_groups_for(num_layers: int, block_size: int, sliding_window: int | None) 
     if sliding_window is None:
         return (KVCacheGroupSpec(0, AttentionKind.FULL, layers, block_size),)
     return (KVCacheGroupSpec(0, AttentionKind.SLIDING_WINDOW, layers, block_size, sliding_window),)
+
+
+def kv_cache_groups(config: ModelConfig, block_size: int, parallel: ParallelConfig) -> tuple[KVCacheGroupSpec, ...]:
+    """The model's KV-cache groups: one per (attention kind, window, KV heads, head dim).
+
+    Only layers that compute KV are in a group; a layer that reads another layer's KV (Gemma-4's
+    KV-shared layers) owns none and reads its source's pages. Groups are numbered by their first
+    layer, and each carries this TP rank's heads and its head dim so the layout needs no guess::
+
+        Gemma-4-like, 6 layers, layer 5 reads layer 3:
+        types  S S S F S(->3) F(->... )     group 0: sliding, layers 0,1,2   (first layer 0)
+                                            group 1: full,    layers 3       (first layer 3)
+
+    Separate pools per group, not one pool of equal-sized pages (vLLM's hybrid allocator): groups
+    here may differ in page size (head dims and heads differ per group), and a separate pool lets
+    the sliding-window group free out-of-window blocks without fragmenting the full group's runs.
+    """
+    by_shape: dict[tuple, list[int]] = {}
+    for i, layer in enumerate(config.layers):
+        if layer.kv_source is not None:
+            continue
+        key = (layer.attention, layer.sliding_window, parallel.num_local_kv_heads(layer.num_kv_heads), layer.head_dim)
+        by_shape.setdefault(key, []).append(i)
+    return tuple(
+        KVCacheGroupSpec(gid, kind, tuple(layers), block_size, window, heads, head_dim)
+        for gid, ((kind, window, heads, head_dim), layers) in enumerate(by_shape.items())
+    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -17,9 +17,9 @@ from services.engine.block_manager import KVCacheManager
 from services.engine.cuda_graphs import DecodeGraphRunner
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.engine_config import EngineConfig
-from services.engine.kv_cache import TORCH_DTYPES, KVCache, kv_bytes_per_block, kv_groups_for
+from services.engine.kv_cache import TORCH_DTYPES, KVCache, kv_cache_groups
 from services.engine.loader import ModelSource, resolve_model
-from services.engine.model import CausalLM
+from services.engine.models import DecoderModel, build_model
 from services.engine.model_runner import ModelRunner
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import make_generator, min_tokens_banned_ids, sample
@@ -100,8 +100,8 @@ class LLMEngine:
         self._generate_ids = itertools.count()
 
     # ---- set-up --------------------------------------------------------------------------------
-    def _load_model(self) -> CausalLM:
-        model = CausalLM(self.model_config, self.config.parallel, TORCH_DTYPES[self.dtype], self.device)
+    def _load_model(self) -> DecoderModel:
+        model = build_model(self.model_config, self.config.parallel, TORCH_DTYPES[self.dtype], self.device)
         if self.source.weights is None:
             init_dummy_weights(model, self.config.seed)
         else:
@@ -119,20 +119,23 @@ class LLMEngine:
         num_kv_heads = self.config.parallel.num_local_kv_heads(mc.num_kv_heads)
         # num_kv_blocks counts the blocks requests can use; the budget counts bytes. Either way
         # the layout holds one more block, the scratch block (see KVCache).
-        num_blocks = c.num_kv_blocks + 1 if c.num_kv_blocks else self._num_blocks_from_budget(num_kv_heads)
-        return KVLayoutSpec(
+        layout = KVLayoutSpec(
             kind=c.kv_layout,
             order=c.kv_block_order,
-            num_blocks=num_blocks,
+            num_blocks=(c.num_kv_blocks or 1) + 1,
             num_kv_heads=num_kv_heads,
             head_dim=mc.head_dim,
             dtype=self.dtype,
-            groups=kv_groups_for(mc.num_layers, c.block_size, mc.sliding_window),
+            groups=kv_cache_groups(mc, c.block_size, c.parallel),
         )
+        if c.num_kv_blocks:
+            return layout
+        return replace(layout, num_blocks=self._num_blocks_from_budget(layout))
 
-    def _num_blocks_from_budget(self, num_kv_heads: int) -> int:
-        mc, c = self.model_config, self.config
-        per_block = kv_bytes_per_block(mc.num_layers, num_kv_heads, mc.head_dim, c.block_size, self.dtype)
+    def _num_blocks_from_budget(self, layout: KVLayoutSpec) -> int:
+        c = self.config
+        # Every group has num_blocks blocks: one block id costs a block in each group.
+        per_block = sum(layout.block_bytes(g.group_id) for g in layout.groups)
         budget = c.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":

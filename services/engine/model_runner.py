@@ -12,10 +12,10 @@ from typing import Protocol
 
 import torch
 
-from services.engine.attention import AttentionBatch, GroupAttentionMetadata, build_mask
+from services.engine.attention import AttentionBatch, GroupAttentionMetadata, TailBatch, build_mask
 from services.engine.cuda_graphs import DecodeGraphRunner
 from services.engine.kv_cache import KVCache
-from services.engine.model import CausalLM
+from services.engine.models import DecoderModel
 from services.engine.request import Request
 
 
@@ -44,7 +44,7 @@ class StepLogits:
 class ModelRunner:
     """Runs a step eagerly, or through ``decode_graphs`` when every chunk is one token (decode)."""
 
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device,
+    def __init__(self, model: DecoderModel, kv_cache: KVCache, device: torch.device,
                  decode_graphs: DecodeGraphRunner | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -52,8 +52,7 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
         spec = kv_cache.spec
         self.groups = spec.groups
-        self.layer_groups = [spec.group_of_layer(i).group_id for i in range(model.config.num_layers)]
-        self.kv_views = [kv_cache.views[i] for i in range(model.config.num_layers)]
+        self.kv_views, self.layer_groups = kv_cache.views_by_layer(model.config.kv_sharing, model.config.num_layers)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[Chunk]) -> StepLogits:
@@ -62,9 +61,12 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.can_run(chunks):
             return self._execute_graph(chunks)
         input_ids, positions, batch = self._prepare(chunks)
-        hidden = self.model(input_ids, positions, batch, self.kv_views, self.layer_groups)
+        tail = self._prepare_tail(chunks, positions) if self.model.skips_to_tail else None
+        hidden = self.model(input_ids, positions, batch, self.kv_views, self.layer_groups, tail)
 
-        ends = torch.tensor([0] + [c.num_tokens for c in chunks]).cumsum(0).tolist()
+        # Where each chunk's output rows sit in `hidden`: every token, or only its tail rows.
+        out_lens = [_num_output_rows(c) for c in chunks] if tail is not None else [c.num_tokens for c in chunks]
+        ends = torch.tensor([0] + out_lens).cumsum(0).tolist()
         sample_rows = [i for i, c in enumerate(chunks) if c.samples]
         last = torch.tensor([ends[i + 1] - 1 for i in sample_rows], device=self.device, dtype=torch.long)
         sample_logits = self.model.compute_logits(hidden[last]) if sample_rows else hidden.new_empty(0)
@@ -73,6 +75,41 @@ class ModelRunner:
             for i, c in enumerate(chunks) if c.request.sampling_params.return_logits
         }
         return StepLogits(sample_rows, sample_logits, all_logits)
+
+    def _prepare_tail(self, chunks: Sequence[Chunk], positions: list[int]) -> TailBatch:
+        """The rows past the last KV-writing layer: see ``TailBatch``."""
+        rows: list[int] = []
+        kept: list[tuple[Chunk, int]] = []
+        start = 0
+        for c in chunks:
+            n = _num_output_rows(c)
+            if n:
+                rows.extend(range(start + c.num_tokens - n, start + c.num_tokens))
+                kept.append((c, n))
+            start += c.num_tokens
+        dev = self.device
+        if not kept:
+            return TailBatch(torch.empty(0, dtype=torch.long, device=dev), None)
+        q_lens = [n for _, n in kept]
+        ctx_lens = [c.start + c.num_tokens for c, _ in kept]
+        max_q = max(q_lens)
+        query_slots = [slot for i, n in enumerate(q_lens) for slot in range(i * max_q, i * max_q + n)]
+        max_ctx = max(ctx_lens)
+        groups = []
+        for g in self.groups:
+            bs = g.block_size
+            max_blocks = -(-max_ctx // bs)
+            tables = [c.request.block_ids[g.group_id] for c, _ in kept]
+            padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
+            groups.append(GroupAttentionMetadata(
+                write_blocks=torch.empty(0, dtype=torch.long, device=dev),
+                write_offsets=torch.empty(0, dtype=torch.long, device=dev),
+                block_tables=torch.tensor(padded, device=dev),
+                mask=build_mask(q_lens, ctx_lens, max_q, max_ctx, g.sliding_window, dev),
+                max_context_len=max_ctx,
+            ))
+        batch = AttentionBatch(len(kept), max_q, torch.tensor(query_slots, device=dev), tuple(groups))
+        return TailBatch(torch.tensor(rows, device=dev), batch)
 
     def _execute_graph(self, chunks: Sequence[Chunk]) -> StepLogits:
         logits = self.decode_graphs.run(chunks)  # the graph's static output: copy out what is kept
@@ -123,3 +160,10 @@ class ModelRunner:
             mask=build_mask(q_lens, ctx_lens, max_q, max_ctx, group.sliding_window, dev),
             max_context_len=max_ctx,
         )
+
+
+def _num_output_rows(chunk: Chunk) -> int:
+    """Tokens of a chunk whose hidden state is read: all (logits returned), the last (sampled), or none."""
+    if chunk.request.sampling_params.return_logits:
+        return chunk.num_tokens
+    return 1 if chunk.samples else 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from services.engine.model import CausalLM
+from services.engine.models import DecoderModel
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -43,7 +43,7 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
+def init_dummy_weights(model: DecoderModel, seed: int = 0) -> None:
     """Seeded random weights at the model's real shapes (for benchmarks and smoke tests).
 
     Matrices get N(0, 0.02) like HF's initialiser; norms are 1 and biases 0 so activations stay

@@ -18,13 +18,20 @@ class AttentionKind(enum.Enum):
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
-    """One KV-cache group: which layers, how they attend, and the block size in tokens."""
+    """One KV-cache group: which layers, how they attend, the block size in tokens, the KV shape.
+
+    ``num_kv_heads``/``head_dim`` give this group's page shape when it differs from the layout's
+    (Gemma-4's full layers have wider heads than its sliding ones); None means the layout's own.
+    Inside a :class:`KVLayoutSpec` heads are those of one TP rank.
+    """
 
     group_id: int
     kind: AttentionKind
     layer_ids: tuple[int, ...]
     block_size: int
     sliding_window: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -35,6 +42,10 @@ class KVCacheGroupSpec:
             raise ValueError("sliding_window is set exactly when kind is SLIDING_WINDOW")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        for name in ("num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"KV group {self.group_id}: {name} must be >= 1, got {value}")
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks a block table needs to address ``num_tokens`` tokens (ceil division)."""

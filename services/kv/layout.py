@@ -72,8 +72,8 @@ class KVLayoutSpec:
     kind: LayoutKind
     order: BlockOrder
     num_blocks: int
-    num_kv_heads: int  # heads held by this rank, after TP sharding
-    head_dim: int
+    num_kv_heads: int  # heads held by this rank, after TP sharding (groups may override)
+    head_dim: int  # groups may override
     dtype: str
     groups: tuple[KVCacheGroupSpec, ...]
 
@@ -97,9 +97,18 @@ class KVLayoutSpec:
     def block_size(self, group_id: int) -> int:
         return self.groups[group_id].block_size
 
+    def kv_heads(self, group_id: int) -> int:
+        """KV heads this rank holds for the group's layers."""
+        heads = self.groups[group_id].num_kv_heads
+        return self.num_kv_heads if heads is None else heads
+
+    def group_head_dim(self, group_id: int) -> int:
+        head_dim = self.groups[group_id].head_dim
+        return self.head_dim if head_dim is None else head_dim
+
     def page_elements(self, group_id: int) -> int:
         """Elements of one layer's K (or V) in one block."""
-        return self.block_size(group_id) * self.num_kv_heads * self.head_dim
+        return self.block_size(group_id) * self.kv_heads(group_id) * self.group_head_dim(group_id)
 
     def page_bytes(self, group_id: int) -> int:
         return self.page_elements(group_id) * self.element_size
@@ -147,7 +156,7 @@ class KVLayoutSpec:
             raise ValueError(f"kv must be 0 (K) or 1 (V), got {kv}")
         group = self.group_of_layer(layer_id)
         buf = self.buffer_of_layer(layer_id)
-        bs, h, d = group.block_size, self.num_kv_heads, self.head_dim
+        bs, h, d = group.block_size, self.kv_heads(group.group_id), self.group_head_dim(group.group_id)
         page = self.page_elements(group.group_id)
         token_stride, head_stride = (h * d, d) if self.order is BlockOrder.NHD else (d, bs * d)
         if self.kind is LayoutKind.PER_LAYER:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from services.engine.config import ModelConfig
 from services.engine.kv_cache import KVCache, kv_groups_for
-from services.engine.model import CausalLM
+from services.engine.models import build_model
 from services.engine.model_runner import ModelRunner
 from services.engine.parallel import ParallelConfig
 from services.engine.request import Request
@@ -58,7 +58,7 @@ class _Chunk:
 def _prefill(checkpoint: Path, parallel: ParallelConfig) -> tuple[torch.Tensor, KVCache, ModelConfig]:
     """Run PROMPT in CHUNKS on this rank; return all its logits and the KV cache it filled."""
     config = ModelConfig.from_file(checkpoint / "config.json")
-    model = CausalLM(config, parallel, torch.float32, torch.device("cpu"))
+    model = build_model(config, parallel, torch.float32, torch.device("cpu"))
     model.load_weights(iter_safetensors(checkpoint))
     layout = KVLayoutSpec(
         kind=LayoutKind.CROSS_LAYER, order=BlockOrder.NHD, num_blocks=NUM_BLOCKS,

@@ -8,96 +8,23 @@ all-reduced.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
-from services.engine.attention import AttentionBatch, paged_attention
-from services.engine.config import ModelConfig, RopeSpec
+from services.engine.attention import AttentionBatch, TailBatch, paged_attention
+from services.engine.config import ModelConfig
+from services.engine.models.base import DecoderModel
+from services.engine.models.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    copy_weight,
+    param,
+    row_parallel_bias,
+)
 from services.engine.parallel import ParallelConfig, all_reduce
-
-
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
-class Linear(nn.Module):
-    """``y = x @ W.T (+ b)`` with uninitialised storage: weights always come from a loader."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype, device=device)
-        self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = _param(dim, dtype=dtype, device=device)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-def rope_inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] for rotate-half RoPE, with the spec's scaling applied.
-
-    ``proportional``: the first ``partial_rotary_factor`` of the pairs get the usual frequencies
-    (spaced over the whole head dim), the rest get 0 and so are not rotated.
-    """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta ** exponents)
-    if rope.rope_type == "default":
-        return inv_freq
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "proportional":
-        num_rotated = int(rope.partial_rotary_factor * head_dim // 2)
-        inv_freq[num_rotated:] = 0.0
-        return inv_freq / rope.factor
-    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    old_len = rope.original_max_position_embeddings
-    low_wavelen = old_len / rope.low_freq_factor
-    high_wavelen = old_len / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    blend = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-    blended = (1 - blend) * scaled / rope.factor + blend * scaled
-    in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(in_band, blended, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a precomputed fp32 cos/sin table indexed by position."""
-
-    def __init__(self, head_dim: int, rope: RopeSpec, max_positions: int, device: torch.device) -> None:
-        super().__init__()
-        inv_freq = rope_inv_freq(head_dim, rope).to(device)
-        positions = torch.arange(max_positions, device=device, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -159,7 +86,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, parallel, dtype, device)
 
 
-class CausalLM(nn.Module):
+class LlamaForCausalLM(DecoderModel):
     """The whole decoder plus LM head. ``kv_views[layer]`` is that layer's (K, V) cache view."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype,
@@ -168,18 +95,19 @@ class CausalLM(nn.Module):
         parallel.check_divides(config.num_heads, config.num_kv_heads, config.intermediate_size)
         self.config = config
         self.parallel = parallel
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, parallel, dtype, device) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (
             None if config.tie_word_embeddings
-            else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            else param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
         self.rope = RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                kv_views: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: list[int]) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] after the final norm."""
+                kv_views: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: list[int],
+                tail: TailBatch | None = None) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm (every layer owns KV: no tail skip)."""
         h = self.embed_tokens[input_ids]
         for i, layer in enumerate(self.layers):
             h = h + layer.self_attn(layer.input_layernorm(h), positions, self.rope, kv_views[i], batch, layer_groups[i])
@@ -254,50 +182,40 @@ class CausalLM(nn.Module):
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         c, tp = self.config, self.parallel
         if name == "model.embed_tokens.weight":
-            return _copy(name, self.embed_tokens, tensor)
+            return copy_weight(name, self.embed_tokens, tensor)
         if name == "lm_head.weight":
-            return _copy(name, self.lm_head, tensor)
+            return copy_weight(name, self.lm_head, tensor)
         if name == "model.norm.weight":
-            return _copy(name, self.norm.weight, tensor)
+            return copy_weight(name, self.norm.weight, tensor)
         parts = name.split(".")
         layer = self.layers[int(parts[2])]
         module = parts[3]
         if module in ("input_layernorm", "post_attention_layernorm"):
-            return _copy(name, getattr(layer, module).weight, tensor)
+            return copy_weight(name, getattr(layer, module).weight, tensor)
         proj, kind = parts[4], parts[5]
         if module == "self_attn":
             attn = layer.self_attn
             if proj in ("q_norm", "k_norm"):
-                return _copy(name, getattr(attn, proj).weight, tensor)
+                return copy_weight(name, getattr(attn, proj).weight, tensor)
             if proj == "o_proj":
                 if kind == "bias":
-                    return _copy(name, attn.o_proj.bias, _row_parallel_bias(tensor, tp))
-                return _copy(name, attn.o_proj.weight, tp.shard(tensor, 1))
+                    return copy_weight(name, attn.o_proj.bias, row_parallel_bias(tensor, tp))
+                return copy_weight(name, attn.o_proj.weight, tp.shard(tensor, 1))
             dest = getattr(attn.qkv_proj, kind)
             if proj == "q_proj":
-                return _copy(name, dest[: attn.q_size], tp.shard(tensor, 0))
+                return copy_weight(name, dest[: attn.q_size], tp.shard(tensor, 0))
             start, end = tp.kv_head_range(c.num_kv_heads)
             rows = tensor[start * c.head_dim: end * c.head_dim]
             offset = attn.q_size + (0 if proj == "k_proj" else attn.kv_size)
-            return _copy(name, dest[offset: offset + attn.kv_size], rows)
+            return copy_weight(name, dest[offset: offset + attn.kv_size], rows)
         mlp = layer.mlp
         if proj == "down_proj":
             if kind == "bias":
-                return _copy(name, mlp.down_proj.bias, _row_parallel_bias(tensor, tp))
-            return _copy(name, mlp.down_proj.weight, tp.shard(tensor, 1))
+                return copy_weight(name, mlp.down_proj.bias, row_parallel_bias(tensor, tp))
+            return copy_weight(name, mlp.down_proj.weight, tp.shard(tensor, 1))
         dest = getattr(mlp.gate_up_proj, kind)
         half = dest.shape[0] // 2
         dest = dest[:half] if proj == "gate_proj" else dest[half:]
-        return _copy(name, dest, tp.shard(tensor, 0))
+        return copy_weight(name, dest, tp.shard(tensor, 0))
 
 
-def _row_parallel_bias(bias: torch.Tensor, tp: ParallelConfig) -> torch.Tensor:
-    """Row-parallel outputs are all-reduced, so only rank 0 adds the bias."""
-    return bias if tp.tp_rank == 0 else torch.zeros_like(bias)
-
-
-def _copy(name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
-    if tuple(dest.shape) != tuple(src.shape):
-        raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
-    with torch.no_grad():
-        dest.copy_(src)

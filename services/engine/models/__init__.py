@@ -1,0 +1,33 @@
+"""Model architectures, one module per family over the shared layers in ``layers.py``.
+
+Every model implements :class:`services.engine.models.base.DecoderModel`. Adding an architecture
+is a new module, its config parsing in ``services/engine/config.py``, and one line here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.config import ModelConfig
+from services.engine.models.base import DecoderModel
+from services.engine.models.llama import LlamaForCausalLM
+from services.engine.parallel import ParallelConfig
+
+MODEL_CLASSES: dict[str, type[DecoderModel]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
+
+
+def build_model(config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, device: torch.device) -> DecoderModel:
+    """The architecture's module with uninitialised weights (a loader fills them)."""
+    try:
+        cls = MODEL_CLASSES[config.architecture]
+    except KeyError:
+        raise ValueError(f"no model class for architecture {config.architecture!r}") from None
+    return cls(config, parallel, dtype, device)
+
+
+__all__ = ["MODEL_CLASSES", "DecoderModel", "build_model"]

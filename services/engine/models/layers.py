@@ -1,0 +1,106 @@
+"""Building blocks every architecture shares: linear layers with loader-filled storage, RMSNorm,
+rotary embeddings, and the weight-copy helpers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from services.engine.config import RopeSpec
+from services.engine.parallel import ParallelConfig
+
+
+def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)`` with uninitialised storage: weights always come from a loader."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.weight = param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = param(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = param(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] for rotate-half RoPE, with the spec's scaling applied.
+
+    ``proportional``: the first ``partial_rotary_factor`` of the pairs get the usual frequencies
+    (spaced over the whole head dim), the rest get 0 and so are not rotated.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta ** exponents)
+    if rope.rope_type == "default":
+        return inv_freq
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "proportional":
+        num_rotated = int(rope.partial_rotary_factor * head_dim // 2)
+        inv_freq[num_rotated:] = 0.0
+        return inv_freq / rope.factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    blend = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - blend) * scaled / rope.factor + blend * scaled
+    in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a precomputed fp32 cos/sin table indexed by position."""
+
+    def __init__(self, head_dim: int, rope: RopeSpec, max_positions: int, device: torch.device) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, rope).to(device)
+        positions = torch.arange(max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def row_parallel_bias(bias: torch.Tensor, tp: ParallelConfig) -> torch.Tensor:
+    """Row-parallel outputs are all-reduced, so only rank 0 adds the bias."""
+    return bias if tp.tp_rank == 0 else torch.zeros_like(bias)
+
+
+def copy_weight(name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(dest.shape) != tuple(src.shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
+    with torch.no_grad():
+        dest.copy_(src)
