@@ -332,7 +332,8 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     "llama-3.1-8b": ModelConfig(
         architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope=RopeSpec(500000.0, "llama3", 8.0, 1.0, 4.0, 8192), max_position_embeddings=131072,
+        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope=RopeSpec(500000.0, "llama3", 8.0, 1.0, 4.0, 8192), max_position_embeddings=131072,
         bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
     ),
     # A tiny shape for fast tests of the dummy path.

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from typing import TYPE_CHECKING
+
+import torch
 
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.layout import DTYPE_SIZES, KVLayoutSpec

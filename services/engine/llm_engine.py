@@ -19,8 +19,8 @@ from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.engine_config import EngineConfig
 from services.engine.kv_cache import TORCH_DTYPES, KVCache, kv_cache_groups
 from services.engine.loader import ModelSource, resolve_model
-from services.engine.models import DecoderModel, build_model
 from services.engine.model_runner import ModelRunner
+from services.engine.models import DecoderModel, build_model
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import make_generator, min_tokens_banned_ids, sample
 from services.engine.sampling_params import SamplingParams

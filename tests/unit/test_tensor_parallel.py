@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from services.engine.config import ModelConfig
 from services.engine.kv_cache import KVCache, kv_groups_for
-from services.engine.models import build_model
 from services.engine.model_runner import ModelRunner
+from services.engine.models import build_model
 from services.engine.parallel import ParallelConfig
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams

@@ -21,7 +21,8 @@ MODEL_CLASSES: dict[str, type[DecoderModel]] = {
 }
 
 
-def build_model(config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, device: torch.device) -> DecoderModel:
+def build_model(config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype,
+                device: torch.device) -> DecoderModel:
     """The architecture's module with uninitialised weights (a loader fills them)."""
     try:
         cls = MODEL_CLASSES[config.architecture]
