@@ -143,8 +143,11 @@ def _hf_config(
         "num_key_value_heads": num_kv_heads,
         "head_dim": optional("attention.key_length") or hidden_size // num_heads,
         "rms_norm_eps": _float32_as_decimal(meta.require(f"{architecture}.attention.layer_norm_rms_epsilon")),
-        "rope_theta": _float32_as_decimal(optional("rope.freq_base") or 10000.0),
-        "rope_scaling": _rope_scaling(meta, architecture, path),
+        # transformers 5's form: the base inside the rope dict (llama.cpp's default base is 10000).
+        "rope_parameters": {
+            "rope_theta": _float32_as_decimal(optional("rope.freq_base") or 10000.0),
+            **(_rope_scaling(meta, architecture, path) or {"rope_type": "default"}),
+        },
         "max_position_embeddings": require_int("context_length"),
         # The embedding's row count, not the tokenizer's: some models pad it past the vocabulary.
         "vocab_size": shapes["token_embd.weight"][1],

@@ -17,7 +17,7 @@ from tests.unit._smollm2 import smollm2_checkpoint, smollm2_path, smollm2_tokeni
 
 CONFIG_FIELDS = [
     "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters",
     "max_position_embeddings", "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id",
     "attention_bias", "hidden_act",
 ]
@@ -81,7 +81,7 @@ def test_smollm2_config(checkpoint):
     assert (config["num_hidden_layers"], config["hidden_size"], config["head_dim"]) == (30, 576, 64)
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (9, 3)
     assert config["rms_norm_eps"] == 1e-5
-    assert config["tie_word_embeddings"] is True and config["rope_scaling"] is None
+    assert config["tie_word_embeddings"] is True and config["rope_parameters"]["rope_type"] == "default"
     assert checkpoint.path == smollm2_path()
 
 
