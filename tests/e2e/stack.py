@@ -31,8 +31,9 @@ class Stack:
 
 
 @contextmanager
-def stack(model: str | None, num_prefill: int = 1, num_decode: int = 1, *router_args: str) -> Iterator[Stack]:
-    specs = [("prefill", model, PREFILL_ARGS)] * num_prefill + [("decode", model, DECODE_ARGS)] * num_decode
+def stack(model: str | None, num_prefill: int = 1, num_decode: int = 1, *router_args: str,
+          prefill_args: tuple[str, ...] = PREFILL_ARGS, decode_args: tuple[str, ...] = DECODE_ARGS) -> Iterator[Stack]:
+    specs = [("prefill", model, prefill_args)] * num_prefill + [("decode", model, decode_args)] * num_decode
     with daemons(*specs) as started:
         prefill = [d for d in started if d.role == "prefill"]
         decode = [d for d in started if d.role == "decode"]
@@ -73,11 +74,16 @@ def _token_ids(tokens: list[str]) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in tokens]
 
 
-def finished_requests(d: Daemon) -> float:
-    """``pdserve_requests_total{outcome="finished"}`` scraped from the worker's /metrics endpoint."""
+def metric_total(d: Daemon, name: str, label: str = "") -> float:
+    """Sum of a metric's samples (those whose labels contain ``label``) on the worker's /metrics."""
     text = httpx.get(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=10).text
     total = 0.0
     for line in text.splitlines():
-        if line.startswith("pdserve_requests_total{") and 'outcome="finished"' in line:
+        if line.startswith(name + "{") and label in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def finished_requests(d: Daemon) -> float:
+    """``pdserve_requests_total{outcome="finished"}`` scraped from the worker's /metrics endpoint."""
+    return metric_total(d, "pdserve_requests_total", 'outcome="finished"')
