@@ -125,6 +125,25 @@ def bench_decode_eager(engine: LLMEngine, batch: int, prompt_len: int, steps: in
         engine.runner.decode_graphs = graphs
 
 
+def bench_kv_shared_skip(engine: LLMEngine, prompt_lens: list[int], rounds: int) -> list[dict]:
+    """Prefill of one prompt with the KV-shared-layer skip on and off, same engine and weights.
+
+    Layers past the last KV-writing layer then run only the tokens whose output is read (the last
+    one here); without the skip they run every prompt token (see ``TailBatch``).
+    """
+    rows = []
+    for n in prompt_lens:
+        seconds = {}
+        for skip in (True, False):
+            engine.runner.kv_shared_prefill_skip = skip
+            bench_prefill(engine, 1, n, 1)  # warm-up at this length
+            seconds[skip] = bench_prefill(engine, 1, n, rounds)
+        engine.runner.kv_shared_prefill_skip = True
+        rows.append(dict(case="kv_shared_skip", prompt_len=n, prefill_skip_ms=seconds[True] * 1e3,
+                         prefill_noskip_ms=seconds[False] * 1e3, speedup=seconds[False] / seconds[True]))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: bundled SmolLM2-135M-Instruct GGUF")
@@ -137,6 +156,8 @@ def main() -> None:
     ap.add_argument("--kv-layout", default="cross_layer", choices=[k.value for k in LayoutKind])
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs (eager column only)")
+    ap.add_argument("--skip-prompt-lens", default=None,
+                    help="e.g. 2048,8192: also time prefill with and without the KV-shared-layer skip")
     ap.add_argument("--json", action="store_true", help="one JSON object per case per line")
     ap.add_argument("--json-out", default=None, help="also write the JSON lines to this file")
     args = ap.parse_args()
@@ -173,7 +194,12 @@ def main() -> None:
             decode_step_eager_ms=eager_s * 1e3, graph_speedup=eager_s / step_s, peak_source=peak_src,
             peak_bandwidth_gbs=bandwidth / 1e9, peak_tflops=flops / 1e12,
         ))
-    if emit_json(rows, args.json_out, args.json):
+    skip_rows = []
+    if args.skip_prompt_lens:
+        if not engine.model.skips_to_tail:
+            raise SystemExit(f"{engine.source.name} has no KV-shared layers: nothing to skip")
+        skip_rows = bench_kv_shared_skip(engine, [int(n) for n in args.skip_prompt_lens.split(",")], args.rounds)
+    if emit_json(rows + skip_rows, args.json_out, args.json):
         return
     print(f"# {device_name}  model={engine.source.name}  dtype={engine.dtype}  weights={weight_bytes / 1e9:.2f} GB  "
           f"peaks ({peak_src}): {bandwidth / 1e9:.0f} GB/s, {flops / 1e12:.1f} TFLOP/s")
@@ -187,6 +213,11 @@ def main() -> None:
         print(f"{r['batch']:>5} {r['prefill_tok_s']:>14.0f} {r['prefill_mfu']:>6.2f} {r['decode_tok_s']:>13.1f} "
               f"{r['decode_step_ms']:>8.2f} {r['decode_step_eager_ms']:>9.2f} {r['decode_floor_ms']:>9.3f} "
               f"{r['decode_vs_floor']:>8.1f}")
+    if skip_rows:
+        print(f"{'prompt':>7} {'prefill ms, skip':>17} {'no skip':>9} {'speed-up':>9}")
+        for r in skip_rows:
+            print(f"{r['prompt_len']:>7} {r['prefill_skip_ms']:>17.2f} {r['prefill_noskip_ms']:>9.2f} "
+                  f"{r['speedup']:>9.2f}")
 
 
 if __name__ == "__main__":
