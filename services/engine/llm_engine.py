@@ -83,6 +83,8 @@ class LLMEngine:
         self.kv_cache = KVCache(self.kv_layout, self.device, scratch_block=self.num_kv_blocks)
         self.max_model_len = self._max_model_len()
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, decode_graphs=self._decode_graphs())
+        # Pool ids are 0 .. num_kv_blocks - 1 in every group. A sliding-window table's entry for a
+        # block freed out of the window is the placeholder num_kv_blocks: the scratch block.
         self.kv_manager = KVCacheManager(
             self.kv_layout.groups, [self.num_kv_blocks] * len(self.kv_layout.groups),
             enable_prefix_caching=config.enable_prefix_caching,
@@ -224,7 +226,10 @@ class LLMEngine:
 
         Returns the request, whose ``block_ids[g]`` the caller fills from block
         ``request.num_cached_tokens // block_size`` on (earlier blocks came from the local prefix
-        cache), then calls :meth:`complete_external_kv`; or None when there is no room now.
+        cache), then calls :meth:`complete_external_kv`; or None when there is no room now. In a
+        sliding-window group the entries before ``first_needed_block(num_prompt_tokens)`` are the
+        placeholder (the scratch block, see block_manager): not blocks, never to be filled; the
+        transfer starts at ``window_start_token`` (services/kv/topology.py), past them.
         """
         params = params or SamplingParams()
         token_ids = self._tokenize(prompt)

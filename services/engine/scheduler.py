@@ -43,6 +43,13 @@ class SchedulerConfig:
                     f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                     f">= max_model_len ({self.max_model_len}), or long prompts could never be scheduled")
 
+    @property
+    def max_step_tokens(self) -> int:
+        """Most tokens one request computes in one step (a sliding KV group holds its window plus these)."""
+        if self.long_prefill_token_threshold is None:
+            return self.max_num_batched_tokens
+        return min(self.max_num_batched_tokens, self.long_prefill_token_threshold)
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:
@@ -80,7 +87,7 @@ class Scheduler:
     """FCFS continuous batching with chunked prefill, prefix caching and preemption by recompute."""
 
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
-        if not kv_manager.can_ever_fit(config.max_model_len):
+        if not kv_manager.can_ever_fit(config.max_model_len, config.max_step_tokens):
             raise ValueError(f"the KV pool cannot hold one request of max_model_len={config.max_model_len} "
                              "tokens; lower max_model_len or add blocks")
         self.config = config
@@ -137,7 +144,7 @@ class Scheduler:
                              f"{request.num_computed_tokens} computed tokens)")
         if not request.prompt_token_ids:
             raise ValueError(f"request {rid!r} has an empty prompt")
-        if not self.kv.can_ever_fit(request.num_tokens):
+        if not self.kv.can_ever_fit(request.num_tokens, self.config.max_step_tokens):
             raise ValueError(f"request {rid!r}: prompt of {request.num_tokens} tokens does not fit "
                              "in the whole KV pool")
         if request.num_tokens >= self.config.max_model_len:
@@ -184,7 +191,11 @@ class Scheduler:
         return budget
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
-        """Get blocks for ``request``, preempting the newest running requests until they fit."""
+        """Get blocks for ``request``, preempting the newest running requests until they fit.
+
+        The allocation first gives back the request's sliding-window blocks its next query cannot
+        see, and counts them as free: only blocks really needed decide a preemption.
+        """
         while self.kv.allocate_slots(request, num_tokens) is None:
             victim = self._running.pop()
             self._preempt(victim)
@@ -326,10 +337,15 @@ class Scheduler:
     def allocate_external(self, request: Request) -> list[list[int]] | None:
         """Reserve blocks for a prompt whose KV another worker computed; None if it cannot now.
 
-        Blocks the local prefix cache already holds are reused; the caller fills the rest::
+        Blocks the local prefix cache already holds are reused; the caller fills the rest. Every
+        table runs from token 0 (N = the prompt's tokens); in a sliding-window group the blocks
+        before the window the transfer moves, ``first_needed_block(N)``, are never allocated: their
+        entries are the placeholder (``KVCacheManager.placeholder_block_id``), never to be written::
 
-            block table   [ local hit ... | to fill ... ]
-                          0               num_cached_tokens // block_size
+            full group    [ local hit ...        | to fill ...                 ]
+            sliding group [ P P P ... | hit ...  | to fill ...                 ]
+                          0           first_needed_block(N)   (hit entries before it are P too)
+                          fill from max(num_cached_tokens, window start) // block_size
 
         None (nothing changed) when the pool is short or every sequence seat is taken.
         """
@@ -337,7 +353,7 @@ class Scheduler:
         if self._num_seats_taken() >= self.config.max_num_seqs:
             return None
         computed, num_hit = self.kv.get_computed_blocks(request)
-        if self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit, computed) is None:
+        if self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit, computed, external_kv=True) is None:
             return None
         self._register(request)
         self._waiting_for_kv[request.request_id] = request

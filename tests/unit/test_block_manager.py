@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 import random
 import subprocess
@@ -447,8 +448,9 @@ def test_two_groups_share_a_prefix_boundary():
     assert kv.allocate_slots(a, 20) == [[0, 1, 2, 3, 4], [0, 1, 2]]
     kv.cache_full_blocks(a, 20)  # group 0: 5 full blocks, group 1: 2 full blocks
     computed, num_hit = kv.get_computed_blocks(req("b", range(21)))
-    assert num_hit == 16 and computed == [[0, 1, 2, 3], [0, 1]]
-    # Out-of-window blocks stay allocated; the window part is what a transfer needs.
+    # The query at 16 sees keys 9..16: sliding block 0 (keys 0..7) is left out, as the placeholder.
+    assert num_hit == 16 and computed == [[0, 1, 2, 3], [kv.placeholder_block_id(1), 1]]
+    assert kv.placeholder_block_id(1) == 8 and kv.placeholder_block_id(0) == 16
     assert kv.managers[1].needed_blocks(a.block_ids[1], 20) == [1, 2]
     assert kv.managers[0].needed_blocks(a.block_ids[0], 20) == [0, 1, 2, 3, 4]
     full = req("c", range(30))
@@ -468,3 +470,72 @@ def test_manager_rejects_bad_groups():
         KVCacheManager([full_group(1)], [4])
     with pytest.raises(ValueError):
         BlockPool(0)
+
+
+# ---- sliding-window groups (more in test_sliding_window_blocks.py) ---------------------------------
+
+
+def test_placeholder_is_one_past_each_pool_and_never_a_block():
+    groups = [full_group(0), KVCacheGroupSpec(1, AttentionKind.SLIDING_WINDOW, (1,), BS, sliding_window=4)]
+    kv = KVCacheManager(groups, [10, 6])
+    assert [kv.placeholder_block_id(g) for g in (0, 1)] == [10, 6]
+    assert kv.real_blocks(1, [6, 6, 3, 0]) == [3, 0]
+    a = req("a", range(12))
+    kv.allocate_slots(a, 12)
+    a.num_computed_tokens = 12
+    a.output_token_ids.append(1)
+    kv.allocate_slots(a, 1)  # the query at 12 sees 9..12: sliding blocks 0 and 1 go
+    assert a.block_ids == [[0, 1, 2, 3], [6, 6, 2, 3]]
+    assert [s.num_used for s in kv.stats()] == [4, 2] and kv.usage == 6 / 16
+
+
+def test_can_ever_fit_counts_a_window_per_group():
+    sliding = KVCacheGroupSpec(1, AttentionKind.SLIDING_WINDOW, (1,), BS, sliding_window=8)
+    kv = KVCacheManager([full_group(0), sliding], [64, 5])
+    # Sliding: a step of m tokens holds keys c - 7 .. c + m - 1: (8 - 2 + m) // 4 + 2 blocks.
+    assert kv.managers[1].max_blocks_held(200, 1) == 3 and kv.managers[1].max_blocks_held(200, 8) == 5
+    assert kv.managers[1].max_blocks_held(6, 8) == 2  # never more than the request's own blocks
+    assert kv.can_ever_fit(200, max_step_tokens=8) and not kv.can_ever_fit(200, max_step_tokens=10)
+    assert not kv.can_ever_fit(200)  # a step may compute everything at once: every block
+    assert not kv.can_ever_fit(260, max_step_tokens=1)  # the full group: 65 > 64
+    kept = KVCacheManager([full_group(0), sliding], [64, 5], free_out_of_window=False)
+    assert not kept.can_ever_fit(200, max_step_tokens=1)
+
+
+def test_prefix_hit_matches_brute_force_with_a_sliding_group():
+    rng = random.Random(3)
+    for _ in range(300):
+        full_bs, sliding_bs = rng.choice([(4, 4), (4, 8), (8, 4), (2, 4)])
+        window = rng.randint(1, 20)
+        groups = [full_group(0, full_bs),
+                  KVCacheGroupSpec(1, AttentionKind.SLIDING_WINDOW, (1,), sliding_bs, sliding_window=window)]
+        kv = KVCacheManager(groups, [64, 64])
+        tokens = [rng.randrange(5) for _ in range(rng.randint(1, 60))]
+        cached = []
+        for g, bs in ((0, full_bs), (1, sliding_bs)):
+            hashes = hash_request_blocks(tokens, bs)
+            indices = [i for i in range(len(hashes)) if rng.random() < (0.9 if g == 0 else 0.6)]
+            for i in indices:
+                (block,) = kv.pool(g).allocate(1)
+                kv.pool(g).cache_block(block, hashes[i])
+                kv.pool(g).free([block])
+            cached.append(set(indices))
+        expected = 0
+        lcm = full_bs * sliding_bs // math.gcd(full_bs, sliding_bs)
+        for n in range(len(tokens) - 1, 0, -1):
+            if n % lcm:
+                continue
+            first = max(0, n + 1 - window) // sliding_bs
+            if (all(i in cached[0] for i in range(n // full_bs))
+                    and all(i in cached[1] for i in range(first, n // sliding_bs))):
+                expected = n
+                break
+        computed, num_hit = kv.get_computed_blocks(req("r", tokens))
+        assert num_hit == expected, (full_bs, sliding_bs, window, len(tokens), cached)
+        if num_hit:
+            k = max(0, num_hit + 1 - window) // sliding_bs
+            assert computed[1][:k] == [64] * k and 64 not in computed[1][k:]
+            assert len(computed[0]) * full_bs == len(computed[1]) * sliding_bs == num_hit
+            r = req("r", tokens)
+            assert kv.allocate_slots(r, len(tokens) - num_hit, computed) is not None
+            assert r.block_ids[1][:k] == [64] * k

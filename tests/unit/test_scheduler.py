@@ -73,6 +73,28 @@ def chunks_of(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
     return [(c.request.request_id, c.start, c.num_tokens, c.samples) for c in out.chunks]
 
 
+def check_table(sched: Scheduler, r: Request, g: int) -> list[int]:
+    """A live table: placeholders only as a leading run, and only where no coming query looks.
+
+    Returns the table's real blocks.
+    """
+    manager, placeholder = sched.kv.managers[g], sched.kv.placeholder_block_id(g)
+    table = r.block_ids[g]
+    skipped = next((i for i, b in enumerate(table) if b != placeholder), len(table))
+    real = table[skipped:]
+    assert placeholder not in real, f"{r.request_id}: a placeholder after a block"
+    assert len(set(real)) == len(real), f"{r.request_id} repeats a block"
+    assert len(table) * manager.block_size >= r.num_computed_tokens
+    # The next query sees keys from num_computed - W + 1 on (external KV: the pulled window).
+    window_end = r.num_prompt_tokens if r.status is RequestStatus.WAITING_FOR_KV else r.num_computed_tokens + 1
+    assert skipped <= manager.spec.first_needed_block(window_end)
+    if manager.spec.sliding_window is None:
+        assert skipped == 0
+    # A sliding group holds a window plus one step's tokens, whatever the request's length.
+    assert len(real) <= manager.max_blocks_held(r.num_tokens, sched.config.max_step_tokens)
+    return real
+
+
 def check_invariants(sched: Scheduler, requests: list[Request]) -> None:
     """Refcounts match the tables and holds that reference each block; tables cover the KV."""
     kv = sched.kv
@@ -81,12 +103,11 @@ def check_invariants(sched: Scheduler, requests: list[Request]) -> None:
         for r in requests:
             held = kv.held_block_ids(r.request_id)
             if held is not None and sched.get_request(r.request_id) is r:
+                assert held[g] == kv.real_blocks(g, r.block_ids[g])  # the table stays whole
+                assert kv.placeholder_block_id(g) not in held[g]
                 expected.update(held[g])
             elif not r.finished and r.block_ids:
-                table = r.block_ids[g]
-                assert len(set(table)) == len(table), f"{r.request_id} repeats a block"
-                assert len(table) * manager.block_size >= r.num_computed_tokens
-                expected.update(table)
+                expected.update(check_table(sched, r, g))
         assert [pool.ref_count(b) for b in range(pool.num_blocks)] == [
             expected[b] for b in range(pool.num_blocks)]
         assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
@@ -443,12 +464,15 @@ SHARED_PREFIX = [5, 9, 2, 7, 5, 1, 8, 8, 3, 6, 4, 4, 9, 0, 2, 7]
 class SchedulerMachine(RuleBasedStateMachine):
     """Random add / step / finish / abort / external / hold sequences; invariants after each."""
 
+    POOL_SIZES = [11, 22]  # full group (blocks of 4), sliding group (blocks of 2, window 6)
+    MAX_NUM_BATCHED_TOKENS = 12
+
     def __init__(self) -> None:
         super().__init__()
         groups = [KVCacheGroupSpec(0, AttentionKind.FULL, (0,), 4),
                   KVCacheGroupSpec(1, AttentionKind.SLIDING_WINDOW, (1,), 2, sliding_window=6)]
-        self.sched = make_sched(groups=groups, pool_sizes=[11, 22], max_model_len=40, max_num_seqs=4,
-                                max_num_batched_tokens=12)
+        self.sched = make_sched(groups=groups, pool_sizes=self.POOL_SIZES, max_model_len=40, max_num_seqs=4,
+                                max_num_batched_tokens=self.MAX_NUM_BATCHED_TOKENS)
         self.requests: list[Request] = []
         self.expected: dict[str, list[int]] = {}
 
@@ -537,6 +561,19 @@ class SchedulerMachine(RuleBasedStateMachine):
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=200, stateful_step_count=30, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
+
+
+class TightWindowMachine(SchedulerMachine):
+    """The sliding pool holds 16 tokens, less than one request of max_model_len (40): only freeing
+    out-of-window blocks lets requests finish, and preemption must count the freed blocks."""
+
+    POOL_SIZES = [11, 8]
+    MAX_NUM_BATCHED_TOKENS = 4  # one step's tokens + the window: (6 - 2 + 4) // 2 + 2 = 6 blocks
+
+
+TestTightWindowMachine = TightWindowMachine.TestCase
+TestTightWindowMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
+                                           suppress_health_check=[HealthCheck.too_slow])
 
 
 def test_random_workload_drains_cleanly():
