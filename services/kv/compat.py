@@ -1,15 +1,26 @@
 """KV compatibility: the fields that must be equal for two engines' KV bytes to mean the same.
 
 The hash travels WITH the fields it was computed from, so a mismatch names every differing
-field and both values instead of failing as an opaque hash inequality.
+field and both values instead of failing as an opaque hash inequality; a difference inside the
+KV-cache groups names the group and its field (``KV group 1 (full): head_dim local 32 vs remote 16``).
 
 Hashed: protocol version, architecture, layer count, total KV heads, head dim, dtype, the
 within-block layout (``kv_layout``: NHD or HND, which fixes what a page's bytes mean), the KV-cache
-groups (kind, window, layers) and KV sharing between layers.
+groups and KV sharing between layers.
 
-Not hashed, because they are reconciled rather than required equal: block size (one must divide
-the other; see topology.py), TP size (head slices are mapped), and block placement (per-layer or
-cross-layer buffers: the planner addresses either through the layout spec).
+``kv_groups`` holds, per group, ``[kind, window, layers]``, followed by ``[total KV heads, head dim]``
+when those differ from the model's (``num_kv_heads``/``head_dim``): so a model whose groups all have
+the model's shape hashes exactly as before per-group shapes existed, and a hybrid (Gemma-4: full
+layers with wider heads) covers every group's head dim and heads. Heads are the MODEL's total for
+the group, never a rank's: pass ``group_kv_heads`` (the engine knows them from its per-layer config);
+without it they are derived from the layout, which is exact when the layout is not TP-sharded
+(``layout.num_kv_heads == num_kv_heads``) or the group has the layout's own heads, and refused
+otherwise rather than guessed.
+
+Not hashed, because they are reconciled rather than required equal: block size (per group, one
+must divide the other; see topology.py and the puller's handshake check), TP size (head slices are
+mapped), and block placement (per-layer or cross-layer buffers: the planner addresses either
+through the layout spec).
 """
 
 from __future__ import annotations
@@ -19,18 +30,36 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.kv.groups import KVCacheGroupSpec
 from services.kv.layout import KVLayoutSpec
 
 PROTOCOL_VERSION = 1
 
 
-class KVCompatibilityError(ValueError):
-    """Two engines cannot exchange KV. ``differences`` maps field -> (local, remote)."""
+@dataclass(frozen=True)
+class GroupDifference:
+    """One field of one KV-cache group that differs between the two engines."""
 
-    def __init__(self, message: str, differences: Mapping[str, tuple[str | None, str | None]] | None = None):
+    group_id: int
+    kind: str  # the local group's attention kind ("full", "sliding_window"); "" for a group count
+    field: str  # "kind", "sliding_window", "layers", "num_kv_heads", "head_dim" or "groups" (the count)
+    local: object
+    remote: object
+
+    def __str__(self) -> str:
+        if self.field == "groups":
+            return f"KV groups: local {self.local} vs remote {self.remote}"
+        return f"KV group {self.group_id} ({self.kind}): {self.field} local {self.local} vs remote {self.remote}"
+
+
+class KVCompatibilityError(ValueError):
+    """Two engines cannot exchange KV. ``differences`` maps field -> (local, remote);
+    ``group_differences`` spells out a ``kv_groups`` difference per group and field."""
+
+    def __init__(self, message: str, differences: Mapping[str, tuple[str | None, str | None]] | None = None,
+                 group_differences: Sequence[GroupDifference] = ()):
         super().__init__(message)
         self.differences = dict(differences or {})
+        self.group_differences = list(group_differences)
 
 
 @dataclass(frozen=True)
@@ -54,8 +83,14 @@ def compat_fields(
     layout: KVLayoutSpec,
     kv_sharing: Mapping[int, int] | None = None,
     protocol_version: int = PROTOCOL_VERSION,
+    group_kv_heads: Mapping[int, int] | None = None,
 ) -> dict[str, str]:
-    """Canonical string form of everything that must match. ``num_kv_heads`` is the model total."""
+    """Canonical string form of everything that must match.
+
+    ``num_kv_heads``/``head_dim`` are the model's (total heads, before TP); ``group_kv_heads`` maps
+    group id -> the model's total KV heads of that group's layers (see the module docstring for
+    what happens without it). ``kv_sharing`` maps a layer to the layer whose KV it reads.
+    """
     return {
         "protocol_version": str(protocol_version),
         "architecture": architecture,
@@ -64,14 +99,77 @@ def compat_fields(
         "head_dim": str(head_dim),
         "dtype": layout.dtype,
         "kv_layout": layout.order.value,
-        "kv_groups": _groups_field(layout.groups),
+        "kv_groups": _groups_field(layout, num_kv_heads, head_dim, group_kv_heads),
         "kv_sharing": json.dumps(sorted((kv_sharing or {}).items())),
     }
 
 
-def _groups_field(groups: Sequence[KVCacheGroupSpec]) -> str:
-    # Block size is deliberately left out: it is reconciled by the block-size ratio.
-    return json.dumps([[g.kind.value, g.sliding_window, list(g.layer_ids)] for g in groups])
+def group_total_heads(layout: KVLayoutSpec, group_id: int, num_kv_heads: int,
+                      group_kv_heads: Mapping[int, int] | None = None) -> int:
+    """The model's total KV heads of a group: given, or derived from the (rank-local) layout.
+
+    Derived only where it is exact: a group with the layout's own heads has the model's
+    ``num_kv_heads``; on a layout that is not TP-sharded (it holds all ``num_kv_heads``) the
+    group's heads are its total. A group with its own heads on a sharded layout is refused:
+    ``max(1, heads // tp)`` cannot be inverted once heads are replicated.
+    """
+    if group_kv_heads is not None and group_id in group_kv_heads:
+        return int(group_kv_heads[group_id])
+    local = layout.kv_heads(group_id)
+    if local == layout.num_kv_heads:
+        return num_kv_heads
+    if layout.num_kv_heads == num_kv_heads:
+        return local
+    raise ValueError(
+        f"{layout.groups[group_id].label} holds {local} KV heads per rank on a TP-sharded layout "
+        f"({layout.num_kv_heads} of {num_kv_heads} model heads per rank): pass group_kv_heads, the model's "
+        "total KV heads per group"
+    )
+
+
+def _groups_field(layout: KVLayoutSpec, num_kv_heads: int, head_dim: int,
+                  group_kv_heads: Mapping[int, int] | None) -> str:
+    # Block size is deliberately left out: it is reconciled by the block-size ratio, per group.
+    out = []
+    for g in layout.groups:
+        entry: list = [g.kind.value, g.sliding_window, list(g.layer_ids)]
+        shape = (group_total_heads(layout, g.group_id, num_kv_heads, group_kv_heads), layout.group_head_dim(g.group_id))
+        if shape != (num_kv_heads, head_dim):
+            entry += list(shape)
+        out.append(entry)
+    return json.dumps(out)
+
+
+_GROUP_FIELDS = ("kind", "sliding_window", "layers", "num_kv_heads", "head_dim")
+
+
+def _parse_groups(fields: Mapping[str, str]) -> list[tuple] | None:
+    """``kv_groups`` as one (kind, window, layers, total heads, head dim) tuple per group, or None."""
+    try:
+        heads, head_dim = int(fields["num_kv_heads"]), int(fields["head_dim"])
+        out = []
+        for entry in json.loads(fields["kv_groups"]):
+            kind, window, layers, *shape = entry
+            total, dim = shape if shape else (heads, head_dim)
+            out.append((str(kind), window, list(layers), int(total), int(dim)))
+        return out
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def group_differences(local: Mapping[str, str], remote: Mapping[str, str]) -> list[GroupDifference]:
+    """Each (group, field) whose value differs between two sets of compat fields."""
+    a, b = _parse_groups(local), _parse_groups(remote)
+    if a is None or b is None:
+        return []
+    out = []
+    if len(a) != len(b):
+        out.append(GroupDifference(-1, "", "groups", len(a), len(b)))
+    for gid, (la, rb) in enumerate(zip(a, b, strict=False)):
+        for name, x, y in zip(_GROUP_FIELDS, la, rb, strict=True):
+            if x != y:
+                out.append(GroupDifference(gid, la[0], name, x, y))
+    return out
 
 
 def compat_hash(fields: Mapping[str, str]) -> str:
@@ -95,5 +193,8 @@ def check_compatible(local: CompatInfo, remote_fields: Mapping[str, str], remote
     keys = sorted(set(local.fields) | set(remote_fields))
     pairs = {k: (local.fields.get(k), remote_fields.get(k)) for k in keys}
     diffs = {k: (a, b) for k, (a, b) in pairs.items() if a != b}
-    detail = "; ".join(f"{k}: local {a!r} vs remote {b!r}" for k, (a, b) in diffs.items())
-    raise KVCompatibilityError(f"KV caches are incompatible: {detail}", diffs)
+    groups = group_differences(local.fields, remote_fields) if "kv_groups" in diffs else []
+    # A kv_groups difference explained group by group is not repeated as two JSON blobs.
+    shown = {k: v for k, v in diffs.items() if not (k == "kv_groups" and groups)}
+    detail = "; ".join([str(g) for g in groups] + [f"{k}: local {a!r} vs remote {b!r}" for k, (a, b) in shown.items()])
+    raise KVCompatibilityError(f"KV caches are incompatible: {detail}", diffs, groups)

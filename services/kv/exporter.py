@@ -57,7 +57,10 @@ class KVExporter:
         ranks: Sequence[OwnerRank],
         kv_sharing: Mapping[int, int] | None = None,
         epoch: int | None = None,
+        group_kv_heads: Mapping[int, int] | None = None,
     ) -> None:
+        """``num_kv_heads``/``head_dim`` are the model's; ``group_kv_heads`` maps KV group id -> the
+        model's total KV heads of that group (hybrids whose groups differ in heads; see compat.py)."""
         if not ranks:
             raise ValueError("an engine has at least one TP rank")
         self.engine_id = engine_id
@@ -68,7 +71,7 @@ class KVExporter:
         layout = ranks[0].layout
         self.compat = CompatInfo.of(compat_fields(
             architecture=architecture, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            layout=layout, kv_sharing=kv_sharing,
+            layout=layout, kv_sharing=kv_sharing, group_kv_heads=group_kv_heads,
         ))
         self._description = EngineDescription(
             engine_id=engine_id, epoch=self.epoch, model_name=model_name, num_layers=num_layers,

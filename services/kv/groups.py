@@ -47,6 +47,12 @@ class KVCacheGroupSpec:
             if value is not None and value < 1:
                 raise ValueError(f"KV group {self.group_id}: {name} must be >= 1, got {value}")
 
+    @property
+    def label(self) -> str:
+        """How errors name the group: ``KV group 1 (full)``, ``KV group 0 (sliding_window 512)``."""
+        window = f" {self.sliding_window}" if self.sliding_window is not None else ""
+        return f"KV group {self.group_id} ({self.kind.value}{window})"
+
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks a block table needs to address ``num_tokens`` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)

@@ -65,7 +65,7 @@ class EngineDescription:
     num_kv_heads: int  # model total, before TP
     head_dim: int
     compat: CompatInfo
-    groups: tuple[KVCacheGroupSpec, ...]
+    groups: tuple[KVCacheGroupSpec, ...]  # rank 0's layout groups: kind, window, layers, block size, shape
     ranks: tuple[RankExport, ...]
     kv_sharing: Mapping[int, int] = field(default_factory=dict)
     protocol_version: int = PROTOCOL_VERSION
@@ -109,7 +109,10 @@ def description_from_proto(m: kv_pb2.HandshakeResponse) -> EngineDescription:
         )
         if [r.tp_rank for r in ranks] != list(range(len(ranks))) or len(ranks) != m.tp_size or not ranks:
             raise ValueError(f"ranks {[r.tp_rank for r in ranks]} do not cover tp_size {m.tp_size}")
+        groups = tuple(group_from_proto(g) for g in m.groups)
         for r in ranks:
+            if r.layout.groups != groups:
+                raise ValueError(f"rank {r.tp_rank}'s layout groups differ from the engine's KV groups")
             expected = [b.num_bytes for b in r.layout.buffers()]
             got = [x.length for x in sorted(r.regions, key=lambda x: x.buffer_index)]
             if got != expected:
@@ -122,7 +125,7 @@ def description_from_proto(m: kv_pb2.HandshakeResponse) -> EngineDescription:
             num_kv_heads=m.num_kv_heads,
             head_dim=m.head_dim,
             compat=CompatInfo(dict(m.compat_fields), m.compat_hash),
-            groups=tuple(group_from_proto(g) for g in m.groups),
+            groups=groups,
             ranks=ranks,
             kv_sharing={s.layer_id: s.source_layer_id for s in m.kv_sharing},
             protocol_version=m.protocol_version,

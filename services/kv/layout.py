@@ -72,8 +72,8 @@ class KVLayoutSpec:
     kind: LayoutKind
     order: BlockOrder
     num_blocks: int
-    num_kv_heads: int  # heads held by this rank, after TP sharding (groups may override)
-    head_dim: int  # groups may override
+    num_kv_heads: int  # heads held by this rank, after TP sharding (groups may override: kv_heads())
+    head_dim: int  # groups may override: group_head_dim()
     dtype: str
     groups: tuple[KVCacheGroupSpec, ...]
 
@@ -85,6 +85,9 @@ class KVLayoutSpec:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.groups:
             raise ValueError("a KV layout needs at least one KV-cache group")
+        if [g.group_id for g in self.groups] != list(range(len(self.groups))):
+            raise ValueError(f"KV group ids must be 0..{len(self.groups) - 1} in order, "
+                             f"got {[g.group_id for g in self.groups]}")
         layers = [layer for g in self.groups for layer in g.layer_ids]
         if len(layers) != len(set(layers)):
             raise ValueError("a layer belongs to more than one KV-cache group")

@@ -126,25 +126,31 @@ def _group(spec: KVLayoutSpec, group_id: int, side: str) -> KVCacheGroupSpec:
 
 
 def _check_specs(remote: KVLayoutSpec, local: KVLayoutSpec, group_id: int) -> tuple[KVCacheGroupSpec, KVCacheGroupSpec]:
-    """Refuse spec pairs whose bytes do not mean the same thing."""
-    for name in ("dtype", "head_dim"):
-        if getattr(remote, name) != getattr(local, name):
-            raise ValueError(f"{name} differs: remote {getattr(remote, name)}, local {getattr(local, name)}")
+    """Refuse spec pairs whose bytes do not mean the same thing (dtype, order, the group's shape)."""
+    if remote.dtype != local.dtype:
+        raise ValueError(f"dtype differs: remote {remote.dtype}, local {local.dtype}")
     if remote.order is not local.order:
         raise ValueError(f"block order differs: remote {remote.order.value}, local {local.order.value}")
     rg, lg = _group(remote, group_id, "remote"), _group(local, group_id, "local")
     if set(rg.layer_ids) != set(lg.layer_ids):
-        raise ValueError(f"group {group_id} layers differ: remote {rg.layer_ids}, local {lg.layer_ids}")
+        raise ValueError(f"{lg.label}: layers differ: remote {rg.layer_ids}, local {lg.layer_ids}")
     if (rg.kind, rg.sliding_window) != (lg.kind, lg.sliding_window):
-        raise ValueError(f"group {group_id} attention differs: remote {rg.kind.value}, local {lg.kind.value}")
+        raise ValueError(f"{lg.label}: attention differs: remote {rg.kind.value} (window {rg.sliding_window}), "
+                         f"local {lg.kind.value} (window {lg.sliding_window})")
+    r_dim, l_dim = remote.group_head_dim(group_id), local.group_head_dim(group_id)
+    if r_dim != l_dim:
+        raise ValueError(f"{lg.label}: head_dim differs: remote {r_dim}, local {l_dim}")
     return rg, lg
 
 
-def _check_heads(read: RankRead, remote: KVLayoutSpec, local: KVLayoutSpec) -> None:
-    if read.remote_heads[1] > remote.num_kv_heads:
-        raise ValueError(f"remote heads {read.remote_heads} exceed the remote rank's {remote.num_kv_heads} heads")
-    if read.local_heads[1] > local.num_kv_heads:
-        raise ValueError(f"local heads {read.local_heads} exceed the local rank's {local.num_kv_heads} heads")
+def _check_heads(read: RankRead, remote: KVLayoutSpec, local: KVLayoutSpec, group_id: int) -> None:
+    """The read's head slices inside the group's heads on each side (groups may differ in heads)."""
+    r_heads, l_heads = remote.kv_heads(group_id), local.kv_heads(group_id)
+    label = remote.groups[group_id].label
+    if read.remote_heads[1] > r_heads:
+        raise ValueError(f"{label}: remote heads {read.remote_heads} exceed the remote rank's {r_heads} heads")
+    if read.local_heads[1] > l_heads:
+        raise ValueError(f"{label}: local heads {read.local_heads} exceed the local rank's {l_heads} heads")
 
 
 def _piece_arrays(pieces: Sequence[BlockPiece]) -> np.ndarray:
@@ -284,7 +290,8 @@ def plan_transfer(
     """Descriptors that copy ``pieces`` of group ``group_id`` for the heads in ``read``.
 
     ``remote`` is the spec of rank ``read.remote_rank`` (its own head count), ``local`` the spec
-    of the reading rank. ``layers`` defaults to all of the group's layers.
+    of the reading rank; ``read``'s head slices index the GROUP's heads on each side (groups may
+    have their own heads and head dim). ``layers`` defaults to all of the group's layers.
 
     ``pad_partial_blocks`` widens a partial piece to its whole ``min(block sizes)`` unit: the tail
     copies stale bytes into slots the reader owns and has not filled yet, and in exchange a partial
@@ -292,7 +299,7 @@ def plan_transfer(
     for cross-layer). Only use it when nobody else reads those local slots.
     """
     rg, lg = _check_specs(remote, local, group_id)
-    _check_heads(read, remote, local)
+    _check_heads(read, remote, local, group_id)
     if layers is None:
         layers = rg.layer_ids
     layers = tuple(layers)
@@ -316,7 +323,7 @@ def plan_transfer(
     r_block, r_token, r_head = (s * e for s in r_views[0].strides[:3])
     l_block, l_token, l_head = (s * e for s in l_views[0].strides[:3])
     num_heads = read.num_heads
-    row_bytes = remote.head_dim * e
+    row_bytes = remote.group_head_dim(group_id) * e
     head_base_src = read.remote_heads[0] * r_head
     head_base_dst = read.local_heads[0] * l_head
     piece_major = remote.kind is LayoutKind.CROSS_LAYER
@@ -348,16 +355,28 @@ def plan_groups(
     remote: KVLayoutSpec,
     local: KVLayoutSpec,
     pieces_by_group: Mapping[int, Sequence[BlockPiece]],
-    read: RankRead,
+    read: RankRead | Mapping[int, RankRead],
     *,
     pad_partial_blocks: bool = False,
 ) -> TransferPlan:
-    """One plan for several KV groups of the same remote rank (each group planned on its own)."""
+    """One plan for several KV groups of the same remote rank (each group planned on its own).
+
+    ``read`` is one RankRead for every group, or one per group id (``topology.group_rank_reads``)
+    when the groups' head counts differ; every read must name the same remote rank.
+    """
+    reads = {gid: read for gid in pieces_by_group} if isinstance(read, RankRead) else dict(read)
+    missing = sorted(set(pieces_by_group) - set(reads))
+    if missing:
+        raise ValueError(f"no RankRead for KV groups {missing}")
+    ranks = {reads[gid].remote_rank for gid in pieces_by_group}
+    if len(ranks) > 1:
+        raise ValueError(f"one plan reads one remote rank, the groups' reads name {sorted(ranks)}")
+    remote_rank = ranks.pop() if ranks else (read.remote_rank if isinstance(read, RankRead) else 0)
     plans = [
-        plan_transfer(remote, local, gid, pieces, read, pad_partial_blocks=pad_partial_blocks)
+        plan_transfer(remote, local, gid, pieces, reads[gid], pad_partial_blocks=pad_partial_blocks)
         for gid, pieces in pieces_by_group.items()
     ]
-    return concat_plans(plans, read.remote_rank, max(b.num_bytes for b in remote.buffers()))
+    return concat_plans(plans, remote_rank, max(b.num_bytes for b in remote.buffers()))
 
 
 def concat_plans(plans: Sequence[TransferPlan], remote_rank: int, src_buffer_bytes: int = 1 << 40) -> TransferPlan:

@@ -1,10 +1,16 @@
 """Reader (decode) side of KV transfer: ticket -> handshake (cached) -> plan -> NIXL READs.
 
-For each local TP rank, ``rank_reads`` says which remote ranks and head slices it needs; for each
-KV group, ``map_blocks`` turns the ticket's remote block ids and the reader's own block ids into
-token runs (skipping the prefix the reader already holds and, for sliding-window groups, blocks
-outside the window); the planner turns those into the fewest descriptors. Each READ carries the
-request id as its notification, so the owner can count its readers and free the blocks.
+For each local TP rank, ``group_rank_reads`` says which remote ranks and head slices it needs per
+KV group (groups may differ in heads and head dim: Gemma-4); for each group, ``map_blocks`` turns
+the ticket's remote block ids and the reader's own block ids into token runs (skipping the prefix
+the reader already holds and, for sliding-window groups, blocks outside the window); the planner
+turns those into the fewest descriptors, one plan per (local rank, remote rank) across groups.
+Each READ carries the request id as its notification, so the owner can count its readers and
+free the blocks.
+
+A sliding-window group's ticket may name a placeholder (any in-range id, e.g. the owner's scratch
+block, repeated) for blocks that fell out of the window: they are range-checked like every id and
+never read, since the pieces start at ``window_start_token``.
 
 A ticket is untrusted input: its groups, block ids and token count are checked against the
 owner's handshake before anything is planned, and descriptors are only ever computed from the
@@ -27,7 +33,7 @@ from services.kv.exporter import register_rank
 from services.kv.handshake import EngineDescription, PeerCache
 from services.kv.layout import KVLayoutSpec
 from services.kv.planner import TransferPlan, plan_groups
-from services.kv.topology import BlockPiece, map_blocks, rank_reads, window_start_token
+from services.kv.topology import BlockPiece, group_rank_reads, map_blocks, rank_reads, window_start_token
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 
@@ -79,19 +85,57 @@ class KVPuller:
 
     # ---- handshake-time checks -----------------------------------------------------------------
     def _check_topology(self, remote: EngineDescription) -> None:
-        """Refuse a pair we could never transfer between (TP or block-size mismatch)."""
+        """Refuse a pair we could never transfer between: TP, groups, per-group shape and block sizes.
+
+        Runs once per handshake, after the compatibility check, and names the group and field.
+        """
         for rank in range(self.tp_size):
             rank_reads(self.tp_size, rank, remote.tp_size, self.num_kv_heads)
-        local_groups = self._ranks[0].layout.groups
-        if len(local_groups) != len(remote.groups):
-            raise ValueError(f"remote has {len(remote.groups)} KV groups, local {len(local_groups)}")
-        for lg, rg in zip(local_groups, remote.groups, strict=True):
+        local = self._ranks[0].layout
+        if len(local.groups) != len(remote.groups):
+            raise ValueError(f"remote has {len(remote.groups)} KV groups, local {len(local.groups)}")
+        owner = remote.ranks[0].layout
+        for lg, rg in zip(local.groups, remote.groups, strict=True):
+            for name, a, b in (
+                ("kind", lg.kind.value, rg.kind.value),
+                ("sliding_window", lg.sliding_window, rg.sliding_window),
+                ("layers", sorted(lg.layer_ids), sorted(rg.layer_ids)),
+                ("head_dim", local.group_head_dim(lg.group_id), owner.group_head_dim(rg.group_id)),
+            ):
+                if a != b:
+                    raise ValueError(f"{lg.label}: {name} local {a} vs remote {b}")
             small, large = sorted((lg.block_size, rg.block_size))
             if large % small:
                 raise ValueError(
-                    f"KV group {lg.group_id}: block sizes {rg.block_size} (remote) and {lg.block_size} (local) "
+                    f"{lg.label}: block sizes {rg.block_size} (remote) and {lg.block_size} (local) "
                     "do not divide each other"
                 )
+        tp_pair = (self.tp_size, remote.tp_size)
+        if tp_pair == (1, 1):
+            for g in local.groups:
+                a, b = local.kv_heads(g.group_id), owner.kv_heads(g.group_id)
+                if a != b:
+                    raise ValueError(f"{g.label}: num_kv_heads local {a} vs remote {b}")
+            return
+        # Under TP each group shards by its own head count and the owner counts its readers with the
+        # model's: both only agree while every group has the model's heads. Per-group head counts
+        # under TP are a later issue; refuse them clearly instead of reading the wrong slices.
+        sides = [("local", r.layout) for r in self._ranks] + [("remote", r.layout) for r in remote.ranks]
+        for side, layout in sides:
+            for g in layout.groups:
+                if layout.kv_heads(g.group_id) != layout.num_kv_heads:
+                    raise ValueError(
+                        f"{g.label} has {layout.kv_heads(g.group_id)} KV heads per {side} rank, the model "
+                        f"{layout.num_kv_heads}: tensor-parallel KV transfer (tp local {tp_pair[0]}, remote "
+                        f"{tp_pair[1]}) with per-group head counts is not supported yet"
+                    )
+
+    def _group_heads(self, remote: EngineDescription) -> dict[int, int]:
+        """Total KV heads per group, as ``group_rank_reads`` shards them (checked at handshake)."""
+        local = self._ranks[0].layout
+        if self.tp_size == 1 and remote.tp_size == 1:
+            return {g.group_id: local.kv_heads(g.group_id) for g in local.groups}
+        return {g.group_id: self.num_kv_heads for g in local.groups}
 
     def _drop_peers(self, old: EngineDescription) -> None:
         for r in self._ranks:
@@ -105,23 +149,29 @@ class KVPuller:
         """Fill the local blocks with the ticket's KV (all local ranks, concurrently).
 
         ``local_block_ids[g]`` is the reader's block table for group g from token 0;
-        ``num_cached_tokens`` (a local block boundary) were already in the reader's prefix cache.
+        ``num_cached_tokens`` (a local block boundary in every group) were already in the reader's
+        prefix cache: each group skips its whole cached blocks. Sliding-window groups move only the
+        blocks their window still reads (``window_start_token``); the rest of a table is not read.
         """
         started = time.perf_counter()
+        if not 0 <= num_cached_tokens <= ticket.num_tokens:
+            raise ValueError(f"num_cached_tokens {num_cached_tokens} outside [0, {ticket.num_tokens}]")
         remote = await self.peers.get(ticket.handshake_address, ticket.engine_id, ticket.epoch)
         remote_ids = self._check_ticket(ticket, remote, local_block_ids)
         # Every local rank shares the block tables, so the token runs are the same for all of them.
         pieces = self._pieces(remote, self._ranks[0].layout, ticket.num_tokens, remote_ids, local_block_ids,
                               num_cached_tokens)
+        heads = self._group_heads(remote)
         reads = []
         for local_rank, rank in enumerate(self._ranks):
-            for read in rank_reads(self.tp_size, local_rank, remote.tp_size, self.num_kv_heads):
-                owner = remote.ranks[read.remote_rank]
+            for remote_rank, group_reads in group_rank_reads(self.tp_size, local_rank, remote.tp_size, heads).items():
+                owner = remote.ranks[remote_rank]
                 peer = rank.agent.add_peer(owner.agent_metadata)
                 # The last block is this request's own (partial blocks are never shared), and decode
                 # overwrites the slots past the prompt before reading them: padding it costs no
                 # extra descriptors for the stale tail bytes it copies.
-                plan = plan_groups(owner.layout, rank.layout, pieces, read, pad_partial_blocks=True)
+                plan = plan_groups(owner.layout, rank.layout, {g: pieces[g] for g in group_reads}, group_reads,
+                                   pad_partial_blocks=True)
                 reads.append(self._read(rank.agent, peer, plan, owner, local_rank, ticket.request_id.encode()))
         try:
             results = await asyncio.gather(*reads)
@@ -149,7 +199,17 @@ class KVPuller:
 
     def _check_ticket(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription,
                       local_block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
-        groups = {g.group_id: list(g.block_ids) for g in ticket.groups}
+        """The ticket's block ids per group, after checking them against the owner's handshake.
+
+        Every id must be inside the owner's blocks, placeholders included (they are never read but
+        a forged id is refused all the same); repeats are only refused where a transfer reads them
+        (``map_blocks``), since a sliding group's out-of-window placeholders may repeat.
+        """
+        groups: dict[int, list[int]] = {}
+        for g in ticket.groups:
+            if g.group_id in groups:
+                raise TicketError(f"ticket names KV group {g.group_id} twice")
+            groups[g.group_id] = list(g.block_ids)
         if sorted(groups) != [g.group_id for g in remote.groups]:
             raise TicketError(f"ticket names KV groups {sorted(groups)}, the engine has "
                               f"{[g.group_id for g in remote.groups]}")
@@ -159,10 +219,10 @@ class KVPuller:
         for g in remote.groups:
             ids = groups[g.group_id]
             if any(not 0 <= b < num_blocks for b in ids):
-                raise TicketError(f"ticket block ids for group {g.group_id} fall outside the owner's "
-                                  f"{num_blocks} blocks")
+                raise TicketError(f"ticket block ids for {g.label} fall outside the owner's {num_blocks} blocks")
             if len(ids) * g.block_size < ticket.num_tokens:
-                raise TicketError(f"ticket holds {len(ids)} blocks of {g.block_size} for {ticket.num_tokens} tokens")
+                raise TicketError(f"ticket holds {len(ids)} blocks of {g.block_size} for {ticket.num_tokens} tokens "
+                                  f"in {g.label}")
         local_blocks = self._ranks[0].layout.num_blocks
         if any(not 0 <= b < local_blocks for ids in local_block_ids for b in ids):
             raise TicketError(f"local block ids fall outside this engine's {local_blocks} blocks")
@@ -171,10 +231,12 @@ class KVPuller:
     @staticmethod
     def _pieces(remote: EngineDescription, local: KVLayoutSpec, num_tokens: int, remote_ids: list[list[int]],
                 local_ids: Sequence[Sequence[int]], num_cached_tokens: int) -> dict[int, tuple[BlockPiece, ...]]:
+        """Token runs per group: from the reader's cached prefix (whole local blocks of that group)
+        or, for a sliding group, the window's start, whichever is later; to the prompt's end."""
         out = {}
         for rg, lg in zip(remote.groups, local.groups, strict=True):
-            start = max(num_cached_tokens, window_start_token(rg, lg, num_tokens))
-            start -= start % lg.block_size
+            cached = num_cached_tokens - num_cached_tokens % lg.block_size
+            start = max(cached, window_start_token(rg, lg, num_tokens))
             out[lg.group_id] = map_blocks(remote_ids[rg.group_id], rg.block_size, local_ids[lg.group_id],
                                           lg.block_size, num_tokens, start)
         return out

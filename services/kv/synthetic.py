@@ -13,6 +13,16 @@ It exits when its stdin closes. Config keys: engine_id, tp, reader_tp, kind, ord
 num_kv_heads (total), head_dim, dtype, num_layers, block_size, window (optional), seed, requests
 [{request_id, num_tokens, block_ids: [[...] per group]}], and optionally epoch, port, token,
 device ("cpu" or "cuda") and fill ("pattern", or "none" for benchmarks that need no content).
+
+Hybrid models (several KV groups with their own shape, Gemma-3/4 style) add ``groups``: one
+object per group, in group-id order, ``{"kind": "full" | "sliding_window", "layers": [...],
+"window": W, "num_kv_heads": total, "head_dim": D, "block_size": B}`` where everything but kind
+and layers defaults to the top-level value; and optionally ``kv_sharing`` ``{layer: source}``
+(layers that read another layer's KV and are in no group). For example (Gemma-4-like: sliding
+layers with 4 heads of 8, one full layer with 2 heads of 16)::
+
+    "groups": [{"kind": "sliding_window", "window": 8, "layers": [0, 1, 3, 4]},
+               {"kind": "full", "layers": [2], "num_kv_heads": 2, "head_dim": 16}]
 """
 
 from __future__ import annotations
@@ -29,13 +39,54 @@ import services  # noqa: F401  (package init caps oneDNN; tests pass the env var
 from services.engine.kv_cache import TORCH_DTYPES, KVCache, kv_groups_for
 from services.engine.parallel import ParallelConfig
 from services.kv.agent import TransferAgent
+from services.kv.compat import CompatInfo, compat_fields
 from services.kv.exporter import KVExporter, OwnerRank
+from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.handshake import HandshakeServicer, add_handshake_service
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
+
+ARCHITECTURE = "llama"
+
+
+def group_shapes(cfg: dict) -> list[dict]:
+    """One dict per KV group with every key filled: kind, layers, window, num_kv_heads (total), head_dim,
+    block_size."""
+    if "groups" not in cfg:
+        kind = "full" if cfg.get("window") is None else "sliding_window"
+        groups = [{"kind": kind, "layers": list(range(cfg["num_layers"])), "window": cfg.get("window")}]
+    else:
+        groups = cfg["groups"]
+    out = []
+    for g in groups:
+        full = g["kind"] == AttentionKind.FULL.value
+        out.append({
+            "kind": g["kind"], "layers": [int(x) for x in g["layers"]],
+            "window": None if full else g.get("window", cfg.get("window")),
+            "num_kv_heads": g.get("num_kv_heads", cfg["num_kv_heads"]), "head_dim": g.get("head_dim", cfg["head_dim"]),
+            "block_size": g.get("block_size", cfg["block_size"]),
+        })
+    return out
+
+
+def group_total_heads(cfg: dict) -> dict[int, int]:
+    """The model's total KV heads per group id (what compat_fields takes as ``group_kv_heads``)."""
+    return {gid: g["num_kv_heads"] for gid, g in enumerate(group_shapes(cfg))}
+
+
+def kv_sharing(cfg: dict) -> dict[int, int]:
+    return {int(k): int(v) for k, v in cfg.get("kv_sharing", {}).items()}
 
 
 def layout_for(cfg: dict, tp_size: int) -> KVLayoutSpec:
     parallel = ParallelConfig(tp_size, 0)
+    if "groups" in cfg:
+        groups = tuple(
+            KVCacheGroupSpec(gid, AttentionKind(g["kind"]), tuple(g["layers"]), g["block_size"], g["window"],
+                             parallel.num_local_kv_heads(g["num_kv_heads"]), g["head_dim"])
+            for gid, g in enumerate(group_shapes(cfg))
+        )
+    else:
+        groups = kv_groups_for(cfg["num_layers"], cfg["block_size"], cfg.get("window"))
     return KVLayoutSpec(
         kind=LayoutKind(cfg["kind"]),
         order=BlockOrder(cfg["order"]),
@@ -43,24 +94,39 @@ def layout_for(cfg: dict, tp_size: int) -> KVLayoutSpec:
         num_kv_heads=parallel.num_local_kv_heads(cfg["num_kv_heads"]),
         head_dim=cfg["head_dim"],
         dtype=cfg["dtype"],
-        groups=kv_groups_for(cfg["num_layers"], cfg["block_size"], cfg.get("window")),
+        groups=groups,
     )
 
 
-def pattern(cfg: dict) -> torch.Tensor:
-    """[layers, 2, num_blocks, block_size, total_heads, head_dim] seeded values in the KV dtype."""
+def compat_for(cfg: dict, layout: KVLayoutSpec) -> CompatInfo:
+    """The compatibility info an engine of this config (owner or reader) presents."""
+    return CompatInfo.of(compat_fields(
+        architecture=ARCHITECTURE, num_layers=cfg["num_layers"], num_kv_heads=cfg["num_kv_heads"],
+        head_dim=cfg["head_dim"], layout=layout, kv_sharing=kv_sharing(cfg), group_kv_heads=group_total_heads(cfg),
+    ))
+
+
+def pattern(cfg: dict) -> dict[int, torch.Tensor]:
+    """Per KV-owning layer: [2, num_blocks, block_size, total_heads, head_dim] seeded values in the KV
+    dtype, in the shape of the layer's group (layers are drawn in order from one generator)."""
     gen = torch.Generator().manual_seed(cfg["seed"])
-    shape = (cfg["num_layers"], 2, cfg["num_blocks"], cfg["block_size"], cfg["num_kv_heads"], cfg["head_dim"])
-    return torch.randn(shape, generator=gen).to(TORCH_DTYPES[cfg["dtype"]])
+    shape_of = {layer: g for g in group_shapes(cfg) for layer in g["layers"]}
+    out = {}
+    for layer in sorted(shape_of):
+        g = shape_of[layer]
+        shape = (2, cfg["num_blocks"], g["block_size"], g["num_kv_heads"], g["head_dim"])
+        out[layer] = torch.randn(shape, generator=gen).to(TORCH_DTYPES[cfg["dtype"]])
+    return out
 
 
-def fill_rank(cache: KVCache, values: torch.Tensor, tp_size: int, rank: int, num_kv_heads: int) -> None:
+def fill_rank(cache: KVCache, values: dict[int, torch.Tensor], tp_size: int, rank: int, cfg: dict) -> None:
     """Copy this rank's head slice of the pattern into every layer's K and V views."""
-    start, end = ParallelConfig(tp_size, rank).kv_head_range(num_kv_heads)
-    values = values.to(cache.device)
+    heads_of = {layer: g["num_kv_heads"] for g in group_shapes(cfg) for layer in g["layers"]}
     for layer, (k, v) in cache.views.items():
-        k.copy_(values[layer, 0, :, :, start:end])
-        v.copy_(values[layer, 1, :, :, start:end])
+        start, end = ParallelConfig(tp_size, rank).kv_head_range(heads_of[layer])
+        layer_values = values[layer].to(cache.device)
+        k.copy_(layer_values[0, :, :, start:end])
+        v.copy_(layer_values[1, :, :, start:end])
 
 
 async def serve(cfg: dict) -> None:
@@ -72,13 +138,14 @@ async def serve(cfg: dict) -> None:
     for rank in range(cfg["tp"]):
         cache = KVCache(layout, torch.device(device))
         if values is not None:
-            fill_rank(cache, values, cfg["tp"], rank, cfg["num_kv_heads"])
+            fill_rank(cache, values, cfg["tp"], rank, cfg)
         # Agent names are unique per life of the engine, so a reader never confuses a restarted peer.
         agent = TransferAgent(f"{cfg['engine_id']}-{epoch}-tp{rank}", device=device)
         ranks.append(OwnerRank(agent, layout, cache.buffers))
     exporter = KVExporter(
-        engine_id=cfg["engine_id"], model_name="pattern", architecture="llama", num_layers=cfg["num_layers"],
+        engine_id=cfg["engine_id"], model_name="pattern", architecture=ARCHITECTURE, num_layers=cfg["num_layers"],
         num_kv_heads=cfg["num_kv_heads"], head_dim=cfg["head_dim"], ranks=ranks, epoch=epoch,
+        kv_sharing=kv_sharing(cfg), group_kv_heads=group_total_heads(cfg),
     )
     server = grpc.aio.server()
     add_handshake_service(server, HandshakeServicer(exporter.describe, cfg.get("token")))

@@ -3,7 +3,8 @@
 The two sides may run different TP sizes and different block sizes; neither is in the
 compatibility hash, both are reconciled here into plain values the descriptor planner reads:
 
-* :func:`rank_reads` -- which remote ranks a local rank reads, and which of their heads land where.
+* :func:`rank_reads` -- which remote ranks a local rank reads, and which of their heads land where
+  (:func:`group_rank_reads`: the same per KV group, each group sharded by its own head count).
 * :func:`readers_per_remote_rank` -- how many local ranks read each remote rank, so the owner knows
   how many notifications to wait for before it frees a request's blocks.
 * :func:`map_blocks` -- runs of tokens that sit in one remote block and one local block.
@@ -16,7 +17,7 @@ ranks. It is restated here (no torch import) and a test checks the two agree.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,6 +125,24 @@ def rank_reads(local_tp: int, local_rank: int, remote_tp: int, num_kv_heads: int
     return tuple(reads)
 
 
+def group_rank_reads(
+    local_tp: int, local_rank: int, remote_tp: int, heads_by_group: Mapping[int, int]
+) -> dict[int, dict[int, RankRead]]:
+    """``{remote rank: {group id: RankRead}}`` for one local rank, each group by its own total heads.
+
+    Groups whose layers have different KV head counts shard differently under TP, so the head
+    slices (and even the remote ranks) of one local rank may differ per group::
+
+        TP 1 <- TP 1, full group 2 heads, sliding group 4 heads:
+            {0: {0: RankRead(0, (0, 2), (0, 2)), 1: RankRead(0, (0, 4), (0, 4))}}
+    """
+    out: dict[int, dict[int, RankRead]] = {}
+    for gid, heads in heads_by_group.items():
+        for read in rank_reads(local_tp, local_rank, remote_tp, heads):
+            out.setdefault(read.remote_rank, {})[gid] = read
+    return dict(sorted(out.items()))
+
+
 def readers_per_remote_rank(local_tp: int, remote_tp: int, num_kv_heads: int) -> tuple[int, ...]:
     """For each remote rank, how many local ranks read from it (0: nobody; free at once).
 
@@ -186,8 +205,11 @@ def map_blocks(
           local   |l0  |l1  |l2  |l3  |l4  |l5  |..
           pieces        (r0@4,l1@0,4) (r0@8,l2@0,4) (r0@12,l3@0,4) (r1@0,l4@0,4) (r1@4,l5@0,2)
 
-    ``start_token`` must sit on a local block boundary: the reader's prefix cache holds whole
-    local blocks, and rounding would either overwrite a cached block or skip needed tokens.
+    ``start_token`` must sit on a boundary of the smaller block size, so every run stays inside
+    one block on both sides. The reader's prefix cache holds whole local blocks, so a start taken
+    from it is a local boundary; a sliding window's start (:func:`window_start_token`) is a
+    boundary of the finer side and may fall inside a coarse local block, whose earlier slots then
+    stay as they are (they are older than the window and never read).
     """
     if remote_block_size < 1 or local_block_size < 1:
         raise ValueError(f"block sizes must be >= 1, got remote {remote_block_size}, local {local_block_size}")
@@ -200,8 +222,9 @@ def map_blocks(
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     if not 0 <= start_token <= num_tokens:
         raise ValueError(f"start_token {start_token} outside [0, num_tokens={num_tokens}]")
-    if start_token % local_block_size:
-        raise ValueError(f"start_token {start_token} is not on a local block boundary (block size {local_block_size})")
+    if start_token % small:
+        raise ValueError(f"start_token {start_token} is not on a block boundary (block sizes: remote "
+                         f"{remote_block_size}, local {local_block_size})")
     remote_ids = _as_ids(remote_block_ids, "remote")
     local_ids = _as_ids(local_block_ids, "local")
     for side, ids, size in (("remote", remote_ids, remote_block_size), ("local", local_ids, local_block_size)):
@@ -228,15 +251,20 @@ def map_blocks(
 def window_start_token(remote_group: KVCacheGroupSpec, local_group: KVCacheGroupSpec, num_tokens: int) -> int:
     """First token a transfer of this group must move; 0 for full attention.
 
-    Blocks wholly before the window are not pulled. The clip uses ``first_needed_block`` on the
-    LARGER of the two block sizes, so the token is a boundary on both sides and never later than
-    what either side's attention still reads::
+    The newest of ``num_tokens`` tokens attends to keys ``num_tokens - W ..``; each side keeps its
+    blocks from the one holding that key (``first_needed_block``) and may have dropped the blocks
+    before it (a placeholder id in the table). The start is the LATER of the two sides' first kept
+    tokens, which is the finer side's: it is on a block boundary there, never before a block either
+    side dropped, and never after the window's first key, so no needed token is cut. On the coarse
+    side it may fall inside a block (map_blocks moves the rest of that block)::
 
-        W=6, n=30, remote block 4, local block 8:
-          remote first needed block (30-6)//4 = 6 -> token 24
-          local  first needed block (30-6)//8 = 3 -> token 24     -> start 24
-        W=6, n=22:  remote -> token 16, local -> token 16 // 8 * 8 = 16  -> start 16
-        W=10, n=22: remote (12//4)*4 = 12, local (12//8)*8 = 8   -> start 8 (both sides hold 8..)
+        W=6, n=30, remote block 4, local block 8: key 24 ->
+          remote keeps from block 24//4 = 6 (token 24), local from block 24//8 = 3 (token 24) -> 24
+        W=10, n=22: key 12 -> remote keeps token 12.., local 8..             -> 12 (mid local block 1)
+        W=10, n=10: the prompt is inside the window                            -> 0
+
+    Block counts use ceil division (a window of W tokens spans up to cdiv(W - 1, bs) + 1 blocks),
+    never ``W // bs``: a window that is not a multiple of the block size still gets its first block.
     """
     if remote_group.group_id != local_group.group_id:
         raise ValueError(f"group ids differ: remote {remote_group.group_id}, local {local_group.group_id}")
@@ -250,11 +278,10 @@ def window_start_token(remote_group: KVCacheGroupSpec, local_group: KVCacheGroup
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     if local_group.kind is AttentionKind.FULL:
         return 0
-    coarse = max(remote_group, local_group, key=lambda g: g.block_size)
-    fine = min(remote_group.block_size, local_group.block_size)
-    if coarse.block_size % fine:
+    small, large = sorted((remote_group.block_size, local_group.block_size))
+    if large % small:
         raise ValueError(
             f"remote block size {remote_group.block_size} and local block size {local_group.block_size}: "
             "neither divides the other"
         )
-    return coarse.first_needed_block(num_tokens) * coarse.block_size
+    return max(g.first_needed_block(num_tokens) * g.block_size for g in (remote_group, local_group))

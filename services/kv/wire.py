@@ -41,16 +41,18 @@ class MemoryRegion:
 
 
 def group_to_proto(g: KVCacheGroupSpec) -> kv_pb2.KVGroup:
+    """Heads and head dim travel as given (rank-local); None (the layout's) is 0 on the wire."""
     return kv_pb2.KVGroup(
         group_id=g.group_id, kind=_KIND_TO_PB[g.kind], layer_ids=list(g.layer_ids), block_size=g.block_size,
-        sliding_window=g.sliding_window or 0,
+        sliding_window=g.sliding_window or 0, num_kv_heads=g.num_kv_heads or 0, head_dim=g.head_dim or 0,
     )
 
 
 def group_from_proto(m: kv_pb2.KVGroup) -> KVCacheGroupSpec:
     kind = _lookup(_KIND_FROM_PB, m.kind, "attention kind")
     window = m.sliding_window if kind is AttentionKind.SLIDING_WINDOW else None
-    return KVCacheGroupSpec(m.group_id, kind, tuple(m.layer_ids), m.block_size, window)
+    return KVCacheGroupSpec(m.group_id, kind, tuple(m.layer_ids), m.block_size, window,
+                            m.num_kv_heads or None, m.head_dim or None)
 
 
 def layout_to_proto(spec: KVLayoutSpec) -> kv_pb2.KVLayout:

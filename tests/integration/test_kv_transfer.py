@@ -25,10 +25,10 @@ import torch
 from services.engine.kv_cache import KVCache
 from services.engine.parallel import ParallelConfig
 from services.kv.agent import TransferAgent, TransferError
-from services.kv.compat import CompatInfo, KVCompatibilityError, compat_fields
+from services.kv.compat import KVCompatibilityError
 from services.kv.handshake import HandshakeError, StaleTicketError
 from services.kv.puller import KVPuller, ReaderRank, TicketError
-from services.kv.synthetic import layout_for, pattern
+from services.kv.synthetic import compat_for, group_shapes, layout_for, pattern
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 SENTINEL = -7.5
@@ -104,9 +104,7 @@ def reader(cfg: dict, tp: int, token: str | None = None):
         caches.append(cache)
         agents.append(agent)
         ranks.append(ReaderRank(agent, layout, cache.buffers))
-    compat = CompatInfo.of(compat_fields(architecture="llama", num_layers=cfg["num_layers"],
-                                         num_kv_heads=cfg["num_kv_heads"], head_dim=cfg["head_dim"], layout=layout))
-    puller = KVPuller(engine_id="reader", compat=compat, num_kv_heads=cfg["num_kv_heads"], ranks=ranks,
+    puller = KVPuller(engine_id="reader", compat=compat_for(cfg, layout), num_kv_heads=cfg["num_kv_heads"], ranks=ranks,
                       auth_token=token, handshake_timeout_s=10, transfer_timeout_s=20)
     r = Reader(puller, caches, agents, cfg, tp)
     try:
@@ -115,36 +113,45 @@ def reader(cfg: dict, tp: int, token: str | None = None):
         r.close()
 
 
-def expected_views(owner_cfg: dict, r: Reader, remote_ids: list[int], local_ids: list[int], num_tokens: int,
-                   start: int) -> list[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """Per local rank and layer: what K and V must hold after the pull (sentinel elsewhere)."""
+def expected_views(owner_cfg: dict, r: Reader, remote_ids: list[list[int]], local_ids: list[list[int]],
+                   num_tokens: int, starts: list[int]) -> list[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Per local rank and layer: what K and V must hold after the pull (sentinel elsewhere).
+
+    Group g moves tokens ``starts[g]..num_tokens``, each from its own block tables and shape.
+    """
     values = pattern(owner_cfg)
-    rbs, lbs = owner_cfg["block_size"], r.cfg["block_size"]
     out = []
     for rank, cache in enumerate(r.caches):
-        h0, h1 = ParallelConfig(r.tp, rank).kv_head_range(owner_cfg["num_kv_heads"])
         views = {}
-        for layer, (k, v) in cache.views.items():
-            exp = [torch.full_like(k, SENTINEL), torch.full_like(v, SENTINEL)]
-            for t in range(start, num_tokens):
-                for kv in (0, 1):
-                    exp[kv][local_ids[t // lbs], t % lbs] = values[layer, kv, remote_ids[t // rbs], t % rbs, h0:h1]
-            views[layer] = (exp[0], exp[1])
+        for gid, (og, lg) in enumerate(zip(group_shapes(owner_cfg), group_shapes(r.cfg), strict=True)):
+            h0, h1 = ParallelConfig(r.tp, rank).kv_head_range(og["num_kv_heads"])
+            rbs, lbs = og["block_size"], lg["block_size"]
+            for layer in lg["layers"]:
+                k, v = cache.views[layer]
+                exp = [torch.full_like(k, SENTINEL), torch.full_like(v, SENTINEL)]
+                for t in range(starts[gid], num_tokens):
+                    for kv in (0, 1):
+                        src = values[layer][kv, remote_ids[gid][t // rbs], t % rbs, h0:h1]
+                        exp[kv][local_ids[gid][t // lbs], t % lbs] = src
+                views[layer] = (exp[0], exp[1])
         out.append(views)
     return out
 
 
-def check_received(owner_cfg: dict, r: Reader, ticket: kv_pb2.TransferTicket, local_ids: list[int], start: int):
-    remote_ids = list(ticket.groups[0].block_ids)
-    expected = expected_views(owner_cfg, r, remote_ids, local_ids, ticket.num_tokens, start)
-    lbs = r.cfg["block_size"]
-    last_block, tail = local_ids[(ticket.num_tokens - 1) // lbs], ticket.num_tokens % lbs
-    for rank, cache in enumerate(r.caches):
-        for layer, (k, v) in cache.views.items():
-            for kv, (got, exp) in enumerate(zip((k, v), expected[rank][layer], strict=True)):
-                if tail:  # slots past the prompt in its last block may hold padding: don't care
-                    exp[last_block, tail:] = got[last_block, tail:]
-                assert torch.equal(got, exp), f"rank {rank} layer {layer} {'KV'[kv]} differs"
+def check_received(owner_cfg: dict, r: Reader, ticket: kv_pb2.TransferTicket, local_ids: list[list[int]],
+                   starts: list[int]) -> None:
+    remote_ids = [list(g.block_ids) for g in ticket.groups]
+    n = ticket.num_tokens
+    expected = expected_views(owner_cfg, r, remote_ids, local_ids, n, starts)
+    for gid, g in enumerate(group_shapes(r.cfg)):
+        lbs = g["block_size"]
+        last_block, tail = local_ids[gid][(n - 1) // lbs], n % lbs
+        for rank, cache in enumerate(r.caches):
+            for layer in g["layers"]:
+                for kv, (got, exp) in enumerate(zip(cache.views[layer], expected[rank][layer], strict=True)):
+                    if tail:  # slots past the prompt in its last block may hold padding: don't care
+                        exp[last_block, tail:] = got[last_block, tail:]
+                    assert torch.equal(got, exp), f"rank {rank} group {gid} layer {layer} {'KV'[kv]} differs"
 
 
 def _request(rid: str, num_tokens: int, block_size: int, first_block: int, shuffle: bool) -> dict:
@@ -179,7 +186,7 @@ def test_pull_reproduces_owner_bytes(case: str) -> None:
     with owner_process(owner_cfg) as owner, reader(reader_cfg, reader_tp) as r:
         ticket = owner.tickets["req-1"]
         result = asyncio.run(r.puller.pull(ticket, [local_ids]))
-        check_received(owner_cfg, r, ticket, local_ids, start=0)
+        check_received(owner_cfg, r, ticket, [local_ids], [0])
         assert result.num_descriptors > 0 and result.num_bytes > 0
         owner.wait_released("req-1")  # every reading rank notified: the owner frees the blocks
 
@@ -193,7 +200,7 @@ def test_sliding_window_group_moves_only_the_window() -> None:
     with owner_process(owner_cfg) as owner, reader(cfg, 1) as r:
         result = asyncio.run(r.puller.pull(owner.tickets["w"], [local_ids]))
         # Last token 29 sees keys 22..29: blocks 5..7 (tokens 20..29) are needed, blocks 0..4 are not.
-        check_received(owner_cfg, r, owner.tickets["w"], local_ids, start=20)
+        check_received(owner_cfg, r, owner.tickets["w"], [local_ids], [20])
         assert result.num_descriptors == 1  # consecutive ids, cross-layer: one run
         owner.wait_released("w")
 
@@ -204,7 +211,7 @@ def test_prefix_already_held_is_not_read() -> None:
     local_ids = list(range(7))
     with owner_process(owner_cfg) as owner, reader(BASE, 1) as r:
         full = asyncio.run(r.puller.pull(owner.tickets["p"], [local_ids], num_cached_tokens=12))
-        check_received(owner_cfg, r, owner.tickets["p"], local_ids, start=12)  # blocks 0..2 untouched
+        check_received(owner_cfg, r, owner.tickets["p"], [local_ids], [12])  # blocks 0..2 untouched
         per_token = 3 * 2 * 4 * 8 * 2  # layers * K/V * heads * head_dim * bytes
         assert full.num_bytes == (7 - 3) * 4 * per_token  # local blocks 3..6 (the last padded), not 0..2
 
@@ -244,7 +251,7 @@ def test_restarted_owner_is_handshaked_again_and_never_read_stale() -> None:
                 b.fill_(SENTINEL)
             ticket = second.tickets["b"]
             asyncio.run(r.puller.pull(ticket, [[3, 4, 5]]))
-            check_received(restarted, r, ticket, [3, 4, 5], start=0)
+            check_received(restarted, r, ticket, [[3, 4, 5]], [0])
             assert r.puller.peers.num_handshakes == 2
             # Now the old ticket is known stale at once: no read is attempted.
             with pytest.raises(StaleTicketError, match="epoch"):
@@ -260,7 +267,7 @@ def test_agent_metadata_needs_the_shared_token() -> None:
             asyncio.run(r.puller.pull(owner.tickets["t"], [[0, 1]]))
         with reader(BASE, 1, token="s3cret") as r:
             asyncio.run(r.puller.pull(owner.tickets["t"], [[0, 1]]))
-            check_received(owner_cfg, r, owner.tickets["t"], [0, 1], start=0)
+            check_received(owner_cfg, r, owner.tickets["t"], [[0, 1]], [0])
 
 
 def test_forged_ticket_cannot_read_outside_the_owner_blocks() -> None:
@@ -277,3 +284,126 @@ def test_forged_ticket_cannot_read_outside_the_owner_blocks() -> None:
         with pytest.raises(TicketError):
             asyncio.run(r.puller.pull(forged, [[0, 1]]))
         assert all(bool((b == SENTINEL).all()) for b in r.caches[0].buffers)
+
+
+# ---- hybrid models: a sliding group and a full group with its own heads and head dim -----------------
+
+# Gemma-4-like: layers 0, 1, 3, 4 sliding (window 10; 4 heads of 8, the model's shape), layer 2 full
+# with 2 heads of 16, layer 5 reads layer 2's KV (no KV of its own, in no group).
+HYBRID = {**BASE, "num_layers": 6, "num_blocks": 24, "window": 10, "kv_sharing": {"5": 2},
+          "groups": [{"kind": "sliding_window", "layers": [0, 1, 3, 4]},
+                     {"kind": "full", "layers": [2], "num_kv_heads": 2, "head_dim": 16}]}
+
+
+def hybrid_cfg(kind: str = "per_layer", sliding_bs: int = 4, full_bs: int = 4, **over) -> dict:
+    cfg = {**HYBRID, "kind": kind, **over}
+    cfg["groups"] = [{**cfg["groups"][0], "block_size": sliding_bs}, {**cfg["groups"][1], "block_size": full_bs}]
+    return cfg
+
+
+def hybrid_tables(cfg: dict, num_tokens: int, first_block: int, placeholder: int) -> list[list[int]]:
+    """Per group: consecutive ids, with the sliding group's out-of-window blocks set to ``placeholder``
+    (the engine's scratch block: the layout's last), repeated."""
+    out = []
+    for g in group_shapes(cfg):
+        n = -(-num_tokens // g["block_size"])
+        ids = list(range(first_block, first_block + n))
+        if g["window"] is not None:
+            dropped = max(0, num_tokens - g["window"]) // g["block_size"]
+            ids[:dropped] = [placeholder] * dropped
+        out.append(ids)
+    return out
+
+
+def ideal_bytes(owner_cfg: dict, reader_cfg: dict, num_tokens: int, starts: list[int]) -> int:
+    """Full group: every token; sliding group: from the window's start; each padded to the finer block."""
+    total = 0
+    for og, lg, start in zip(group_shapes(owner_cfg), group_shapes(reader_cfg), starts, strict=True):
+        unit = min(og["block_size"], lg["block_size"])
+        per_token = len(og["layers"]) * 2 * og["num_kv_heads"] * og["head_dim"] * 2  # float16
+        total += (-(-num_tokens // unit) * unit - start) * per_token
+    return total
+
+
+HYBRID_CASES = {
+    # name: (owner (kind, sliding bs, full bs), reader (kind, sliding bs, full bs), [(tokens, window starts)])
+    # 31 tokens, window 10: the newest token sees keys 21..30; 9 tokens: the prompt is inside the window
+    "cross_layer-same-blocks": (("cross_layer", 4, 4), ("cross_layer", 4, 4), [(31, [20, 0]), (9, [0, 0])]),
+    # sliding 4 -> 8 (the start 20 falls inside local block 2, tokens 16..23), full 8 -> 4
+    "ratios-per-group": (("cross_layer", 4, 8), ("per_layer", 8, 4), [(31, [20, 0]), (10, [0, 0])]),
+    # sliding 8 -> 4 (the owner's block 2 is read from its middle), full 4 -> 8
+    "ratios-per-group-reversed": (("per_layer", 8, 4), ("cross_layer", 4, 8), [(31, [20, 0]), (27, [16, 0])]),
+}
+
+
+@pytest.mark.parametrize("case", list(HYBRID_CASES), ids=list(HYBRID_CASES))
+def test_hybrid_pull_moves_the_window_and_full_groups_with_their_shapes(case: str) -> None:
+    (o_kind, o_sw, o_full), (r_kind, r_sw, r_full), requests = HYBRID_CASES[case]
+    owner_cfg = {**hybrid_cfg(o_kind, o_sw, o_full), "engine_id": f"owner-hybrid-{case}", "tp": 1, "reader_tp": 1}
+    scratch = owner_cfg["num_blocks"] - 1
+    owner_cfg["requests"] = [{"request_id": f"h{n}", "num_tokens": n,
+                              "block_ids": hybrid_tables(owner_cfg, n, 3, scratch)} for n, _ in requests]
+    reader_cfg = hybrid_cfg(r_kind, r_sw, r_full)
+    with owner_process(owner_cfg) as owner, reader(reader_cfg, 1) as r:
+        for num_tokens, starts in requests:
+            for b in r.caches[0].buffers:
+                b.fill_(SENTINEL)
+            local_ids = hybrid_tables(reader_cfg, num_tokens, 9, reader_cfg["num_blocks"] - 1)
+            ticket = owner.tickets[f"h{num_tokens}"]
+            assert (scratch in ticket.groups[0].block_ids) == (starts[0] >= o_sw)  # placeholders in the ticket
+            result = asyncio.run(r.puller.pull(ticket, local_ids))
+            # every byte: the window and the full group arrived, nothing else was touched (the reader's
+            # own scratch block included), the owner's placeholders were never read
+            check_received(owner_cfg, r, ticket, local_ids, starts)
+            assert result.num_bytes == ideal_bytes(owner_cfg, reader_cfg, num_tokens, starts)
+            owner.wait_released(f"h{num_tokens}")
+
+
+def test_hybrid_tp_with_equal_heads_per_group_works() -> None:
+    # both groups have 4 heads (head dims 8 and 16): TP 2 -> 1 keeps working
+    cfg = hybrid_cfg("cross_layer")
+    cfg["groups"][1] = {**cfg["groups"][1], "num_kv_heads": 4}
+    owner_cfg = {**cfg, "engine_id": "owner-hybrid-tp", "tp": 2, "reader_tp": 1}
+    owner_cfg["requests"] = [{"request_id": "t", "num_tokens": 31,
+                              "block_ids": hybrid_tables(cfg, 31, 2, cfg["num_blocks"] - 1)}]
+    local_ids = hybrid_tables(cfg, 31, 10, cfg["num_blocks"] - 1)
+    with owner_process(owner_cfg) as owner, reader(cfg, 1) as r:
+        result = asyncio.run(r.puller.pull(owner.tickets["t"], local_ids))
+        check_received(owner_cfg, r, owner.tickets["t"], local_ids, [20, 0])
+        assert result.num_reads == 2  # one READ per owner rank, both groups in it
+        assert result.num_bytes == ideal_bytes(owner_cfg, cfg, 31, [20, 0])
+        owner.wait_released("t")
+
+
+def test_hybrid_tp_with_per_group_heads_is_refused_clearly() -> None:
+    owner_cfg = {**hybrid_cfg("cross_layer"), "engine_id": "owner-hybrid-tp-refused", "tp": 2, "reader_tp": 1}
+    owner_cfg["requests"] = [{"request_id": "x", "num_tokens": 8, "block_ids": [[0, 1], [0, 1]]}]
+    with owner_process(owner_cfg) as owner, reader(hybrid_cfg("cross_layer"), 1) as r:
+        refused = r"KV group 1 \(full\) has 2 KV heads per local rank.*tp local 1, remote 2.*not supported yet"
+        with pytest.raises(ValueError, match=refused):
+            asyncio.run(r.puller.pull(owner.tickets["x"], [[0, 1], [0, 1]]))
+        assert all(bool((b == SENTINEL).all()) for b in r.caches[0].buffers)
+
+
+def test_hybrid_refusals_group_mismatch_at_handshake_and_forged_placeholders() -> None:
+    owner_cfg = {**hybrid_cfg(), "engine_id": "owner-hybrid-refusals", "tp": 1, "reader_tp": 1,
+                 "requests": [{"request_id": "f", "num_tokens": 31,
+                               "block_ids": hybrid_tables(hybrid_cfg(), 31, 0, 23)}]}
+    local_ids = hybrid_tables(hybrid_cfg(), 31, 9, 23)
+    wide = hybrid_cfg()
+    wide["groups"][1] = {**wide["groups"][1], "head_dim": 32}
+    with owner_process(owner_cfg) as owner:
+        # a group whose head dim differs: refused at handshake, naming the group and the field
+        with reader(wide, 1) as r:
+            with pytest.raises(KVCompatibilityError, match=r"KV group 1 \(full\): head_dim local 32 vs remote 16"):
+                asyncio.run(r.puller.pull(owner.tickets["f"], local_ids))
+            assert r.puller.peers.num_handshakes == 1
+            assert all(bool((b == SENTINEL).all()) for b in r.caches[0].buffers)
+        # a placeholder is range-checked like any id, though it would never be read
+        with reader(hybrid_cfg(), 1) as r:
+            forged = kv_pb2.TransferTicket()
+            forged.CopyFrom(owner.tickets["f"])
+            forged.groups[0].block_ids[0] = 10_000
+            with pytest.raises(TicketError, match=r"KV group 0 \(sliding_window 10\).*outside"):
+                asyncio.run(r.puller.pull(forged, local_ids))
+            assert all(bool((b == SENTINEL).all()) for b in r.caches[0].buffers)

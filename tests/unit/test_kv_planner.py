@@ -36,6 +36,24 @@ def spec(
     return KVLayoutSpec(kind, order, num_blocks, heads, head_dim, dtype, (group,))
 
 
+def hybrid(
+    kind: LayoutKind,
+    order: BlockOrder = NHD,
+    *,
+    sliding_bs: int = 4,
+    full_bs: int = 4,
+    window: int = 6,
+    full_heads: int = 2,
+    full_head_dim: int = 16,
+    num_blocks: int = 24,
+) -> KVLayoutSpec:
+    """Gemma-4-like: layers 0, 1, 3, 4 sliding (4 heads of 8), layer 2 full (2 heads of 16);
+    layer 5 reads layer 2's KV (KV sharing) and is in no group."""
+    sliding = KVCacheGroupSpec(0, AttentionKind.SLIDING_WINDOW, (0, 1, 3, 4), sliding_bs, window)
+    full = KVCacheGroupSpec(1, AttentionKind.FULL, (2,), full_bs, None, full_heads, full_head_dim)
+    return KVLayoutSpec(kind, order, num_blocks, 4, 8, "float16", (sliding, full))
+
+
 def random_buffers(s: KVLayoutSpec, rng: np.random.Generator) -> list[np.ndarray]:
     return [rng.integers(0, 256, b.num_bytes, dtype=np.uint8) for b in s.buffers()]
 
@@ -55,7 +73,7 @@ def copy_rows(
     s = src_spec.byte_offset(layer, kv, *src_at)
     d = dst_spec.byte_offset(layer, kv, *dst_at)
     sb, db = src[src_spec.buffer_of_layer(layer).index], dst[dst_spec.buffer_of_layer(layer).index]
-    for i in range(src_spec.head_dim):
+    for i in range(src_spec.group_head_dim(src_spec.group_of_layer(layer).group_id)):
         db[d + i * e : d + (i + 1) * e] = sb[s + i * e : s + (i + 1) * e]
 
 
@@ -330,14 +348,16 @@ def test_layers_subset_and_groups() -> None:
     ("remote", "local", "match"),
     [
         (spec(PER, dtype="float16"), spec(PER, dtype="float32"), "dtype differs"),
-        (spec(PER, head_dim=8), spec(PER, head_dim=4), "head_dim differs"),
+        (spec(PER, head_dim=8), spec(PER, head_dim=4), r"KV group 0 \(full\): head_dim differs"),
         (spec(PER, NHD), spec(PER, HND), "block order differs"),
         (spec(PER, layers=3), spec(PER, layers=2), "layers differ"),
+        (hybrid(PER, full_head_dim=16), hybrid(PER, full_head_dim=32), r"KV group 1 \(full\): head_dim differs"),
     ],
 )
 def test_incompatible_specs_are_refused(remote: KVLayoutSpec, local: KVLayoutSpec, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        plan_transfer(remote, local, 0, [BlockPiece(0, 0, 0, 0, 4)], ALL)
+        for gid in range(len(remote.groups)):
+            plan_transfer(remote, local, gid, [BlockPiece(0, 0, 0, 0, 4)], RankRead(0, (0, 1), (0, 1)))
 
 
 @pytest.mark.parametrize(
@@ -397,3 +417,148 @@ def test_llama8b_8k_prompt_plans_fast() -> None:
         elapsed_ms = (time.perf_counter() - t0) * 1e3
         assert plan.num_descriptors == descriptors and plan.total_bytes == 1 << 30
         assert elapsed_ms < 200  # ~1-2 ms measured; loose for a shared 2-core CI box
+
+
+# ---- hybrid layouts: per-group heads, head dims, block sizes and windows --------------------------
+
+def test_hybrid_layout_shapes() -> None:
+    s = hybrid(CROSS)
+    assert (s.kv_heads(0), s.group_head_dim(0), s.kv_heads(1), s.group_head_dim(1)) == (4, 8, 2, 16)
+    assert s.page_bytes(0) == 4 * 4 * 8 * 2 and s.page_bytes(1) == 4 * 2 * 16 * 2
+    assert s.block_bytes(0) == 2 * 4 * s.page_bytes(0) and s.block_bytes(1) == 2 * s.page_bytes(1)
+    assert s.view(2, 1).shape == (24, 4, 2, 16) and s.view(3, 0).shape == (24, 4, 4, 8)
+    with pytest.raises(KeyError):
+        s.view(5, 0)  # a KV-sharing layer owns no KV
+    with pytest.raises(ValueError, match="group ids must be 0..1 in order"):
+        KVLayoutSpec(CROSS, NHD, 8, 4, 8, "float16", tuple(reversed(s.groups)))
+
+
+def _hybrid_tables(rng: np.random.Generator, s: KVLayoutSpec, num_tokens: int, shuffle: bool) -> dict[int, list[int]]:
+    """Block tables per group; a sliding group's out-of-window entries are the scratch block."""
+    scratch = s.num_blocks - 1
+    out = {}
+    for g in s.groups:
+        ids = block_table(rng, g.num_blocks_for(num_tokens), s.num_blocks - 1, shuffle).tolist()
+        first = g.first_needed_block(num_tokens)
+        out[g.group_id] = [scratch] * first + ids[first:]
+    return out
+
+
+def _naive(remote: KVLayoutSpec, src, local: KVLayoutSpec, dst, remote_ids, local_ids, num_tokens, starts) -> None:
+    for g in remote.groups:
+        rbs, lbs = g.block_size, local.block_size(g.group_id)
+        for t in range(starts[g.group_id], num_tokens):
+            r_at = (remote_ids[g.group_id][t // rbs], t % rbs)
+            l_at = (local_ids[g.group_id][t // lbs], t % lbs)
+            for layer in g.layer_ids:
+                for kv in (0, 1):
+                    for head in range(remote.kv_heads(g.group_id)):
+                        copy_rows(remote, src, local, dst, layer, kv, (*r_at, head), (*l_at, head))
+
+
+@pytest.mark.parametrize("order", list(BlockOrder))
+@pytest.mark.parametrize(("remote_kind", "local_kind"), [(PER, PER), (CROSS, CROSS), (PER, CROSS), (CROSS, PER)])
+@pytest.mark.parametrize(
+    # block sizes (sliding, full) on the remote and the local side: ratios per group, both directions
+    ("remote_bs", "local_bs"),
+    [((4, 4), (4, 4)), ((4, 16), (16, 4)), ((16, 4), (4, 16)), ((2, 8), (8, 2))],
+)
+@pytest.mark.parametrize("num_tokens", [3, 6, 7, 13, 30, 37])  # shorter than, at and past the window
+def test_hybrid_plans_copy_window_and_full_groups_exactly(order, remote_kind, local_kind, remote_bs, local_bs,
+                                                          num_tokens) -> None:
+    rng = np.random.default_rng(num_tokens)
+    remote = hybrid(remote_kind, order, sliding_bs=remote_bs[0], full_bs=remote_bs[1], window=7, num_blocks=24)
+    local = hybrid(local_kind, order, sliding_bs=local_bs[0], full_bs=local_bs[1], window=7, num_blocks=24)
+    remote_ids = _hybrid_tables(rng, remote, num_tokens, shuffle=True)
+    local_ids = _hybrid_tables(rng, local, num_tokens, shuffle=False)
+    src = random_buffers(remote, rng)
+    before = random_buffers(local, rng)
+    actual, expected = [b.copy() for b in before], [b.copy() for b in before]
+
+    starts, pieces = {}, {}
+    for rg, lg in zip(remote.groups, local.groups, strict=True):
+        starts[rg.group_id] = window_start_token(rg, lg, num_tokens)
+        pieces[rg.group_id] = map_blocks(remote_ids[rg.group_id], rg.block_size, local_ids[lg.group_id],
+                                         lg.block_size, num_tokens, starts[rg.group_id])
+    reads = {0: RankRead(0, (0, 4), (0, 4)), 1: RankRead(0, (0, 2), (0, 2))}
+    plan = plan_groups(remote, local, pieces, reads)
+    apply_plan(plan, src, actual)
+    _naive(remote, src, local, expected, remote_ids, local_ids, num_tokens, starts)
+    for got, want in zip(actual, expected, strict=True):
+        np.testing.assert_array_equal(got, want)  # every byte outside the window is untouched
+
+    # the scratch block (placeholders) is never read or written
+    for side, spec_, buf_col, off_col in ((remote, remote, plan.src_buffer, plan.src_offset),
+                                          (local, local, plan.dst_buffer, plan.dst_offset)):
+        scratch = spec_.num_blocks - 1
+        for layer in spec_.layer_ids:
+            for kv in (0, 1):
+                lo = spec_.byte_offset(layer, kv, scratch)
+                hi = lo + spec_.page_bytes(spec_.group_of_layer(layer).group_id)
+                buf = spec_.buffer_of_layer(layer).index
+                sel = buf_col == buf
+                assert not ((off_col[sel] < hi) & (off_col[sel] + plan.length[sel] > lo)).any(), side
+
+    # bytes: the full group moves every token, the sliding group only from its window start
+    elem = remote.element_size
+    want_bytes = sum(
+        (num_tokens - starts[g.group_id]) * len(g.layer_ids) * 2 * remote.kv_heads(g.group_id)
+        * remote.group_head_dim(g.group_id) * elem
+        for g in remote.groups
+    )
+    assert plan.total_bytes == want_bytes
+
+
+def test_hybrid_descriptors_merge_per_group() -> None:
+    s = hybrid(CROSS, num_blocks=40)
+    ids = list(range(1, 9))  # 8 consecutive blocks, 32 tokens
+    pieces = {
+        0: map_blocks(ids, 4, list(range(11, 19)), 4, 32, window_start_token(s.groups[0], s.groups[0], 32)),
+        1: map_blocks(ids, 4, list(range(21, 29)), 4, 32),
+    }
+    reads = {0: RankRead(0, (0, 4), (0, 4)), 1: RankRead(0, (0, 2), (0, 2))}
+    plan = plan_groups(s, s, pieces, reads)
+    assert plan.num_descriptors == 2  # one run per group (cross-layer, consecutive ids)
+    # window 6 at 32 tokens: key 26 -> blocks 6, 7 of the sliding group; all 8 of the full group
+    assert plan.total_bytes == 2 * s.block_bytes(0) + 8 * s.block_bytes(1)
+    per = hybrid(PER, num_blocks=40)
+    assert plan_groups(per, per, pieces, reads).num_descriptors == 2 * 4 + 2  # one per (layer, K/V)
+
+
+def test_hybrid_reads_are_checked_per_group() -> None:
+    s = hybrid(CROSS)
+    pieces = {0: [BlockPiece(0, 0, 0, 0, 4)], 1: [BlockPiece(0, 0, 0, 0, 4)]}
+    with pytest.raises(ValueError, match=r"KV group 1 \(full\): remote heads \(0, 4\) exceed"):
+        plan_groups(s, s, pieces, RankRead(0, (0, 4), (0, 4)))  # one read of 4 heads for both groups
+    with pytest.raises(ValueError, match=r"no RankRead for KV groups \[1\]"):
+        plan_groups(s, s, pieces, {0: RankRead(0, (0, 4), (0, 4))})
+    with pytest.raises(ValueError, match="one plan reads one remote rank"):
+        plan_groups(s, s, pieces, {0: RankRead(0, (0, 4), (0, 4)), 1: RankRead(1, (0, 2), (0, 2))})
+    # the full group's wider rows: a head slice of it is 16 elements per row
+    plan = plan_transfer(s, hybrid(CROSS, full_heads=1), 1, [BlockPiece(3, 0, 5, 0, 4)], RankRead(0, (1, 2), (0, 1)))
+    assert plan.total_bytes == 4 * 2 * 16 * 2 and set(plan.length.tolist()) == {16 * 2}
+
+
+def test_puller_pieces_skip_the_cached_prefix_and_clip_the_window_per_group() -> None:
+    """The puller's token runs: each group skips its own whole cached blocks, sliding groups start at
+    the window, and a sliding group's placeholders before that are never mapped."""
+    from types import SimpleNamespace
+
+    from services.kv.puller import KVPuller
+
+    remote = hybrid(CROSS, sliding_bs=4, full_bs=16, window=6, num_blocks=40)
+    local = hybrid(PER, sliding_bs=8, full_bs=4, window=6, num_blocks=40)
+    scratch = 39
+    n = 30
+    remote_ids = [[scratch] * 6 + [20, 21], [5, 6]]  # sliding: key 24 -> remote keeps blocks 6.. of 4
+    local_ids = [[scratch] * 3 + [30], list(range(10, 18))]  # local (block 8) keeps block 3.. (token 24)
+    description = SimpleNamespace(groups=remote.groups)
+    for cached, full_start in ((0, 0), (8, 8), (12, 12), (16, 16)):
+        pieces = KVPuller._pieces(description, local, n, remote_ids, local_ids, cached)
+        # the full group (local block 4) starts at its cached whole blocks; the sliding group at the window
+        assert pieces[1][0].remote_offset == full_start % 16 and sum(p.num_tokens for p in pieces[1]) == n - full_start
+        assert [(p.remote_block, p.local_block) for p in pieces[0]] == [(20, 30), (21, 30)]
+        assert sum(p.num_tokens for p in pieces[0]) == n - 24
+    # 28 cached tokens: 7 whole blocks of the full group (block 4), 3 of the sliding one (block 8)
+    pieces = KVPuller._pieces(description, local, n, remote_ids, local_ids, 28)
+    assert sum(p.num_tokens for p in pieces[0]) == n - 24 and sum(p.num_tokens for p in pieces[1]) == n - 28

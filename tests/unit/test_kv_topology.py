@@ -13,6 +13,7 @@ from services.kv.topology import (
     BlockPiece,
     RankRead,
     check_tp,
+    group_rank_reads,
     kv_head_range,
     map_blocks,
     rank_reads,
@@ -128,6 +129,18 @@ def test_rank_reads_refuses_impossible_pairs(args, match: str) -> None:
         rank_reads(*args)
 
 
+def test_group_rank_reads_shard_each_group_by_its_own_heads() -> None:
+    # TP 1 <- TP 1: a full group of 2 heads and a sliding group of 4, each read whole
+    assert group_rank_reads(1, 0, 1, {0: 2, 1: 4}) == {0: {0: rr(0, (0, 2), (0, 2)), 1: rr(0, (0, 4), (0, 4))}}
+    # TP 2 <- TP 1 with 8 and 2 heads: local rank 1 reads heads 4..7 of group 0 and head 1 of group 1
+    assert group_rank_reads(2, 1, 1, {0: 8, 1: 2}) == {0: {0: rr(0, (4, 8), (0, 4)), 1: rr(0, (1, 2), (0, 1))}}
+    # TP 1 <- TP 2: the same remote ranks for every group when heads agree
+    reads = group_rank_reads(1, 0, 2, {0: 4, 1: 4})
+    assert sorted(reads) == [0, 1] and all(sorted(v) == [0, 1] for v in reads.values())
+    for gid in (0, 1):
+        assert tuple(reads[r][gid] for r in (0, 1)) == rank_reads(1, 0, 2, 4)
+
+
 def test_rank_read_refuses_bad_ranges() -> None:
     with pytest.raises(ValueError, match="differ in length"):
         RankRead(0, (0, 2), (0, 1))
@@ -206,6 +219,15 @@ def test_map_blocks_prefix_and_placeholders() -> None:
     assert map_blocks(np.array([], dtype=np.int64), 4, np.array([], dtype=np.int64), 4, 0) == ()
     # ids before the start are not read (a sliding window's dropped blocks may be placeholders)
     assert map_blocks([-1, -1, 5], 4, [-1, -1, 6], 4, 10, start_token=8) == (BlockPiece(5, 0, 6, 0, 2),)
+    # the engine's placeholder is a real id (the scratch block), repeated: fine outside the range
+    assert map_blocks([99, 99, 5], 4, [98, 98, 6], 4, 10, start_token=8) == (BlockPiece(5, 0, 6, 0, 2),)
+
+
+def test_map_blocks_start_inside_a_coarse_local_block() -> None:
+    # a window start on the fine (remote) side falls inside local block 1 (tokens 16..31): its
+    # first 8 slots are older than the window and stay as they are
+    pieces = map_blocks(list(range(100, 108)), 4, [0, 1], 16, 30, start_token=24)
+    assert pieces == (BlockPiece(106, 0, 1, 8, 4), BlockPiece(107, 0, 1, 12, 2))
 
 
 @pytest.mark.parametrize(
@@ -217,7 +239,8 @@ def test_map_blocks_prefix_and_placeholders() -> None:
         (([1, 2], 4, [1], 4, 5), {}, "need 2 local blocks"),
         (([1, 2], 4, [1, 2], 4, -1), {}, "num_tokens"),
         (([1, 2], 4, [1, 2], 4, 8), {"start_token": 9}, "outside"),
-        (([1, 2], 16, [1, 2, 3, 4], 4, 8), {"start_token": 2}, "local block boundary"),
+        (([1, 2], 16, [1, 2, 3, 4], 4, 8), {"start_token": 2}, "not on a block boundary"),
+        (([1, 2, 3, 4], 4, [1, 2], 16, 16), {"start_token": 6}, "not on a block boundary"),
         (([1, 1], 4, [1, 2], 4, 8), {}, "remote block ids repeat"),
         (([1, 2], 4, [3, 3], 4, 8), {}, "local block ids repeat"),
         (([1, -2], 4, [1, 2], 4, 8), {}, "must be >= 0"),
@@ -241,9 +264,50 @@ def test_window_start_examples() -> None:
     assert window_start_token(full, KVCacheGroupSpec(0, AttentionKind.FULL, (0,), 16), 1000) == 0
     assert window_start_token(sw(4, 6), sw(8, 6), 30) == 24
     assert window_start_token(sw(4, 6), sw(8, 6), 22) == 16
-    assert window_start_token(sw(4, 10), sw(8, 10), 22) == 8
-    assert window_start_token(sw(8, 10), sw(4, 10), 22) == 8  # symmetric in direction
+    # key 12: the remote (block 4) keeps 12.., the local (block 8) 8..: start at the later one
+    assert window_start_token(sw(4, 10), sw(8, 10), 22) == 12
+    assert window_start_token(sw(8, 10), sw(4, 10), 22) == 12  # symmetric in direction
     assert window_start_token(sw(4, 10), sw(4, 10), 10) == 0  # whole prompt inside the window
+
+
+@pytest.mark.parametrize(
+    ("block_size", "window", "num_tokens", "start"),
+    [
+        (4, 5, 13, 8),  # window not a multiple of the block size: key 8 -> block 2
+        (4, 5, 14, 8),  # key 9 is inside block 2: the block is kept whole (floor, not round)
+        (4, 5, 17, 12),
+        (16, 1024, 8192, 7168),  # Gemma-3 shape: key 7168 = block 448 exactly
+        (16, 1000, 8192, 7184),  # key 7192 -> block 449 (7184..7199), not 7192 // 16 * 16 + 16
+        (4, 8, 3, 0),  # prompt shorter than the window
+        (4, 8, 8, 0),  # prompt exactly the window
+        (4, 8, 9, 0),  # key 1: block 0 still needed
+        (4, 8, 12, 4),
+        (4, 8, 0, 0),
+    ],
+)
+def test_window_start_edges(block_size: int, window: int, num_tokens: int, start: int) -> None:
+    g = sw(block_size, window)
+    assert window_start_token(g, g, num_tokens) == start
+    # the blocks moved cover the window: cdiv arithmetic, never W // block_size
+    moved = -(-num_tokens // block_size) - start // block_size
+    needed = min(-(-num_tokens // block_size), -(-(window - 1) // block_size) + 1) if num_tokens else 0
+    assert moved <= needed
+    assert start <= max(0, num_tokens - window)
+
+
+def test_window_start_never_reaches_a_block_either_side_dropped() -> None:
+    # Remote block 4, local block 16, W=6, n=30: the remote dropped blocks 0..5 (placeholder 99),
+    # the local keeps local block 1 (tokens 16..31). A start at the coarse boundary (16) would read
+    # placeholders; the start is the remote's first kept token.
+    remote_ids, local_ids = [99] * 6 + [20, 21], [98, 4]
+    start = window_start_token(sw(4, 6), sw(16, 6), 30)
+    assert start == 24
+    pieces = map_blocks(remote_ids, 4, local_ids, 16, 30, start)
+    assert {p.remote_block for p in pieces} == {20, 21} and {p.local_block for p in pieces} == {4}
+    # and the other way round: the local (block 4) dropped blocks 0..5, the remote (block 16) keeps 16..31
+    start = window_start_token(sw(16, 6), sw(4, 6), 30)
+    pieces = map_blocks([97, 7], 16, [98] * 6 + [30, 31], 4, 30, start)
+    assert {p.local_block for p in pieces} == {30, 31} and {p.remote_block for p in pieces} == {7}
 
 
 @settings(max_examples=80, deadline=None)
@@ -256,13 +320,14 @@ def test_window_start_examples() -> None:
 def test_window_start_is_a_boundary_both_sides_keep(small, ratio, window, num_tokens) -> None:
     remote, local = sw(small * ratio[0], window), sw(small * ratio[1], window)
     start = window_start_token(remote, local, num_tokens)
+    fine = min(remote.block_size, local.block_size)
+    assert start % fine == 0  # a boundary on the finer side (map_blocks' runs stay inside blocks)
     for g in (remote, local):
-        assert start % g.block_size == 0
-        assert start <= g.first_needed_block(num_tokens) * g.block_size  # nothing either side needs is cut
-    assert start <= max(0, num_tokens - window)  # the newest token's window is fully covered
-    # and clipping is tight: the next coarse block boundary would cut into the window
-    coarse = max(remote.block_size, local.block_size)
-    assert start + coarse > max(0, num_tokens - window)
+        # never before a block either side may have dropped (a placeholder)...
+        assert start >= g.first_needed_block(num_tokens) * g.block_size
+    assert start <= max(0, num_tokens - window)  # ...and the newest token's window is fully covered
+    # clipping is tight: the next fine block boundary would cut into the window
+    assert start + fine > max(0, num_tokens - window)
 
 
 def test_window_start_refusals() -> None:
