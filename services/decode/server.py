@@ -138,7 +138,7 @@ async def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
     mc, layout = engine.model_config, engine.kv_layout
     compat = CompatInfo.of(compat_fields(architecture=mc.architecture, num_layers=mc.num_layers,
                                          num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, layout=layout,
-                                         kv_sharing=mc.kv_sharing))
+                                         kv_sharing=mc.kv_sharing, group_kv_heads=engine.group_kv_heads))
     agent = TransferAgent(f"{engine_id}-{epoch}-tp0", device=engine.device.type)
     puller = KVPuller(engine_id=engine_id, compat=compat, num_kv_heads=mc.num_kv_heads,
                       ranks=[ReaderRank(agent, layout, engine.kv_cache.buffers)], auth_token=args.kv_auth_token,

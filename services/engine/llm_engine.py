@@ -170,6 +170,11 @@ class LLMEngine:
             )
         return self.config.max_model_len
 
+    @property
+    def group_kv_heads(self) -> dict[int, int]:
+        """Model-total KV heads of each KV-cache group (the layout holds this rank's share)."""
+        return {g.group_id: self.model_config.layers[g.layer_ids[0]].num_kv_heads for g in self.kv_layout.groups}
+
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
         self,

@@ -127,7 +127,7 @@ async def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
         engine_id=engine_id, model_name=engine.source.name, architecture=engine.model_config.architecture,
         num_layers=engine.model_config.num_layers, num_kv_heads=engine.model_config.num_kv_heads,
         head_dim=engine.model_config.head_dim, ranks=[OwnerRank(agent, layout, engine.kv_cache.buffers)],
-        kv_sharing=engine.model_config.kv_sharing, epoch=epoch,
+        kv_sharing=engine.model_config.kv_sharing, group_kv_heads=engine.group_kv_heads, epoch=epoch,
     )
     aengine = AsyncEngine(engine)
     aengine.start()
