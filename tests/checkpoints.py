@@ -15,6 +15,13 @@ _BASE = dict(
 )
 
 ARCHITECTURES = ("llama", "llama_tied", "qwen2", "qwen3", "mistral")
+# Gemma checkpoints: sliding-window layers with a 16-token window (shorter than the test prompts)
+# beside full ones. Gemma-2 soft-caps scores and logits (low caps, so the tanh really bends);
+# Gemma-3 has q/k norms, a different rope per layer type and a logit cap (its score cap is set but
+# ignored, as transformers does); Gemma-4 has wider full-attention heads with one KV head and
+# k=v, 2 KV-shared layers (one per kind) with double-wide MLPs, and per-layer inputs.
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3", "gemma4")
+_GEMMA_BASE = dict(_BASE, head_dim=16, sliding_window=16, hidden_activation="gelu_pytorch_tanh")
 
 
 def hf_config(arch: str):
@@ -33,6 +40,31 @@ def hf_config(arch: str):
     if arch == "mistral":
         # A window shorter than the test sequences, so the windowed mask is exercised.
         return transformers.MistralConfig(**_BASE, sliding_window=24, tie_word_embeddings=False)
+    if arch == "gemma2":
+        return transformers.Gemma2Config(
+            **{**_GEMMA_BASE, "num_hidden_layers": 4}, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
+            final_logit_softcapping=8.0, tie_word_embeddings=False,
+        )
+    if arch == "gemma3":
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}
+        return transformers.Gemma3TextConfig(
+            **{**_GEMMA_BASE, "num_hidden_layers": 4}, query_pre_attn_scalar=16, rope_parameters=rope,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            # transformers' Gemma-3 attention ignores attn_logit_softcapping; the final cap applies.
+            attn_logit_softcapping=4.0, final_logit_softcapping=12.0, tie_word_embeddings=True,
+        )
+    if arch == "gemma4":
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1000000.0}}
+        return transformers.Gemma4TextConfig(
+            **{**_GEMMA_BASE, "num_hidden_layers": 6}, global_head_dim=32, num_global_key_value_heads=1,
+            attention_k_eq_v=True, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=_BASE["vocab_size"], final_logit_softcapping=10.0, rope_parameters=rope,
+            tie_word_embeddings=True,
+        )
     raise ValueError(arch)
 
 
@@ -41,7 +73,19 @@ def make_checkpoint(arch: str, directory: Path, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch), attn_implementation="sdpa")
+    gemma = arch in GEMMA_ARCHITECTURES
+    # Eager attention for Gemma: transformers has no SDPA path for soft-capped scores.
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch), attn_implementation="eager" if gemma
+                                                          else "sdpa")
     model = model.float().eval()
+    if gemma:
+        # Norms are initialised to a unit scale and layer scalars to 1: perturb them so that a
+        # norm read as 1 + w instead of w (or a scalar not applied) shows in the logits.
+        with torch.no_grad():
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith("norm.weight"):
+                    tensor.add_(0.2 * torch.randn_like(tensor))
+                elif name.endswith("layer_scalar"):
+                    tensor.uniform_(0.5, 1.5)
     model.save_pretrained(directory, safe_serialization=True)
     return directory, model

@@ -82,7 +82,8 @@ class LLMEngine:
         self.num_kv_blocks = self.kv_layout.num_blocks - 1
         self.kv_cache = KVCache(self.kv_layout, self.device, scratch_block=self.num_kv_blocks)
         self.max_model_len = self._max_model_len()
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, decode_graphs=self._decode_graphs())
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, decode_graphs=self._decode_graphs(),
+                                  kv_shared_prefill_skip=config.kv_shared_prefill_skip)
         # Pool ids are 0 .. num_kv_blocks - 1 in every group. A sliding-window table's entry for a
         # block freed out of the window is the placeholder num_kv_blocks: the scratch block.
         self.kv_manager = KVCacheManager(

@@ -45,8 +45,10 @@ class ModelRunner:
     """Runs a step eagerly, or through ``decode_graphs`` when every chunk is one token (decode)."""
 
     def __init__(self, model: DecoderModel, kv_cache: KVCache, device: torch.device,
-                 decode_graphs: DecodeGraphRunner | None = None) -> None:
+                 decode_graphs: DecodeGraphRunner | None = None, kv_shared_prefill_skip: bool = True) -> None:
         self.model = model
+        # EngineConfig.kv_shared_prefill_skip: pass `tail` to a model that can skip to it.
+        self.kv_shared_prefill_skip = kv_shared_prefill_skip
         self.kv_cache = kv_cache
         self.device = device
         self.decode_graphs = decode_graphs
@@ -61,7 +63,8 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.can_run(chunks):
             return self._execute_graph(chunks)
         input_ids, positions, batch = self._prepare(chunks)
-        tail = self._prepare_tail(chunks, positions) if self.model.skips_to_tail else None
+        skip = self.kv_shared_prefill_skip and self.model.skips_to_tail
+        tail = self._prepare_tail(chunks, positions) if skip else None
         hidden = self.model(input_ids, positions, batch, self.kv_views, self.layer_groups, tail)
 
         # Where each chunk's output rows sit in `hidden`: every token, or only its tail rows.

@@ -46,12 +46,16 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def init_dummy_weights(model: DecoderModel, seed: int = 0) -> None:
     """Seeded random weights at the model's real shapes (for benchmarks and smoke tests).
 
-    Matrices get N(0, 0.02) like HF's initialiser; norms are 1 and biases 0 so activations stay
-    in range through many layers.
+    Matrices get N(0, 0.02) like HF's initialiser; norms scale by 1 (a stored 0 where the norm
+    adds 1 to its weight, as Gemma-2/3's do), per-layer output scalars are 1 and biases 0, so
+    activations stay in range through many layers.
     """
     gen = torch.Generator(device=model.embed_tokens.device).manual_seed(seed)
+    unit_norm = 1.0 - model.config.norm_weight_offset
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
+            p.fill_(unit_norm)
+        elif name.endswith("layer_scalar"):
             p.fill_(1.0)
         elif name.endswith("bias"):
             p.zero_()

@@ -10,6 +10,8 @@ import torch
 
 from services.engine.config import ModelConfig
 from services.engine.models.base import DecoderModel
+from services.engine.models.gemma import GemmaForCausalLM
+from services.engine.models.gemma4 import Gemma4ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.parallel import ParallelConfig
 
@@ -18,6 +20,9 @@ MODEL_CLASSES: dict[str, type[DecoderModel]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3": GemmaForCausalLM,
+    "gemma4": Gemma4ForCausalLM,
 }
 
 

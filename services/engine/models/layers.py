@@ -104,3 +104,65 @@ def copy_weight(name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
         raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
     with torch.no_grad():
         dest.copy_(src)
+
+
+# ---- Gemma-family building blocks ------------------------------------------------------------------
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast once at the end: ``x_normed * (offset + weight)``.
+
+    Gemma-2/3 store ``weight - 1`` (offset 1); Gemma-4 stores the scale itself (offset 0), and its
+    value norm has no weight at all (``with_weight=False``).
+    """
+
+    def __init__(self, dim: int, eps: float, offset: float, dtype: torch.dtype, device: torch.device,
+                 with_weight: bool = True) -> None:
+        super().__init__()
+        self.weight = param(dim, dtype=dtype, device=device) if with_weight else None
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            x32 = x32 * (self.offset + self.weight.float())
+        return x32.to(x.dtype)
+
+
+def activation(name: str):
+    """The MLP gate activation a config names (``ModelConfig.hidden_activation``)."""
+    if name == "silu":
+        return nn.functional.silu
+    if name == "gelu_pytorch_tanh":
+        return lambda x: nn.functional.gelu(x, approximate="tanh")
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(x / cap)``: x squashed smoothly into (-cap, cap); identity when cap is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+class RopeAngles(nn.Module):
+    """cos/sin of rotate-half RoPE for the given positions, computed on the fly in fp32.
+
+    No position table: a table for Gemma-4's 512-wide full layers over 128K positions would be
+    half a GiB. The product ``position * inv_freq`` is the same fp32 value a table would hold.
+    """
+
+    def __init__(self, head_dim: int, rope: RopeSpec, device: torch.device) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope).to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([n, head_dim], [n, head_dim]) fp32."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [n, heads, head_dim] by per-token angles (cos/sin [n, head_dim], any float dtype)."""
+    cos = cos.to(x.dtype)[:, None, :]
+    sin = sin.to(x.dtype)[:, None, :]
+    return x * cos + rotate_half(x) * sin

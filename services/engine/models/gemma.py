@@ -1,0 +1,298 @@
+"""Gemma-2 and Gemma-3 (text) decoders over a paged KV cache; the layers Gemma-4 builds on.
+
+What differs from Llama, all driven by ``ModelConfig`` (so one module serves both families):
+
+* token embeddings are scaled by ``sqrt(hidden_size)`` (in the weights' dtype, as the reference);
+* RMSNorm scales by ``1 + weight`` (``norm_weight_offset``), computed in fp32 and cast once;
+* "sandwich" norms: the attention and the MLP outputs are normed before their residual add, and
+  the MLP has its own input norm::
+
+      h = h + post_attention_norm(attn(input_norm(h)))
+      h = h + post_feedforward_norm(mlp(pre_feedforward_norm(h)))
+
+* the MLP gate is tanh-GELU; scores are scaled by ``query_pre_attn_scalar ** -0.5``;
+* Gemma-2 soft-caps attention scores and the final logits (``cap * tanh(x / cap)``);
+* Gemma-3 norms q and k per head before RoPE, and its sliding and full layers have different
+  ropes (one ``RopeAngles`` per distinct (head dim, rope) pair, computed once per step).
+
+Layers alternate sliding-window and full attention; each kind is its own KV-cache group and the
+runner hands every layer its group's metadata, so the attention code is the same for both.
+Per-layer head dims, KV heads and KV sharing (Gemma-4) are read from ``config.layers`` here
+already. q/k/v and gate/up are fused at load time; tensor parallelism shards heads and MLP
+columns as in ``llama.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from services.engine.attention import AttentionBatch, TailBatch, paged_attention
+from services.engine.config import ModelConfig
+from services.engine.models.base import DecoderModel
+from services.engine.models.layers import (
+    Linear,
+    OffsetRMSNorm,
+    RopeAngles,
+    activation,
+    apply_rope,
+    copy_weight,
+    param,
+    row_parallel_bias,
+    softcap,
+)
+from services.engine.parallel import ParallelConfig, all_reduce
+
+Angles = tuple[torch.Tensor, torch.Tensor]
+
+
+class GemmaAttention(nn.Module):
+    """One layer's attention. A KV-shared layer (``kv_source`` set) projects only q and attends
+    over its source layer's cache; a k=v layer projects keys once and uses the raw keys as values."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        spec = config.layers[layer_id]
+        self.parallel = parallel
+        self.head_dim = spec.head_dim
+        self.num_heads = config.num_heads // parallel.tp_size
+        self.num_kv_heads = parallel.num_local_kv_heads(spec.num_kv_heads)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.computes_kv = spec.kv_source is None
+        self.k_is_v = self.computes_kv and config.layer_k_is_v(layer_id)
+        num_kv_outputs = 0 if not self.computes_kv else 1 if self.k_is_v else 2
+        self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
+        self.softcap = config.attn_logit_softcapping
+        h, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_weight_offset
+        self.qkv_proj = Linear(h, self.q_size + num_kv_outputs * self.kv_size, config.attention_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, h, config.o_proj_bias, dtype, device)
+        self.q_norm = OffsetRMSNorm(self.head_dim, eps, offset, dtype, device) if config.qk_norm else None
+        self.k_norm = (OffsetRMSNorm(self.head_dim, eps, offset, dtype, device)
+                       if config.qk_norm and self.computes_kv else None)
+        self.v_norm = (OffsetRMSNorm(self.head_dim, eps, 0.0, dtype, device, with_weight=False)
+                       if config.v_norm and self.computes_kv else None)
+
+    def forward(self, x: torch.Tensor, angles: Angles, kv: tuple[torch.Tensor, torch.Tensor],
+                batch: AttentionBatch, group: int) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
+        k = v = None
+        if self.computes_kv:
+            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
+            v = k if self.k_is_v else qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            if self.v_norm is not None:
+                v = self.v_norm(v)
+            k = apply_rope(k, *angles)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q, *angles)
+        out = paged_attention(q, k, v, kv[0], kv[1], batch, batch.groups[group], self.scale, self.softcap)
+        return all_reduce(self.o_proj(out), self.parallel)
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.parallel = parallel
+        inter = config.layer_intermediate_size(layer_id) // parallel.tp_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, config.mlp_bias, dtype, device)
+        self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias, dtype, device)
+        self.act = activation(config.hidden_activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return all_reduce(self.down_proj(self.act(gate) * up), self.parallel)
+
+
+class GemmaDecoderLayer(nn.Module):
+    NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+    def __init__(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        for name in self.NORMS:
+            setattr(self, name, OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset,
+                                              dtype, device))
+        self.self_attn = GemmaAttention(config, layer_id, parallel, dtype, device)
+        self.mlp = GemmaMLP(config, layer_id, parallel, dtype, device)
+
+    def forward(self, h: torch.Tensor, angles: Angles, kv: tuple[torch.Tensor, torch.Tensor],
+                batch: AttentionBatch, group: int) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), angles, kv, batch, group))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class GemmaForCausalLM(DecoderModel):
+    """Gemma-2 / Gemma-3 text decoder plus LM head. ``kv_views[layer]`` is that layer's (K, V) view."""
+
+    layer_class: type[GemmaDecoderLayer] = GemmaDecoderLayer
+
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        for i, spec in enumerate(config.layers):
+            parallel.check_divides(config.num_heads, spec.num_kv_heads, config.layer_intermediate_size(i))
+        self.config = config
+        self.parallel = parallel
+        self.embed_tokens = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        # The reference multiplies by the scale cast to the weights' dtype (sqrt(2304) is 48.0 in bf16).
+        self.register_buffer("embed_scale", torch.tensor(config.embed_scale, dtype=dtype, device=device),
+                             persistent=False)
+        self.layers = nn.ModuleList(self.layer_class(config, i, parallel, dtype, device)
+                                    for i in range(config.num_layers))
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset, dtype, device)
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )
+        keys = [(spec.head_dim, spec.rope) for spec in config.layers]
+        distinct = list(dict.fromkeys(keys))
+        self.ropes = nn.ModuleList(RopeAngles(dim, rope, device) for dim, rope in distinct)
+        self.rope_of_layer = [distinct.index(key) for key in keys]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv_views: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: list[int],
+                tail: TailBatch | None = None) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm (every layer owns KV: no tail skip)."""
+        h = self.embed_tokens[input_ids] * self.embed_scale
+        angles = [rope(positions) for rope in self.ropes]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, angles[self.rope_of_layer[i]], kv_views[i], batch, layer_groups[i])
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return softcap(nn.functional.linear(hidden, head).float(), self.config.final_logit_softcapping)
+
+    # ---- weight loading ------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up and taking this TP rank's shard.
+
+        Raises ValueError naming any missing or unexpected tensor or any tensor of the wrong shape.
+        Tensors transformers drops on load are skipped: the tied head, RoPE buffers, and the K/V
+        projections and norms of KV-shared layers (which compute no KV).
+        """
+        expected = set(self._expected_names())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name not in expected:
+                if self._ignored(name):
+                    continue
+                raise ValueError(f"unexpected tensor {name!r} for a {self.config.architecture} model")
+            # Checked before sharding: slicing a rank's rows out of an oversized tensor would pass.
+            shape = self._hf_shape(name)
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+            self._load_one(name, tensor)
+            seen.add(name)
+        missing = sorted(expected - seen)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing tensors: {shown}")
+
+    def _ignored(self, name: str) -> bool:
+        if name == "lm_head.weight" or "rotary_emb" in name:
+            return True
+        parts = name.split(".")
+        if len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[3] == "self_attn" and parts[2].isdigit():
+            layer = int(parts[2])
+            if layer < self.config.num_layers and self.config.layers[layer].kv_source is not None:
+                return parts[4] in ("k_proj", "v_proj", "k_norm", "v_norm")
+        return False
+
+    def _expected_names(self) -> Iterator[str]:
+        c = self.config
+        yield "model.embed_tokens.weight"
+        yield "model.norm.weight"
+        if not c.tie_word_embeddings:
+            yield "lm_head.weight"
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            yield from (p + f"{norm}.weight" for norm in GemmaDecoderLayer.NORMS)
+            attn = layer.self_attn
+            projs = ["q_proj"]
+            if attn.computes_kv:
+                projs += ["k_proj"] if attn.k_is_v else ["k_proj", "v_proj"]
+            for proj in projs + ["o_proj"]:
+                yield p + f"self_attn.{proj}.weight"
+            if c.attention_bias:
+                yield from (p + f"self_attn.{proj}.bias" for proj in projs)
+            if c.o_proj_bias:
+                yield p + "self_attn.o_proj.bias"
+            if attn.q_norm is not None:
+                yield p + "self_attn.q_norm.weight"
+            if attn.k_norm is not None:
+                yield p + "self_attn.k_norm.weight"
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                yield p + f"mlp.{proj}.weight"
+                if c.mlp_bias:
+                    yield p + f"mlp.{proj}.bias"
+
+    def _hf_shape(self, name: str) -> tuple[int, ...]:
+        """The full, unsharded shape the checkpoint must store ``name`` at."""
+        c = self.config
+        h = c.hidden_size
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return (c.vocab_size, h)
+        if name == "model.norm.weight":
+            return (h,)
+        layer_id = int(name.split(".")[2])
+        spec = c.layers[layer_id]
+        q, kv, i = c.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, c.layer_intermediate_size(layer_id)
+        proj, kind = name.split(".")[-2:]
+        if proj in ("q_norm", "k_norm"):
+            return (spec.head_dim,)
+        if proj.endswith("norm"):
+            return (h,)
+        rows, cols = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+                      "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}[proj]
+        return (rows, cols) if kind == "weight" else (rows,)
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        c, tp = self.config, self.parallel
+        if name == "model.embed_tokens.weight":
+            return copy_weight(name, self.embed_tokens, tensor)
+        if name == "lm_head.weight":
+            return copy_weight(name, self.lm_head, tensor)
+        if name == "model.norm.weight":
+            return copy_weight(name, self.norm.weight, tensor)
+        parts = name.split(".")
+        layer_id = int(parts[2])
+        layer = self.layers[layer_id]
+        module = parts[3]
+        if module in GemmaDecoderLayer.NORMS:
+            return copy_weight(name, getattr(layer, module).weight, tensor)
+        proj, kind = parts[4], parts[5]
+        if module == "self_attn":
+            attn = layer.self_attn
+            if proj in ("q_norm", "k_norm"):
+                return copy_weight(name, getattr(attn, proj).weight, tensor)
+            if proj == "o_proj":
+                if kind == "bias":
+                    return copy_weight(name, attn.o_proj.bias, row_parallel_bias(tensor, tp))
+                return copy_weight(name, attn.o_proj.weight, tp.shard(tensor, 1))
+            dest = getattr(attn.qkv_proj, kind)
+            if proj == "q_proj":
+                return copy_weight(name, dest[: attn.q_size], tp.shard(tensor, 0))
+            spec = c.layers[layer_id]
+            start, end = tp.kv_head_range(spec.num_kv_heads)
+            rows = tensor[start * spec.head_dim: end * spec.head_dim]
+            offset = attn.q_size + (0 if proj == "k_proj" else attn.kv_size)
+            return copy_weight(name, dest[offset: offset + attn.kv_size], rows)
+        mlp = layer.mlp
+        if proj == "down_proj":
+            if kind == "bias":
+                return copy_weight(name, mlp.down_proj.bias, row_parallel_bias(tensor, tp))
+            return copy_weight(name, mlp.down_proj.weight, tp.shard(tensor, 1))
+        dest = getattr(mlp.gate_up_proj, kind)
+        half = dest.shape[0] // 2
+        dest = dest[:half] if proj == "gate_proj" else dest[half:]
+        return copy_weight(name, dest, tp.shard(tensor, 0))
