@@ -77,20 +77,27 @@ def test_hybrid_disaggregated_equals_colocated(model: str, window: int, colocate
         before = metric_total(decode, "pdserve_kv_transfer_bytes_total")
         assert completion_tokens(s.url, prompt, MAX_TOKENS, stream=False) == colocated(prompt)
         pulled = metric_total(decode, "pdserve_kv_transfer_bytes_total") - before
-        ideal = _ideal_pull_bytes(model, decode_args, len(prompt), window)
+        ideal = _ideal_pull_bytes(model, prefill_args, decode_args, len(prompt))
         assert ideal <= pulled <= 1.05 * ideal, (pulled, ideal)
         assert info(s.prefill[0]).kv_blocks_pinned == 0
 
 
-def _ideal_pull_bytes(model: str, decode_args: tuple[str, ...], num_tokens: int, window: int) -> int:
-    """Full groups: every block of the prompt; sliding groups: the blocks covering its last window."""
+def _ideal_pull_bytes(model: str, prefill_args: tuple[str, ...], decode_args: tuple[str, ...], num_tokens: int) -> int:
+    """Full groups: every token of the prompt; sliding groups: the tokens of the last window.
+
+    Counted in units of the finer of the two block sizes (the granularity a block can be moved in),
+    on the decode worker's layout.
+    """
+    def block_size(args: tuple[str, ...]) -> int:
+        return int(args[args.index("--block-size") + 1])
+
+    unit = min(block_size(prefill_args), block_size(decode_args))
     engine_config = EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=4,
-                                 block_size=int(decode_args[decode_args.index("--block-size") + 1]))
+                                 block_size=block_size(decode_args))
     layout = LLMEngine(engine_config).kv_layout
     total = 0
     for g in layout.groups:
-        bs = g.block_size
-        first = 0 if g.sliding_window is None else max(0, num_tokens - g.sliding_window) // bs
-        total += (-(-num_tokens // bs) - first) * layout.block_bytes(g.group_id)
+        start = 0 if g.sliding_window is None else max(0, num_tokens - g.sliding_window) // unit * unit
+        end = -(-num_tokens // unit) * unit
+        total += (end - start) * layout.block_bytes(g.group_id) // g.block_size
     return total
-
