@@ -39,8 +39,10 @@ from services.engine.models.layers import (
     activation,
     apply_rope,
     copy_weight,
+    load_attention_projection,
+    load_mlp_projection,
     param,
-    row_parallel_bias,
+    projection_shape,
     softcap,
 )
 from services.engine.parallel import ParallelConfig, all_reduce
@@ -252,9 +254,7 @@ class GemmaForCausalLM(DecoderModel):
             return (spec.head_dim,)
         if proj.endswith("norm"):
             return (h,)
-        rows, cols = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-                      "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}[proj]
-        return (rows, cols) if kind == "weight" else (rows,)
+        return projection_shape(proj, kind, h, q, kv, i)
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         c, tp = self.config, self.parallel
@@ -275,24 +275,6 @@ class GemmaForCausalLM(DecoderModel):
             attn = layer.self_attn
             if proj in ("q_norm", "k_norm"):
                 return copy_weight(name, getattr(attn, proj).weight, tensor)
-            if proj == "o_proj":
-                if kind == "bias":
-                    return copy_weight(name, attn.o_proj.bias, row_parallel_bias(tensor, tp))
-                return copy_weight(name, attn.o_proj.weight, tp.shard(tensor, 1))
-            dest = getattr(attn.qkv_proj, kind)
-            if proj == "q_proj":
-                return copy_weight(name, dest[: attn.q_size], tp.shard(tensor, 0))
             spec = c.layers[layer_id]
-            start, end = tp.kv_head_range(spec.num_kv_heads)
-            rows = tensor[start * spec.head_dim: end * spec.head_dim]
-            offset = attn.q_size + (0 if proj == "k_proj" else attn.kv_size)
-            return copy_weight(name, dest[offset: offset + attn.kv_size], rows)
-        mlp = layer.mlp
-        if proj == "down_proj":
-            if kind == "bias":
-                return copy_weight(name, mlp.down_proj.bias, row_parallel_bias(tensor, tp))
-            return copy_weight(name, mlp.down_proj.weight, tp.shard(tensor, 1))
-        dest = getattr(mlp.gate_up_proj, kind)
-        half = dest.shape[0] // 2
-        dest = dest[:half] if proj == "gate_proj" else dest[half:]
-        return copy_weight(name, dest, tp.shard(tensor, 0))
+            return load_attention_projection(name, attn, proj, kind, tensor, tp, spec.num_kv_heads, spec.head_dim)
+        return load_mlp_projection(name, layer.mlp, proj, kind, tensor, tp)

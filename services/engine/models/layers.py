@@ -166,3 +166,45 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos = cos.to(x.dtype)[:, None, :]
     sin = sin.to(x.dtype)[:, None, :]
     return x * cos + rotate_half(x) * sin
+
+
+def projection_shape(proj: str, kind: str, hidden: int, q_size: int, kv_size: int, intermediate: int
+                     ) -> tuple[int, ...]:
+    """Full, unsharded HF shape of an attention or MLP projection's weight or bias."""
+    rows, cols = {"q_proj": (q_size, hidden), "k_proj": (kv_size, hidden), "v_proj": (kv_size, hidden),
+                  "o_proj": (hidden, q_size), "gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden),
+                  "down_proj": (hidden, intermediate)}[proj]
+    return (rows, cols) if kind == "weight" else (rows,)
+
+
+def load_attention_projection(name: str, attn: nn.Module, proj: str, kind: str, tensor: torch.Tensor,
+                              tp: ParallelConfig, num_kv_heads: int, head_dim: int) -> None:
+    """Copy an HF q/k/v/o projection into the fused ``qkv_proj`` / ``o_proj``, taking this rank's shard.
+
+    ``attn`` has ``qkv_proj`` (rows: q, then k, then v), ``o_proj``, ``q_size`` and ``kv_size``;
+    K/V rows are taken by KV head, so heads replicated over ranks (tp > KV heads) stay whole.
+    """
+    if proj == "o_proj":
+        if kind == "bias":
+            return copy_weight(name, attn.o_proj.bias, row_parallel_bias(tensor, tp))
+        return copy_weight(name, attn.o_proj.weight, tp.shard(tensor, 1))
+    dest = getattr(attn.qkv_proj, kind)
+    if proj == "q_proj":
+        return copy_weight(name, dest[: attn.q_size], tp.shard(tensor, 0))
+    start, end = tp.kv_head_range(num_kv_heads)
+    rows = tensor[start * head_dim: end * head_dim]
+    offset = attn.q_size + (0 if proj == "k_proj" else attn.kv_size)
+    return copy_weight(name, dest[offset: offset + attn.kv_size], rows)
+
+
+def load_mlp_projection(name: str, mlp: nn.Module, proj: str, kind: str, tensor: torch.Tensor,
+                        tp: ParallelConfig) -> None:
+    """Copy an HF gate/up/down projection into the fused ``gate_up_proj`` / ``down_proj`` shard."""
+    if proj == "down_proj":
+        if kind == "bias":
+            return copy_weight(name, mlp.down_proj.bias, row_parallel_bias(tensor, tp))
+        return copy_weight(name, mlp.down_proj.weight, tp.shard(tensor, 1))
+    dest = getattr(mlp.gate_up_proj, kind)
+    half = dest.shape[0] // 2
+    dest = dest[:half] if proj == "gate_proj" else dest[half:]
+    return copy_weight(name, dest, tp.shard(tensor, 0))

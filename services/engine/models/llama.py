@@ -21,8 +21,10 @@ from services.engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     copy_weight,
+    load_attention_projection,
+    load_mlp_projection,
     param,
-    row_parallel_bias,
+    projection_shape,
 )
 from services.engine.parallel import ParallelConfig, all_reduce
 
@@ -175,9 +177,7 @@ class LlamaForCausalLM(DecoderModel):
             return (c.head_dim,)
         if proj.endswith("norm"):
             return (h,)
-        rows, cols = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-                      "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}[proj]
-        return (rows, cols) if kind == "weight" else (rows,)
+        return projection_shape(proj, kind, h, q, kv, i)
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         c, tp = self.config, self.parallel
@@ -197,25 +197,7 @@ class LlamaForCausalLM(DecoderModel):
             attn = layer.self_attn
             if proj in ("q_norm", "k_norm"):
                 return copy_weight(name, getattr(attn, proj).weight, tensor)
-            if proj == "o_proj":
-                if kind == "bias":
-                    return copy_weight(name, attn.o_proj.bias, row_parallel_bias(tensor, tp))
-                return copy_weight(name, attn.o_proj.weight, tp.shard(tensor, 1))
-            dest = getattr(attn.qkv_proj, kind)
-            if proj == "q_proj":
-                return copy_weight(name, dest[: attn.q_size], tp.shard(tensor, 0))
-            start, end = tp.kv_head_range(c.num_kv_heads)
-            rows = tensor[start * c.head_dim: end * c.head_dim]
-            offset = attn.q_size + (0 if proj == "k_proj" else attn.kv_size)
-            return copy_weight(name, dest[offset: offset + attn.kv_size], rows)
-        mlp = layer.mlp
-        if proj == "down_proj":
-            if kind == "bias":
-                return copy_weight(name, mlp.down_proj.bias, row_parallel_bias(tensor, tp))
-            return copy_weight(name, mlp.down_proj.weight, tp.shard(tensor, 1))
-        dest = getattr(mlp.gate_up_proj, kind)
-        half = dest.shape[0] // 2
-        dest = dest[:half] if proj == "gate_proj" else dest[half:]
-        return copy_weight(name, dest, tp.shard(tensor, 0))
+            return load_attention_projection(name, attn, proj, kind, tensor, tp, c.num_kv_heads, c.head_dim)
+        return load_mlp_projection(name, layer.mlp, proj, kind, tensor, tp)
 
 
