@@ -27,6 +27,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
+    p.add_argument("--no-kv-shared-prefill-skip", action="store_true",
+                   help="run every prompt token through KV-shared layers (Gemma-4) instead of only the sampled ones")
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
 
 
@@ -41,6 +43,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         if value is not None:
             argv += [flag, str(value)]
     argv += ["--no-prefix-caching"] * args.no_prefix_caching + ["--enforce-eager"] * args.enforce_eager
+    argv += ["--no-kv-shared-prefill-skip"] * args.no_kv_shared_prefill_skip
     return argv
 
 
@@ -62,6 +65,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        kv_shared_prefill_skip=not args.no_kv_shared_prefill_skip,
     )
 
 
