@@ -14,6 +14,7 @@ import json
 import random
 from pathlib import Path
 
+import httpx
 import pytest
 
 from services.engine.engine_config import EngineConfig
@@ -66,8 +67,16 @@ def _prompts(window: int, n: int, seed: int) -> list[list[int]]:
 def test_hybrid_disaggregated_equals_colocated(model: str, window: int, colocated, pair: str) -> None:
     prefill_args, decode_args = PAIRS[pair]
     with stack(model, prefill_args=prefill_args, decode_args=decode_args) as s:
-        for i, prompt in enumerate(_prompts(window, 4, seed=5)):
+        prompts = _prompts(window, 4, seed=5)
+        for i, prompt in enumerate(prompts):
             assert completion_tokens(s.url, prompt, MAX_TOKENS, stream=bool(i % 2)) == colocated(prompt), i
+        # The shared 2-window prefix is served from the prefill worker's cache (full group from
+        # token 0, sliding group over the window before the hit) and the output does not change.
+        with httpx.Client(timeout=60) as client:
+            body = {"prompt": prompts[-1], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+            answer = client.post(f"{s.url}/v1/completions", json=body).json()
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * window
+        assert completion_tokens(s.url, prompts[-1], MAX_TOKENS, stream=False) == colocated(prompts[-1])
         decode = s.decode[0]
         assert metric_total(decode, "pdserve_local_recompute_fallbacks_total") == 0  # really disaggregated
 
