@@ -40,8 +40,9 @@ PULL_ERRORS = (TransferError, HandshakeError, ValueError, OSError)
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, server: WorkerServer, engine: AsyncEngine, puller: KVPuller, compat: CompatInfo,
-                 engine_id: str, epoch: int, metrics: WorkerMetrics) -> None:
+                 engine_id: str, epoch: int, metrics: WorkerMetrics, reserve_timeout_s: float = 10.0) -> None:
         self.server = server
+        self.reserve_timeout_s = reserve_timeout_s
         self.engine = engine
         self.puller = puller
         self.compat = compat
@@ -83,8 +84,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """
         if list(ticket.groups) and ticket.num_tokens != len(prompt):
             raise ValueError(f"ticket covers {ticket.num_tokens} tokens, the prompt has {len(prompt)}")
-        request = await self.engine.add_request_with_external_kv(rid, prompt, params)
-        if request is not None:
+        request = await self._reserve(rid, prompt, params)
+        if request is None:
+            log.warning("request %s: no KV blocks or sequence seat free for %.0f s; prefilling locally",
+                        rid, self.reserve_timeout_s)
+        else:
             try:
                 result = await self.puller.pull(ticket, request.block_ids, request.num_cached_tokens)
             except PULL_ERRORS as e:
@@ -104,6 +108,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         rest = dataclasses.replace(params, max_tokens=params.max_tokens - 1, min_tokens=max(params.min_tokens - 1, 0))
         await self.engine.add_request(rid, [*prompt, ticket.first_token_id], rest)
         return [ticket.first_token_id], True
+
+    async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams):
+        """Reserve local blocks for the pull, waiting (bounded) for a seat or blocks to free up.
+
+        Recomputing a prompt whose KV is ready on the prefill worker only because this worker is
+        momentarily full would throw the disaggregation away; the prefill worker holds the blocks
+        under its lease meanwhile.
+        """
+        deadline = time.monotonic() + self.reserve_timeout_s
+        delay_s = 0.005
+        while True:
+            request = await self.engine.add_request_with_external_kv(rid, prompt, params)
+            if request is not None or time.monotonic() >= deadline:
+                return request
+            await asyncio.sleep(delay_s)
+            delay_s = min(2 * delay_s, 0.05)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context):  # noqa: N802
         return worker_pb2.AbortResponse(aborted=await self.engine.abort(request.request_id))
@@ -146,7 +166,8 @@ async def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
     aengine = AsyncEngine(engine)
     aengine.start()
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
-        DecodeServicer(server, aengine, puller, compat, engine_id, epoch, metrics), server.server)
+        DecodeServicer(server, aengine, puller, compat, engine_id, epoch, metrics,
+                       reserve_timeout_s=args.kv_transfer_timeout_s), server.server)
     metrics_port = metrics.serve(args.host, args.metrics_port)
     stop = asyncio.Event()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -77,6 +78,15 @@ def test_hybrid_disaggregated_equals_colocated(model: str, window: int, colocate
             answer = client.post(f"{s.url}/v1/completions", json=body).json()
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * window
         assert completion_tokens(s.url, prompts[-1], MAX_TOKENS, stream=False) == colocated(prompts[-1])
+        # Concurrent prompts of varied lengths: chunks of different sizes interleave on the prefill
+        # worker, so sliding-group blocks are freed mid-prompt while other requests' blocks are held.
+        # 12 requests for 8 decode seats: a pull waits for a seat instead of recomputing locally.
+        many = _prompts(window, 12, seed=21)
+        with ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(lambda p: completion_tokens(s.url, p[1], MAX_TOKENS, p[0] % 2 == 0),
+                                    enumerate(many)))
+        for prompt, tokens in zip(many, results, strict=True):
+            assert tokens == colocated(prompt)
         decode = s.decode[0]
         assert metric_total(decode, "pdserve_local_recompute_fallbacks_total") == 0  # really disaggregated
 
