@@ -11,12 +11,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.engine.gemma_config import gemma_fields
+from services.engine.layer_config import (
+    SUPPORTED_ACTIVATIONS,
+    SUPPORTED_ROPE_TYPES,
+    LayerSpec,
+    RopeSpec,
+    config_field,
+    read_eos_token_ids,
+    read_rope,
+    rope_from_dict,
+)
 from services.kv.groups import AttentionKind
+
+__all__ = ["SUPPORTED_ROPE_TYPES", "LayerSpec", "ModelConfig", "RopeSpec", "preset", "read_rope", "rope_from_dict"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma4")
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3", "gemma4")
-SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
 
 _ARCH_BY_CLASS = {
     "LlamaForCausalLM": "llama",
@@ -34,67 +45,6 @@ _MULTIMODAL = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "gemma4": "Gemma4ForConditionalGeneration",
 }
-
-# Keys a rope dict may carry, per rope type; anything else shapes the math in a way we do not
-# implement, so it is an error rather than something to ignore.
-_ROPE_KEYS = {
-    "default": {"rope_theta"},
-    "linear": {"rope_theta", "factor"},
-    "llama3": {"rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
-    "proportional": {"rope_theta", "factor", "partial_rotary_factor"},
-}
-_ROPE_REQUIRED = {
-    "default": {"rope_theta"},
-    "linear": {"rope_theta", "factor"},
-    "llama3": _ROPE_KEYS["llama3"],
-    "proportional": {"rope_theta"},
-}
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """Rotary embedding of one layer: base, type and the type's parameters.
-
-    ``proportional`` (Gemma-4 full layers) rotates only the first ``partial_rotary_factor`` of each
-    half of the head and leaves the rest unrotated (zero frequency), with frequencies spaced over
-    the whole head dim.
-    """
-
-    theta: float
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-    partial_rotary_factor: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope type {self.rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        if not self.theta > 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.theta}")
-        if not 0.0 < self.partial_rotary_factor <= 1.0:
-            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """What one decoder layer's attention looks like: the facts KV-cache groups are built from.
-
-    ``kv_source`` is the earlier layer whose K/V this layer reads (Gemma-4's KV-shared layers);
-    such a layer computes no K/V and owns no KV cache.
-    """
-
-    attention: AttentionKind
-    num_kv_heads: int
-    head_dim: int
-    rope: RopeSpec
-    sliding_window: int | None = None
-    kv_source: int | None = None
-
-    def __post_init__(self) -> None:
-        if (self.attention is AttentionKind.SLIDING_WINDOW) != (self.sliding_window is not None):
-            raise ValueError("a layer has a sliding_window exactly when its attention is sliding-window")
 
 
 @dataclass(frozen=True)
@@ -257,37 +207,36 @@ class ModelConfig:
         """Build from a Hugging Face config.json dict; raises ValueError naming the field that is wrong."""
         arch = _architecture_of(d)
         if arch in GEMMA_ARCHITECTURES:
-            return cls(**_gemma_fields(d, arch))
-        hidden = _field(d, "hidden_size", int)
-        heads = _field(d, "num_attention_heads", int)
-        eos_ids = _field(d, "eos_token_id", lambda v: tuple(int(x) for x in (v if isinstance(v, list) else [v])), ())
-        sliding = _field(d, "sliding_window", int, None)
+            return cls(**gemma_fields(d, arch))
+        hidden = config_field(d, "hidden_size", int)
+        heads = config_field(d, "num_attention_heads", int)
+        sliding = config_field(d, "sliding_window", int, None)
         if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
             sliding = None  # Qwen2/3 configs carry a window they do not use unless asked
         if arch == "qwen2" and sliding is not None and d.get("max_window_layers") not in (None, 0):
             raise ValueError("config field 'max_window_layers' (windowed attention only in upper layers) "
                              "is not supported; set use_sliding_window to false")
-        bias = _field(d, "attention_bias", bool, False)
+        bias = config_field(d, "attention_bias", bool, False)
         return cls(
             architecture=arch,
-            vocab_size=_field(d, "vocab_size", int),
+            vocab_size=config_field(d, "vocab_size", int),
             hidden_size=hidden,
-            intermediate_size=_field(d, "intermediate_size", int),
-            num_layers=_field(d, "num_hidden_layers", int),
+            intermediate_size=config_field(d, "intermediate_size", int),
+            num_layers=config_field(d, "num_hidden_layers", int),
             num_heads=heads,
-            num_kv_heads=_field(d, "num_key_value_heads", int, None) or heads,
-            head_dim=_field(d, "head_dim", int, None) or hidden // heads,
-            rms_norm_eps=_field(d, "rms_norm_eps", float),
+            num_kv_heads=config_field(d, "num_key_value_heads", int, None) or heads,
+            head_dim=config_field(d, "head_dim", int, None) or hidden // heads,
+            rms_norm_eps=config_field(d, "rms_norm_eps", float),
             rope=read_rope(d),
-            max_position_embeddings=_field(d, "max_position_embeddings", int),
-            tie_word_embeddings=_field(d, "tie_word_embeddings", bool, False),
+            max_position_embeddings=config_field(d, "max_position_embeddings", int),
+            tie_word_embeddings=config_field(d, "tie_word_embeddings", bool, False),
             attention_bias=arch == "qwen2" or bias,
             o_proj_bias=arch != "qwen2" and bias,
-            mlp_bias=_field(d, "mlp_bias", bool, False),
+            mlp_bias=config_field(d, "mlp_bias", bool, False),
             qk_norm=arch == "qwen3",
             sliding_window=sliding or None,
-            bos_token_id=_field(d, "bos_token_id", int, None),
-            eos_token_ids=eos_ids,
+            bos_token_id=config_field(d, "bos_token_id", int, None),
+            eos_token_ids=read_eos_token_ids(d),
         )
 
     @classmethod
@@ -302,24 +251,6 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise ValueError(f"{path}: config.json must hold a JSON object, got {type(d).__name__}")
         return cls.from_hf_dict(d)
-
-
-_REQUIRED = object()
-
-
-def _field(d: dict[str, Any], name: str, convert: Any, default: Any = _REQUIRED) -> Any:
-    """``convert(d[name])``, or ``default`` when absent or null; errors name the field."""
-    value = d.get(name)
-    if value is None:
-        if default is _REQUIRED:
-            raise ValueError(f"config is missing required field {name!r}")
-        return default
-    if isinstance(value, (dict, str)) and convert in (int, float):
-        raise ValueError(f"config field {name!r} must be a number, got {value!r}")
-    try:
-        return convert(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"config field {name!r} has the wrong type: {value!r}") from None
 
 
 def _architecture_of(d: dict[str, Any]) -> str:
@@ -345,293 +276,6 @@ def _architecture_of(d: dict[str, Any]) -> str:
         f"unsupported architecture (model_type={model_type!r}, architectures={classes!r}); "
         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
-
-
-def rope_from_dict(params: Any, where: str) -> RopeSpec:
-    """One rope dict in transformers 5's form (``rope_theta`` inside). Errors name ``where``."""
-    if not isinstance(params, dict):
-        raise ValueError(f"config field {where!r} must be an object, got {params!r}")
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in _ROPE_KEYS:
-        raise ValueError(f"config field {where!r}: unsupported rope type {rope_type!r}; "
-                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    keys = {k for k, v in params.items() if v is not None} - {"rope_type", "type"}
-    unknown = sorted(keys - _ROPE_KEYS[rope_type])
-    if unknown:
-        raise ValueError(f"config field {where!r}: {', '.join(unknown)} not supported for rope type {rope_type!r}")
-    missing = sorted(_ROPE_REQUIRED[rope_type] - keys)
-    if missing:
-        raise ValueError(f"config field {where!r}: rope type {rope_type!r} needs {', '.join(missing)}")
-
-    def number(key: str, default: float) -> float:
-        value = params.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"config field {where}.{key} must be a number, got {value!r}")
-        return float(value)
-
-    original = params.get("original_max_position_embeddings")
-    return RopeSpec(
-        theta=number("rope_theta", 0.0),
-        rope_type=rope_type,
-        factor=number("factor", 1.0),
-        low_freq_factor=number("low_freq_factor", 1.0),
-        high_freq_factor=number("high_freq_factor", 4.0),
-        original_max_position_embeddings=None if original is None else int(original),
-        partial_rotary_factor=number("partial_rotary_factor", 1.0),
-    )
-
-
-def read_rope(d: dict[str, Any], layer_type: str | None = None) -> RopeSpec:
-    """The rope of a config in either form, never a default base.
-
-    transformers 5 writes ``rope_parameters`` (``rope_theta`` inside; for hybrids one dict per
-    layer type, picked by ``layer_type``); transformers 4 wrote ``rope_theta`` beside an optional
-    ``rope_scaling`` dict. A config with neither names what is missing.
-    """
-    params = d.get("rope_parameters")
-    if params is not None:
-        if not isinstance(params, dict):
-            raise ValueError(f"config field 'rope_parameters' must be an object, got {params!r}")
-        per_type = params and all(isinstance(v, dict) for v in params.values())
-        if per_type:
-            if layer_type is None:
-                raise ValueError(f"config field 'rope_parameters' is given per layer type ({', '.join(params)}) "
-                                 "but this architecture has one kind of layer")
-            if layer_type not in params:
-                raise ValueError(f"config field 'rope_parameters' has no entry for layer type {layer_type!r}")
-            return rope_from_dict(params[layer_type], f"rope_parameters.{layer_type}")
-        return rope_from_dict(params, "rope_parameters")
-    if d.get("rope_theta") is None:
-        raise ValueError("config has neither 'rope_parameters' nor 'rope_theta': the rope base is unknown")
-    scaling = d.get("rope_scaling") or {}
-    if not isinstance(scaling, dict):
-        raise ValueError(f"config field 'rope_scaling' must be an object, got {scaling!r}")
-    return rope_from_dict({**scaling, "rope_theta": d["rope_theta"]}, "rope_scaling")
-
-
-# ---- Gemma-2 / 3 / 4 (text) -------------------------------------------------------------------
-_LAYER_KINDS = {"sliding_attention": AttentionKind.SLIDING_WINDOW, "full_attention": AttentionKind.FULL}
-
-
-def _gemma_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
-    """ModelConfig fields of a Gemma-2/3/4 text config (see ModelConfig for what each one does).
-
-    A default transformers would fill in is taken only where it switches a feature off (no
-    softcapping in Gemma-3/4, no KV sharing, no k=v, untied embeddings stated as such). A missing
-    field whose default would be a number the math depends on -- ``query_pre_attn_scalar``,
-    ``head_dim``, Gemma-2's softcaps, a rope base, Gemma-4's ``global_head_dim`` or
-    ``hidden_size_per_layer_input`` -- is an error naming it.
-    """
-    if d.get("use_bidirectional_attention") not in (None, False):
-        raise ValueError(f"config field 'use_bidirectional_attention' is {d['use_bidirectional_attention']!r}: "
-                         "bidirectional attention is not supported (causal decoding only)")
-    if arch == "gemma4" and d.get("enable_moe_block"):
-        raise ValueError("config field 'enable_moe_block' is true: Gemma-4 mixture-of-experts is not supported "
-                         "(dense checkpoints only)")
-    num_layers = _field(d, "num_hidden_layers", int)
-    hidden = _field(d, "hidden_size", int)
-    kv_heads = _field(d, "num_key_value_heads", int)
-    head_dim = _field(d, "head_dim", int)
-    activation = _field(d, "hidden_activation", str)
-    if activation not in SUPPORTED_ACTIVATIONS:
-        raise ValueError(f"config field 'hidden_activation': unsupported activation {activation!r}; "
-                         f"supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
-    types = _gemma_layer_types(d, arch, num_layers)
-    window = _field(d, "sliding_window", int) if "sliding_attention" in types else None
-    ropes = _gemma_ropes(d, arch, types)
-    if arch == "gemma4":
-        shapes = _gemma4_layer_shapes(d, types, kv_heads, head_dim)
-        sources = _gemma4_kv_sources(d, types)
-    else:
-        shapes = [(kv_heads, head_dim)] * num_layers
-        sources = [None] * num_layers
-    layers = tuple(
-        LayerSpec(_LAYER_KINDS[t], heads, dim, ropes[t], window if t == "sliding_attention" else None, src)
-        for t, (heads, dim), src in zip(types, shapes, sources, strict=True)
-    )
-    bias = _field(d, "attention_bias", bool, False)
-    fields: dict[str, Any] = dict(
-        architecture=arch,
-        vocab_size=_field(d, "vocab_size", int),
-        hidden_size=hidden,
-        intermediate_size=_field(d, "intermediate_size", int),
-        num_layers=num_layers,
-        num_heads=_field(d, "num_attention_heads", int),
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=_field(d, "rms_norm_eps", float),
-        rope=layers[0].rope,
-        max_position_embeddings=_field(d, "max_position_embeddings", int),
-        # transformers' default (and PretrainedConfig's): a config that omits it is tied.
-        tie_word_embeddings=_field(d, "tie_word_embeddings", bool, True),
-        attention_bias=bias,
-        o_proj_bias=bias,
-        qk_norm=arch != "gemma2",
-        sliding_window=window,
-        bos_token_id=_field(d, "bos_token_id", int, None),
-        eos_token_ids=_field(d, "eos_token_id", lambda v: tuple(int(x) for x in (v if isinstance(v, list) else [v])),
-                             ()),
-        layers=layers,
-        hidden_activation=activation,
-        embed_scale=hidden**0.5,
-        sandwich_norms=True,
-    )
-    if arch == "gemma4":
-        _required_key(d, "hidden_size_per_layer_input")  # transformers' default is 256, not none
-        per_layer = _field(d, "hidden_size_per_layer_input", int, 0)
-        per_layer_vocab = _field(d, "vocab_size_per_layer_input", int) if per_layer else 0
-        if per_layer and per_layer_vocab < fields["vocab_size"]:
-            raise ValueError(f"config field 'vocab_size_per_layer_input' ({per_layer_vocab}) is smaller than "
-                             f"vocab_size ({fields['vocab_size']}): token ids past it have no per-layer input")
-        fields.update(
-            attention_scale=1.0,
-            final_logit_softcapping=_field(d, "final_logit_softcapping", float, None),
-            v_norm=True,
-            hidden_size_per_layer_input=per_layer,
-            vocab_size_per_layer_input=per_layer_vocab,
-            attention_k_eq_v=_field(d, "attention_k_eq_v", bool, False),
-            use_double_wide_mlp=_field(d, "use_double_wide_mlp", bool, False),
-        )
-    else:
-        fields.update(
-            attention_scale=_field(d, "query_pre_attn_scalar", float) ** -0.5,
-            norm_weight_offset=1.0,
-        )
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if arch == "gemma2":
-                _required_key(d, name)  # transformers' Gemma-2 default is a cap, not none
-            fields[name] = _field(d, name, float, None)
-        if arch == "gemma3":
-            # Gemma-3 replaced score capping by q/k norms: transformers' Gemma-3 attention never
-            # applies attn_logit_softcapping, whatever the config says, and neither do we.
-            fields["attn_logit_softcapping"] = None
-    return fields
-
-
-def _required_key(d: dict[str, Any], name: str) -> Any:
-    """``d[name]`` where null is a meaningful value but absence is not."""
-    if name not in d:
-        raise ValueError(f"config is missing required field {name!r}")
-    return d[name]
-
-
-def _gemma_layer_types(d: dict[str, Any], arch: str, num_layers: int) -> list[str]:
-    """Each layer's ``sliding_attention`` / ``full_attention``.
-
-    Without ``layer_types``: Gemma-2 alternates (sliding on even layers, its fixed pattern);
-    Gemma-3 repeats ``sliding_window_pattern - 1`` sliding layers then a full one; Gemma-4 must
-    say.
-    """
-    types = d.get("layer_types")
-    if types is None:
-        if arch == "gemma2":
-            return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-        if arch == "gemma4":
-            raise ValueError("config is missing required field 'layer_types'")
-        pattern = d.get("sliding_window_pattern")
-        if pattern is None:
-            raise ValueError("config has neither 'layer_types' nor 'sliding_window_pattern': "
-                             "which layers are sliding-window is unknown")
-        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-            raise ValueError(f"config field 'sliding_window_pattern' must be a positive integer, got {pattern!r}")
-        return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
-    if not isinstance(types, list) or len(types) != num_layers:
-        raise ValueError(f"config field 'layer_types' must list one type per layer ({num_layers}), got {types!r}")
-    unknown = sorted({t for t in types if t not in _LAYER_KINDS}, key=str)
-    if unknown:
-        raise ValueError(f"config field 'layer_types': unsupported layer types {unknown}; "
-                         f"supported: {', '.join(_LAYER_KINDS)}")
-    if arch == "gemma4" and types[-1] != "full_attention":
-        # transformers silently turns such a last layer into a full one; we refuse to guess.
-        raise ValueError("config field 'layer_types': Gemma-4's last layer must be 'full_attention', "
-                         f"got {types[-1]!r}")
-    return list(types)
-
-
-def _gemma_ropes(d: dict[str, Any], arch: str, types: list[str]) -> dict[str, RopeSpec]:
-    """The rope of each layer type.
-
-    Gemma-2 has one rope (either form). Gemma-3/4 in transformers 5's form give
-    ``rope_parameters`` per layer type; Gemma-3's older form has ``rope_theta`` (+ ``rope_scaling``)
-    for full layers and ``rope_local_base_freq`` for sliding ones.
-    """
-    if arch == "gemma2":
-        rope = read_rope(d)
-        return {t: rope for t in types}
-    params = d.get("rope_parameters")
-    if params is None and arch == "gemma3":
-        ropes = {}
-        if "full_attention" in types:
-            ropes["full_attention"] = read_rope(d)
-        if "sliding_attention" in types:
-            base = _field(d, "rope_local_base_freq", float)
-            ropes["sliding_attention"] = rope_from_dict({"rope_theta": base}, "rope_local_base_freq")
-        return ropes
-    if params is None:
-        raise ValueError("config has no 'rope_parameters': the rope of each layer type is unknown")
-    if not isinstance(params, dict) or not all(isinstance(v, dict) for v in params.values()):
-        raise ValueError("config field 'rope_parameters' must give one rope per layer type "
-                         f"({', '.join(sorted(set(types)))}), got {params!r}")
-    return {t: read_rope(d, t) for t in set(types)}
-
-
-def _gemma4_layer_shapes(d: dict[str, Any], types: list[str], kv_heads: int, head_dim: int) -> list[tuple[int, int]]:
-    """(KV heads, head dim) of each Gemma-4 layer.
-
-    transformers 5.23 saves the per-layer overrides it derived as ``per_layer_config`` (zero-padded
-    layer index -> ``head_dim`` / ``num_key_value_heads``); hub configs instead give
-    ``global_head_dim`` for full layers and, only when ``attention_k_eq_v``,
-    ``num_global_key_value_heads``. ``per_layer_config`` wins when both are present, as there.
-    """
-    shapes = [(kv_heads, head_dim)] * len(types)
-    overrides = d.get("per_layer_config")
-    if overrides is not None:
-        if not isinstance(overrides, dict):
-            raise ValueError(f"config field 'per_layer_config' must be an object, got {overrides!r}")
-        for key, layer in overrides.items():
-            where = f"per_layer_config.{key}"
-            try:
-                index = int(key)
-            except ValueError:
-                raise ValueError(f"config field {where!r}: not a layer index") from None
-            if not 0 <= index < len(types):
-                raise ValueError(f"config field {where!r}: layer {index} is out of range")
-            if not isinstance(layer, dict):
-                raise ValueError(f"config field {where!r} must be an object, got {layer!r}")
-            unknown = sorted(set(layer) - {"head_dim", "num_key_value_heads"})
-            if unknown:
-                raise ValueError(f"config field {where!r}: per-layer {', '.join(unknown)} not supported")
-            try:
-                heads = _field(layer, "num_key_value_heads", int, shapes[index][0])
-                dim = _field(layer, "head_dim", int, shapes[index][1])
-            except ValueError as e:
-                raise ValueError(f"config field {where!r}: {e}") from None
-            shapes[index] = (heads, dim)
-        return shapes
-    if "full_attention" not in types:
-        return shapes
-    global_dim = _field(d, "global_head_dim", int)
-    global_heads = _field(d, "num_global_key_value_heads", int, None) if d.get("attention_k_eq_v") else None
-    full = (global_heads or kv_heads, global_dim)
-    return [full if t == "full_attention" else s for t, s in zip(types, shapes, strict=True)]
-
-
-def _gemma4_kv_sources(d: dict[str, Any], types: list[str]) -> list[int | None]:
-    """The layer whose KV each layer reads: the last ``num_kv_shared_layers`` layers read the last
-    earlier (non-shared) layer of their own type; the others their own (None)."""
-    n = len(types)
-    shared = _field(d, "num_kv_shared_layers", int, 0)
-    if not 0 <= shared < n:
-        raise ValueError(f"config field 'num_kv_shared_layers' must be in [0, {n}), got {shared}")
-    first = n - shared
-    sources: list[int | None] = [None] * n
-    for i in range(first, n):
-        owners = [j for j in range(first) if types[j] == types[i]]
-        if not owners:
-            raise ValueError(f"config field 'num_kv_shared_layers': layer {i} ({types[i]}) is KV-shared but no "
-                             f"earlier layer of that type computes KV")
-        sources[i] = owners[-1]
-    return sources
 
 
 # Real shapes for `dummy:<preset>` models (seeded random weights), for benchmarks and tests.
