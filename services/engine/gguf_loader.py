@@ -27,13 +27,20 @@ class _Architecture:
     qk_rows_permuted: bool
     qkv_bias: bool
     qk_norm: bool
+    # Gemma: the model computes x * (1 + w); llama.cpp's converter stores w + 1 in every *norm.weight.
+    gemma: bool = False
 
 
 _ARCHITECTURES = {
     "llama": _Architecture("llama", "LlamaForCausalLM", qk_rows_permuted=True, qkv_bias=False, qk_norm=False),
     "qwen2": _Architecture("qwen2", "Qwen2ForCausalLM", qk_rows_permuted=False, qkv_bias=True, qk_norm=False),
     "qwen3": _Architecture("qwen3", "Qwen3ForCausalLM", qk_rows_permuted=False, qkv_bias=False, qk_norm=True),
+    "gemma2": _Architecture("gemma2", "Gemma2ForCausalLM", qk_rows_permuted=False, qkv_bias=False, qk_norm=False,
+                            gemma=True),
+    "gemma3": _Architecture("gemma3_text", "Gemma3ForCausalLM", qk_rows_permuted=False, qkv_bias=False,
+                            qk_norm=True, gemma=True),
 }
+_SPEC_BY_MODEL_TYPE = {spec.model_type: spec for spec in _ARCHITECTURES.values()}
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -53,9 +60,24 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's sandwich norms: llama.cpp's ffn_norm is the norm before the MLP, which HF calls
+# pre_feedforward_layernorm there (and post_attention_layernorm in Llama/Qwen).
+_GEMMA_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _REQUIRED_LAYER_WEIGHTS = (
     "attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
 )
+_GEMMA_REQUIRED_LAYER_WEIGHTS = (*_REQUIRED_LAYER_WEIGHTS, "post_attention_norm", "post_ffw_norm")
+# llama.cpp sizes the query scale of the 27B Gemmas (told apart by their layer count) by
+# hidden_size / num_heads, of the others by head_dim: query_pre_attn_scalar is not in the file.
+_GEMMA_27B_LAYER_COUNT = {"gemma2": 46, "gemma3": 62}
+# llama.cpp's fixed Gemma-3 layout: 5 sliding-window layers then a full one; their rope base 10000.
+_GEMMA3_SLIDING_WINDOW_PATTERN = 6
+_GEMMA3_SLIDING_ROPE_BASE = 10000.0
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -71,10 +93,13 @@ class GGUFCheckpoint:
         """Yield (HF name, float32 tensor shaped [out_features, in_features]) in file order."""
         num_heads = self.config["num_attention_heads"]
         num_kv_heads = self.config["num_key_value_heads"]
-        permuted = _ARCHITECTURES[self.config["model_type"]].qk_rows_permuted
+        spec = _SPEC_BY_MODEL_TYPE[self.config["model_type"]]
+        permuted = spec.qk_rows_permuted
         for tensor in self.reader.tensors:
-            hf_name = _hf_tensor_name(tensor.name)
+            hf_name = _hf_tensor_name(tensor.name, spec)
             values = _dequantize(tensor, self.path)
+            if spec.gemma and tensor.name.endswith("norm.weight"):
+                values -= np.float32(1.0)  # llama.cpp stored 1 + w; HF's Gemma keeps w
             if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
                 values = _unpermute_rope_rows(values, num_heads)
             elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -104,6 +129,8 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
         )
     shapes = {tensor.name: [int(n) for n in tensor.shape] for tensor in reader.tensors}
     config = _hf_config(meta, architecture, spec, shapes, path)
+    if spec.gemma:
+        config = _gemma_config(config, meta, architecture, shapes, path)
     _check_tensor_names(shapes, config, spec, path)
     return GGUFCheckpoint(path=path, config=config, reader=reader)
 
@@ -163,6 +190,91 @@ def _hf_config(
     return config
 
 
+def _gemma_config(
+    config: dict, meta: GGUFMetadata, architecture: str, shapes: dict[str, list[int]], path: Path
+) -> dict:
+    """Complete a Gemma-2/3 config with the fields HF's Gemma2Config / Gemma3TextConfig add.
+
+    Read from the file where llama.cpp stores them (window, softcaps, optional query scale and
+    window pattern); otherwise what llama.cpp itself fixes for the architecture: the GELU (tanh)
+    activation, Gemma-2's alternating layers, Gemma-3's 5:1 pattern and 10000 sliding rope base,
+    and the query scale rule below. A stored value llama.cpp requires but the file lacks is an error.
+    """
+    if architecture == "gemma2" and "output.weight" in shapes:
+        # llama.cpp's gemma2 has no output tensor (it always reuses the embedding); transformers
+        # would drop it too. Rather than pick one reading, refuse the file.
+        raise ValueError(f"{path}: a gemma2 file has no output.weight in llama.cpp's format (the embedding "
+                         "is the output matrix)")
+    num_layers = config["num_hidden_layers"]
+    num_heads = config["num_attention_heads"]
+    q_rows = shapes.get("blk.0.attn_q.weight", [0, 0])[1]
+    head_dim = meta.get(f"{architecture}.attention.key_length")
+    if head_dim is None:
+        head_dim = q_rows // num_heads
+    if q_rows and q_rows != num_heads * head_dim:
+        raise ValueError(f"{path}: attn_q has {q_rows} rows, not {num_heads} heads x head_dim {head_dim}")
+    config["head_dim"] = head_dim
+
+    window = meta.get(f"{architecture}.attention.sliding_window")
+    if window is None:
+        raise ValueError(f"{path}: no {architecture}.attention.sliding_window: the attention window is unknown")
+
+    scale = meta.get(f"{architecture}.attention.scale")
+    if scale is not None:
+        if not scale > 0:
+            raise ValueError(f"{path}: {architecture}.attention.scale must be positive, got {scale!r}")
+        query_pre_attn_scalar = _float32_as_decimal(float(np.float32(scale)) ** -2)
+        if abs(query_pre_attn_scalar - round(query_pre_attn_scalar)) < 1e-3 * query_pre_attn_scalar:
+            query_pre_attn_scalar = round(query_pre_attn_scalar)
+    elif num_layers == _GEMMA_27B_LAYER_COUNT[architecture]:
+        query_pre_attn_scalar = config["hidden_size"] // num_heads
+    else:
+        query_pre_attn_scalar = head_dim
+
+    rope = config["rope_parameters"]
+    if architecture == "gemma2":
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        caps = {}
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = meta.get(f"{architecture}.{key}")
+            if value is None:
+                raise ValueError(f"{path}: no {architecture}.{key}: Gemma-2's softcap is unknown")
+            caps[key] = _float32_as_decimal(value)
+    else:
+        layer_types = _gemma3_layer_types(meta.get(f"{architecture}.attention.sliding_window_pattern"),
+                                          num_layers, architecture, path)
+        # Gemma-3 has no softcapping; rope scaling applies to the full layers only (as in llama.cpp).
+        caps = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+        rope = {
+            "full_attention": rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_SLIDING_ROPE_BASE},
+        }
+    config.update(
+        hidden_activation="gelu_pytorch_tanh",
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_parameters=rope,
+        attention_bias=False,
+        **caps,
+    )
+    return config
+
+
+def _gemma3_layer_types(pattern: object, num_layers: int, architecture: str, path: Path) -> list[str]:
+    key = f"{architecture}.attention.sliding_window_pattern"
+    if pattern is None:
+        pattern = _GEMMA3_SLIDING_WINDOW_PATTERN
+    if isinstance(pattern, list):  # one flag per layer, true = sliding window
+        if len(pattern) != num_layers or not all(isinstance(flag, bool) for flag in pattern):
+            raise ValueError(f"{path}: {key} must hold {num_layers} booleans, got {pattern!r}")
+        return ["sliding_attention" if flag else "full_attention" for flag in pattern]
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise ValueError(f"{path}: {key} must be a positive integer, got {pattern!r}")
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+
+
 def _float32_as_decimal(value: float) -> float:
     """GGUF stores floats as float32; 1e-5 reads back as 9.9999997e-06. Recover the written decimal."""
     return float(str(np.float32(value)))
@@ -190,14 +302,15 @@ def _rope_scaling(meta: GGUFMetadata, architecture: str, path: Path) -> dict | N
 # Tensors
 
 
-def _hf_tensor_name(gguf_name: str) -> str:
+def _hf_tensor_name(gguf_name: str, spec: _Architecture) -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    layer_tensors = _GEMMA_LAYER_TENSORS if spec.gemma else _LAYER_TENSORS
     match = _LAYER_TENSOR_NAME.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_TENSORS:
+    if match is None or match.group(2) not in layer_tensors:
         raise ValueError(f"tensor {gguf_name!r} has no Hugging Face counterpart")
     layer, kind, suffix = match.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+    return f"model.layers.{layer}.{layer_tensors[kind]}.{suffix}"
 
 
 def _check_tensor_names(shapes: dict[str, list[int]], config: dict, spec: _Architecture, path: Path) -> None:
@@ -205,12 +318,12 @@ def _check_tensor_names(shapes: dict[str, list[int]], config: dict, spec: _Archi
     unknown = []
     for name in shapes:
         try:
-            _hf_tensor_name(name)
+            _hf_tensor_name(name, spec)
         except ValueError:
             unknown.append(name)
     if unknown:
         raise ValueError(f"{path}: tensors with no Hugging Face counterpart: {unknown[:5]}")
-    required = [*_REQUIRED_LAYER_WEIGHTS]
+    required = [*(_GEMMA_REQUIRED_LAYER_WEIGHTS if spec.gemma else _REQUIRED_LAYER_WEIGHTS)]
     if spec.qk_norm:
         required += ["attn_q_norm", "attn_k_norm"]
     missing = [name for name in ("token_embd.weight", "output_norm.weight") if name not in shapes]
