@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from services.engine.attention import AttentionBatch, TailBatch
 from services.engine.config import ModelConfig
+from services.engine.models.layers import projection_shape
 from services.engine.parallel import ParallelConfig
 
 
@@ -37,5 +38,55 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    # ---- weight loading ------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up and taking this TP rank's shard.
+
+        Raises ValueError naming any missing or unexpected tensor or any tensor of the wrong shape;
+        names ``_ignored`` says transformers drops on load are skipped.
+        """
+        expected = set(self._expected_names())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name not in expected:
+                if self._ignored(name):
+                    continue
+                raise ValueError(f"unexpected tensor {name!r} for a {self.config.architecture} model")
+            # Checked before sharding: slicing a rank's rows out of an oversized tensor would pass.
+            shape = self._hf_shape(name)
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+            self._load_one(name, tensor)
+            seen.add(name)
+        missing = sorted(expected - seen)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing tensors: {shown}")
+
+    def _ignored(self, name: str) -> bool:
+        """Checkpoint tensors with no place in the model: a tied head stored anyway, RoPE buffers."""
+        return name == "lm_head.weight" or "rotary_emb" in name
+
+    def _hf_shape(self, name: str) -> tuple[int, ...]:
+        """The full, unsharded shape the checkpoint must store ``name`` at (per-layer KV shapes)."""
+        c = self.config
+        h = c.hidden_size
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return (c.vocab_size, h)
+        if name == "model.norm.weight":
+            return (h,)
+        layer_id = int(name.split(".")[2])
+        spec = c.layers[layer_id]
+        q, kv, i = c.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, c.layer_intermediate_size(layer_id)
+        proj, kind = name.split(".")[-2:]
+        if proj in ("q_norm", "k_norm"):
+            return (spec.head_dim,)
+        if proj.endswith("norm"):
+            return (h,)
+        return projection_shape(proj, kind, h, q, kv, i)
+
+    def _expected_names(self) -> Iterator[str]:
+        raise NotImplementedError
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         raise NotImplementedError

@@ -24,7 +24,7 @@ columns as in ``llama.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -42,7 +42,6 @@ from services.engine.models.layers import (
     load_attention_projection,
     load_mlp_projection,
     param,
-    projection_shape,
     softcap,
 )
 from services.engine.parallel import ParallelConfig, all_reduce
@@ -175,33 +174,9 @@ class GemmaForCausalLM(DecoderModel):
         return softcap(nn.functional.linear(hidden, head).float(), self.config.final_logit_softcapping)
 
     # ---- weight loading ------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up and taking this TP rank's shard.
-
-        Raises ValueError naming any missing or unexpected tensor or any tensor of the wrong shape.
-        Tensors transformers drops on load are skipped: the tied head, RoPE buffers, and the K/V
-        projections and norms of KV-shared layers (which compute no KV).
-        """
-        expected = set(self._expected_names())
-        seen: set[str] = set()
-        for name, tensor in weights:
-            if name not in expected:
-                if self._ignored(name):
-                    continue
-                raise ValueError(f"unexpected tensor {name!r} for a {self.config.architecture} model")
-            # Checked before sharding: slicing a rank's rows out of an oversized tensor would pass.
-            shape = self._hf_shape(name)
-            if tuple(tensor.shape) != shape:
-                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
-            self._load_one(name, tensor)
-            seen.add(name)
-        missing = sorted(expected - seen)
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ValueError(f"checkpoint is missing tensors: {shown}")
-
     def _ignored(self, name: str) -> bool:
-        if name == "lm_head.weight" or "rotary_emb" in name:
+        """Also the K/V projections and norms of KV-shared layers (they compute no KV), as transformers."""
+        if super()._ignored(name):
             return True
         parts = name.split(".")
         if len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[3] == "self_attn" and parts[2].isdigit():
@@ -237,24 +212,6 @@ class GemmaForCausalLM(DecoderModel):
                 yield p + f"mlp.{proj}.weight"
                 if c.mlp_bias:
                     yield p + f"mlp.{proj}.bias"
-
-    def _hf_shape(self, name: str) -> tuple[int, ...]:
-        """The full, unsharded shape the checkpoint must store ``name`` at."""
-        c = self.config
-        h = c.hidden_size
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return (c.vocab_size, h)
-        if name == "model.norm.weight":
-            return (h,)
-        layer_id = int(name.split(".")[2])
-        spec = c.layers[layer_id]
-        q, kv, i = c.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, c.layer_intermediate_size(layer_id)
-        proj, kind = name.split(".")[-2:]
-        if proj in ("q_norm", "k_norm"):
-            return (spec.head_dim,)
-        if proj.endswith("norm"):
-            return (h,)
-        return projection_shape(proj, kind, h, q, kv, i)
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         c, tp = self.config, self.parallel

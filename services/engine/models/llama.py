@@ -8,7 +8,7 @@ all-reduced.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -24,7 +24,6 @@ from services.engine.models.layers import (
     load_attention_projection,
     load_mlp_projection,
     param,
-    projection_shape,
 )
 from services.engine.parallel import ParallelConfig, all_reduce
 
@@ -121,29 +120,6 @@ class LlamaForCausalLM(DecoderModel):
         return nn.functional.linear(hidden, head).float()
 
     # ---- weight loading ------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up and taking this TP rank's shard.
-
-        Raises ValueError naming any missing tensor or any tensor of the wrong shape.
-        """
-        expected = set(self._expected_names())
-        seen: set[str] = set()
-        for name, tensor in weights:
-            if name not in expected:
-                if name == "lm_head.weight" or "rotary_emb" in name:
-                    continue  # tied head stored anyway / precomputed RoPE buffers
-                raise ValueError(f"unexpected tensor {name!r} for a {self.config.architecture} model")
-            # Checked before sharding: slicing a rank's rows out of an oversized tensor would pass.
-            shape = self._hf_shape(name)
-            if tuple(tensor.shape) != shape:
-                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
-            self._load_one(name, tensor)
-            seen.add(name)
-        missing = sorted(expected - seen)
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ValueError(f"checkpoint is missing tensors: {shown}")
-
     def _expected_names(self) -> Iterator[str]:
         c = self.config
         yield "model.embed_tokens.weight"
@@ -165,19 +141,6 @@ class LlamaForCausalLM(DecoderModel):
                 yield p + f"mlp.{proj}.weight"
                 if c.mlp_bias:
                     yield p + f"mlp.{proj}.bias"
-
-    def _hf_shape(self, name: str) -> tuple[int, ...]:
-        """The full, unsharded shape the checkpoint must store ``name`` at."""
-        c = self.config
-        h, q, kv, i = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return (c.vocab_size, h)
-        proj, kind = name.split(".")[-2:]
-        if proj in ("q_norm", "k_norm"):
-            return (c.head_dim,)
-        if proj.endswith("norm"):
-            return (h,)
-        return projection_shape(proj, kind, h, q, kv, i)
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         c, tp = self.config, self.parallel
