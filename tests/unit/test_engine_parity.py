@@ -22,6 +22,7 @@ from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
 from services.kv.layout import BlockOrder, LayoutKind
 from tests.checkpoints import ARCHITECTURES, make_checkpoint
+from tests.parity import assert_matches, hf_greedy, run_to_completion
 
 # The GPU machine runs this file once with PDSERVE_TEST_DEVICE=cuda (see bench/RESULTS.md).
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
@@ -49,17 +50,7 @@ def reference(request, tmp_path_factory) -> Reference:
     # The last two prompts share their first 16 tokens with the second: in-batch prefix sharing.
     prompts[2][:16] = prompts[1][:16]
     prompts[3][:16] = prompts[1][:16]
-    tokens, logits = [], []
-    hf.generation_config.eos_token_id = None  # like ignore_eos: always 32 tokens, EOS not suppressed
-    with torch.no_grad():
-        for p in prompts:
-            out = hf.generate(
-                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=NUM_TOKENS, do_sample=False, pad_token_id=0,
-            )
-            cont = out[0, len(p):].tolist()
-            tokens.append(cont)
-            logits.append(hf(torch.tensor([p + cont[:-1]])).logits[0].float())
+    tokens, logits = hf_greedy(hf, prompts, NUM_TOKENS)
     return Reference(str(directory), prompts, tokens, logits)
 
 
@@ -70,44 +61,20 @@ def _engine(ref: Reference, kind: LayoutKind, order: BlockOrder, num_kv_blocks: 
     ))
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]]):
-    requests = [engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return requests, [finals[r.request_id] for r in requests]
-
-
-def _check(ref: Reference, outputs) -> None:
-    for i, out in enumerate(outputs):
-        assert out.token_ids == ref.tokens[i], f"prompt {i}: greedy tokens differ from HF"
-        expected = ref.logits[i]
-        seen = torch.zeros(len(expected), dtype=torch.bool)
-        for start, chunk in out.logits:
-            end = start + len(chunk)
-            rel = (chunk - expected[start:end]).abs().max() / expected[start:end].abs().max()
-            assert rel < 1e-4, f"prompt {i} positions {start}..{end}: relative error {rel:.2e}"
-            seen[start:end] = True
-        # Every position after the prompt's cached prefix was computed at least once.
-        assert seen[out.num_cached_tokens:].all()
-
-
 @pytest.mark.parametrize(("kind", "order"), LAYOUTS, ids=lambda x: x.value)
 def test_batch_matches_hf(reference: Reference, kind: LayoutKind, order: BlockOrder) -> None:
     engine = _engine(reference, kind, order, num_kv_blocks=256)
-    _, outputs = _run(engine, reference.prompts)
-    _check(reference, outputs)
+    _, outputs = run_to_completion(engine, reference.prompts, GREEDY)
+    assert_matches(reference.tokens, reference.logits, outputs)
 
 
 @pytest.mark.parametrize(("kind", "order"), LAYOUTS, ids=lambda x: x.value)
 def test_prefix_cache_hits_match_hf(reference: Reference, kind: LayoutKind, order: BlockOrder) -> None:
     engine = _engine(reference, kind, order, num_kv_blocks=256)
-    _run(engine, reference.prompts)  # warm the prefix cache
-    _, outputs = _run(engine, reference.prompts)
+    run_to_completion(engine, reference.prompts, GREEDY)  # warm the prefix cache
+    _, outputs = run_to_completion(engine, reference.prompts, GREEDY)
     assert all(o.num_cached_tokens > 0 for o in outputs[1:]), "second run should hit the prefix cache"
-    _check(reference, outputs)
+    assert_matches(reference.tokens, reference.logits, outputs)
 
 
 @pytest.mark.parametrize(("kind", "order"), LAYOUTS, ids=lambda x: x.value)
@@ -117,7 +84,7 @@ def test_preemption_matches_hf(reference: Reference, kind: LayoutKind, order: Bl
     config = json.loads((Path(reference.checkpoint) / "config.json").read_text())
     num_blocks = 20 if config.get("sliding_window") else 40
     engine = _engine(reference, kind, order, num_kv_blocks=num_blocks)
-    requests, outputs = _run(engine, reference.prompts)
+    requests, outputs = run_to_completion(engine, reference.prompts, GREEDY)
     assert sum(r.num_preemptions for r in requests) > 0, "the pool is too small not to preempt"
-    _check(reference, outputs)
+    assert_matches(reference.tokens, reference.logits, outputs)
     assert engine.kv_manager.pool(0).num_free_blocks == num_blocks

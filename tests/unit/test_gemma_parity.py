@@ -23,6 +23,7 @@ from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
 from services.kv.layout import BlockOrder, LayoutKind
 from tests.checkpoints import GEMMA_ARCHITECTURES, make_checkpoint
+from tests.parity import assert_matches, hf_greedy, run_to_completion
 
 # The GPU machine may run this file with PDSERVE_TEST_DEVICE=cuda, as test_engine_parity.py.
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
@@ -50,17 +51,7 @@ def reference(request, tmp_path_factory) -> Reference:
     # The last two prompts start with the first one's first 24 tokens: prefix sharing in a batch.
     prompts[1][:24] = prompts[0][:24]
     prompts[2][:24] = prompts[0][:24]
-    tokens, logits = [], []
-    hf.generation_config.eos_token_id = None  # like ignore_eos: always 32 tokens
-    with torch.no_grad():
-        for p in prompts:
-            out = hf.generate(
-                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=NUM_TOKENS, do_sample=False, pad_token_id=0,
-            )
-            cont = out[0, len(p):].tolist()
-            tokens.append(cont)
-            logits.append(hf(torch.tensor([p + cont[:-1]])).logits[0].float())
+    tokens, logits = hf_greedy(hf, prompts, NUM_TOKENS)
     return Reference(str(directory), prompts, tokens, logits)
 
 
@@ -72,26 +63,11 @@ def _engine(checkpoint: str, kind: LayoutKind, order: BlockOrder, **kw) -> LLMEn
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY):
-    requests = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return [finals[r.request_id] for r in requests]
+    return run_to_completion(engine, prompts, params)[1]
 
 
 def _check(ref: Reference, outputs) -> None:
-    for i, out in enumerate(outputs):
-        assert out.token_ids == ref.tokens[i], f"prompt {i}: greedy tokens differ from HF"
-        expected = ref.logits[i]
-        seen = torch.zeros(len(expected), dtype=torch.bool)
-        for start, chunk in out.logits:
-            end = start + len(chunk)
-            rel = (chunk - expected[start:end]).abs().max() / expected[start:end].abs().max()
-            assert rel < 1e-4, f"prompt {i} positions {start}..{end}: relative error {rel:.2e}"
-            seen[start:end] = True
-        assert seen[out.num_cached_tokens:].all()  # every position past the cached prefix was computed
+    assert_matches(ref.tokens, ref.logits, outputs)
 
 
 @pytest.mark.parametrize(("kind", "order"), LAYOUTS, ids=lambda x: x.value)

@@ -24,6 +24,7 @@ from services.engine.engine_config import EngineConfig
 from services.engine.gguf_loader import load_gguf
 from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
+from tests.parity import assert_matches, hf_greedy, run_to_completion
 
 VOCAB, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, WINDOW = 96, 64, 96, 2, 1, 8
 NUM_TOKENS = 16
@@ -161,32 +162,12 @@ def test_engine_matches_transformers(files):
     _, path, reference = files
     rng = random.Random(5)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (20, 17)]
-    reference.generation_config.eos_token_id = None
+    tokens, logits = hf_greedy(reference, prompts, NUM_TOKENS)
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64))
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, return_logits=True)
-    requests = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    for prompt, request in zip(prompts, requests, strict=True):
-        out = finals[request.request_id]
-        with torch.no_grad():
-            hf_out = reference.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NUM_TOKENS, do_sample=False, pad_token_id=0,
-            )
-            continuation = hf_out[0, len(prompt):].tolist()
-            expected = reference(torch.tensor([prompt + continuation[:-1]])).logits[0].float()
-        assert out.token_ids == continuation
-        seen = torch.zeros(len(expected), dtype=torch.bool)
-        for start, chunk in out.logits:
-            end = start + len(chunk)
-            rel = (chunk - expected[start:end]).abs().max() / expected[start:end].abs().max()
-            assert rel < 1e-4, f"positions {start}..{end}: relative error {rel:.2e}"
-            seen[start:end] = True
-        assert seen.all()
+    _, outputs = run_to_completion(engine, prompts, params)
+    assert [o.num_cached_tokens for o in outputs] == [0, 0]  # so every position is checked
+    assert_matches(tokens, logits, outputs)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,60 @@
+"""Shared steps of the parity tests: HF's greedy reference, running an engine to the end, comparing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.engine.llm_engine import LLMEngine, RequestOutput
+from services.engine.request import Request
+from services.engine.sampling_params import SamplingParams
+
+
+def hf_greedy(hf, prompts: Sequence[Sequence[int]], num_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """HF's greedy continuation of each prompt and its logits over prompt + continuation[:-1].
+
+    EOS is not a stop (like ``ignore_eos``): every continuation has ``num_tokens`` tokens.
+    """
+    hf.generation_config.eos_token_id = None
+    tokens, logits = [], []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(
+                torch.tensor([list(p)]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=num_tokens, do_sample=False, pad_token_id=0,
+            )
+            cont = out[0, len(p):].tolist()
+            tokens.append(cont)
+            logits.append(hf(torch.tensor([list(p) + cont[:-1]])).logits[0].float())
+    return tokens, logits
+
+
+def run_to_completion(engine: LLMEngine, prompts: Sequence[Sequence[int]],
+                      params: SamplingParams) -> tuple[list[Request], list[RequestOutput]]:
+    """Add every prompt, step until all finish; the requests and their final outputs, in order."""
+    requests = [engine.add_request(f"r{i}", list(p), params) for i, p in enumerate(prompts)]
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return requests, [finals[r.request_id] for r in requests]
+
+
+def assert_matches(tokens: Sequence[Sequence[int]], logits: Sequence[torch.Tensor],
+                   outputs: Sequence[RequestOutput], rel_tol: float = 1e-4) -> None:
+    """Greedy tokens identical and logits within ``rel_tol`` (max abs error / max abs value).
+
+    Every position past a prompt's cached prefix must have been computed at least once.
+    """
+    for i, out in enumerate(outputs):
+        assert out.token_ids == tokens[i], f"prompt {i}: greedy tokens differ from HF"
+        expected = logits[i]
+        seen = torch.zeros(len(expected), dtype=torch.bool)
+        for start, chunk in out.logits:
+            end = start + len(chunk)
+            rel = (chunk - expected[start:end]).abs().max() / expected[start:end].abs().max()
+            assert rel < rel_tol, f"prompt {i} positions {start}..{end}: relative error {rel:.2e}"
+            seen[start:end] = True
+        assert seen[out.num_cached_tokens:].all()
