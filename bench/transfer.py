@@ -51,7 +51,8 @@ from services.engine.kv_cache import KVCache  # noqa: E402
 from services.kv.agent import TransferAgent  # noqa: E402
 from services.kv.compat import CompatInfo, compat_fields  # noqa: E402
 from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
-from services.kv.puller import KVPuller, ReaderRank  # noqa: E402
+from services.kv.puller import KVPuller  # noqa: E402
+from services.kv.rank import LocalKVRank  # noqa: E402
 from services.kv.synthetic import compat_for, group_shapes, layout_for  # noqa: E402
 from services.proto_gen.pdserve.v1 import kv_pb2  # noqa: E402
 
@@ -120,7 +121,7 @@ def make_reader(kind: str, num_blocks: int, device: str) -> tuple[KVPuller, Tran
     compat = CompatInfo.of(compat_fields(architecture="llama", num_layers=SHAPE["num_layers"],
                                          num_kv_heads=SHAPE["num_kv_heads"], head_dim=SHAPE["head_dim"], layout=layout))
     puller = KVPuller(engine_id="bench-reader", compat=compat, num_kv_heads=SHAPE["num_kv_heads"],
-                      ranks=[ReaderRank(agent, layout, cache.buffers)], transfer_timeout_s=120)
+                      ranks=[LocalKVRank(agent, layout, cache.buffers)], transfer_timeout_s=120)
     return puller, agent
 
 
@@ -202,7 +203,7 @@ def run_groups(shapes: dict[str, dict], num_tokens: int, repeats: int, device: s
                 cache = KVCache(layout, torch.device(device))
                 agent = TransferAgent(f"bench-reader-{uuid.uuid4().hex[:6]}", device=device)
                 puller = KVPuller(engine_id="bench-reader", compat=compat_for(cfg, layout),
-                                  num_kv_heads=cfg["num_kv_heads"], ranks=[ReaderRank(agent, layout, cache.buffers)],
+                                  num_kv_heads=cfg["num_kv_heads"], ranks=[LocalKVRank(agent, layout, cache.buffers)],
                                   transfer_timeout_s=120)
                 ticket = kv_pb2.TransferTicket.FromString(bytes.fromhex(hello["tickets"]["g"]))
                 local = block_ids(num_blocks, 1)

@@ -30,7 +30,8 @@ from services.engine.sampling_params import SamplingParams
 from services.kv.agent import TransferAgent, TransferError
 from services.kv.compat import CompatInfo, compat_fields
 from services.kv.handshake import HandshakeError
-from services.kv.puller import KVPuller, ReaderRank
+from services.kv.puller import KVPuller
+from services.kv.rank import LocalKVRank
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ async def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
                                          kv_sharing=mc.kv_sharing, group_kv_heads=engine.group_kv_heads))
     agent = TransferAgent(f"{engine_id}-{epoch}-tp0", device=engine.device.type)
     puller = KVPuller(engine_id=engine_id, compat=compat, num_kv_heads=mc.num_kv_heads,
-                      ranks=[ReaderRank(agent, layout, engine.kv_cache.buffers)], auth_token=args.kv_auth_token,
+                      ranks=[LocalKVRank(agent, layout, engine.kv_cache.buffers)], auth_token=args.kv_auth_token,
                       transfer_timeout_s=args.kv_transfer_timeout_s)
     aengine = AsyncEngine(engine)
     aengine.start()

@@ -1,6 +1,7 @@
 """Owner (prefill) side of KV transfer: publish the engine, hand out tickets, free on notification.
 
-Each TP rank registers its KV buffers with its own NIXL agent. A ticket is handed out with the
+Each TP rank registers its KV buffers with its own NIXL agent (``services.kv.rank``; the ranks
+may live in other processes). A ticket is handed out with the
 reader's TP size, so the owner knows how many reading ranks will notify each of its ranks
 (``readers_per_remote_rank``); the request's blocks are released once every owner rank has heard
 from all of its readers, or when the lease expires.
@@ -10,38 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
-import torch
-
-from services.kv.agent import NotificationTracker, TransferAgent
+from services.kv.agent import NotificationTracker
 from services.kv.compat import CompatInfo, compat_fields
 from services.kv.handshake import EngineDescription, RankExport
-from services.kv.layout import KVLayoutSpec
+from services.kv.rank import KVRank
 from services.kv.topology import readers_per_remote_rank
-from services.kv.wire import MemoryRegion
 from services.proto_gen.pdserve.v1 import kv_pb2
-
-
-@dataclass(frozen=True)
-class OwnerRank:
-    """One TP rank's agent and the KV buffers it owns, in layout-buffer order."""
-
-    agent: TransferAgent
-    layout: KVLayoutSpec
-    buffers: Sequence[torch.Tensor]
-
-
-def register_rank(
-    agent: TransferAgent, layout: KVLayoutSpec, buffers: Sequence[torch.Tensor]
-) -> tuple[MemoryRegion, ...]:
-    """Register a rank's KV buffers; returns them as wire regions (checked against the layout)."""
-    expected = [b.num_bytes for b in layout.buffers()]
-    got = [t.numel() * t.element_size() for t in buffers]
-    if got != expected:
-        raise ValueError(f"KV buffers of {got} bytes do not match the layout's {expected}")
-    regions = agent.register(buffers)
-    return tuple(MemoryRegion(i, r.addr, r.length, r.device_id, r.mem_kind) for i, r in enumerate(regions))
 
 
 class KVExporter:
@@ -54,7 +30,7 @@ class KVExporter:
         num_layers: int,
         num_kv_heads: int,
         head_dim: int,
-        ranks: Sequence[OwnerRank],
+        ranks: Sequence[KVRank],
         kv_sharing: Mapping[int, int] | None = None,
         epoch: int | None = None,
         group_kv_heads: Mapping[int, int] | None = None,
@@ -67,7 +43,6 @@ class KVExporter:
         self.epoch = epoch if epoch is not None else time.time_ns()
         self.num_kv_heads = num_kv_heads
         self._ranks = list(ranks)
-        self._regions = [register_rank(r.agent, r.layout, r.buffers) for r in ranks]
         layout = ranks[0].layout
         self.compat = CompatInfo.of(compat_fields(
             architecture=architecture, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -77,7 +52,7 @@ class KVExporter:
             engine_id=engine_id, epoch=self.epoch, model_name=model_name, num_layers=num_layers,
             num_kv_heads=num_kv_heads, head_dim=head_dim, compat=self.compat, groups=layout.groups,
             ranks=tuple(
-                RankExport(i, r.agent.name, r.agent.metadata(), self._regions[i], r.layout)
+                RankExport(i, r.name, r.metadata(), r.regions, r.layout)
                 for i, r in enumerate(ranks)
             ),
             kv_sharing=dict(kv_sharing or {}),
@@ -123,7 +98,7 @@ class KVExporter:
     def poll_released(self) -> list[str]:
         """Request ids every reader has finished with: their blocks can be freed now."""
         for rank, r in enumerate(self._ranks):
-            for key in self._trackers[rank].feed(r.agent.poll_notifications()):
+            for key in self._trackers[rank].feed(r.poll_notifications()):
                 self._waiting.get(key.decode(), set()).discard(rank)
         done = [rid for rid, ranks in self._waiting.items() if not ranks]
         for rid in done:

@@ -25,27 +25,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from services.kv.agent import TransferAgent, TransferError
+from services.kv.agent import TransferError
 from services.kv.compat import CompatInfo
-from services.kv.exporter import register_rank
 from services.kv.handshake import EngineDescription, PeerCache
 from services.kv.layout import KVLayoutSpec
 from services.kv.planner import TransferPlan, plan_groups
+from services.kv.rank import KVRank
 from services.kv.topology import BlockPiece, group_rank_reads, map_blocks, rank_reads, window_start_token
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 
 class TicketError(ValueError):
     """The ticket does not fit the owner's engine (forged, truncated or from another model)."""
-
-
-@dataclass(frozen=True)
-class ReaderRank:
-    agent: TransferAgent
-    layout: KVLayoutSpec
-    buffers: Sequence[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -63,7 +54,7 @@ class KVPuller:
         engine_id: str,
         compat: CompatInfo,
         num_kv_heads: int,
-        ranks: Sequence[ReaderRank],
+        ranks: Sequence[KVRank],
         auth_token: str | None = None,
         handshake_timeout_s: float = 5.0,
         transfer_timeout_s: float = 30.0,
@@ -71,8 +62,6 @@ class KVPuller:
         self.engine_id = engine_id
         self.num_kv_heads = num_kv_heads
         self._ranks = list(ranks)
-        self._regions = [register_rank(r.agent, r.layout, r.buffers) for r in ranks]
-        self._mem_kind = self._regions[0][0].kind
         self.transfer_timeout_s = transfer_timeout_s
         self.peers = PeerCache(
             compat, reader_engine_id=engine_id, auth_token=auth_token, timeout_s=handshake_timeout_s,
@@ -140,7 +129,7 @@ class KVPuller:
     def _drop_peers(self, old: EngineDescription) -> None:
         for r in self._ranks:
             for remote_rank in old.ranks:
-                r.agent.remove_peer(remote_rank.agent_name)
+                r.remove_peer(remote_rank.agent_name)
 
     # ---- pulling -------------------------------------------------------------------------------
     async def pull(
@@ -166,13 +155,12 @@ class KVPuller:
         for local_rank, rank in enumerate(self._ranks):
             for remote_rank, group_reads in group_rank_reads(self.tp_size, local_rank, remote.tp_size, heads).items():
                 owner = remote.ranks[remote_rank]
-                peer = rank.agent.add_peer(owner.agent_metadata)
                 # The last block is this request's own (partial blocks are never shared), and decode
                 # overwrites the slots past the prompt before reading them: padding it costs no
                 # extra descriptors for the stale tail bytes it copies.
                 plan = plan_groups(owner.layout, rank.layout, {g: pieces[g] for g in group_reads}, group_reads,
                                    pad_partial_blocks=True)
-                reads.append(self._read(rank.agent, peer, plan, owner, local_rank, ticket.request_id.encode()))
+                reads.append(self._read(rank, plan, owner, ticket.request_id.encode()))
         try:
             results = await asyncio.gather(*reads)
         except TransferError:
@@ -185,17 +173,13 @@ class KVPuller:
             seconds=time.perf_counter() - started,
         )
 
-    async def _read(self, agent: TransferAgent, peer: str, plan: TransferPlan, owner, local_rank: int,
-                    notify: bytes) -> tuple[int, int]:
-        if plan.num_descriptors == 0:  # everything already local: still tell the owner we are done
-            agent.send_notification(peer, notify)
-            return 0, 0
+    async def _read(self, rank: KVRank, plan: TransferPlan, owner, notify: bytes) -> tuple[int, int]:
+        """One READ from one owner rank (or, when everything was local, only the notification)."""
         src = [(r.address, r.device_id) for r in sorted(owner.regions, key=lambda r: r.buffer_index)]
-        dst = [(r.address, r.device_id) for r in self._regions[local_rank]]
+        dst = [(r.address, r.device_id) for r in rank.regions]
         remote_rows, local_rows = plan.address_rows(src, dst)
-        result = await agent.read(peer, local_rows, remote_rows, notify, self._mem_kind,
-                                  remote_mem_kind=owner.regions[0].kind, timeout_s=self.transfer_timeout_s)
-        return result.num_bytes, result.num_descriptors
+        return await rank.read(owner.agent_metadata, local_rows, remote_rows, notify, owner.regions[0].kind,
+                               self.transfer_timeout_s)
 
     def _check_ticket(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription,
                       local_block_ids: Sequence[Sequence[int]]) -> list[list[int]]:

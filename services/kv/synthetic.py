@@ -40,10 +40,11 @@ from services.engine.kv_cache import TORCH_DTYPES, KVCache, kv_groups_for
 from services.engine.parallel import ParallelConfig
 from services.kv.agent import TransferAgent
 from services.kv.compat import CompatInfo, compat_fields
-from services.kv.exporter import KVExporter, OwnerRank
+from services.kv.exporter import KVExporter
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.handshake import HandshakeServicer, add_handshake_service
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.rank import LocalKVRank
 
 ARCHITECTURE = "llama"
 
@@ -141,7 +142,7 @@ async def serve(cfg: dict) -> None:
             fill_rank(cache, values, cfg["tp"], rank, cfg)
         # Agent names are unique per life of the engine, so a reader never confuses a restarted peer.
         agent = TransferAgent(f"{cfg['engine_id']}-{epoch}-tp{rank}", device=device)
-        ranks.append(OwnerRank(agent, layout, cache.buffers))
+        ranks.append(LocalKVRank(agent, layout, cache.buffers))
     exporter = KVExporter(
         engine_id=cfg["engine_id"], model_name="pattern", architecture=ARCHITECTURE, num_layers=cfg["num_layers"],
         num_kv_heads=cfg["num_kv_heads"], head_dim=cfg["head_dim"], ranks=ranks, epoch=epoch,

@@ -23,8 +23,9 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
 from services.engine.request import RequestStatus
 from services.kv.agent import TransferAgent
-from services.kv.exporter import KVExporter, OwnerRank
+from services.kv.exporter import KVExporter
 from services.kv.handshake import HandshakeServicer, add_handshake_service
+from services.kv.rank import LocalKVRank
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ async def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
     exporter = KVExporter(
         engine_id=engine_id, model_name=engine.source.name, architecture=engine.model_config.architecture,
         num_layers=engine.model_config.num_layers, num_kv_heads=engine.model_config.num_kv_heads,
-        head_dim=engine.model_config.head_dim, ranks=[OwnerRank(agent, layout, engine.kv_cache.buffers)],
+        head_dim=engine.model_config.head_dim, ranks=[LocalKVRank(agent, layout, engine.kv_cache.buffers)],
         kv_sharing=engine.model_config.kv_sharing, group_kv_heads=engine.group_kv_heads, epoch=epoch,
     )
     aengine = AsyncEngine(engine)

@@ -27,7 +27,8 @@ from services.engine.parallel import ParallelConfig
 from services.kv.agent import TransferAgent, TransferError
 from services.kv.compat import KVCompatibilityError
 from services.kv.handshake import HandshakeError, StaleTicketError
-from services.kv.puller import KVPuller, ReaderRank, TicketError
+from services.kv.puller import KVPuller, TicketError
+from services.kv.rank import LocalKVRank
 from services.kv.synthetic import compat_for, group_shapes, layout_for, pattern
 from services.proto_gen.pdserve.v1 import kv_pb2
 
@@ -103,7 +104,7 @@ def reader(cfg: dict, tp: int, token: str | None = None):
         agent = TransferAgent(f"reader-{uuid.uuid4().hex[:8]}-tp{rank}")
         caches.append(cache)
         agents.append(agent)
-        ranks.append(ReaderRank(agent, layout, cache.buffers))
+        ranks.append(LocalKVRank(agent, layout, cache.buffers))
     puller = KVPuller(engine_id="reader", compat=compat_for(cfg, layout), num_kv_heads=cfg["num_kv_heads"], ranks=ranks,
                       auth_token=token, handshake_timeout_s=10, transfer_timeout_s=20)
     r = Reader(puller, caches, agents, cfg, tp)

@@ -1,0 +1,110 @@
+"""One TP rank's KV memory and NIXL agent, as the exporter (owner) and puller (reader) use it.
+
+Every TP rank owns its KV shard and its own NIXL agent, and only the process that allocated a
+buffer can register it. Rank 0 runs the daemon; ranks 1.. run in follower processes. The exporter
+and puller therefore talk to each rank through this small interface: :class:`LocalKVRank` for a
+rank in this process, and a proxy that forwards the same calls to a follower process
+(``services.engine.tp.remote_rank``) for the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from services.kv.agent import MemKind, TransferAgent
+from services.kv.layout import KVLayoutSpec
+from services.kv.wire import MemoryRegion
+
+
+class KVRank(Protocol):
+    """What the KV library needs of one TP rank (its memory is registered once, at creation)."""
+
+    @property
+    def name(self) -> str:
+        """The rank's NIXL agent name (peers name it in notifications)."""
+        ...
+
+    @property
+    def layout(self) -> KVLayoutSpec: ...
+
+    @property
+    def regions(self) -> tuple[MemoryRegion, ...]:
+        """The registered KV buffers, in layout-buffer order."""
+        ...
+
+    def metadata(self) -> bytes:
+        """NIXL agent metadata for a peer (connection info and registered memory)."""
+        ...
+
+    def poll_notifications(self) -> dict[str, list[bytes]]:
+        """Notifications since the last call: peer agent name -> messages."""
+        ...
+
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer agent (it restarted or was evicted) and abort reads from it."""
+        ...
+
+    async def read(self, peer_metadata: bytes, local_rows: np.ndarray, remote_rows: np.ndarray, notify: bytes,
+                   remote_mem_kind: MemKind, timeout_s: float) -> tuple[int, int]:
+        """READ ``remote_rows`` of the peer into ``local_rows`` of this rank; (bytes, descriptors).
+
+        With no rows, only ``notify`` is sent (the reader already held every block). Raises
+        ``TransferError`` (``TransferTimeout`` after ``timeout_s``).
+        """
+        ...
+
+
+def register_rank(
+    agent: TransferAgent, layout: KVLayoutSpec, buffers: Sequence[torch.Tensor]
+) -> tuple[MemoryRegion, ...]:
+    """Register a rank's KV buffers; returns them as wire regions (checked against the layout)."""
+    expected = [b.num_bytes for b in layout.buffers()]
+    got = [t.numel() * t.element_size() for t in buffers]
+    if got != expected:
+        raise ValueError(f"KV buffers of {got} bytes do not match the layout's {expected}")
+    regions = agent.register(buffers)
+    return tuple(MemoryRegion(i, r.addr, r.length, r.device_id, r.mem_kind) for i, r in enumerate(regions))
+
+
+class LocalKVRank:
+    """A rank whose KV buffers and agent live in this process; registers the buffers at once."""
+
+    def __init__(self, agent: TransferAgent, layout: KVLayoutSpec, buffers: Sequence[torch.Tensor]) -> None:
+        self.agent = agent
+        self._layout = layout
+        self._regions = register_rank(agent, layout, buffers)
+
+    @property
+    def name(self) -> str:
+        return self.agent.name
+
+    @property
+    def layout(self) -> KVLayoutSpec:
+        return self._layout
+
+    @property
+    def regions(self) -> tuple[MemoryRegion, ...]:
+        return self._regions
+
+    def metadata(self) -> bytes:
+        return self.agent.metadata()
+
+    def poll_notifications(self) -> dict[str, list[bytes]]:
+        return self.agent.poll_notifications()
+
+    def remove_peer(self, name: str) -> None:
+        self.agent.remove_peer(name)
+
+    async def read(self, peer_metadata: bytes, local_rows: np.ndarray, remote_rows: np.ndarray, notify: bytes,
+                   remote_mem_kind: MemKind, timeout_s: float) -> tuple[int, int]:
+        peer = self.agent.add_peer(peer_metadata)
+        if len(local_rows) == 0:
+            self.agent.send_notification(peer, notify)
+            return 0, 0
+        result = await self.agent.read(peer, local_rows, remote_rows, notify, self._regions[0].kind,
+                                       remote_mem_kind=remote_mem_kind, timeout_s=timeout_s)
+        return result.num_bytes, result.num_descriptors
