@@ -5,8 +5,9 @@ compatibility hash, both are reconciled here into plain values the descriptor pl
 
 * :func:`rank_reads` -- which remote ranks a local rank reads, and which of their heads land where
   (:func:`group_rank_reads`: the same per KV group, each group sharded by its own head count).
-* :func:`readers_per_remote_rank` -- how many local ranks read each remote rank, so the owner knows
-  how many notifications to wait for before it frees a request's blocks.
+* :func:`group_readers_per_remote_rank` -- how many local ranks read each remote rank (in any group),
+  so the owner knows how many notifications to wait for before it frees a request's blocks
+  (:func:`readers_per_remote_rank`: the same when every group has the model's heads).
 * :func:`map_blocks` -- runs of tokens that sit in one remote block and one local block.
 * :func:`window_start_token` -- the first token a sliding-window group still needs.
 
@@ -143,16 +144,30 @@ def group_rank_reads(
     return dict(sorted(out.items()))
 
 
-def readers_per_remote_rank(local_tp: int, remote_tp: int, num_kv_heads: int) -> tuple[int, ...]:
-    """For each remote rank, how many local ranks read from it (0: nobody; free at once).
+def group_readers_per_remote_rank(local_tp: int, remote_tp: int, heads_by_group: Mapping[int, int]) -> tuple[int, ...]:
+    """For each remote rank, how many distinct local ranks read from it in any group (0: free at once).
 
-    The owner side waits for this many notifications per request before freeing its blocks.
+    The owner waits for this many notifications per request before freeing its blocks, and a local
+    rank sends one per remote rank it reads, however many groups that read covers (the puller issues
+    one READ per (local rank, remote rank)); so a local rank reading one remote rank for two groups
+    counts once::
+
+        local tp 1 <- remote tp 2, group 0 with 2 heads, group 1 with 1 head (replicated remotely):
+            group 0: local 0 <- remotes 0 and 1
+            group 1: local 0 <- remote 0                -> (1, 1), not (2, 1)
     """
+    if not heads_by_group:
+        raise ValueError("heads_by_group is empty: at least one KV group is needed")
     counts = [0] * remote_tp
     for local_rank in range(local_tp):
-        for rank in {r.remote_rank for r in rank_reads(local_tp, local_rank, remote_tp, num_kv_heads)}:
+        for rank in group_rank_reads(local_tp, local_rank, remote_tp, heads_by_group):
             counts[rank] += 1
     return tuple(counts)
+
+
+def readers_per_remote_rank(local_tp: int, remote_tp: int, num_kv_heads: int) -> tuple[int, ...]:
+    """:func:`group_readers_per_remote_rank` for a model whose groups all have ``num_kv_heads``."""
+    return group_readers_per_remote_rank(local_tp, remote_tp, {0: num_kv_heads})
 
 
 # ---- blocks ------------------------------------------------------------------------------------

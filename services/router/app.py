@@ -30,7 +30,7 @@ from services.router.discovery import Discovery, EndpointSource, Probe, Resolver
 from services.router.errors import ModelNotFound, WorkerFailure, install_error_handlers, to_router_error
 from services.router.flow import Delta, Dispatcher, GenerationRequest, Outcome
 from services.router.metrics import CONTENT_TYPE, RouterMetrics
-from services.router.pairing import PairingPolicy, Role, WorkerIdentity
+from services.router.pairing import PairingPolicy, Role, WorkerIdentity, WorkerState
 from services.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -165,12 +165,32 @@ def _add_routes(app: FastAPI) -> None:
         rt = _runtime(request)
         counts = {role.value: sum(w.available for w in rt.policy.workers(role)) for role in Role}
         body = {"status": "ok" if rt.healthy() else "unavailable", "healthy_workers": counts,
-                "decode_only": rt.config.decode_only}
+                "decode_only": rt.config.decode_only,
+                "workers": [_worker_health(rt.policy, w) for w in rt.policy.workers()]}
         return _json(body, status_code=200 if rt.healthy() else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(_runtime(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _worker_health(policy: PairingPolicy, worker: WorkerState) -> dict[str, object]:
+    """One worker on ``/health``: what it last reported and, if it can pair with nobody, why not."""
+    identity = worker.identity
+    entry: dict[str, object] = {
+        "address": worker.address,
+        "role": worker.role.value,
+        "healthy": worker.healthy,
+        "draining": bool(identity and identity.draining),
+        "engine_id": identity.engine_id if identity else None,
+        "tp_size": identity.tp_size if identity else None,
+        "block_size": identity.block_size if identity else None,
+        "last_error": worker.last_error,
+    }
+    reason = policy.unpaired_reason(worker)
+    if reason is not None:
+        entry["unpaired_reason"] = reason
+    return entry
 
 
 def _json(payload: object, status_code: int = 200) -> Response:

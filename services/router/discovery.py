@@ -6,7 +6,9 @@ every ``dns_refresh_s``, and a failed lookup keeps the previous answer rather th
 worker behind the name. Each ``health_interval_s`` every known worker is asked for its ``Info``
 with a short timeout: one that answers (with the role it was listed under) is put in rotation,
 one that does not is taken out until it answers again. The request flow also takes out a worker
-whose RPC failed; the next health check decides when it comes back.
+whose RPC failed; the next health check decides when it comes back. A healthy worker that no
+healthy worker of the other role can pair with (different model, TP that cannot shard the KV
+heads, ...) is logged once, with the reasons, each time that changes.
 
 The probe and the resolver are injected, so the state machine is tested without sockets or workers.
 """
@@ -97,6 +99,7 @@ class Discovery:
         self._clock = clock
         self._resolved: dict[str, list[str]] = {}
         self._next_dns_at: float | None = None
+        self._unpaired: dict[tuple[Role, str], str] = {}
 
     # ---- endpoints -------------------------------------------------------------------------------
 
@@ -140,6 +143,23 @@ class Discovery:
                 self._policy.mark_unhealthy(worker.role, worker.address, error)
                 if was_healthy:
                     log.warning("%s worker %s is down: %s", worker.role, worker.address, error)
+        self._log_unpaired()
+
+    def _log_unpaired(self) -> None:
+        """Warn when a worker becomes unpairable (or its reasons change); note when it pairs again."""
+        now: dict[tuple[Role, str], str] = {}
+        for worker in self._policy.workers():
+            reason = self._policy.unpaired_reason(worker)
+            if reason is not None:
+                now[(worker.role, worker.address)] = reason
+        for (role, address), reason in now.items():
+            if self._unpaired.get((role, address)) != reason:
+                log.warning("%s worker %s cannot pair with any healthy worker: %s", role, address, reason)
+        for role, address in sorted(self._unpaired.keys() - now.keys()):
+            worker = self._policy.get(role, address)
+            if worker is not None and self._policy.partners(worker):
+                log.info("%s worker %s can pair again", role, address)
+        self._unpaired = now
 
     async def _check(self, role: Role, address: str) -> tuple[WorkerIdentity | None, str]:
         try:

@@ -3,10 +3,12 @@
 The table holds every worker discovery knows of, with what its ``Info`` last said and the work the
 router has outstanding on it. A request gets the least-loaded decode worker that has a compatible
 prefill partner, and the least-loaded such partner; prefill load is counted in prompt tokens
-(its cost grows with them), decode load in requests. Compatible means equal, non-empty
-compatibility hashes (what the KV handshake checks) and block sizes that divide one another (what
-it can reconcile). Short prompts, and requests with no compatible prefill worker up, go straight
-to a decode worker, which prefills them itself.
+(its cost grows with them), decode load in requests. Compatible means what
+``services.kv.pair_support.pair_refusal`` allows, the same rule the KV handshake applies: equal
+compatibility hashes, block sizes that divide one another, and TP sizes that can shard every KV
+group's heads. Short prompts, and requests with no compatible prefill worker up, go straight to a
+decode worker, which prefills them itself. :meth:`PairingPolicy.unpaired_reason` says why a worker
+has no partner, for ``/health`` and the logs.
 
 Counts change only through :meth:`acquire` and the two ``finish_*`` calls, so a caller that
 finishes what it acquired (in a ``finally``) can never leave a count behind. No I/O, no clock:
@@ -16,8 +18,11 @@ discovery and the request flow drive it, tests drive it directly.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+import functools
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+from services.kv.pair_support import PairSide, pair_refusal
 
 
 class Role(enum.StrEnum):
@@ -38,6 +43,11 @@ class WorkerIdentity:
     max_model_len: int | None = None
     draining: bool = False
     epoch: int = 0
+    # The fields the hash was computed from (KV heads per group, dtype, ...): they explain a refusal.
+    compat_fields: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    def pair_side(self) -> PairSide:
+        return PairSide(self.compat_hash, self.compat_fields, self.tp_size, self.block_size)
 
 
 @dataclass
@@ -77,14 +87,19 @@ class Assignment:
         return self._decode_state is None and self._prefill_state is None
 
 
+@functools.lru_cache(maxsize=4096)
+def refusal(prefill: WorkerIdentity, decode: WorkerIdentity) -> str | None:
+    """Why the decode worker could not pull KV from the prefill worker; None when it can.
+
+    Cached: every request asks about every pair, and identities change only when a worker restarts
+    or starts draining (a new identity, so a new key).
+    """
+    return pair_refusal(prefill.pair_side(), decode.pair_side())
+
+
 def compatible(prefill: WorkerIdentity, decode: WorkerIdentity) -> bool:
     """Whether the decode worker's handshake with the prefill worker can succeed."""
-    if not prefill.compat_hash or prefill.compat_hash != decode.compat_hash:
-        return False
-    if prefill.block_size and decode.block_size:
-        small, large = sorted((prefill.block_size, decode.block_size))
-        return large % small == 0
-    return True
+    return refusal(prefill, decode) is None
 
 
 class PairingPolicy:
@@ -137,6 +152,36 @@ class PairingPolicy:
         """Available prefill workers the (available) decode worker can pull from."""
         return [p for p in self._available(Role.PREFILL)
                 if p.identity and decode.identity and compatible(p.identity, decode.identity)]
+
+    def partners(self, worker: WorkerState) -> list[WorkerState]:
+        """Available workers of the other role this (available) worker can pair with, either role."""
+        if worker.role == Role.DECODE:
+            return self._partners(worker)
+        return [d for d in self._available(Role.DECODE)
+                if worker.identity and d.identity and compatible(worker.identity, d.identity)]
+
+    def unpaired_reason(self, worker: WorkerState) -> str | None:
+        """Why an available worker pairs with none of the available workers of the other role.
+
+        None when it has a partner, or when no worker of the other role is available to judge by
+        (health already says so); otherwise the reason against each candidate, named by role and
+        address.
+        """
+        if not worker.available or worker.identity is None:
+            return None
+        other = Role.DECODE if worker.role == Role.PREFILL else Role.PREFILL
+        reasons = []
+        for candidate in self._available(other):
+            if candidate.identity is None:
+                continue
+            if other == Role.DECODE:
+                reason = refusal(worker.identity, candidate.identity)
+            else:
+                reason = refusal(candidate.identity, worker.identity)
+            if reason is None:
+                return None
+            reasons.append(f"{other} {candidate.address}: {reason}")
+        return "; ".join(reasons) or None
 
     def has_healthy_pair(self) -> bool:
         return any(self._partners(d) for d in self._available(Role.DECODE))

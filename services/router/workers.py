@@ -34,6 +34,7 @@ def identity_from_info(info: worker_pb2.WorkerInfo) -> WorkerIdentity:
         max_model_len=info.max_model_len or None,
         draining=info.draining,
         epoch=info.epoch,
+        compat_fields=dict(info.compat_fields),
     )
 
 

@@ -14,6 +14,7 @@ from services.kv.topology import (
     RankRead,
     check_tp,
     group_rank_reads,
+    group_readers_per_remote_rank,
     kv_head_range,
     map_blocks,
     rank_reads,
@@ -141,6 +142,108 @@ def test_group_rank_reads_shard_each_group_by_its_own_heads() -> None:
         assert tuple(reads[r][gid] for r in (0, 1)) == rank_reads(1, 0, 2, 4)
 
 
+def _check_group_reads(local_tp: int, remote_tp: int, heads_by_group: dict[int, int]) -> tuple[int, ...]:
+    """Every local head of every group is read exactly once, from a remote rank that holds it, into
+    its own place; returns the distinct (local rank, remote rank) reads per remote rank."""
+    counts = [0] * remote_tp
+    for local_rank in range(local_tp):
+        reads = group_rank_reads(local_tp, local_rank, remote_tp, heads_by_group)
+        for gid, heads in heads_by_group.items():
+            ls, le = ParallelConfig(local_tp, local_rank).kv_head_range(heads)
+            covered = []
+            for remote_rank, by_group in reads.items():
+                if gid not in by_group:
+                    continue
+                read = by_group[gid]
+                assert read.remote_rank == remote_rank
+                rs, re_ = ParallelConfig(remote_tp, remote_rank).kv_head_range(heads)
+                global_heads = [rs + h for h in range(*read.remote_heads)]
+                assert all(rs <= h < re_ for h in global_heads), (gid, remote_rank, read)
+                assert global_heads == [ls + h for h in range(*read.local_heads)]
+                covered += global_heads
+            assert sorted(covered) == list(range(ls, le)), (local_rank, gid)
+        for remote_rank in reads:
+            counts[remote_rank] += 1
+    return tuple(counts)
+
+
+@pytest.mark.parametrize(
+    ("local_tp", "remote_tp", "heads_by_group", "readers"),
+    [
+        # 3 KV heads (neither a power of two): tp 1 <-> tp 3
+        (1, 3, {0: 3}, (1, 1, 1)),
+        (3, 1, {0: 3}, (3,)),
+        (3, 3, {0: 3}, (1, 1, 1)),
+        # 2 KV heads, local tp 4 (each head on two local ranks) <- remote tp 1 and tp 2
+        (4, 1, {0: 2}, (4,)),
+        (4, 2, {0: 2}, (2, 2)),
+        # 8 KV heads, tp 2 <-> tp 4
+        (2, 4, {0: 8}, (1, 1, 1, 1)),
+        (4, 2, {0: 8}, (2, 2)),
+        # 1 KV head (MQA), tp 2 <-> tp 1: replicated locally, or read once from one remote replica
+        (2, 1, {0: 1}, (2,)),
+        (1, 2, {0: 1}, (1, 0)),
+        # groups with their own heads (group 0: 2, group 1: 4), a local rank counted once per remote rank
+        (2, 1, {0: 2, 1: 4}, (2,)),
+        (1, 2, {0: 2, 1: 4}, (1, 1)),
+        (2, 4, {0: 2, 1: 4}, (1, 1, 1, 1)),
+        (4, 2, {0: 2, 1: 4}, (2, 2)),
+        (4, 4, {0: 2, 1: 4}, (1, 1, 1, 1)),
+        # a replicated remote group read from replica 0 only: remote rank 1 is read for group 0 alone
+        (1, 2, {0: 2, 1: 1}, (1, 1)),
+        (1, 4, {0: 2, 1: 8}, (1, 1, 1, 1)),
+        (1, 4, {0: 2, 1: 1}, (1, 0, 1, 0)),
+    ],
+)
+def test_group_reads_cover_each_head_once_from_a_holder(local_tp, remote_tp, heads_by_group, readers) -> None:
+    assert _check_group_reads(local_tp, remote_tp, heads_by_group) == readers
+    assert group_readers_per_remote_rank(local_tp, remote_tp, heads_by_group) == readers
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    local_tp=st.sampled_from([1, 2, 3, 4, 6, 8]),
+    remote_tp=st.sampled_from([1, 2, 3, 4, 6, 8]),
+    heads=st.lists(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]), min_size=1, max_size=3),
+)
+def test_group_reads_property(local_tp: int, remote_tp: int, heads: list[int]) -> None:
+    heads_by_group = dict(enumerate(heads))
+    if any(h % t and t % h for h in heads for t in (local_tp, remote_tp)):
+        with pytest.raises(ValueError, match="neither divides"):
+            group_readers_per_remote_rank(local_tp, remote_tp, heads_by_group)
+        return
+    readers = group_readers_per_remote_rank(local_tp, remote_tp, heads_by_group)
+    assert _check_group_reads(local_tp, remote_tp, heads_by_group) == readers
+    # no local rank is counted twice on one remote rank, and every remote head is somebody's read
+    assert all(0 <= n <= local_tp for n in readers) and sum(readers) >= max(1, min(local_tp, remote_tp))
+
+
+def test_readers_counts_a_local_rank_once_across_groups() -> None:
+    # local 0 reads remote 0 for both groups (and remote 1 for group 0): one notification each
+    assert group_rank_reads(1, 0, 2, {0: 2, 1: 1}) == {0: {0: rr(0, (0, 1), (0, 1)), 1: rr(0, (0, 1), (0, 1))},
+                                                       1: {0: rr(1, (0, 1), (1, 2))}}
+    assert group_readers_per_remote_rank(1, 2, {0: 2, 1: 1}) == (1, 1)
+    assert group_readers_per_remote_rank(2, 2, {0: 8, 1: 8}) == readers_per_remote_rank(2, 2, 8) == (1, 1)
+    with pytest.raises(ValueError, match="at least one KV group"):
+        group_readers_per_remote_rank(1, 1, {})
+
+
+@pytest.mark.parametrize(
+    ("local_tp", "remote_tp", "heads_by_group", "match"),
+    [
+        (2, 1, {0: 3}, "local tp size 2 and num_kv_heads 3: neither divides the other"),
+        (1, 2, {0: 3}, "remote tp size 2 and num_kv_heads 3: neither divides the other"),
+        (2, 2, {0: 4, 1: 3}, "local tp size 2 and num_kv_heads 3"),
+        (4, 1, {0: 8, 1: 6}, "local tp size 4 and num_kv_heads 6"),
+    ],
+)
+def test_group_reads_refuse_heads_a_tp_size_cannot_shard(local_tp, remote_tp, heads_by_group, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        group_rank_reads(local_tp, 0, remote_tp, heads_by_group)
+    with pytest.raises(ValueError, match=match):
+        group_readers_per_remote_rank(local_tp, remote_tp, heads_by_group)
+
+
 def test_rank_read_refuses_bad_ranges() -> None:
     with pytest.raises(ValueError, match="differ in length"):
         RankRead(0, (0, 2), (0, 1))
@@ -185,6 +288,38 @@ def test_map_blocks_remote_smaller_4_to_1() -> None:
         (24, 9, 0),
     ]
     assert pieces[-1].num_tokens == 2
+
+
+def test_map_blocks_16_to_64_with_a_start_token() -> None:
+    # remote 16, local 64: tokens [64, 150) start at local block 1; remote blocks 4.. fill it in quarters
+    remote = list(range(200, 210))
+    pieces = map_blocks(remote, 16, [50, 51, 52], 64, 150, start_token=64)
+    assert pieces == (
+        BlockPiece(204, 0, 51, 0, 16),
+        BlockPiece(205, 0, 51, 16, 16),
+        BlockPiece(206, 0, 51, 32, 16),
+        BlockPiece(207, 0, 51, 48, 16),
+        BlockPiece(208, 0, 52, 0, 16),
+        BlockPiece(209, 0, 52, 16, 6),
+    )
+    # a sliding-window start on the fine (remote) side, inside local block 1
+    assert map_blocks(remote, 16, [50, 51, 52], 64, 100, start_token=96)[0] == BlockPiece(206, 0, 51, 32, 4)
+
+
+def test_map_blocks_64_to_16_with_a_start_token() -> None:
+    # remote 64, local 16: tokens [32, 100): quarters of remote block 0, then of remote block 1
+    local = list(range(300, 307))
+    pieces = map_blocks([70, 71], 64, local, 16, 100, start_token=32)
+    assert pieces == (
+        BlockPiece(70, 32, 302, 0, 16),
+        BlockPiece(70, 48, 303, 0, 16),
+        BlockPiece(71, 0, 304, 0, 16),
+        BlockPiece(71, 16, 305, 0, 16),
+        BlockPiece(71, 32, 306, 0, 4),
+    )
+    assert sum(p.num_tokens for p in pieces) == 100 - 32
+    with pytest.raises(ValueError, match="not on a block boundary"):
+        map_blocks([70, 71], 64, local, 16, 100, start_token=40)
 
 
 @settings(max_examples=60, deadline=None)

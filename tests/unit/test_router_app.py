@@ -20,6 +20,9 @@ import httpx
 import pytest
 
 from services.engine.tokenizer import Tokenizer
+from services.kv.compat import CompatInfo, compat_fields
+from services.kv.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.router.app import RouterRuntime, create_app
 from services.router.cli_args import add_router_parser, router_config_from_args, run_router
 from services.router.config import RouterConfig
@@ -223,10 +226,61 @@ async def test_health_follows_compatible_pairs(model_dir: Path, tokenizer: Token
     probe = Probe({"p:1": _identity(Role.PREFILL), "d:1": _identity(Role.DECODE)})
     async with _router(model_dir, tokenizer, probe, prefill=("p:1",), decode=("d:1",)) as router:
         body = (await router.get("/health")).json()
+        workers = body.pop("workers")
         assert body == {"status": "ok", "healthy_workers": {"prefill": 1, "decode": 1}, "decode_only": False}
+        assert workers == [
+            {"address": "p:1", "role": "prefill", "healthy": True, "draining": False, "engine_id": "prefill-0",
+             "tp_size": 1, "block_size": None, "last_error": None},
+            {"address": "d:1", "role": "decode", "healthy": True, "draining": False, "engine_id": "decode-0",
+             "tp_size": 1, "block_size": None, "last_error": None},
+        ]
         probe.up["d:1"] = WorkerIdentity(engine_id="d", role="decode", compat_hash="other")
         await router.runtime.discovery.check_health()
-        assert (await router.get("/health")).status_code == 503  # both up, but not compatible
+        response = await router.get("/health")
+        assert response.status_code == 503  # both up, but not compatible
+        reasons = {w["address"]: w.get("unpaired_reason") for w in response.json()["workers"]}
+        assert reasons == {"p:1": "decode d:1: compat hash: prefill h vs decode other",
+                           "d:1": "prefill p:1: compat hash: prefill h vs decode other"}
+
+
+async def test_health_says_why_a_worker_cannot_pair(model_dir: Path, tokenizer: Tokenizer) -> None:
+    """Decode at TP 2 cannot shard a 3-KV-head model; the TP-3 one can: only it pairs, and /health says why."""
+    info = _three_head_model()
+
+    def identity(role: Role, tp: int) -> WorkerIdentity:
+        return WorkerIdentity(engine_id=f"{role}-tp{tp}", role=role.value, compat_hash=info.hash,
+                              compat_fields=info.fields, tp_size=tp, block_size=16, max_model_len=64)
+
+    probe = Probe({"p:1": identity(Role.PREFILL, 1), "d:2": identity(Role.DECODE, 2),
+                   "d:3": identity(Role.DECODE, 3)})
+    async with _router(model_dir, tokenizer, probe, prefill=("p:1",), decode=("d:2", "d:3", "d:9"),
+                       health_interval_s=3600) as router:
+        response = await router.get("/health")
+        assert response.status_code == 200
+        workers = {w["address"]: w for w in response.json()["workers"]}
+        assert workers["d:2"] == {
+            "address": "d:2", "role": "decode", "healthy": True, "draining": False, "engine_id": "decode-tp2",
+            "tp_size": 2, "block_size": 16, "last_error": None,
+            "unpaired_reason": "prefill p:1: decode tp 2 cannot shard 3 KV heads (neither divides the other)",
+        }
+        assert "unpaired_reason" not in workers["d:3"] and "unpaired_reason" not in workers["p:1"]
+        assert workers["d:9"]["healthy"] is False and workers["d:9"]["engine_id"] is None
+        assert "ConnectionRefusedError" in workers["d:9"]["last_error"]
+        # without the TP-3 decode worker nothing pairs: 503, and the prefill worker says why
+        probe.up.pop("d:3")
+        await router.runtime.discovery.check_health()
+        response = await router.get("/health")
+        assert response.status_code == 503
+        workers = {w["address"]: w for w in response.json()["workers"]}
+        assert workers["p:1"]["unpaired_reason"] == \
+            "decode d:2: decode tp 2 cannot shard 3 KV heads (neither divides the other)"
+
+
+def _three_head_model() -> CompatInfo:
+    group = KVCacheGroupSpec(0, AttentionKind.FULL, (0, 1), 16)
+    layout = KVLayoutSpec(kind=LayoutKind.CROSS_LAYER, order=BlockOrder.NHD, num_blocks=8, num_kv_heads=3,
+                          head_dim=16, dtype="bfloat16", groups=(group,))
+    return CompatInfo.of(compat_fields(architecture="x", num_layers=2, num_kv_heads=3, head_dim=16, layout=layout))
 
 
 async def test_health_of_a_decode_only_router(model_dir: Path, tokenizer: Tokenizer) -> None:

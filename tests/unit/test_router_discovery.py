@@ -6,6 +6,8 @@ The probe and resolver are injected: these tests check the router's bookkeeping,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import socket
 
 import pytest
@@ -213,5 +215,41 @@ def test_run_loop_keeps_probing_and_stops_on_cancel() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+    asyncio.run(scenario())
+
+
+def test_unpairable_workers_are_logged_once_per_change(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        policy, probe = PairingPolicy(), ScriptedProbe()
+        sources = [EndpointSource(Role.PREFILL, static=("p:1",)), EndpointSource(Role.DECODE, static=("d:1",))]
+        discovery = Discovery(policy, sources, probe)
+        probe.up = {"p:1": dataclasses.replace(_identity(Role.PREFILL), block_size=32),
+                    "d:1": dataclasses.replace(_identity(Role.DECODE), block_size=48)}
+
+        def unpairable() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "cannot pair" in r.getMessage()]
+
+        with caplog.at_level(logging.INFO, logger="services.router.discovery"):
+            await discovery.refresh()
+            reason = "block sizes 32 (prefill) and 48 (decode) do not divide each other"
+            assert unpairable() == [f"prefill worker p:1 cannot pair with any healthy worker: decode d:1: {reason}",
+                                    f"decode worker d:1 cannot pair with any healthy worker: prefill p:1: {reason}"]
+            assert all(r.levelno == logging.WARNING for r in caplog.records if "cannot pair" in r.getMessage())
+            await discovery.refresh()
+            assert len(unpairable()) == 2  # unchanged: not logged again
+
+            probe.up["d:1"] = dataclasses.replace(_identity(Role.DECODE), block_size=16)
+            await discovery.refresh()
+            assert len(unpairable()) == 2 and "decode worker d:1 can pair again" in caplog.text
+            assert policy.has_healthy_pair()
+
+            probe.up["d:1"] = dataclasses.replace(_identity(Role.DECODE), block_size=48)
+            await discovery.refresh()
+            assert len(unpairable()) == 4  # unpairable again: logged again
+
+            probe.up.pop("d:1")  # down: logged as down, never as "can pair again"
+            await discovery.refresh()
+            assert len(unpairable()) == 4 and caplog.text.count("can pair again") == 2
 
     asyncio.run(scenario())

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import random
 
-from services.router.pairing import PairingPolicy, Role, WorkerIdentity, compatible
+from services.kv.compat import CompatInfo, compat_fields
+from services.kv.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.proto_gen.pdserve.v1 import worker_pb2
+from services.router.pairing import PairingPolicy, Role, WorkerIdentity, compatible, refusal
+from services.router.workers import identity_from_info
 
 
 def _identity(role: Role, hash_: str = "h1", **fields) -> WorkerIdentity:
@@ -165,3 +170,93 @@ def test_random_acquire_finish_sequences_leave_no_count_behind() -> None:
     for assignment in held:
         policy.finish(assignment)
     assert all(w.outstanding_requests == 0 and w.outstanding_tokens == 0 for w in policy.workers())
+
+
+# ---- TP and per-group heads: only supported pairs ------------------------------------------------
+
+
+def _model(group_heads: tuple[int, ...]) -> CompatInfo:
+    """A model with one group per entry of ``group_heads`` (its total KV heads); group 0 sets the model's."""
+    groups = tuple(KVCacheGroupSpec(g, AttentionKind.FULL, (g,), 16, None, heads, 16)
+                   for g, heads in enumerate(group_heads))
+    layout = KVLayoutSpec(kind=LayoutKind.CROSS_LAYER, order=BlockOrder.NHD, num_blocks=8,
+                          num_kv_heads=group_heads[0], head_dim=16, dtype="bfloat16", groups=groups)
+    return CompatInfo.of(compat_fields(architecture="x", num_layers=len(groups), num_kv_heads=group_heads[0],
+                                       head_dim=16, layout=layout))
+
+
+def _tp_identity(role: Role, info: CompatInfo, tp: int, block_size: int = 16) -> WorkerIdentity:
+    return WorkerIdentity(engine_id=f"{role}-tp{tp}", role=role.value, compat_hash=info.hash,
+                          compat_fields=info.fields, tp_size=tp, block_size=block_size)
+
+
+def _tp_policy(info: CompatInfo, prefill: dict[str, int], decode: dict[str, int]) -> PairingPolicy:
+    """Workers given as {address: tp size}, all healthy, all serving ``info``'s model."""
+    policy = PairingPolicy()
+    for role, workers in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
+        policy.set_addresses(role, workers)
+        for address, tp in workers.items():
+            policy.mark_healthy(role, address, _tp_identity(role, info, tp))
+    return policy
+
+
+def test_refusal_names_the_reason_and_compatible_follows_it() -> None:
+    info = _model((3,))
+    p1, d2 = _tp_identity(Role.PREFILL, info, 1), _tp_identity(Role.DECODE, info, 2)
+    assert refusal(p1, d2) == "decode tp 2 cannot shard 3 KV heads (neither divides the other)"
+    assert not compatible(p1, d2)
+    assert refusal(p1, _tp_identity(Role.DECODE, info, 3)) is None
+    other = _model((4,))
+    assert refusal(p1, _tp_identity(Role.DECODE, other, 1)) == "compat field num_kv_heads: prefill 3 vs decode 4"
+    assert refusal(_tp_identity(Role.PREFILL, info, 1, 32), _tp_identity(Role.DECODE, info, 1, 48)) == \
+        "block sizes 32 (prefill) and 48 (decode) do not divide each other"
+
+
+def test_pairs_only_supported_tp_pairs() -> None:
+    policy = _tp_policy(_model((3,)), {"p_tp1": 1, "p_tp2": 2}, {"d_tp2": 2, "d_tp3": 3})
+    for _ in range(6):
+        assignment = policy.acquire(50)
+        assert (assignment.prefill, assignment.decode, assignment.reader_tp_size) == ("p_tp1", "d_tp3", 3)
+    assert policy.has_healthy_pair()
+    (d_tp2,) = [w for w in policy.workers(Role.DECODE) if w.address == "d_tp2"]
+    assert policy.unpaired_reason(d_tp2) == (
+        "prefill p_tp1: decode tp 2 cannot shard 3 KV heads (neither divides the other); "
+        "prefill p_tp2: prefill tp 2 cannot shard 3 KV heads (neither divides the other); "
+        "decode tp 2 cannot shard 3 KV heads (neither divides the other)")
+    assert policy.partners(d_tp2) == []
+
+
+def test_groups_with_their_own_heads_pair_under_tp() -> None:
+    # group 0: 2 heads, group 1: 4 heads (Gemma-4 style): tp 1, 2 and 4 all shard both
+    policy = _tp_policy(_model((2, 4)), {"p": 2}, {"d1": 1, "d4": 4})
+    assert {policy.acquire(10).decode for _ in range(4)} == {"d1", "d4"}
+    assert all(policy.unpaired_reason(w) is None for w in policy.workers())
+    assert [w.address for w in policy.partners(policy.get(Role.PREFILL, "p"))] == ["d1", "d4"]
+
+
+def test_a_group_tp_cannot_shard_goes_direct() -> None:
+    # group 1 has 3 heads: prefill tp 2 cannot shard it, so nothing pairs and requests go direct
+    policy = _tp_policy(_model((2, 3)), {"p": 2}, {"d": 1})
+    assert not policy.has_healthy_pair()
+    assert policy.acquire(100).prefill is None
+    assert policy.unpaired_reason(policy.get(Role.PREFILL, "p")) == \
+        "decode d: KV group 1: prefill tp 2 cannot shard 3 KV heads (neither divides the other)"
+
+
+def test_unpaired_reason_needs_candidates_and_availability() -> None:
+    policy = _tp_policy(_model((3,)), {"p": 1}, {"d": 2})
+    prefill, decode = policy.get(Role.PREFILL, "p"), policy.get(Role.DECODE, "d")
+    assert policy.unpaired_reason(prefill) == \
+        "decode d: decode tp 2 cannot shard 3 KV heads (neither divides the other)"
+    policy.mark_unhealthy(Role.DECODE, "d", "gone")
+    assert policy.unpaired_reason(prefill) is None  # no candidate to judge by: health says so already
+    assert policy.unpaired_reason(decode) is None  # not available: its last_error says why
+
+
+def test_identity_carries_the_compat_fields() -> None:
+    info = _model((2, 4))
+    identity = identity_from_info(worker_pb2.WorkerInfo(engine_id="e", role="decode", compat_hash=info.hash,
+                                                        compat_fields=info.fields, tp_size=4, block_size=32))
+    assert identity.compat_fields == info.fields and (identity.tp_size, identity.block_size) == (4, 32)
+    assert identity.pair_side().compat_fields == info.fields
+    hash(identity)  # still usable as a key (the fields are left out of the hash)
