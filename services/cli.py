@@ -13,12 +13,35 @@ if TYPE_CHECKING:
     from services.engine.engine_config import EngineConfig
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a bad value is a usage error before any worker starts."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _gpu_list(text: str) -> list[int]:
+    """An argparse type for ``--prefill-gpus 0,1``."""
+    from services.placement import parse_gpu_list
+
+    try:
+        return parse_gpu_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF model directory, .gguf file or dummy:<preset> (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--device", default="auto",
+                   help="auto, cpu, cuda[:N] (rank r on cuda:N+r) or a comma list with one entry per TP rank")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size: ranks, one process each")
     p.add_argument("--kv-layout", default="cross_layer", choices=["cross_layer", "per_layer"])
     p.add_argument("--kv-block-order", default="NHD", choices=["NHD", "HND"])
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: from memory)")
@@ -36,7 +59,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags of ``args`` as a command line, to start workers with the same engine."""
     argv = []
     for flag, value in (("--model", args.model), ("--dtype", args.dtype), ("--device", args.device),
-                        ("--block-size", args.block_size), ("--kv-layout", args.kv_layout),
+                        ("--tp", args.tp), ("--block-size", args.block_size), ("--kv-layout", args.kv_layout),
                         ("--kv-block-order", args.kv_block_order), ("--num-kv-blocks", args.num_kv_blocks),
                         ("--max-model-len", args.max_model_len), ("--max-num-seqs", args.max_num_seqs),
                         ("--max-num-batched-tokens", args.max_num_batched_tokens), ("--seed", args.seed)):
@@ -157,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
     up.add_argument("--num-prefill", type=int, default=1)
     up.add_argument("--num-decode", type=int, default=1)
+    for role in ("prefill", "decode"):
+        up.add_argument(f"--{role}-tp", type=_positive_int, default=None,
+                        help=f"tensor-parallel size of each {role} worker (default: --tp)")
+        up.add_argument(f"--{role}-block-size", type=int, default=None,
+                        help=f"KV block size of the {role} workers (default: --block-size)")
+        up.add_argument(f"--{role}-gpus", type=_gpu_list, default=None, metavar="I,J,...",
+                        help=f"GPU indices for the {role} workers' ranks, handed out in order "
+                             "(default: placed automatically)")
     up.add_argument("--served-model-name", default=None)
     up.add_argument("--direct-decode-threshold", type=int, default=0, metavar="TOKENS")
     _add_engine_args(up)

@@ -19,6 +19,8 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from services.placement import Placement, detect_gpus, gpu_pool, plan_placement
+
 
 @dataclass
 class Daemon:
@@ -168,10 +170,54 @@ def start_router(model: str | None, prefill: list[str], decode: list[str], *extr
     raise RuntimeError(f"router not healthy after {timeout_s}s")
 
 
+def visible_gpus(device: str) -> int:
+    """The GPUs ``pdserve up`` can see; ``--device cpu`` asks for none, so torch is not even imported."""
+    return 0 if device.strip() == "cpu" else detect_gpus()
+
+
+def up_placement(args, num_gpus: int) -> Placement:
+    """Where ``pdserve up`` puts each worker, from its flags and the visible GPU count (pure)."""
+    pool = gpu_pool(args.device, num_gpus)
+    return plan_placement(num_gpus, [_role_flag(args, "prefill", "tp")] * args.num_prefill,
+                          [_role_flag(args, "decode", "tp")] * args.num_decode, args.prefill_gpus, args.decode_gpus,
+                          gpus=None if args.device.strip() in ("auto", "cuda") else pool)
+
+
+def up_worker_specs(args, worker_argv: list[str], placement: Placement) -> list[tuple[str, None, tuple[str, ...]]]:
+    """The :func:`daemons` specs of ``pdserve up``: ``worker_argv`` with each role's tp and block size and
+    each worker's ``--device`` from ``placement`` (pure, so tests check it without starting processes)."""
+    specs = []
+    for role, devices in (("prefill", placement.prefill), ("decode", placement.decode)):
+        role_argv = _set_flag(worker_argv, "--tp", _role_flag(args, role, "tp"))
+        role_argv = _set_flag(role_argv, "--block-size", _role_flag(args, role, "block_size"))
+        specs += [(role, None, tuple(_set_flag(role_argv, "--device", device))) for device in devices]
+    return specs
+
+
+def _role_flag(args, role: str, name: str) -> int:
+    """``--prefill-tp`` etc. when given, else the flag both roles share (``--tp``)."""
+    value = getattr(args, f"{role}_{name}")
+    return getattr(args, name) if value is None else value
+
+
+def _set_flag(argv: list[str], flag: str, value: object) -> list[str]:
+    """A copy of ``argv`` with ``flag``'s value replaced, or the flag appended when absent."""
+    argv = list(argv)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = str(value)
+    else:
+        argv += [flag, str(value)]
+    return argv
+
+
 def run_up(args, worker_argv: list[str]) -> int:
-    """``pdserve up``: router + N prefill + M decode workers here; one line when ready; Ctrl-C stops all."""
-    specs = [("prefill", None, tuple(worker_argv))] * args.num_prefill + \
-        [("decode", None, tuple(worker_argv))] * args.num_decode
+    """``pdserve up``: router + N prefill + M decode workers here; one line when ready; Ctrl-C stops all.
+
+    The placement goes to stderr as one line before anything starts; stdout keeps its one ready line.
+    """
+    placement = up_placement(args, visible_gpus(args.device))
+    specs = up_worker_specs(args, worker_argv, placement)
+    print(f"pdserve up: {placement.explanation}", file=sys.stderr, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

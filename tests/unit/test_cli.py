@@ -1,8 +1,9 @@
-"""``python -m services.cli generate`` end to end, as a user runs it.
+"""``python -m services.cli generate`` end to end, as a user runs it; ``pdserve up``'s flags and worker argv.
 
 stdout carries the completion and nothing else (one line), so the command composes in a shell
 pipeline; the bundled SmolLM2 answers greedily and deterministically. Each call parses and
-dequantizes the GGUF (~10 s), so there are only three.
+dequantizes the GGUF (~10 s), so there are only three. The ``up`` tests build the workers' command
+lines from a pretended GPU count and start no process.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from services import launcher
+from services.cli import build_parser, engine_argv, main
 from services.engine.default_model import default_model_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -53,3 +56,67 @@ def test_greedy_story_continuation(model_path: Path) -> None:
 def test_dummy_model() -> None:
     line = _generate("--model", "dummy:tiny", "--prompt", "hi", "--max-tokens", "4")
     assert line.strip()
+
+
+def _flag(argv: tuple[str, ...], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def _up_specs(cmdline: str, num_gpus: int) -> tuple[list[tuple[str, None, tuple[str, ...]]], str]:
+    """Parse ``pdserve up <cmdline>`` and build its worker specs as if ``num_gpus`` GPUs were visible."""
+    args = build_parser().parse_args(["up", *cmdline.split()])
+    placement = launcher.up_placement(args, num_gpus)
+    return launcher.up_worker_specs(args, engine_argv(args), placement), placement.explanation
+
+
+def test_tp_flag_on_every_engine_command() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["generate", "--prompt", "x"]).tp == 1
+    args = parser.parse_args(["decode", "--tp", "2", "--device", "cuda:0,cuda:1"])
+    assert args.tp == 2 and _flag(tuple(engine_argv(args)), "--tp") == "2"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["prefill", "--tp", "0"])
+
+
+def test_up_defaults_on_cpu() -> None:
+    specs, explanation = _up_specs("", num_gpus=0)
+    assert [role for role, _, _ in specs] == ["prefill", "decode"]
+    for _, model, argv in specs:
+        assert model is None
+        assert (_flag(argv, "--device"), _flag(argv, "--tp"), _flag(argv, "--block-size")) == ("cpu", "1", "16")
+    assert "no GPU visible" in explanation
+
+
+def test_up_per_role_flags() -> None:
+    specs, explanation = _up_specs("--num-decode 2 --tp 2 --decode-tp 1 --block-size 8 --prefill-block-size 4 "
+                                   "--kv-layout per_layer --decode-gpus 3,2", num_gpus=4)
+    by_role = [(role, _flag(a, "--device"), _flag(a, "--tp"), _flag(a, "--block-size")) for role, _, a in specs]
+    assert by_role == [("prefill", "cuda:0,cuda:1", "2", "4"), ("decode", "cuda:3", "1", "8"),
+                       ("decode", "cuda:2", "1", "8")]
+    assert all(_flag(a, "--kv-layout") == "per_layer" for _, _, a in specs)  # shared flags reach every worker
+    assert all(a.count("--device") == a.count("--tp") == a.count("--block-size") == 1 for _, _, a in specs)
+    assert "--decode-gpus 3,2" in explanation
+
+
+def test_up_explicit_device_cpu_wins_over_gpus() -> None:
+    specs, explanation = _up_specs("--device cpu --tp 2", num_gpus=8)
+    assert [_flag(a, "--device") for _, _, a in specs] == ["cpu", "cpu"]
+    assert "--device cpu" in explanation
+
+
+def test_up_device_list_is_the_gpu_pool() -> None:
+    specs, _ = _up_specs("--device cuda:4,cuda:5", num_gpus=8)
+    assert [_flag(a, "--device") for _, _, a in specs] == ["cuda:4", "cuda:5"]
+
+
+def test_up_rejects_bad_flags_before_starting(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--prefill-gpus", "0,x"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--decode-tp", "0"])
+    monkeypatch.setattr(launcher, "detect_gpus", lambda: 2)
+    assert main(["up", "--prefill-tp", "4"]) == 2
+    assert "tp 4 worker needs 4 distinct GPUs" in capsys.readouterr().err
+    assert main(["up", "--tp", "2", "--prefill-gpus", "0"]) == 2
+    assert "--prefill-gpus 0: lists 1 GPU(s)" in capsys.readouterr().err
