@@ -28,7 +28,6 @@ import torch
 from services.engine.attention import AttentionBatch, GroupAttentionMetadata
 from services.engine.kv_cache import KVCache
 from services.engine.models import DecoderModel
-from services.engine.request import Request
 
 if TYPE_CHECKING:
     from services.engine.model_runner import Chunk
@@ -68,12 +67,6 @@ def context_buckets(max_context_len: int, granularity: int, min_bucket: int = MI
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def _token_at(request: Request, position: int) -> int:
-    """``request.all_token_ids[position]`` without building the whole list."""
-    prompt = request.prompt_token_ids
-    return prompt[position] if position < len(prompt) else request.output_token_ids[position - len(prompt)]
 
 
 @dataclass
@@ -132,7 +125,7 @@ class DecodeGraphRunner:
         """One token per chunk, no full-logit request, and a batch and context within the buckets."""
         return (
             0 < len(chunks) <= self.batch_sizes[-1]
-            and all(c.num_tokens == 1 and not c.request.sampling_params.return_logits for c in chunks)
+            and all(c.num_tokens == 1 and not c.return_logits for c in chunks)
             and max(c.start for c in chunks) < self.context_lens[-1]
         )
 
@@ -175,12 +168,12 @@ class DecodeGraphRunner:
         """Copy the step into the bucket's static input with one host-to-device copy."""
         pad = bucket.batch_size - len(chunks)
         scratch = self.scratch_block
-        values = [_token_at(c.request, c.start) for c in chunks] + [0] * pad
+        values = [c.token_ids[0] for c in chunks] + [0] * pad
         values += context_lens + [1] * pad
         for g, table in zip(self.groups, bucket.block_tables, strict=True):
             width = table.shape[1]
             for c in chunks:
-                blocks = c.request.block_ids[g.group_id][:width]
+                blocks = c.block_ids[g.group_id][:width]
                 values += blocks
                 values += [scratch] * (width - len(blocks))
             values += [scratch] * (width * pad)

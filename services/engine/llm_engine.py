@@ -9,7 +9,8 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,23 +18,21 @@ from services.engine.block_manager import KVCacheManager
 from services.engine.cuda_graphs import DecodeGraphRunner
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.engine_config import EngineConfig
-from services.engine.kv_cache import TORCH_DTYPES, KVCache, kv_cache_groups
+from services.engine.kv_cache import KVCache
 from services.engine.loader import ModelSource, resolve_model
 from services.engine.model_runner import ModelRunner
-from services.engine.models import DecoderModel, build_model
+from services.engine.rank_setup import kv_layout, load_model, num_blocks_for, use_device
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import make_generator, min_tokens_banned_ids, sample
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.stopping import StopStringMatcher, check_token_stop
 from services.engine.tokenizer import Tokenizer
-from services.engine.weights import init_dummy_weights
-from services.kv.layout import KVLayoutSpec
+
+if TYPE_CHECKING:
+    from services.engine.tp.group import TPGroup
 
 log = logging.getLogger(__name__)
-
-CPU_KV_CACHE_BYTES = 1 << 30
-
 
 @dataclass
 class RequestOutput:
@@ -68,22 +67,36 @@ class _RequestState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None,
+                 tp_group: TPGroup | None = None) -> None:
+        """``tp_group``: the follower ranks (1..tp-1) of a tensor-parallel engine; this is rank 0.
+
+        Every rank loads its shard; the ranks agree on one KV block count (the smallest any rank's
+        memory allows), and each step is sent to the followers before this rank runs it.
+        """
+        if (tp_group is None) != (config.parallel.tp_size == 1):
+            raise ValueError(f"tp_size {config.parallel.tp_size} needs a TP group of its follower ranks")
         self.config = config
+        self.tp_group = tp_group
         self.source = source or resolve_model(config.model)
         self.model_config = self.source.config
         self.device = config.resolve_device()
+        use_device(self.device)
         self.dtype = config.resolve_dtype(self.device, self.source.checkpoint_dtype)
-        self.model = self._load_model()
+        self.model = load_model(config, self.source, self.dtype, self.device)
         self.tokenizer: Tokenizer | None = self.source.load_tokenizer()
         self.eos_token_ids = self._eos_ids()
-        self.kv_layout = self._kv_layout()
+        num_blocks = num_blocks_for(config, self.source, self.dtype, self.device)
+        if tp_group is not None:
+            num_blocks = tp_group.agree_num_blocks(num_blocks)
+        self.kv_layout = kv_layout(config, self.source, self.dtype, num_blocks)
         # The layout's last block is the scratch block: allocated, never given to the manager.
         self.num_kv_blocks = self.kv_layout.num_blocks - 1
         self.kv_cache = KVCache(self.kv_layout, self.device, scratch_block=self.num_kv_blocks)
         self.max_model_len = self._max_model_len()
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, decode_graphs=self._decode_graphs(),
-                                  kv_shared_prefill_skip=config.kv_shared_prefill_skip)
+        runner = ModelRunner(self.model, self.kv_cache, self.device, decode_graphs=self._decode_graphs(),
+                             kv_shared_prefill_skip=config.kv_shared_prefill_skip)
+        self.runner = runner if tp_group is None else tp_group.leader_runner(runner)
         # Pool ids are 0 .. num_kv_blocks - 1 in every group. A sliding-window table's entry for a
         # block freed out of the window is the placeholder num_kv_blocks: the scratch block.
         self.kv_manager = KVCacheManager(
@@ -103,54 +116,11 @@ class LLMEngine:
         self._generate_ids = itertools.count()
 
     # ---- set-up --------------------------------------------------------------------------------
-    def _load_model(self) -> DecoderModel:
-        model = build_model(self.model_config, self.config.parallel, TORCH_DTYPES[self.dtype], self.device)
-        if self.source.weights is None:
-            init_dummy_weights(model, self.config.seed)
-        else:
-            model.load_weights(self.source.weights())
-        return model.eval()
-
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             ids |= set(self.tokenizer.eos_token_ids)
         return frozenset(ids)
-
-    def _kv_layout(self) -> KVLayoutSpec:
-        c, mc = self.config, self.model_config
-        num_kv_heads = self.config.parallel.num_local_kv_heads(mc.num_kv_heads)
-        # num_kv_blocks counts the blocks requests can use; the budget counts bytes. Either way
-        # the layout holds one more block, the scratch block (see KVCache).
-        layout = KVLayoutSpec(
-            kind=c.kv_layout,
-            order=c.kv_block_order,
-            num_blocks=(c.num_kv_blocks or 1) + 1,
-            num_kv_heads=num_kv_heads,
-            head_dim=mc.head_dim,
-            dtype=self.dtype,
-            groups=kv_cache_groups(mc, c.block_size, c.parallel),
-        )
-        if c.num_kv_blocks:
-            return layout
-        return replace(layout, num_blocks=self._num_blocks_from_budget(layout))
-
-    def _num_blocks_from_budget(self, layout: KVLayoutSpec) -> int:
-        c = self.config
-        # Every group has num_blocks blocks: one block id costs a block in each group.
-        per_block = sum(layout.block_bytes(g.group_id) for g in layout.groups)
-        budget = c.kv_cache_memory_bytes
-        if budget is None:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = int(free - total * (1.0 - c.gpu_memory_utilization))
-            else:
-                budget = CPU_KV_CACHE_BYTES
-        num_blocks = budget // per_block
-        if num_blocks < 2:
-            raise ValueError(f"KV-cache budget of {budget} bytes holds no block of {per_block} bytes "
-                             "beside the scratch block")
-        return int(num_blocks)
 
     def _decode_graphs(self) -> DecodeGraphRunner | None:
         """CUDA graphs for pure-decode steps, unless disabled or unsupported (CPU, TP > 1)."""

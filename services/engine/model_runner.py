@@ -16,16 +16,27 @@ from services.engine.attention import AttentionBatch, GroupAttentionMetadata, Ta
 from services.engine.cuda_graphs import DecodeGraphRunner
 from services.engine.kv_cache import KVCache
 from services.engine.models import DecoderModel
-from services.engine.request import Request
 
 
 class Chunk(Protocol):
-    """What the runner reads of a scheduled chunk."""
+    """What the runner reads of a scheduled chunk (``ScheduledChunk``, or a TP follower's ``StepChunk``).
 
-    request: Request
+    ``token_ids`` are the chunk's own tokens (positions ``start ..``); ``block_ids[g]`` is the
+    request's block table of KV group g from token 0.
+    """
+
     start: int
     num_tokens: int
     samples: bool
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def block_ids(self) -> Sequence[Sequence[int]]: ...
+
+    @property
+    def return_logits(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -75,7 +86,7 @@ class ModelRunner:
         sample_logits = self.model.compute_logits(hidden[last]) if sample_rows else hidden.new_empty(0)
         all_logits = {
             i: self.model.compute_logits(hidden[ends[i]: ends[i + 1]])
-            for i, c in enumerate(chunks) if c.request.sampling_params.return_logits
+            for i, c in enumerate(chunks) if c.return_logits
         }
         return StepLogits(sample_rows, sample_logits, all_logits)
 
@@ -102,7 +113,7 @@ class ModelRunner:
         for g in self.groups:
             bs = g.block_size
             max_blocks = -(-max_ctx // bs)
-            tables = [c.request.block_ids[g.group_id] for c, _ in kept]
+            tables = [c.block_ids[g.group_id] for c, _ in kept]
             padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
             groups.append(GroupAttentionMetadata(
                 write_blocks=torch.empty(0, dtype=torch.long, device=dev),
@@ -130,7 +141,7 @@ class ModelRunner:
         ctx_lens = [c.start + c.num_tokens for c in chunks]
         max_q = max(q_lens)
         for i, c in enumerate(chunks):
-            ids.extend(c.request.all_token_ids[c.start: c.start + c.num_tokens])
+            ids.extend(c.token_ids)
             positions.extend(range(c.start, c.start + c.num_tokens))
             query_slots.extend(range(i * max_q, i * max_q + c.num_tokens))
         dev = self.device
@@ -148,7 +159,7 @@ class ModelRunner:
                         q_lens: list[int], ctx_lens: list[int], max_q: int) -> GroupAttentionMetadata:
         group = self.groups[group_id]
         bs = group.block_size
-        tables = [c.request.block_ids[group_id] for c in chunks]
+        tables = [c.block_ids[group_id] for c in chunks]
         write_blocks: list[int] = []
         for c, table in zip(chunks, tables, strict=True):
             write_blocks.extend(table[p // bs] for p in range(c.start, c.start + c.num_tokens))
@@ -167,6 +178,6 @@ class ModelRunner:
 
 def _num_output_rows(chunk: Chunk) -> int:
     """Tokens of a chunk whose hidden state is read: all (logits returned), the last (sampled), or none."""
-    if chunk.request.sampling_params.return_logits:
+    if chunk.return_logits:
         return chunk.num_tokens
     return 1 if chunk.samples else 0

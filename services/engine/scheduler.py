@@ -68,6 +68,25 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool
 
+    # What the model runner reads (``model_runner.Chunk``); a TP follower rebuilds the same from a message.
+    @property
+    def token_ids(self) -> list[int]:
+        """The chunk's tokens, sliced without building the request's whole token list."""
+        r, start, end = self.request, self.start, self.start + self.num_tokens
+        prompt = r.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        n = len(prompt)
+        return prompt[start:] + r.output_token_ids[max(start - n, 0): end - n]
+
+    @property
+    def block_ids(self) -> list[list[int]]:
+        return self.request.block_ids
+
+    @property
+    def return_logits(self) -> bool:
+        return self.request.sampling_params.return_logits
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:

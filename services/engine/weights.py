@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,22 +43,26 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"{path}: corrupt or unreadable safetensors file ({e})") from None
 
 
-@torch.no_grad()
-def init_dummy_weights(model: DecoderModel, seed: int = 0) -> None:
-    """Seeded random weights at the model's real shapes (for benchmarks and smoke tests).
+def dummy_weights(model: DecoderModel, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Seeded random HF-named tensors at the model's full checkpoint shapes (benchmarks, smoke tests).
 
+    Each tensor comes from its own generator, seeded by ``seed`` and the tensor's name, and is
+    loaded through ``load_weights`` like a real checkpoint: so every TP rank takes its shard of
+    the same full weights, and a TP2 engine computes what a TP1 engine with the same seed does.
     Matrices get N(0, 0.02) like HF's initialiser; norms scale by 1 (a stored 0 where the norm
     adds 1 to its weight, as Gemma-2/3's do), per-layer output scalars are 1 and biases 0, so
     activations stay in range through many layers.
     """
-    gen = torch.Generator(device=model.embed_tokens.device).manual_seed(seed)
+    device, dtype = model.embed_tokens.device, model.embed_tokens.dtype
     unit_norm = 1.0 - model.config.norm_weight_offset
-    for name, p in model.named_parameters():
+    for name in model._expected_names():
+        shape = model._hf_shape(name)
         if name.endswith("norm.weight"):
-            p.fill_(unit_norm)
+            yield name, torch.full(shape, unit_norm, dtype=dtype, device=device)
         elif name.endswith("layer_scalar"):
-            p.fill_(1.0)
+            yield name, torch.ones(shape, dtype=dtype, device=device)
         elif name.endswith("bias"):
-            p.zero_()
+            yield name, torch.zeros(shape, dtype=dtype, device=device)
         else:
-            p.normal_(0.0, 0.02, generator=gen)
+            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            yield name, torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)

@@ -31,6 +31,7 @@ from services.engine.models import build_model
 from services.engine.parallel import ParallelConfig
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import ScheduledChunk
 from services.engine.weights import iter_safetensors
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 
@@ -43,16 +44,6 @@ BLOCK_TABLE = [9, 2, 14, 5, 0, 7]  # scattered on purpose: ceil(21 / 4) blocks
 PROCESS_TIMEOUT_S = 90  # for all ranks together; gloo's own timeout is below it
 GROUP_TIMEOUT = timedelta(seconds=60)
 KV_HEADS = {"kv_split": 2, "kv_replicated": 1}  # 4 query heads in both
-
-
-@dataclass
-class _Chunk:
-    """The fields of a scheduled chunk that ``ModelRunner`` reads."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    samples: bool = True
 
 
 def _prefill(checkpoint: Path, parallel: ParallelConfig) -> tuple[torch.Tensor, KVCache, ModelConfig]:
@@ -69,7 +60,7 @@ def _prefill(checkpoint: Path, parallel: ParallelConfig) -> tuple[torch.Tensor, 
     runner = ModelRunner(model.eval(), cache, torch.device("cpu"))
     request = Request("tp", list(PROMPT), SamplingParams(max_tokens=1, return_logits=True))
     request.block_ids = [list(BLOCK_TABLE)]
-    logits = [runner.execute([_Chunk(request, start, n)]).all_logits[0] for start, n in CHUNKS]
+    logits = [runner.execute([ScheduledChunk(request, start, n, samples=True)]).all_logits[0] for start, n in CHUNKS]
     return torch.cat(logits), cache, config
 
 
