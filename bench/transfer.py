@@ -2,7 +2,7 @@
 
 Two processes: a synthetic owner (``services.kv.synthetic``: pattern-free KV of a real model
 shape, handshake over gRPC, NIXL agent) and this process as the reader (``KVPuller``: handshake,
-plan, READ). Two scenarios (``--scenario``, default both):
+plan, READ). Three scenarios (``--scenario``, default all):
 
 ``layouts``: Llama-3.1-8B KV shape; for each prompt length, every case moves the same bytes:
 
@@ -20,9 +20,24 @@ backwards, so no two blocks merge: one descriptor per block and group):
   ideal             computed, not pulled: full layers every block, sliding layers the blocks
                     covering the last window (first block: (tokens - window) // block_size)
 
-    python bench/transfer.py                    # CPU (DRAM), both scenarios, bf16
+``tp``: Llama-3.1-8B KV shape, cross-layer layout, one ``--tp-tokens`` prompt in contiguous blocks,
+read between a prefill (P) and a decode (D) engine of different TP sizes (``--tp-pairs``: P:D, the
+homogeneous 1:1 always runs as the baseline), per block order (``--tp-orders``). Each side has one
+NIXL agent and one KV shard per TP rank; the puller reads each local rank's heads from the remote
+ranks that hold them (``services.kv.topology.rank_reads``), one READ per (local rank, remote rank).
+Every pair must move the prompt's whole KV, every head exactly once (asserted). A head slice of a
+cross-layer block is one descriptor per (token, layer, K/V) in NHD order, per (layer, K/V) in HND.
+
+Devices: ``--device`` (cpu or cuda) puts every rank of both sides there; ``--owner-devices`` and
+``--reader-devices`` (comma lists, rank i takes entry i mod len) place each rank, e.g. the owner on
+GPU 0 and the reader on GPU 1, or TP 2 across both GPUs. Reading VRAM needs UCX's cuda_ipc GET
+(``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``, set here for both processes unless already set).
+
+    python bench/transfer.py                    # CPU (DRAM), every scenario, bf16
     python bench/transfer.py --scenario groups  # hybrid shapes only, 8k-token prompt
+    python bench/transfer.py --scenario tp      # TP pairs, 8k-token prompt, NHD and HND
     python bench/transfer.py --device cuda      # VRAM, two processes on one GPU
+    python bench/transfer.py --scenario tp --owner-devices cuda:0,cuda:1 --reader-devices cuda:1 --tp-pairs 2:1
     python bench/transfer.py --quick --json     # < 1 min on the CI machine, JSON lines
 """
 
@@ -48,7 +63,7 @@ import torch  # noqa: E402
 import services  # noqa: E402,F401,I001
 from bench._common import emit_json  # noqa: E402
 from services.engine.kv_cache import KVCache  # noqa: E402
-from services.kv.agent import TransferAgent  # noqa: E402
+from services.kv.agent import CUDA_IPC_GET_ENV, TransferAgent, TransferError  # noqa: E402
 from services.kv.compat import CompatInfo, compat_fields  # noqa: E402
 from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
 from services.kv.puller import KVPuller  # noqa: E402
@@ -72,20 +87,40 @@ QUICK_GROUP_SHAPES = {  # a tiny hybrid for the CI smoke run: per-group shapes, 
     "tiny-gemma4-like": dict(num_layers=6, period=6, window=40, sliding=(2, 32), full=(1, 64)),
 }
 GROUP_BLOCK_SIZE = 16
+TP_PAIRS = "1:1,2:2,1:2,2:1,4:4,1:4,4:1"  # P tp : D tp (8 KV heads: every TP size up to 8 shards evenly)
+QUICK_TP_PAIRS = "1:1,2:2,1:2,2:1"
+QUICK_TP_TOKENS = 256
+
+
+def rank_devices(names: list[str], tp: int) -> list[str]:
+    """The device of each of ``tp`` ranks: rank i takes ``names[i % len(names)]``."""
+    return [names[rank % len(names)] for rank in range(tp)]
+
+
+def make_ranks(layout, devices: list[str], prefix: str) -> list[LocalKVRank]:
+    """One reader rank per device: its own KV cache and NIXL agent, allocated and registered on that device."""
+    ranks = []
+    for device in map(torch.device, devices):
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device.index)  # the rank's allocation, CUDA context and NIXL registration
+        cache = KVCache(layout, device)
+        agent = TransferAgent(f"{prefix}-{uuid.uuid4().hex[:6]}", device=device.type)
+        ranks.append(LocalKVRank(agent, layout, cache.buffers))  # the agent keeps the buffers alive
+    return ranks
 
 
 def block_ids(num_blocks: int, stride: int) -> list[int]:
     return list(range(0, num_blocks * stride, stride))
 
 
-def start_owner(kind: str, num_blocks: int, tokens: list[int], device: str) -> Owner:
+def start_owner(kind: str, num_blocks: int, tokens: list[int], devices: list[str]) -> Owner:
     requests = []
     for n in tokens:
         blocks = -(-n // SHAPE["block_size"])
         for stride in (1, 2):
             requests.append({"request_id": f"{n}-{stride}", "num_tokens": n, "block_ids": [block_ids(blocks, stride)]})
     cfg = {**SHAPE, "kind": kind, "num_blocks": num_blocks, "engine_id": f"bench-{kind}", "tp": 1, "reader_tp": 1,
-           "seed": 0, "fill": "none", "device": device, "requests": requests}
+           "seed": 0, "fill": "none", "devices": devices, "requests": requests}
     return Owner(cfg)
 
 
@@ -109,19 +144,26 @@ class Owner:
         return self._hello
 
     def stop(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        stop_all([self])
 
 
-def make_reader(kind: str, num_blocks: int, device: str) -> tuple[KVPuller, TransferAgent]:
+def stop_all(owners: list[Owner]) -> None:
+    """Close every owner's stdin first, then wait: their exits (NIXL teardown) overlap."""
+    for owner in owners:
+        owner.proc.stdin.close()
+    for owner in owners:
+        owner.proc.wait(timeout=60)
+
+
+def make_reader(kind: str, num_blocks: int, devices: list[str]) -> tuple[KVPuller, TransferAgent]:
     cfg = {**SHAPE, "kind": kind, "num_blocks": num_blocks}
     layout = layout_for(cfg, 1)
-    cache = KVCache(layout, torch.device(device))
-    agent = TransferAgent(f"bench-reader-{uuid.uuid4().hex[:6]}", device=device)
+    (rank,) = make_ranks(layout, rank_devices(devices, 1), "bench-reader")
+    agent = rank.agent
     compat = CompatInfo.of(compat_fields(architecture="llama", num_layers=SHAPE["num_layers"],
                                          num_kv_heads=SHAPE["num_kv_heads"], head_dim=SHAPE["head_dim"], layout=layout))
     puller = KVPuller(engine_id="bench-reader", compat=compat, num_kv_heads=SHAPE["num_kv_heads"],
-                      ranks=[LocalKVRank(agent, layout, cache.buffers)], transfer_timeout_s=120)
+                      ranks=[rank], transfer_timeout_s=120)
     return puller, agent
 
 
@@ -184,7 +226,8 @@ def ideal(cfg: dict, window: int, num_tokens: int) -> tuple[int, int]:
     return num_bytes, descriptors
 
 
-def run_groups(shapes: dict[str, dict], num_tokens: int, repeats: int, device: str) -> list[dict]:
+def run_groups(shapes: dict[str, dict], num_tokens: int, repeats: int, device: str, owner_devices: list[str],
+               reader_devices: list[str]) -> list[dict]:
     rows = []
     num_blocks = -(-num_tokens // GROUP_BLOCK_SIZE)
     for name, shape in shapes.items():
@@ -194,22 +237,20 @@ def run_groups(shapes: dict[str, dict], num_tokens: int, repeats: int, device: s
         for variant in ("groups", "all_full"):
             cfgs[variant] = {**hybrid_cfg(shape, all_full=variant == "all_full"), "num_blocks": num_blocks + 1}
             owners[variant] = Owner({**cfgs[variant], "engine_id": f"bench-{name}-{variant}", "tp": 1,
-                                     "reader_tp": 1, "seed": 0, "fill": "none", "device": device,
+                                     "reader_tp": 1, "seed": 0, "fill": "none", "devices": owner_devices,
                                      "requests": [request]})
         for variant, cfg in cfgs.items():
             try:
                 hello = owners[variant].hello()
                 layout = layout_for(cfg, 1)
-                cache = KVCache(layout, torch.device(device))
-                agent = TransferAgent(f"bench-reader-{uuid.uuid4().hex[:6]}", device=device)
+                ranks = make_ranks(layout, rank_devices(reader_devices, 1), "bench-reader")
                 puller = KVPuller(engine_id="bench-reader", compat=compat_for(cfg, layout),
-                                  num_kv_heads=cfg["num_kv_heads"], ranks=[LocalKVRank(agent, layout, cache.buffers)],
-                                  transfer_timeout_s=120)
+                                  num_kv_heads=cfg["num_kv_heads"], ranks=ranks, transfer_timeout_s=120)
                 ticket = kv_pb2.TransferTicket.FromString(bytes.fromhex(hello["tickets"]["g"]))
                 local = block_ids(num_blocks, 1)
                 measured[variant] = asyncio.run(time_pull_groups(puller, ticket, [local, local], repeats))
-                agent.close()
-                del cache
+                for rank in ranks:
+                    rank.agent.close()
             finally:
                 owners[variant].stop()
         ideal_bytes, ideal_descs = ideal(hybrid_cfg(shape, all_full=False), shape["window"], num_tokens)
@@ -219,7 +260,8 @@ def run_groups(shapes: dict[str, dict], num_tokens: int, repeats: int, device: s
             num_bytes = r.num_bytes if r else ideal_bytes
             descs = r.num_descriptors if r else ideal_descs
             rows.append(dict(
-                scenario="groups", device=device, shape=name, layout=variant, tokens=num_tokens,
+                scenario="groups", device=device, owner_devices=owner_devices[:1], reader_devices=reader_devices[:1],
+                shape=name, layout=variant, tokens=num_tokens,
                 window=shape["window"], bytes=num_bytes, descriptors=descs,
                 seconds=r.seconds if r else None, gbps=r.num_bytes / r.seconds / 1e9 if r else None,
                 bytes_vs_ideal=num_bytes / ideal_bytes, descriptors_vs_ideal=descs / ideal_descs,
@@ -239,10 +281,16 @@ async def time_pull_groups(puller: KVPuller, ticket: kv_pb2.TransferTicket, loca
     return best
 
 
+def placement(row: dict) -> str:
+    """"cpu", or where each side's ranks sit when the devices were given per side: "cuda:0 -> cuda:1"."""
+    owner, reader = row["owner_devices"], row["reader_devices"]
+    return row["device"] if set(owner) | set(reader) == {row["device"]} else f"{','.join(owner)} -> {','.join(reader)}"
+
+
 def print_groups(rows: list[dict], repeats: int) -> None:
     if not rows:
         return
-    print(f"\n# KV transfer by KV-cache group, {rows[0]['device']}, cross-layer, bf16, block {GROUP_BLOCK_SIZE}, "
+    print(f"\n# KV transfer by KV-cache group, {placement(rows[0])}, cross-layer, bf16, block {GROUP_BLOCK_SIZE}, "
           f"fragmented owner pool, best of {repeats}")
     print(f"{'shape':>17} {'tokens':>7} {'window':>6} {'variant':>9} {'MiB':>9} {'descs':>6} {'ms':>8} {'GB/s':>6} "
           f"{'bytes/ideal':>11} {'descs/ideal':>11} {'bytes/all_full':>14}")
@@ -254,13 +302,124 @@ def print_groups(rows: list[dict], repeats: int) -> None:
               f"{r['bytes_vs_all_full']:>14.3f}")
 
 
+# ---- tp scenario -------------------------------------------------------------------------------
+
+
+def parse_pairs(text: str) -> list[tuple[int, int]]:
+    """"1:1,2:1" -> [(1, 1), (2, 1)] (P tp, D tp), the 1:1 baseline first and added when missing."""
+    pairs = [tuple(int(x) for x in p.split(":")) for p in text.split(",") if p.strip()]
+    if any(len(p) != 2 or min(p) < 1 or SHAPE["num_kv_heads"] % max(p) for p in pairs):
+        raise ValueError(f"--tp-pairs {text!r}: want P:D pairs of TP sizes that divide {SHAPE['num_kv_heads']}")
+    return [(1, 1)] + [p for p in dict.fromkeys(pairs) if p != (1, 1)]
+
+
+def tp_kv_bytes(num_tokens: int) -> int:
+    """The prompt's whole KV, every head of every layer once (whole blocks: the tokens fill them)."""
+    blocks = -(-num_tokens // SHAPE["block_size"])
+    return blocks * SHAPE["block_size"] * SHAPE["num_layers"] * 2 * SHAPE["num_kv_heads"] * SHAPE["head_dim"] * 2
+
+
+def run_tp(pairs: list[tuple[int, int]], orders: list[str], num_tokens: int, repeats: int, device: str,
+           owner_devices: list[str], reader_devices: list[str]) -> list[dict]:
+    rows = []
+    num_blocks = -(-num_tokens // SHAPE["block_size"])
+    ids = block_ids(num_blocks, 1)  # contiguous on both sides: whole-head blocks merge into one run
+    expected = tp_kv_bytes(num_tokens)
+    cfgs = {order: {**SHAPE, "order": order, "kind": "cross_layer", "num_blocks": num_blocks + 1} for order in orders}
+    owners = {}  # every owner starts at once, so their start-ups overlap; (order, P tp) -> Owner
+    for order, cfg in cfgs.items():
+        for p_tp in dict.fromkeys(p for p, _ in pairs):
+            requests = [{"request_id": f"d{d_tp}", "num_tokens": num_tokens, "block_ids": [ids], "reader_tp": d_tp}
+                        for d_tp in dict.fromkeys(d for p, d in pairs if p == p_tp)]
+            owners[order, p_tp] = Owner({
+                **cfg, "engine_id": f"bench-tp{p_tp}-{order}", "tp": p_tp, "reader_tp": 1, "seed": 0, "fill": "none",
+                "devices": rank_devices(owner_devices, p_tp), "requests": requests,
+            })
+    try:
+        for order, cfg in cfgs.items():
+            readers, agents = {}, []
+            for d_tp in dict.fromkeys(d for _, d in pairs):
+                layout = layout_for(cfg, d_tp)
+                ranks = make_ranks(layout, rank_devices(reader_devices, d_tp), f"bench-reader-tp{d_tp}")
+                agents += [rank.agent for rank in ranks]
+                readers[d_tp] = KVPuller(engine_id=f"bench-reader-tp{d_tp}", compat=compat_for(cfg, layout),
+                                         num_kv_heads=SHAPE["num_kv_heads"], ranks=ranks, transfer_timeout_s=120)
+            base = None
+            for p_tp, d_tp in pairs:
+                row = dict(scenario="tp", device=device, layout="cross_layer", order=order, tokens=num_tokens,
+                           p_tp=p_tp, d_tp=d_tp, owner_devices=rank_devices(owner_devices, p_tp),
+                           reader_devices=rank_devices(reader_devices, d_tp), kv_bytes=expected)
+                hello = owners[order, p_tp].hello()
+                ticket = kv_pb2.TransferTicket.FromString(bytes.fromhex(hello["tickets"][f"d{d_tp}"]))
+                try:
+                    r = asyncio.run(time_pull(readers[d_tp], ticket, ids, repeats))
+                except TransferError as exc:  # keep the other pairs' figures; main() exits non-zero
+                    print(f"P tp{p_tp} -> D tp{d_tp} ({order}) failed: {exc}", file=sys.stderr)
+                    rows.append({**row, "bytes": None, "descriptors": None, "reads": None, "seconds": None,
+                                 "gbps": None, "gbps_vs_tp1": None, "error": str(exc)[:500]})
+                    continue
+                assert r.num_bytes == expected, (
+                    f"P tp{p_tp} -> D tp{d_tp} ({order}) moved {r.num_bytes} bytes, the prompt's KV is {expected}")
+                gbps = r.num_bytes / r.seconds / 1e9
+                if (p_tp, d_tp) == (1, 1):
+                    base = gbps
+                rows.append({**row, "bytes": r.num_bytes, "descriptors": r.num_descriptors, "reads": r.num_reads,
+                             "seconds": r.seconds, "gbps": gbps, "gbps_vs_tp1": gbps / base if base else None})
+            for agent in agents:
+                agent.close()
+    finally:
+        stop_all(list(owners.values()))
+    return rows
+
+
+def print_tp(rows: list[dict], repeats: int) -> None:
+    if not rows:
+        return
+    r0 = rows[0]
+    print(f"\n# KV transfer across TP sizes, {r0['device']}, Llama-3.1-8B KV shape (8 KV heads, bf16, block 16), "
+          f"cross-layer, {r0['tokens']} tokens ({r0['kv_bytes'] / 2**20:.1f} MiB), best of {repeats}")
+    print(f"{'order':>5} {'P tp':>4} {'D tp':>4} {'P devices':>16} {'D devices':>16} {'MiB':>8} {'descs':>8} "
+          f"{'reads':>5} {'ms':>9} {'GB/s':>7} {'vs 1->1':>7}")
+    for r in rows:
+        head = f"{r['order']:>5} {r['p_tp']:>4} {r['d_tp']:>4} {','.join(r['owner_devices']):>16} " \
+               f"{','.join(r['reader_devices']):>16}"
+        if r.get("error"):
+            print(f"{head} failed: {r['error'][:120]}")
+            continue
+        ratio = f"{r['gbps_vs_tp1']:>7.2f}" if r["gbps_vs_tp1"] is not None else f"{'-':>7}"
+        print(f"{head} {r['bytes'] / 2**20:>8.1f} {r['descriptors']:>8} {r['reads']:>5} {r['seconds'] * 1e3:>9.2f} "
+              f"{r['gbps']:>7.2f} {ratio}")
+
+
+def device_list(text: str | None, default: str) -> list[str]:
+    names = [d.strip() for d in (text or default).split(",") if d.strip()]
+    for name in names:
+        try:
+            kind = torch.device(name).type
+        except RuntimeError:
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device {name!r}: only cpu, cuda and cuda:N")
+    return names
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--owner-devices", default=None,
+                    help="comma list, one per owner (prefill) rank, rank i takes entry i mod len; default --device")
+    ap.add_argument("--reader-devices", default=None,
+                    help="comma list, one per reader (decode) rank, rank i takes entry i mod len; default --device")
     ap.add_argument("--tokens", default="1024,4096,8192", help="prompt lengths")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--scenario", default="layouts,groups", help="comma-separated: layouts, groups")
+    ap.add_argument("--scenario", default="layouts,groups,tp", help="comma-separated: layouts, groups, tp")
     ap.add_argument("--group-tokens", type=int, default=8192, help="prompt length of the groups scenario")
+    ap.add_argument("--tp-tokens", type=int, default=None,
+                    help=f"prompt length of the tp scenario (default 8192, --quick {QUICK_TP_TOKENS})")
+    ap.add_argument("--tp-pairs", default=None,
+                    help=f"P:D TP sizes of the tp scenario, 1:1 always runs (default {TP_PAIRS}, "
+                    f"--quick {QUICK_TP_PAIRS})")
+    ap.add_argument("--tp-orders", default="NHD,HND", help="block orders of the tp scenario")
     ap.add_argument("--quick", action="store_true", help="small prompts, one repeat (CI smoke run)")
     ap.add_argument("--json", action="store_true", help="one JSON object per case per line")
     ap.add_argument("--json-out", default=None, help="also write the JSON lines to this file")
@@ -269,26 +428,44 @@ def main() -> None:
     repeats = 1 if args.quick else args.repeats
     num_blocks = 2 * -(-max(tokens) // SHAPE["block_size"]) + 1
     scenarios = set(args.scenario.split(","))
-    if not scenarios <= {"layouts", "groups"}:
+    if not scenarios <= {"layouts", "groups", "tp"}:
         ap.error(f"unknown scenario in {args.scenario!r}")
+    try:
+        owner_devices = device_list(args.owner_devices, args.device)
+        reader_devices = device_list(args.reader_devices, args.device)
+        pairs = parse_pairs(args.tp_pairs or (QUICK_TP_PAIRS if args.quick else TP_PAIRS))
+    except ValueError as exc:
+        ap.error(str(exc))
+    orders = args.tp_orders.split(",")
+    if not set(orders) <= {"NHD", "HND"}:
+        ap.error(f"unknown block order in {args.tp_orders!r}")
+    tp_tokens = args.tp_tokens or (QUICK_TP_TOKENS if args.quick else 8192)
+    if tp_tokens < 1 or tp_tokens % SHAPE["block_size"]:
+        ap.error(f"--tp-tokens must be a positive multiple of the block size {SHAPE['block_size']}")
+    if any(torch.device(d).type == "cuda" for d in owner_devices + reader_devices):
+        args.device = "cuda"  # the rows' device: VRAM on at least one side
+        # Reading VRAM needs UCX's cuda_ipc GET (TransferAgent sets it too); set before the owners start.
+        os.environ.setdefault(CUDA_IPC_GET_ENV, "y")
 
     rows = []
-    owners = {case: start_owner(kind, num_blocks, tokens, args.device) for case, (kind, _) in CASES.items()} \
+    owners = {case: start_owner(kind, num_blocks, tokens, owner_devices) for case, (kind, _) in CASES.items()} \
         if "layouts" in scenarios else {}
     for case, (kind, stride) in CASES.items() if "layouts" in scenarios else ():
         owner = owners[case]
         try:
             hello = owner.hello()
-            puller, agent = make_reader(kind, num_blocks, args.device)
+            puller, agent = make_reader(kind, num_blocks, reader_devices)
             for n in tokens:
                 ticket = kv_pb2.TransferTicket.FromString(bytes.fromhex(hello["tickets"][f"{n}-{stride}"]))
                 local = block_ids(-(-n // SHAPE["block_size"]), stride)
                 r = asyncio.run(time_pull(puller, ticket, local, repeats))
-                rows.append(dict(scenario="layouts", device=args.device, layout=case, tokens=n, bytes=r.num_bytes,
+                rows.append(dict(scenario="layouts", device=args.device, owner_devices=owner_devices[:1],
+                                 reader_devices=reader_devices[:1], layout=case, tokens=n, bytes=r.num_bytes,
                                  descriptors=r.num_descriptors, seconds=r.seconds, gbps=r.num_bytes / r.seconds / 1e9))
                 if case == "cross_layer_runs":
                     raw_s = asyncio.run(time_raw(puller, agent, ticket, r.num_bytes, repeats))
-                    rows.append(dict(scenario="layouts", device=args.device, layout="raw", tokens=n,
+                    rows.append(dict(scenario="layouts", device=args.device, owner_devices=owner_devices[:1],
+                                     reader_devices=reader_devices[:1], layout="raw", tokens=n,
                                      bytes=r.num_bytes, descriptors=1, seconds=raw_s, gbps=r.num_bytes / raw_s / 1e9))
             agent.close()
         finally:
@@ -298,18 +475,24 @@ def main() -> None:
     if "groups" in scenarios:
         shapes = QUICK_GROUP_SHAPES if args.quick else GROUP_SHAPES
         group_tokens = 512 if args.quick else args.group_tokens
-        group_rows = run_groups(shapes, group_tokens, repeats, args.device)
+        group_rows = run_groups(shapes, group_tokens, repeats, args.device, owner_devices, reader_devices)
 
-    if emit_json(rows + group_rows, args.json_out, args.json):
-        return
-    print_layouts(rows, args.device, repeats)
-    print_groups(group_rows, repeats)
+    tp_rows = run_tp(pairs, orders, tp_tokens, repeats, args.device, owner_devices, reader_devices) \
+        if "tp" in scenarios else []
+
+    failed = sum(1 for r in tp_rows if r.get("error"))
+    if not emit_json(rows + group_rows + tp_rows, args.json_out, args.json):
+        print_layouts(rows, repeats)
+        print_groups(group_rows, repeats)
+        print_tp(tp_rows, repeats)
+    if failed:
+        sys.exit(f"{failed} TP pair(s) failed")
 
 
-def print_layouts(rows: list[dict], device: str, repeats: int) -> None:
+def print_layouts(rows: list[dict], repeats: int) -> None:
     if not rows:
         return
-    print(f"# KV transfer, {device}, Llama-3.1-8B KV shape (bf16, block 16), best of {repeats}")
+    print(f"# KV transfer, {placement(rows[0])}, Llama-3.1-8B KV shape (bf16, block 16), best of {repeats}")
     print(f"{'tokens':>7} {'layout':>17} {'MiB':>8} {'descs':>7} {'ms':>9} {'GB/s':>8} {'vs raw':>7}")
     raw = {r["tokens"]: r["seconds"] for r in rows if r["layout"] == "raw"}
     for r in sorted(rows, key=lambda r: (r["tokens"], list(CASES).index(r["layout"]) if r["layout"] in CASES else 9)):

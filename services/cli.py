@@ -11,6 +11,8 @@ import services  # noqa: F401  (sets the oneDNN ISA cap before torch loads)
 
 if TYPE_CHECKING:
     from services.engine.engine_config import EngineConfig
+    from services.engine.llm_engine import LLMEngine
+    from services.engine.sampling_params import SamplingParams
 
 
 def _positive_int(text: str) -> int:
@@ -72,6 +74,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from services.engine.engine_config import EngineConfig
+    from services.engine.parallel import ParallelConfig
     from services.kv.layout import BlockOrder, LayoutKind
 
     return EngineConfig(
@@ -89,19 +92,34 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         kv_shared_prefill_skip=not args.no_kv_shared_prefill_skip,
+        parallel=ParallelConfig(args.tp, 0),
     )
+
+
+def start_engine_from_args(args: argparse.Namespace) -> LLMEngine:
+    """The engine of ``args`` on its devices: rank 0 here and, with ``--tp`` > 1, one process per other rank."""
+    from services.engine.tp.launch import start_engine
+    from services.placement import rank_devices
+
+    return start_engine(engine_config_from_args(args), rank_devices(args.device, args.tp), args.log_level)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Offline, one process: print the completion text and nothing else on stdout."""
-    from services.engine.llm_engine import LLMEngine
     from services.engine.sampling_params import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.sampling_seed, stop=tuple(args.stop or ()),
     )
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = start_engine_from_args(args)
+    try:
+        return _generate(engine, args, params)
+    finally:
+        engine.close()
+
+
+def _generate(engine: LLMEngine, args: argparse.Namespace, params: SamplingParams) -> int:
     prompt = args.prompt
     if args.chat:
         if engine.tokenizer is None:
@@ -137,14 +155,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """Run a prefill or decode daemon until SIGTERM/SIGINT drains it."""
     import asyncio
 
-    from services.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = start_engine_from_args(args)
     if args.command == "prefill":
         from services.prefill.server import serve
     else:
         from services.decode.server import serve
-    asyncio.run(serve(args, engine))
+    try:
+        failure = asyncio.run(serve(args, engine))
+    finally:
+        engine.close()
+    if failure:
+        print(f"pdserve {args.command}: stopped: {failure}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -63,6 +63,7 @@ class WorkerServer:
         self.service_names = ["", *service_names]
         self.in_flight = InFlight()
         self.stopped = asyncio.Event()
+        self.failure: str | None = None  # why the worker went down on its own (see fail)
 
     def bind(self, host: str, port: int) -> int:
         bound = self.server.add_insecure_port(f"{host}:{port}")
@@ -92,5 +93,21 @@ class WorkerServer:
                  "all finished" if finished else f"{self.in_flight.count} cut off")
         if on_drained is not None:
             on_drained()
+        await self.server.stop(grace=1.0)
+        self.stopped.set()
+
+    async def fail(self, reason: str) -> None:
+        """The worker cannot serve any more (e.g. a TP rank died): stop now, without a drain.
+
+        Health goes NOT_SERVING at once so routers stop sending; in-flight calls are cut after a
+        second (their engine is gone, so waiting longer would only hold clients); the daemon then
+        exits non-zero.
+        """
+        if self.failure is not None:
+            return
+        self.failure = reason
+        self.in_flight.draining = True
+        for name in self.service_names:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace=1.0)
         self.stopped.set()

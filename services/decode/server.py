@@ -20,6 +20,7 @@ import time
 
 import grpc
 
+from services.common.engine_ranks import close_kv_ranks, go_down_with_tp_group, open_kv_ranks
 from services.common.grpc_server import WorkerServer
 from services.common.metrics import WorkerMetrics
 from services.common.sampling import sampling_from_proto
@@ -27,11 +28,10 @@ from services.common.worker_info import worker_info
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine, RequestOutput
 from services.engine.sampling_params import SamplingParams
-from services.kv.agent import TransferAgent, TransferError
+from services.kv.agent import TransferError
 from services.kv.compat import CompatInfo, compat_fields
 from services.kv.handshake import HandshakeError
 from services.kv.puller import KVPuller
-from services.kv.rank import LocalKVRank
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -148,8 +148,8 @@ def _chunk(out: RequestOutput, num_prompt_tokens: int, recomputed: bool) -> work
     )
 
 
-async def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
-    """Run the decode daemon until drained (SIGTERM/SIGINT)."""
+async def serve(args: argparse.Namespace, engine: LLMEngine) -> str | None:
+    """Run the decode daemon until drained (SIGTERM/SIGINT); the failure that stopped it, if one did."""
     metrics = WorkerMetrics("decode")
     server = WorkerServer(["pdserve.v1.DecodeWorker"])
     port = server.bind(args.host, args.port)
@@ -160,10 +160,9 @@ async def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
     compat = CompatInfo.of(compat_fields(architecture=mc.architecture, num_layers=mc.num_layers,
                                          num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, layout=layout,
                                          kv_sharing=mc.kv_sharing, group_kv_heads=engine.group_kv_heads))
-    agent = TransferAgent(f"{engine_id}-{epoch}-tp0", device=engine.device.type)
-    puller = KVPuller(engine_id=engine_id, compat=compat, num_kv_heads=mc.num_kv_heads,
-                      ranks=[LocalKVRank(agent, layout, engine.kv_cache.buffers)], auth_token=args.kv_auth_token,
-                      transfer_timeout_s=args.kv_transfer_timeout_s)
+    ranks = open_kv_ranks(engine, engine_id, epoch)
+    puller = KVPuller(engine_id=engine_id, compat=compat, num_kv_heads=mc.num_kv_heads, ranks=ranks,
+                      auth_token=args.kv_auth_token, transfer_timeout_s=args.kv_transfer_timeout_s)
     aengine = AsyncEngine(engine)
     aengine.start()
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
@@ -178,10 +177,12 @@ async def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
             await asyncio.sleep(0.5)
 
     stats = asyncio.create_task(stats_loop())
+    go_down_with_tp_group(engine, server)
     await server.start({"role": "decode", "port": port, "metrics_port": metrics_port, "engine_id": engine_id},
                        args.drain_timeout_s)
     await server.stopped.wait()
     stop.set()
     await stats
     await aengine.stop()
-    agent.close()
+    close_kv_ranks(ranks)
+    return server.failure

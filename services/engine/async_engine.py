@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from services.engine.llm_engine import LLMEngine, RequestOutput
+from services.engine.rank_setup import use_device
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 
@@ -153,6 +154,7 @@ class AsyncEngine:
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        use_device(self.engine.device)  # the current CUDA device is per thread: this one runs the steps
         try:
             while True:
                 idle = not self.engine.has_unfinished_requests()

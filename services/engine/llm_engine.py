@@ -146,6 +146,11 @@ class LLMEngine:
         """Model-total KV heads of each KV-cache group (the layout holds this rank's share)."""
         return {g.group_id: self.model_config.layers[g.layer_ids[0]].num_kv_heads for g in self.kv_layout.groups}
 
+    def close(self) -> None:
+        """Stop the follower ranks of a TP engine (nothing to do at TP 1)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
+
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
         self,

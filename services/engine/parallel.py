@@ -9,8 +9,12 @@ otherwise each KV head is replicated on ``tp_size // num_kv_heads`` consecutive 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from services.engine.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -23,13 +27,22 @@ class ParallelConfig:
             raise ValueError(f"invalid tensor-parallel rank {self.tp_rank} of {self.tp_size}")
 
     def check_divides(self, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
+        """Refuse a TP size that cannot shard these shapes; the error names every one that fails."""
         tp = self.tp_size
-        if num_heads % tp:
-            raise ValueError(f"tp_size {tp} does not divide num_attention_heads {num_heads}")
-        if intermediate_size % tp:
-            raise ValueError(f"tp_size {tp} does not divide intermediate_size {intermediate_size}")
+        problems = []
         if num_kv_heads % tp and tp % num_kv_heads:
-            raise ValueError(f"tp_size {tp} and num_key_value_heads {num_kv_heads}: neither divides the other")
+            problems.append(f"{num_kv_heads} KV heads over {tp} ranks (neither divides the other)")
+        if num_heads % tp:
+            problems.append(f"{num_heads} attention heads over {tp} ranks")
+        if intermediate_size % tp:
+            problems.append(f"MLP width {intermediate_size} over {tp} ranks")
+        if problems:
+            raise ValueError(f"tensor-parallel size {tp} cannot shard this model: {'; '.join(problems)}")
+
+    def check_model(self, config: ModelConfig) -> None:
+        """Refuse, before any rank starts, a TP size that cannot shard every layer of the model."""
+        for i, spec in enumerate(config.layers):
+            self.check_divides(config.num_heads, spec.num_kv_heads, config.layer_intermediate_size(i))
 
     def num_local_kv_heads(self, num_kv_heads: int) -> int:
         return max(1, num_kv_heads // self.tp_size)

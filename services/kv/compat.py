@@ -143,7 +143,7 @@ def _groups_field(layout: KVLayoutSpec, num_kv_heads: int, head_dim: int,
 _GROUP_FIELDS = ("kind", "sliding_window", "layers", "num_kv_heads", "head_dim")
 
 
-def _parse_groups(fields: Mapping[str, str]) -> list[tuple] | None:
+def parse_groups(fields: Mapping[str, str]) -> list[tuple] | None:
     """``kv_groups`` as one (kind, window, layers, total heads, head dim) tuple per group, or None."""
     try:
         heads, head_dim = int(fields["num_kv_heads"]), int(fields["head_dim"])
@@ -159,7 +159,7 @@ def _parse_groups(fields: Mapping[str, str]) -> list[tuple] | None:
 
 def group_differences(local: Mapping[str, str], remote: Mapping[str, str]) -> list[GroupDifference]:
     """Each (group, field) whose value differs between two sets of compat fields."""
-    a, b = _parse_groups(local), _parse_groups(remote)
+    a, b = parse_groups(local), parse_groups(remote)
     if a is None or b is None:
         return []
     out = []

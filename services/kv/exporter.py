@@ -15,8 +15,9 @@ from collections.abc import Mapping, Sequence
 from services.kv.agent import NotificationTracker
 from services.kv.compat import CompatInfo, compat_fields
 from services.kv.handshake import EngineDescription, RankExport
+from services.kv.pair_support import group_heads_from_fields
 from services.kv.rank import KVRank
-from services.kv.topology import readers_per_remote_rank
+from services.kv.topology import group_readers_per_remote_rank
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 
@@ -57,6 +58,8 @@ class KVExporter:
             ),
             kv_sharing=dict(kv_sharing or {}),
         )
+        # The model's total KV heads per group: each group is sharded by its own (Gemma-4's differ).
+        self._group_heads = group_heads_from_fields(self.compat.fields)
         self._trackers = [NotificationTracker() for _ in ranks]
         self._waiting: dict[str, set[int]] = {}  # request id -> owner ranks still expecting readers
 
@@ -81,7 +84,7 @@ class KVExporter:
         """The ticket for a finished prefill whose blocks stay pinned until read (or the lease ends)."""
         if request_id in self._waiting:
             raise ValueError(f"request {request_id!r} already has a ticket out")
-        readers = readers_per_remote_rank(reader_tp_size, self.tp_size, self.num_kv_heads)
+        readers = group_readers_per_remote_rank(reader_tp_size, self.tp_size, self._group_heads)
         waiting = set()
         for rank, n in enumerate(readers):
             if n:

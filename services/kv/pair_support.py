@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from services.kv.compat import CompatInfo, KVCompatibilityError, _parse_groups, check_compatible, compat_hash
+from services.kv.compat import CompatInfo, KVCompatibilityError, check_compatible, compat_hash, parse_groups
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def group_heads_from_fields(fields: Mapping[str, str]) -> dict[int, int]:
     ``kv_groups`` omits a group's heads when they are the model's ``num_kv_heads``; this fills them
     in. Without ``kv_groups`` but with ``num_kv_heads`` the model is one group.
     """
-    groups = _parse_groups(fields) if "kv_groups" in fields else None
+    groups = parse_groups(fields) if "kv_groups" in fields else None
     if groups is not None:
         return {gid: total for gid, (_kind, _window, _layers, total, _dim) in enumerate(groups)}
     try:

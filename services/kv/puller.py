@@ -29,9 +29,10 @@ from services.kv.agent import TransferError
 from services.kv.compat import CompatInfo
 from services.kv.handshake import EngineDescription, PeerCache
 from services.kv.layout import KVLayoutSpec
+from services.kv.pair_support import group_heads_from_fields
 from services.kv.planner import TransferPlan, plan_groups
 from services.kv.rank import KVRank
-from services.kv.topology import BlockPiece, group_rank_reads, map_blocks, rank_reads, window_start_token
+from services.kv.topology import BlockPiece, group_rank_reads, kv_head_range, map_blocks, window_start_token
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 
@@ -78,8 +79,6 @@ class KVPuller:
 
         Runs once per handshake, after the compatibility check, and names the group and field.
         """
-        for rank in range(self.tp_size):
-            rank_reads(self.tp_size, rank, remote.tp_size, self.num_kv_heads)
         local = self._ranks[0].layout
         if len(local.groups) != len(remote.groups):
             raise ValueError(f"remote has {len(remote.groups)} KV groups, local {len(local.groups)}")
@@ -99,32 +98,19 @@ class KVPuller:
                     f"{lg.label}: block sizes {rg.block_size} (remote) and {lg.block_size} (local) "
                     "do not divide each other"
                 )
-        tp_pair = (self.tp_size, remote.tp_size)
-        if tp_pair == (1, 1):
-            for g in local.groups:
-                a, b = local.kv_heads(g.group_id), owner.kv_heads(g.group_id)
-                if a != b:
-                    raise ValueError(f"{g.label}: num_kv_heads local {a} vs remote {b}")
-            return
-        # Under TP each group shards by its own head count and the owner counts its readers with the
-        # model's: both only agree while every group has the model's heads. Per-group head counts
-        # under TP are a later issue; refuse them clearly instead of reading the wrong slices.
-        sides = [("local", r.layout) for r in self._ranks] + [("remote", r.layout) for r in remote.ranks]
-        for side, layout in sides:
-            for g in layout.groups:
-                if layout.kv_heads(g.group_id) != layout.num_kv_heads:
-                    raise ValueError(
-                        f"{g.label} has {layout.kv_heads(g.group_id)} KV heads per {side} rank, the model "
-                        f"{layout.num_kv_heads}: tensor-parallel KV transfer (tp local {tp_pair[0]}, remote "
-                        f"{tp_pair[1]}) with per-group head counts is not supported yet"
-                    )
-
-    def _group_heads(self, remote: EngineDescription) -> dict[int, int]:
-        """Total KV heads per group, as ``group_rank_reads`` shards them (checked at handshake)."""
-        local = self._ranks[0].layout
-        if self.tp_size == 1 and remote.tp_size == 1:
-            return {g.group_id: local.kv_heads(g.group_id) for g in local.groups}
-        return {g.group_id: self.num_kv_heads for g in local.groups}
+        # Each group is sharded by its own total heads (from the compat fields both sides hashed);
+        # every rank must hold exactly the slice that sharding gives it, or reads would land wrong.
+        heads = group_heads_from_fields(remote.compat.fields)
+        for side, tp, ranks in (("local", self.tp_size, [r.layout for r in self._ranks]),
+                                ("remote", remote.tp_size, [r.layout for r in remote.ranks])):
+            for rank, layout in enumerate(ranks):
+                for g in layout.groups:
+                    start, end = kv_head_range(tp, rank, heads[g.group_id])
+                    if layout.kv_heads(g.group_id) != end - start:
+                        raise ValueError(f"{g.label}: {side} rank {rank} of {tp} holds {layout.kv_heads(g.group_id)} "
+                                         f"KV heads, its share of {heads[g.group_id]} is {end - start}")
+        for rank in range(self.tp_size):
+            group_rank_reads(self.tp_size, rank, remote.tp_size, heads)
 
     def _drop_peers(self, old: EngineDescription) -> None:
         for r in self._ranks:
@@ -150,7 +136,7 @@ class KVPuller:
         # Every local rank shares the block tables, so the token runs are the same for all of them.
         pieces = self._pieces(remote, self._ranks[0].layout, ticket.num_tokens, remote_ids, local_block_ids,
                               num_cached_tokens)
-        heads = self._group_heads(remote)
+        heads = group_heads_from_fields(remote.compat.fields)
         reads = []
         for local_rank, rank in enumerate(self._ranks):
             for remote_rank, group_reads in group_rank_reads(self.tp_size, local_rank, remote.tp_size, heads).items():

@@ -11,8 +11,10 @@ out one ticket per configured request and prints, one JSON object per line:
 
 It exits when its stdin closes. Config keys: engine_id, tp, reader_tp, kind, order, num_blocks,
 num_kv_heads (total), head_dim, dtype, num_layers, block_size, window (optional), seed, requests
-[{request_id, num_tokens, block_ids: [[...] per group]}], and optionally epoch, port, token,
-device ("cpu" or "cuda") and fill ("pattern", or "none" for benchmarks that need no content).
+[{request_id, num_tokens, block_ids: [[...] per group], reader_tp (optional, default the top-level
+reader_tp)}], and optionally epoch, port, token, device ("cpu", "cuda" or "cuda:N"), devices (one
+device per rank, e.g. ["cuda:0", "cuda:1"]; rank i takes entry i mod len; default: every rank on
+device) and fill ("pattern", or "none" for benchmarks that need no content).
 
 Hybrid models (several KV groups with their own shape, Gemma-3/4 style) add ``groups``: one
 object per group, in group-id order, ``{"kind": "full" | "sliding_window", "layers": [...],
@@ -130,18 +132,25 @@ def fill_rank(cache: KVCache, values: dict[int, torch.Tensor], tp_size: int, ran
         v.copy_(layer_values[1, :, :, start:end])
 
 
+def rank_devices(cfg: dict) -> list[torch.device]:
+    """Each rank's device: ``devices`` (rank i takes entry i mod len) or else ``device`` for all."""
+    names = cfg.get("devices") or [cfg.get("device", "cpu")]
+    return [torch.device(names[rank % len(names)]) for rank in range(cfg["tp"])]
+
+
 async def serve(cfg: dict) -> None:
     layout = layout_for(cfg, cfg["tp"])
-    device = cfg.get("device", "cpu")
     values = pattern(cfg) if cfg.get("fill", "pattern") == "pattern" else None
     epoch = cfg.get("epoch") or time.time_ns()
     ranks = []
-    for rank in range(cfg["tp"]):
-        cache = KVCache(layout, torch.device(device))
+    for rank, device in enumerate(rank_devices(cfg)):
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device.index)  # the rank's allocation, CUDA context and NIXL registration
+        cache = KVCache(layout, device)
         if values is not None:
             fill_rank(cache, values, cfg["tp"], rank, cfg)
         # Agent names are unique per life of the engine, so a reader never confuses a restarted peer.
-        agent = TransferAgent(f"{cfg['engine_id']}-{epoch}-tp{rank}", device=device)
+        agent = TransferAgent(f"{cfg['engine_id']}-{epoch}-tp{rank}", device=device.type)
         ranks.append(LocalKVRank(agent, layout, cache.buffers))
     exporter = KVExporter(
         engine_id=cfg["engine_id"], model_name="pattern", architecture=ARCHITECTURE, num_layers=cfg["num_layers"],
@@ -156,7 +165,7 @@ async def serve(cfg: dict) -> None:
     tickets = {
         r["request_id"]: exporter.hand_out(
             r["request_id"], r["block_ids"], num_tokens=r["num_tokens"], first_token_id=7,
-            handshake_address=address, reader_tp_size=cfg["reader_tp"],
+            handshake_address=address, reader_tp_size=r.get("reader_tp", cfg["reader_tp"]),
         ).SerializeToString().hex()
         for r in cfg["requests"]
     }

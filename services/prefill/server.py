@@ -15,6 +15,7 @@ import time
 
 import grpc
 
+from services.common.engine_ranks import close_kv_ranks, go_down_with_tp_group, open_kv_ranks
 from services.common.grpc_server import WorkerServer
 from services.common.metrics import WorkerMetrics
 from services.common.sampling import sampling_from_proto
@@ -22,10 +23,8 @@ from services.common.worker_info import worker_info
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
 from services.engine.request import RequestStatus
-from services.kv.agent import TransferAgent
 from services.kv.exporter import KVExporter
 from services.kv.handshake import HandshakeServicer, add_handshake_service
-from services.kv.rank import LocalKVRank
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -114,21 +113,20 @@ async def release_loop(engine: AsyncEngine, exporter: KVExporter, metrics: Worke
         await asyncio.sleep(0.005)
 
 
-async def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
-    """Run the prefill daemon until drained (SIGTERM/SIGINT)."""
+async def serve(args: argparse.Namespace, engine: LLMEngine) -> str | None:
+    """Run the prefill daemon until drained (SIGTERM/SIGINT); the failure that stopped it, if one did."""
     metrics = WorkerMetrics("prefill")
     server = WorkerServer(["pdserve.v1.PrefillWorker", "pdserve.v1.KVHandshake"])
     port = server.bind(args.host, args.port)
     address = f"{args.advertise_host or args.host}:{port}"
     epoch = time.time_ns()
     engine_id = args.engine_id or f"prefill@{address}"
-    layout = engine.kv_layout
-    agent = TransferAgent(f"{engine_id}-{epoch}-tp0", device=engine.device.type)
+    ranks = open_kv_ranks(engine, engine_id, epoch)
+    mc = engine.model_config
     exporter = KVExporter(
-        engine_id=engine_id, model_name=engine.source.name, architecture=engine.model_config.architecture,
-        num_layers=engine.model_config.num_layers, num_kv_heads=engine.model_config.num_kv_heads,
-        head_dim=engine.model_config.head_dim, ranks=[LocalKVRank(agent, layout, engine.kv_cache.buffers)],
-        kv_sharing=engine.model_config.kv_sharing, group_kv_heads=engine.group_kv_heads, epoch=epoch,
+        engine_id=engine_id, model_name=engine.source.name, architecture=mc.architecture,
+        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, ranks=ranks,
+        kv_sharing=mc.kv_sharing, group_kv_heads=engine.group_kv_heads, epoch=epoch,
     )
     aengine = AsyncEngine(engine)
     aengine.start()
@@ -138,10 +136,12 @@ async def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
     metrics_port = metrics.serve(args.host, args.metrics_port)
     stop = asyncio.Event()
     releaser = asyncio.create_task(release_loop(aengine, exporter, metrics, args.kv_lease_s, stop))
+    go_down_with_tp_group(engine, server)
     await server.start({"role": "prefill", "port": port, "metrics_port": metrics_port, "engine_id": engine_id},
                        args.drain_timeout_s)
     await server.stopped.wait()
     stop.set()
     await releaser
     await aengine.stop()
-    agent.close()
+    close_kv_ranks(ranks)
+    return server.failure

@@ -376,14 +376,21 @@ def test_hybrid_tp_with_equal_heads_per_group_works() -> None:
         owner.wait_released("t")
 
 
-def test_hybrid_tp_with_per_group_heads_is_refused_clearly() -> None:
-    owner_cfg = {**hybrid_cfg("cross_layer"), "engine_id": "owner-hybrid-tp-refused", "tp": 2, "reader_tp": 1}
-    owner_cfg["requests"] = [{"request_id": "x", "num_tokens": 8, "block_ids": [[0, 1], [0, 1]]}]
-    with owner_process(owner_cfg) as owner, reader(hybrid_cfg("cross_layer"), 1) as r:
-        refused = r"KV group 1 \(full\) has 2 KV heads per local rank.*tp local 1, remote 2.*not supported yet"
-        with pytest.raises(ValueError, match=refused):
-            asyncio.run(r.puller.pull(owner.tickets["x"], [[0, 1], [0, 1]]))
-        assert all(bool((b == SENTINEL).all()) for b in r.caches[0].buffers)
+@pytest.mark.parametrize(("owner_tp", "reader_tp"), [(2, 1), (1, 2), (2, 2)])
+def test_hybrid_tp_with_per_group_heads_works(owner_tp: int, reader_tp: int) -> None:
+    # group 0 has 4 heads, group 1 has 2: each group is sharded by its own head count, and the
+    # owner waits for one notification per reading rank whatever group it read
+    cfg = hybrid_cfg("cross_layer")
+    owner_cfg = {**cfg, "engine_id": f"owner-hybrid-tp{owner_tp}-{reader_tp}", "tp": owner_tp, "reader_tp": reader_tp}
+    owner_cfg["requests"] = [{"request_id": "t", "num_tokens": 31,
+                              "block_ids": hybrid_tables(cfg, 31, 2, cfg["num_blocks"] - 1)}]
+    local_ids = hybrid_tables(cfg, 31, 10, cfg["num_blocks"] - 1)
+    with owner_process(owner_cfg) as owner, reader(cfg, reader_tp) as r:
+        result = asyncio.run(r.puller.pull(owner.tickets["t"], local_ids))
+        check_received(owner_cfg, r, owner.tickets["t"], local_ids, [20, 0])
+        assert result.num_reads == max(owner_tp, reader_tp)
+        assert result.num_bytes == ideal_bytes(owner_cfg, cfg, 31, [20, 0])
+        owner.wait_released("t")
 
 
 def test_hybrid_refusals_group_mismatch_at_handshake_and_forged_placeholders() -> None:

@@ -1,0 +1,106 @@
+"""What rank 0 and a follower rank say to each other over their pipe (msgspec msgpack, tagged).
+
+Rank 0 -> follower: ``Allocate`` (the agreed block count), ``Step`` (run this batch), ``OpenAgent``
+(create the NIXL agent and register the KV shard), ``Read`` (pull KV into this rank),
+``RemovePeer``, ``Shutdown``. Follower -> rank 0: ``Hello`` (loaded; this many blocks fit),
+``AgentOpened``, ``ReadDone``, ``Notifications`` (NIXL notifications, pushed as they arrive),
+``Fatal`` (the follower is going down, with why).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class StepChunk(msgspec.Struct, array_like=True, frozen=True):
+    """One chunk of a step as a follower runs it (``model_runner.Chunk``): the tokens, where they
+    start, and the block tables up to the last block the chunk touches."""
+
+    token_ids: list[int]
+    start: int
+    num_tokens: int
+    samples: bool
+    return_logits: bool
+    block_ids: list[list[int]]
+
+
+class Step(msgspec.Struct, tag=True):
+    chunks: list[StepChunk]
+
+
+class Hello(msgspec.Struct, tag=True):
+    rank: int
+    num_blocks: int
+
+
+class Allocate(msgspec.Struct, tag=True):
+    num_blocks: int
+
+
+class OpenAgent(msgspec.Struct, tag=True):
+    name: str
+
+
+class Region(msgspec.Struct, array_like=True):
+    address: int
+    length: int
+    device_id: int
+    kind: str
+
+
+class AgentOpened(msgspec.Struct, tag=True):
+    name: str
+    metadata: bytes
+    regions: list[Region]
+
+
+class Read(msgspec.Struct, tag=True):
+    """READ ``remote_rows`` of the peer into ``local_rows`` (uint64 [n, 3] arrays as bytes)."""
+
+    id: int
+    peer_metadata: bytes
+    local_rows: bytes
+    remote_rows: bytes
+    notify: bytes
+    remote_mem_kind: str
+    timeout_s: float
+
+
+class ReadDone(msgspec.Struct, tag=True):
+    """``error`` empty on success; ``timed_out``/``aborted`` mirror ``TransferTimeout``."""
+
+    id: int
+    num_bytes: int = 0
+    num_descriptors: int = 0
+    error: str = ""
+    timed_out: bool = False
+    aborted: bool = True
+
+
+class RemovePeer(msgspec.Struct, tag=True):
+    name: str
+
+
+class Notifications(msgspec.Struct, tag=True):
+    by_peer: dict[str, list[bytes]]
+
+
+class Fatal(msgspec.Struct, tag=True):
+    rank: int
+    error: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+ToFollower = Step | Allocate | OpenAgent | Read | RemovePeer | Shutdown
+ToLeader = Hello | AgentOpened | ReadDone | Notifications | Fatal
+
+_encoder = msgspec.msgpack.Encoder()
+to_follower = msgspec.msgpack.Decoder(ToFollower)
+to_leader = msgspec.msgpack.Decoder(ToLeader)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)

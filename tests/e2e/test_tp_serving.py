@@ -1,0 +1,179 @@
+"""End to end with tensor-parallel workers: every prefill/decode TP and block-size pair, both layouts.
+
+Real worker processes (rank 0 each serving gRPC, follower ranks in their own processes over gloo,
+one NIXL agent per rank) are driven the way the router drives them: ``Prefill`` on a prefill
+worker (told the reader's TP size), then ``Generate`` with its ticket on a decode worker, whose
+every rank pulls its own head slice. Greedy tokens must equal a colocated TP1 engine's, the pull
+must really happen (no local recompute), and the prefill worker must free the request's blocks
+once every reading rank has notified. A random Llama checkpoint with 2 KV heads covers the split
+and the replicated sides; the bundled SmolLM2 (3 KV heads, 9 query heads) covers an uneven TP3.
+Pairs that cannot work are refused with the reason: a worker that cannot shard the model does
+not start, and a live worker no peer can pair with is named, with why, on the router's /health.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from itertools import product
+
+import grpc
+import httpx
+import pytest
+
+from services.engine.engine_config import EngineConfig
+from services.engine.llm_engine import LLMEngine
+from services.engine.sampling_params import SamplingParams
+from services.launcher import Daemon, daemons, start_router, stop_router
+from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from tests.checkpoints import hf_config
+from tests.e2e.stack import info, metric_total
+
+MAX_TOKENS = 6
+TPS = (1, 2)
+BLOCK_PAIRS = ((16, 16), (16, 64), (64, 16))  # (prefill, decode)
+LAYOUTS = ("cross_layer", "per_layer")
+
+
+def _worker_args(tp: int, block_size: int, layout: str, num_blocks: int = 96) -> tuple[str, ...]:
+    return ("--tp", str(tp), "--device", "cpu", "--block-size", str(block_size), "--kv-layout", layout,
+            "--num-kv-blocks", str(num_blocks), "--max-num-seqs", "8")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    """A random Llama: 4 query heads, 2 KV heads (split over 2 ranks, whole on 1)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = hf_config("llama")
+    config.num_key_value_heads = 2
+    path = tmp_path_factory.mktemp("tp-llama")
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def _colocated(model: str | None, prompts: list[list[int]]) -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", num_kv_blocks=256))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return [out.token_ids for out in engine.generate(prompts, params)]
+
+
+def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    """Prompts of 20-150 tokens: partial last blocks on both sides, several blocks of 16 and of 64."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(20, 150))] for _ in range(n)]
+
+
+def _disaggregated(prefill: Daemon, decode: Daemon, prompt: list[int], request_id: str) -> list[int]:
+    """The router's flow by hand: Prefill (told the reader's TP size), then Generate with the ticket."""
+    params = worker_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    reader_tp = info(decode).tp_size
+    with grpc.insecure_channel(prefill.address) as ch:
+        answer = worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(worker_pb2.PrefillRequest(
+            request_id=request_id, prompt_token_ids=prompt, params=params, reader_tp_size=reader_tp), timeout=120)
+    assert answer.HasField("ticket")
+    tokens = []
+    with grpc.insecure_channel(decode.address) as ch:
+        stream = worker_pb2_grpc.DecodeWorkerStub(ch).Generate(worker_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, params=params, ticket=answer.ticket), timeout=120)
+        for chunk in stream:
+            assert not chunk.recomputed_locally, f"{request_id}: the decode worker recomputed instead of pulling"
+            tokens += chunk.token_ids
+    return tokens
+
+
+def _wait_unpinned(prefill: Daemon, timeout_s: float = 30.0) -> None:
+    """Blocks are freed only after every reading rank's notification: wait for that, bounded."""
+    deadline = time.monotonic() + timeout_s
+    while info(prefill).kv_blocks_pinned:
+        assert time.monotonic() < deadline, f"{info(prefill).kv_blocks_pinned} blocks still pinned"
+        time.sleep(0.05)
+
+
+def _by_key(started: list[Daemon], keys: list[tuple]) -> dict[tuple, Daemon]:
+    return dict(zip(keys, started, strict=True))
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def llama_workers(request, llama: str) -> Iterator[tuple[str, dict[tuple, Daemon]]]:
+    """Prefill and decode workers of every (tp, block size) in one layout: 8 workers, 12 processes."""
+    layout = request.param
+    keys = [(role, tp, bs) for role in ("prefill", "decode") for tp in TPS for bs in (16, 64)]
+    with daemons(*[(role, llama, _worker_args(tp, bs, layout)) for role, tp, bs in keys]) as started:
+        yield layout, _by_key(started, keys)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), list(product(TPS, TPS)))
+def test_tp_pairs_equal_colocated_tp1(llama: str, llama_workers, prefill_tp: int, decode_tp: int) -> None:
+    layout, workers = llama_workers
+    prompts = _prompts(2, 320, seed=prefill_tp * 10 + decode_tp)
+    expected = _colocated(llama, prompts)
+    for p_bs, d_bs in BLOCK_PAIRS:
+        prefill, decode = workers[("prefill", prefill_tp, p_bs)], workers[("decode", decode_tp, d_bs)]
+        pulled = metric_total(decode, "pdserve_kv_transfer_bytes_total")
+        for i, prompt in enumerate(prompts):
+            rid = f"{layout}-p{prefill_tp}x{p_bs}-d{decode_tp}x{d_bs}-{i}"
+            assert _disaggregated(prefill, decode, prompt, rid) == expected[i], rid
+        assert metric_total(decode, "pdserve_kv_transfer_bytes_total") > pulled
+        _wait_unpinned(prefill)
+
+
+def test_smollm2_uneven_tp3_pairs_equal_colocated() -> None:
+    """SmolLM2: 3 KV heads, so TP3 (one head per rank) against TP1, both ways, and with itself."""
+    keys = [("prefill", 1), ("prefill", 3), ("decode", 1), ("decode", 3)]
+    specs = [(role, None, _worker_args(tp, 16, "cross_layer", num_blocks=64)) for role, tp in keys]
+    prompts = _prompts(1, 49152, seed=3)
+    expected = _colocated(None, prompts)
+    with daemons(*specs) as started:
+        workers = dict(zip(keys, started, strict=True))
+        for p_tp, d_tp in ((3, 1), (1, 3), (3, 3)):  # TP1 -> TP1 is every other test's case
+            prefill, decode = workers[("prefill", p_tp)], workers[("decode", d_tp)]
+            for i, prompt in enumerate(prompts):
+                rid = f"smol-p{p_tp}-d{d_tp}-{i}"
+                assert _disaggregated(prefill, decode, prompt, rid) == expected[i], rid
+            _wait_unpinned(prefill)
+
+
+def test_worker_that_cannot_shard_the_model_refuses_to_start() -> None:
+    """SmolLM2 over 2 ranks: 3 KV heads (and 9 query heads) do not split in two; no rank starts."""
+    result = subprocess.run([sys.executable, "-m", "services.cli", "decode", "--tp", "2", "--device", "cpu",
+                             "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "3 KV heads over 2 ranks" in result.stderr
+    assert "9 attention heads over 2 ranks" in result.stderr
+
+
+def test_router_pairs_tp_workers_and_names_a_worker_nobody_can_pair_with(llama: str) -> None:
+    """Router + P tp2 + D tp1, and a decode worker whose KV page layout (HND) no prefill worker
+    shares: requests go through the supported pair; /health names the odd worker and says why."""
+    specs = [("prefill", llama, _worker_args(2, 16, "cross_layer")),
+             ("decode", llama, _worker_args(1, 64, "per_layer")),
+             ("decode", llama, (*_worker_args(1, 16, "cross_layer"), "--kv-block-order", "HND"))]
+    prompts = _prompts(3, 320, seed=11)
+    expected = _colocated(llama, prompts)
+    with daemons(*specs) as (prefill, decode, odd):
+        router = start_router(llama, [prefill.address], [decode.address, odd.address])
+        try:
+            with httpx.Client(timeout=120) as client:
+                for prompt, tokens in zip(prompts, expected, strict=True):
+                    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                            "logprobs": 0, "return_tokens_as_token_ids": True}
+                    answer = client.post(f"{router.url}/v1/completions", json=body)
+                    answer.raise_for_status()
+                    got = [int(t.removeprefix("token_id:")) for t in answer.json()["choices"][0]["logprobs"]["tokens"]]
+                    assert got == tokens
+                health = client.get(f"{router.url}/health").json()
+        finally:
+            stop_router(router)
+        assert metric_total(odd, "pdserve_requests_total") == 0  # never paired, never given work
+        assert metric_total(decode, "pdserve_kv_transfer_bytes_total") > 0
+    workers = {w["address"]: w for w in health["workers"]}
+    assert workers[prefill.address]["tp_size"] == 2
+    assert "unpaired_reason" not in workers[decode.address]
+    reason = workers[odd.address]["unpaired_reason"]
+    assert "kv_layout" in reason and "NHD" in reason and "HND" in reason, reason
