@@ -45,7 +45,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size: ranks, one process each")
     p.add_argument("--kv-layout", default="cross_layer", choices=["cross_layer", "per_layer"])
-    p.add_argument("--kv-block-order", default="NHD", choices=["NHD", "HND"])
+    p.add_argument("--kv-block-order", default=None, choices=["NHD", "HND"],
+                   help="token-major (NHD, default) or head-major (HND) KV blocks; HND keeps a head's slice of a "
+                        "block contiguous, which pairs of different TP sizes read far faster (pdserve up picks it "
+                        "for them)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: from memory)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -84,7 +87,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         block_size=args.block_size,
         kv_layout=LayoutKind(args.kv_layout),
-        kv_block_order=BlockOrder(args.kv_block_order),
+        kv_block_order=BlockOrder(args.kv_block_order or "NHD"),
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

@@ -187,11 +187,19 @@ def up_worker_specs(args, worker_argv: list[str], placement: Placement) -> list[
     """The :func:`daemons` specs of ``pdserve up``: ``worker_argv`` with each role's tp and block size and
     each worker's ``--device`` from ``placement`` (pure, so tests check it without starting processes)."""
     specs = []
+    if getattr(args, "kv_block_order", None) is None and mixed_tp(args):
+        worker_argv = _set_flag(worker_argv, "--kv-block-order", "HND")
     for role, devices in (("prefill", placement.prefill), ("decode", placement.decode)):
         role_argv = _set_flag(worker_argv, "--tp", _role_flag(args, role, "tp"))
         role_argv = _set_flag(role_argv, "--block-size", _role_flag(args, role, "block_size"))
         specs += [(role, None, tuple(_set_flag(role_argv, "--device", device))) for device in devices]
     return specs
+
+
+def mixed_tp(args) -> bool:
+    """Prefill and decode workers of different TP sizes: each reader rank reads a head slice of every
+    block, which is one descriptor per token and layer in NHD blocks but one per layer in HND ones."""
+    return _role_flag(args, "prefill", "tp") != _role_flag(args, "decode", "tp")
 
 
 def _role_flag(args, role: str, name: str) -> int:
@@ -218,6 +226,9 @@ def run_up(args, worker_argv: list[str]) -> int:
     placement = up_placement(args, visible_gpus(args.device))
     specs = up_worker_specs(args, worker_argv, placement)
     print(f"pdserve up: {placement.explanation}", file=sys.stderr, flush=True)
+    if args.kv_block_order is None and mixed_tp(args):
+        print("pdserve up: prefill and decode TP sizes differ: KV blocks are head-major (--kv-block-order HND) "
+              "so each decode rank reads its heads as whole runs", file=sys.stderr, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -52,12 +52,17 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
     def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' requested but no CUDA device is available")
-        return device
+        """The device, with an index for CUDA (``cuda`` is the current one), so it can be made current."""
+        name = self.device if self.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(name)
+        if device.type != "cuda":
+            return device
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but no CUDA device is available")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {self.device!r}: only {torch.cuda.device_count()} CUDA devices are visible")
+        return torch.device("cuda", index)
 
     def resolve_dtype(self, device: torch.device, checkpoint_dtype: str | None) -> str:
         if self.dtype != "auto":

@@ -22,7 +22,7 @@ CPU_KV_CACHE_BYTES = 1 << 30
 def use_device(device: torch.device) -> None:
     """Make ``device`` current before any CUDA work: kernels, NCCL and graph capture use the
     current device's stream, so a worker on cuda:1 that never set it would capture on GPU 0's."""
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
 
 

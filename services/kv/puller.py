@@ -21,6 +21,7 @@ or the reader's own blocks.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,12 +29,14 @@ from dataclasses import dataclass
 from services.kv.agent import TransferError
 from services.kv.compat import CompatInfo
 from services.kv.handshake import EngineDescription, PeerCache
-from services.kv.layout import KVLayoutSpec
+from services.kv.layout import BlockOrder, KVLayoutSpec
 from services.kv.pair_support import group_heads_from_fields
 from services.kv.planner import TransferPlan, plan_groups
 from services.kv.rank import KVRank
 from services.kv.topology import BlockPiece, group_rank_reads, kv_head_range, map_blocks, window_start_token
 from services.proto_gen.pdserve.v1 import kv_pb2
+
+log = logging.getLogger(__name__)
 
 
 class TicketError(ValueError):
@@ -111,6 +114,10 @@ class KVPuller:
                                          f"KV heads, its share of {heads[g.group_id]} is {end - start}")
         for rank in range(self.tp_size):
             group_rank_reads(self.tp_size, rank, remote.tp_size, heads)
+        if self.tp_size != remote.tp_size and local.order is BlockOrder.NHD:
+            log.warning("pulling from %s (tp %d) into tp %d with token-major (NHD) blocks: each rank reads its "
+                        "heads one token at a time; --kv-block-order HND on both sides reads them as whole runs",
+                        remote.engine_id, remote.tp_size, self.tp_size)
 
     def _drop_peers(self, old: EngineDescription) -> None:
         for r in self._ranks:

@@ -13,12 +13,15 @@ not start, and a live worker no peer can pair with is named, with why, on the ro
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from itertools import product
+from pathlib import Path
 
 import grpc
 import httpx
@@ -177,3 +180,71 @@ def test_router_pairs_tp_workers_and_names_a_worker_nobody_can_pair_with(llama: 
     assert "unpaired_reason" not in workers[decode.address]
     reason = workers[odd.address]["unpaired_reason"]
     assert "kv_layout" in reason and "NHD" in reason and "HND" in reason, reason
+
+
+@pytest.fixture(scope="module")
+def mqa_llama(tmp_path_factory) -> str:
+    """A random Llama with one KV head: at TP2 both ranks hold it (replicated)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(1)
+    config = hf_config("llama")
+    config.num_key_value_heads = 1
+    path = tmp_path_factory.mktemp("tp-mqa")
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def test_replicated_kv_head_is_read_once(mqa_llama: str) -> None:
+    """TP above the KV head count replicates the head; a pull still moves each head once: a TP2
+    reader or owner moves exactly the bytes a TP1 pair moves, and the tokens stay the same."""
+    keys = [("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)]
+    specs = [(role, mqa_llama, _worker_args(tp, 16, "cross_layer")) for role, tp in keys]
+    pairs = ((1, 1), (2, 1), (1, 2), (2, 2))
+    rng = random.Random(21)  # one prompt per pair (no prefix hits), all of one length (equal KV)
+    prompts = [[rng.randrange(3, 320) for _ in range(57)] for _ in pairs]
+    expected = _colocated(mqa_llama, prompts)
+    with daemons(*specs) as started:
+        workers = dict(zip(keys, started, strict=True))
+        pulled = {}
+        for (p_tp, d_tp), prompt, tokens in zip(pairs, prompts, expected, strict=True):
+            prefill, decode = workers[("prefill", p_tp)], workers[("decode", d_tp)]
+            before = metric_total(decode, "pdserve_kv_transfer_bytes_total")
+            assert _disaggregated(prefill, decode, prompt, f"mqa-p{p_tp}-d{d_tp}") == tokens
+            pulled[(p_tp, d_tp)] = metric_total(decode, "pdserve_kv_transfer_bytes_total") - before
+            _wait_unpinned(prefill)
+    # a TP2 reader's ranks each hold the head, so each reads it: that is two copies by design,
+    # one per rank that needs it; every other pair moves the TP1 bytes exactly
+    assert pulled[(2, 1)] == pulled[(1, 1)] > 0
+    assert pulled[(1, 2)] == pulled[(2, 2)] == 2 * pulled[(1, 1)]
+
+
+def _children(pid: int) -> list[int]:
+    """Follower ranks of a daemon: its multiprocessing children (not the resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_dead_rank_takes_the_worker_down_and_a_dead_worker_takes_its_ranks(llama: str) -> None:
+    """SIGKILL a follower rank: the daemon stops serving and exits non-zero (it logs which rank).
+    SIGKILL a daemon: its follower ranks notice the closed pipe and exit (no orphans)."""
+    with daemons(("decode", llama, _worker_args(2, 16, "cross_layer")),
+                 ("prefill", llama, _worker_args(2, 16, "cross_layer"))) as (decode, prefill):
+        (rank1,) = _children(decode.proc.pid)
+        os.kill(rank1, signal.SIGKILL)
+        assert decode.proc.wait(timeout=60) == 1
+        (orphan,) = _children(prefill.proc.pid)
+        prefill.proc.kill()
+        prefill.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not _gone(orphan):
+            assert time.monotonic() < deadline, "a follower rank outlived its daemon"
+            time.sleep(0.1)

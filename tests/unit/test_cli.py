@@ -58,8 +58,8 @@ def test_dummy_model() -> None:
     assert line.strip()
 
 
-def _flag(argv: tuple[str, ...], flag: str) -> str:
-    return argv[argv.index(flag) + 1]
+def _flag(argv: tuple[str, ...], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
 
 
 def _up_specs(cmdline: str, num_gpus: int) -> tuple[list[tuple[str, None, tuple[str, ...]]], str]:
@@ -120,3 +120,13 @@ def test_up_rejects_bad_flags_before_starting(monkeypatch: pytest.MonkeyPatch,
     assert "tp 4 worker needs 4 distinct GPUs" in capsys.readouterr().err
     assert main(["up", "--tp", "2", "--prefill-gpus", "0"]) == 2
     assert "--prefill-gpus 0: lists 1 GPU(s)" in capsys.readouterr().err
+
+
+def test_up_picks_head_major_blocks_for_mixed_tp_unless_told() -> None:
+    """Different TP sizes read head slices of every block: HND keeps them whole runs."""
+    mixed, _ = _up_specs("--prefill-tp 1 --decode-tp 2 --device cpu", num_gpus=0)
+    assert {_flag(argv, "--kv-block-order") for _, _, argv in mixed} == {"HND"}
+    same, _ = _up_specs("--tp 2 --device cpu", num_gpus=0)
+    assert {_flag(argv, "--kv-block-order") for _, _, argv in same} == {None}
+    told, _ = _up_specs("--prefill-tp 1 --decode-tp 2 --kv-block-order NHD --device cpu", num_gpus=0)
+    assert {_flag(argv, "--kv-block-order") for _, _, argv in told} == {"NHD"}
