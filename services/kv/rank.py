@@ -21,20 +21,15 @@ from services.kv.wire import MemoryRegion
 
 
 class KVRank(Protocol):
-    """What the KV library needs of one TP rank (its memory is registered once, at creation)."""
+    """What the KV library needs of one TP rank (its memory is registered once, at creation).
 
-    @property
-    def name(self) -> str:
-        """The rank's NIXL agent name (peers name it in notifications)."""
-        ...
+    ``name`` is the rank's NIXL agent name (peers name it in notifications); ``regions`` are the
+    registered KV buffers, in layout-buffer order.
+    """
 
-    @property
-    def layout(self) -> KVLayoutSpec: ...
-
-    @property
-    def regions(self) -> tuple[MemoryRegion, ...]:
-        """The registered KV buffers, in layout-buffer order."""
-        ...
+    name: str
+    layout: KVLayoutSpec
+    regions: tuple[MemoryRegion, ...]
 
     def metadata(self) -> bytes:
         """NIXL agent metadata for a peer (connection info and registered memory)."""
@@ -75,20 +70,9 @@ class LocalKVRank:
 
     def __init__(self, agent: TransferAgent, layout: KVLayoutSpec, buffers: Sequence[torch.Tensor]) -> None:
         self.agent = agent
-        self._layout = layout
-        self._regions = register_rank(agent, layout, buffers)
-
-    @property
-    def name(self) -> str:
-        return self.agent.name
-
-    @property
-    def layout(self) -> KVLayoutSpec:
-        return self._layout
-
-    @property
-    def regions(self) -> tuple[MemoryRegion, ...]:
-        return self._regions
+        self.name = agent.name
+        self.layout = layout
+        self.regions = register_rank(agent, layout, buffers)
 
     def metadata(self) -> bytes:
         return self.agent.metadata()
@@ -105,6 +89,6 @@ class LocalKVRank:
         if len(local_rows) == 0:
             self.agent.send_notification(peer, notify)
             return 0, 0
-        result = await self.agent.read(peer, local_rows, remote_rows, notify, self._regions[0].kind,
+        result = await self.agent.read(peer, local_rows, remote_rows, notify, self.regions[0].kind,
                                        remote_mem_kind=remote_mem_kind, timeout_s=timeout_s)
         return result.num_bytes, result.num_descriptors

@@ -46,18 +46,23 @@ def _worker_args(tp: int, block_size: int, layout: str, num_blocks: int = 96) ->
             "--num-kv-blocks", str(num_blocks), "--max-num-seqs", "8")
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> str:
-    """A random Llama: 4 query heads, 2 KV heads (split over 2 ranks, whole on 1)."""
+def _random_llama(tmp_path_factory, num_kv_heads: int, seed: int) -> str:
+    """A random 4-query-head Llama checkpoint saved by transformers."""
     import torch
     import transformers
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = hf_config("llama")
-    config.num_key_value_heads = 2
-    path = tmp_path_factory.mktemp("tp-llama")
+    config.num_key_value_heads = num_kv_heads
+    path = tmp_path_factory.mktemp(f"tp-llama-kv{num_kv_heads}")
     transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path, safe_serialization=True)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    """2 KV heads: split over 2 ranks, whole on 1."""
+    return _random_llama(tmp_path_factory, 2, seed=0)
 
 
 def _colocated(model: str | None, prompts: list[list[int]]) -> list[list[int]]:
@@ -184,16 +189,8 @@ def test_router_pairs_tp_workers_and_names_a_worker_nobody_can_pair_with(llama: 
 
 @pytest.fixture(scope="module")
 def mqa_llama(tmp_path_factory) -> str:
-    """A random Llama with one KV head: at TP2 both ranks hold it (replicated)."""
-    import torch
-    import transformers
-
-    torch.manual_seed(1)
-    config = hf_config("llama")
-    config.num_key_value_heads = 1
-    path = tmp_path_factory.mktemp("tp-mqa")
-    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path, safe_serialization=True)
-    return str(path)
+    """One KV head: at TP2 both ranks hold it (replicated)."""
+    return _random_llama(tmp_path_factory, 1, seed=1)
 
 
 def test_replicated_kv_head_is_read_once(mqa_llama: str) -> None:

@@ -34,25 +34,13 @@ class FollowerKVRank:
             raise ValueError(f"TP rank {tp_rank} registered KV buffers of {got} bytes, the layout has {expected}")
         self._group = group
         self.tp_rank = tp_rank
-        self._name = opened.name
+        self.name = opened.name
+        self.layout = layout
+        self.regions = tuple(MemoryRegion(i, r.address, r.length, r.device_id, r.kind)
+                             for i, r in enumerate(opened.regions))
         self._metadata = opened.metadata
-        self._layout = layout
-        self._regions = tuple(MemoryRegion(i, r.address, r.length, r.device_id, r.kind)
-                              for i, r in enumerate(opened.regions))
         self._notes: dict[str, list[bytes]] = {}
         self._notes_lock = threading.Lock()
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def layout(self) -> KVLayoutSpec:
-        return self._layout
-
-    @property
-    def regions(self) -> tuple[MemoryRegion, ...]:
-        return self._regions
 
     def metadata(self) -> bytes:
         return self._metadata
