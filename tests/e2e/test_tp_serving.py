@@ -6,7 +6,8 @@ worker (told the reader's TP size), then ``Generate`` with its ticket on a decod
 every rank pulls its own head slice. Greedy tokens must equal a colocated TP1 engine's, the pull
 must really happen (no local recompute), and the prefill worker must free the request's blocks
 once every reading rank has notified. A random Llama checkpoint with 2 KV heads covers the split
-and the replicated sides; the bundled SmolLM2 (3 KV heads, 9 query heads) covers an uneven TP3.
+and the replicated sides; the bundled SmolLM2 (3 KV heads, 9 query heads) covers an uneven TP3; a
+Gemma-4-like checkpoint covers KV-cache groups (each sharded by its own head count) under TP.
 Pairs that cannot work are refused with the reason: a worker that cannot shard the model does
 not start, and a live worker no peer can pair with is named, with why, on the router's /health.
 """
@@ -245,3 +246,30 @@ def test_a_dead_rank_takes_the_worker_down_and_a_dead_worker_takes_its_ranks(lla
         while not _gone(orphan):
             assert time.monotonic() < deadline, "a follower rank outlived its daemon"
             time.sleep(0.1)
+
+
+def test_hybrid_groups_under_tp_with_block_size_ratios(tmp_path_factory) -> None:
+    """Gemma-4-like: a sliding-window group and a full group whose layers have different KV head
+    counts and head dims, plus KV-shared layers. Each group is sharded by its own heads; pulls
+    across TP sizes and block-size ratios (both directions, both layouts) keep the greedy tokens."""
+    import json
+
+    from tests.checkpoints import make_checkpoint
+
+    directory, _ = make_checkpoint("gemma4", tmp_path_factory.mktemp("tp-gemma4"))
+    model = str(directory)
+    window = int(json.loads((directory / "config.json").read_text())["sliding_window"])
+    keys = [("prefill", 2, 16, "cross_layer"), ("prefill", 1, 64, "per_layer"),
+            ("decode", 1, 64, "per_layer"), ("decode", 2, 16, "cross_layer")]
+    specs = [(role, model, _worker_args(tp, bs, layout)) for role, tp, bs, layout in keys]
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 300) for _ in range(3 * window + 5 + 11 * i)] for i in range(3)]
+    expected = _colocated(model, prompts)
+    with daemons(*specs) as started:
+        workers = {key[:2]: d for key, d in zip(keys, started, strict=True)}
+        pairs = (((("prefill", 2), ("decode", 1)), prompts[0]), ((("prefill", 1), ("decode", 2)), prompts[1]),
+                 ((("prefill", 2), ("decode", 2)), prompts[2]))
+        for ((p_key, d_key), prompt), tokens in zip(pairs, expected, strict=True):
+            prefill, decode = workers[p_key], workers[d_key]
+            assert _disaggregated(prefill, decode, prompt, f"gemma4-p{p_key[1]}-d{d_key[1]}") == tokens
+            _wait_unpinned(prefill)
