@@ -23,6 +23,9 @@ Quirks of nixl 1.5.1 this module works around (checked on the CI machine):
   after connecting fails at post (NIXL_ERR_REMOTE_DISCONNECT); one from a peer that is alive but
   stalled (e.g. SIGSTOP) stays in progress forever, which is what the timeout is for.
 - ``nixl_agent`` silently skips a backend whose plugin is missing; that is checked here.
+- The UCX progress thread (on by default in nixl) busy-polls a core per agent on DRAM, idle or not:
+  on the 2-core CI machine two agents took both cores and cut DRAM READs from ~6 to ~1.4 GB/s.
+  Agents here run without it (see ``TransferAgent``).
 """
 
 from __future__ import annotations
@@ -277,7 +280,12 @@ class TransferAgent:
     Safe to share between the event loop and the agent's own worker thread, as the module docstring says.
     """
 
-    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), device: Device = "cpu") -> None:
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), device: Device = "cpu",
+                 progress_thread: bool = False) -> None:
+        """``progress_thread``: NIXL's UCX progress thread. Off by default: with the shared-memory
+        transports it spins a whole core per agent even when idle (one per TP rank per worker), and
+        nothing here needs it: the reader progresses its READs while it polls them and the owner
+        progresses its worker when it polls notifications."""
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         if device == "cuda" and CUDA_IPC_GET_ENV not in os.environ:
@@ -287,7 +295,8 @@ class TransferAgent:
 
         self.name, self.device = name, device
         try:
-            self._nixl = nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=list(backends)))
+            config = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
+            self._nixl = nixl_agent(name, config)
         except Exception as exc:
             raise TransferError(f"creating NIXL agent {name!r} failed: {_describe(exc)}") from exc
         missing = [b for b in backends if b not in self._nixl.backends]
