@@ -2,13 +2,42 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from services.engine.llm_engine import LLMEngine, RequestOutput
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
+from tests.checkpoints import make_checkpoint
+
+
+@dataclass
+class Reference:
+    checkpoint: str
+    prompts: list[list[int]]
+    tokens: list[list[int]]  # HF greedy continuation of each prompt
+    logits: list[torch.Tensor]  # HF logits over prompt + continuation[:-1]
+
+
+def hf_reference(arch: str, directory: Path, prompt_lens: Sequence[int], num_tokens: int, *, seed: int,
+                 shared_from: int, shared_len: int) -> Reference:
+    """A random ``arch`` checkpoint in ``directory`` and HF's greedy reference on seeded prompts.
+
+    Every prompt after prompt ``shared_from`` starts with its first ``shared_len`` tokens, so a
+    batch of them shares a prefix (in-batch prefix sharing, then prefix-cache hits on a rerun).
+    """
+    checkpoint, hf = make_checkpoint(arch, directory)
+    rng = random.Random(seed)
+    vocab = hf.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in prompt_lens]
+    for prompt in prompts[shared_from + 1:]:
+        prompt[:shared_len] = prompts[shared_from][:shared_len]
+    tokens, logits = hf_greedy(hf, prompts, num_tokens)
+    return Reference(str(checkpoint), prompts, tokens, logits)
 
 
 def hf_greedy(hf, prompts: Sequence[Sequence[int]], num_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:

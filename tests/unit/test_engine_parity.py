@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
 from services.kv.layout import BlockOrder, LayoutKind
-from tests.checkpoints import ARCHITECTURES, make_checkpoint
-from tests.parity import assert_matches, hf_greedy, run_to_completion
+from tests.checkpoints import ARCHITECTURES
+from tests.parity import Reference, assert_matches, hf_reference, run_to_completion
 
 # The GPU machine runs this file once with PDSERVE_TEST_DEVICE=cuda (see bench/RESULTS.md).
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
@@ -32,26 +29,11 @@ LAYOUTS = [(k, o) for k in LayoutKind for o in BlockOrder]
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, return_logits=True)
 
 
-@dataclass
-class Reference:
-    checkpoint: str
-    prompts: list[list[int]]
-    tokens: list[list[int]]  # HF greedy continuation of each prompt
-    logits: list[torch.Tensor]  # HF logits over prompt + continuation[:-1]
-
-
 @pytest.fixture(scope="module", params=ARCHITECTURES)
 def reference(request, tmp_path_factory) -> Reference:
-    arch = request.param
-    directory, hf = make_checkpoint(arch, tmp_path_factory.mktemp(arch))
-    rng = random.Random(7)
-    vocab = hf.config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
     # The last two prompts share their first 16 tokens with the second: in-batch prefix sharing.
-    prompts[2][:16] = prompts[1][:16]
-    prompts[3][:16] = prompts[1][:16]
-    tokens, logits = hf_greedy(hf, prompts, NUM_TOKENS)
-    return Reference(str(directory), prompts, tokens, logits)
+    return hf_reference(request.param, tmp_path_factory.mktemp(request.param), PROMPT_LENS, NUM_TOKENS, seed=7,
+                        shared_from=1, shared_len=16)
 
 
 def _engine(ref: Reference, kind: LayoutKind, order: BlockOrder, num_kv_blocks: int) -> LLMEngine:

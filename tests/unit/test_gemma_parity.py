@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
 from services.kv.layout import BlockOrder, LayoutKind
 from tests.checkpoints import GEMMA_ARCHITECTURES, make_checkpoint
-from tests.parity import assert_matches, hf_greedy, run_to_completion
+from tests.parity import Reference, assert_matches, hf_reference, run_to_completion
 
 # The GPU machine may run this file with PDSERVE_TEST_DEVICE=cuda, as test_engine_parity.py.
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
@@ -33,26 +32,11 @@ GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True,
 LAYOUTS = [(LayoutKind.CROSS_LAYER, BlockOrder.NHD), (LayoutKind.PER_LAYER, BlockOrder.HND)]
 
 
-@dataclass
-class Reference:
-    checkpoint: str
-    prompts: list[list[int]]
-    tokens: list[list[int]]  # HF greedy continuation of each prompt
-    logits: list[torch.Tensor]  # HF logits over prompt + continuation[:-1]
-
-
 @pytest.fixture(scope="module", params=GEMMA_ARCHITECTURES)
 def reference(request, tmp_path_factory) -> Reference:
-    arch = request.param
-    directory, hf = make_checkpoint(arch, tmp_path_factory.mktemp(arch))
-    rng = random.Random(11)
-    vocab = hf.config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
     # The last two prompts start with the first one's first 24 tokens: prefix sharing in a batch.
-    prompts[1][:24] = prompts[0][:24]
-    prompts[2][:24] = prompts[0][:24]
-    tokens, logits = hf_greedy(hf, prompts, NUM_TOKENS)
-    return Reference(str(directory), prompts, tokens, logits)
+    return hf_reference(request.param, tmp_path_factory.mktemp(request.param), PROMPT_LENS, NUM_TOKENS, seed=11,
+                        shared_from=0, shared_len=24)
 
 
 def _engine(checkpoint: str, kind: LayoutKind, order: BlockOrder, **kw) -> LLMEngine:
