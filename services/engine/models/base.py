@@ -9,7 +9,12 @@ from torch import nn
 
 from services.engine.attention import AttentionBatch, TailBatch
 from services.engine.config import ModelConfig
-from services.engine.models.layers import projection_shape
+from services.engine.models.layers import (
+    copy_weight,
+    load_attention_projection,
+    load_mlp_projection,
+    projection_shape,
+)
 from services.engine.parallel import ParallelConfig
 
 
@@ -24,6 +29,7 @@ class DecoderModel(nn.Module):
 
     config: ModelConfig
     parallel: ParallelConfig
+    LAYER_NORMS: tuple[str, ...] = ()  # per-layer norms the checkpoint stores: model.layers.N.<norm>.weight
 
     @property
     def skips_to_tail(self) -> bool:
@@ -86,7 +92,56 @@ class DecoderModel(nn.Module):
         return projection_shape(proj, kind, h, q, kv, i)
 
     def _expected_names(self) -> Iterator[str]:
-        raise NotImplementedError
+        """Every tensor the checkpoint must hold: the shared embed/norm/head, then per layer its norms
+        (``LAYER_NORMS``), attention projections (``_attention_projections``) with their biases,
+        the q/k norms its attention has, and the MLP."""
+        c = self.config
+        yield "model.embed_tokens.weight"
+        yield "model.norm.weight"
+        if not c.tie_word_embeddings:
+            yield "lm_head.weight"
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            yield from (p + f"{norm}.weight" for norm in self.LAYER_NORMS)
+            projs = self._attention_projections(i)
+            yield from (p + f"self_attn.{proj}.weight" for proj in (*projs, "o_proj"))
+            if c.attention_bias:
+                yield from (p + f"self_attn.{proj}.bias" for proj in projs)
+            if c.o_proj_bias:
+                yield p + "self_attn.o_proj.bias"
+            attn = layer.self_attn
+            yield from (p + f"self_attn.{norm}.weight" for norm in ("q_norm", "k_norm")
+                        if getattr(attn, norm) is not None)
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                yield p + f"mlp.{proj}.weight"
+                if c.mlp_bias:
+                    yield p + f"mlp.{proj}.bias"
+
+    def _attention_projections(self, layer_id: int) -> tuple[str, ...]:
+        """The q/k/v projections layer ``layer_id``'s checkpoint stores (all three, unless a family's
+        layer computes no KV or shares K and V)."""
+        return ("q_proj", "k_proj", "v_proj")
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Copy one expected tensor in, taking this TP rank's shard of the projections."""
+        c, tp = self.config, self.parallel
+        if name == "model.embed_tokens.weight":
+            return copy_weight(name, self.embed_tokens, tensor)
+        if name == "lm_head.weight":
+            return copy_weight(name, self.lm_head, tensor)
+        if name == "model.norm.weight":
+            return copy_weight(name, self.norm.weight, tensor)
+        parts = name.split(".")
+        layer_id = int(parts[2])
+        layer = self.layers[layer_id]
+        module = parts[3]
+        if module in self.LAYER_NORMS:
+            return copy_weight(name, getattr(layer, module).weight, tensor)
+        proj, kind = parts[4], parts[5]
+        if module == "self_attn":
+            attn = layer.self_attn
+            if proj in ("q_norm", "k_norm"):
+                return copy_weight(name, getattr(attn, proj).weight, tensor)
+            spec = c.layers[layer_id]
+            return load_attention_projection(name, attn, proj, kind, tensor, tp, spec.num_kv_heads, spec.head_dim)
+        return load_mlp_projection(name, layer.mlp, proj, kind, tensor, tp)

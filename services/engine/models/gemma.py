@@ -24,8 +24,6 @@ columns as in ``llama.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
@@ -38,9 +36,6 @@ from services.engine.models.layers import (
     RopeAngles,
     activation,
     apply_rope,
-    copy_weight,
-    load_attention_projection,
-    load_mlp_projection,
     param,
     softcap,
 )
@@ -135,6 +130,7 @@ class GemmaForCausalLM(DecoderModel):
     """Gemma-2 / Gemma-3 text decoder plus LM head. ``kv_views[layer]`` is that layer's (K, V) view."""
 
     layer_class: type[GemmaDecoderLayer] = GemmaDecoderLayer
+    LAYER_NORMS = GemmaDecoderLayer.NORMS
 
     def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -185,53 +181,9 @@ class GemmaForCausalLM(DecoderModel):
                 return parts[4] in ("k_proj", "v_proj", "k_norm", "v_norm")
         return False
 
-    def _expected_names(self) -> Iterator[str]:
-        c = self.config
-        yield "model.embed_tokens.weight"
-        yield "model.norm.weight"
-        if not c.tie_word_embeddings:
-            yield "lm_head.weight"
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            yield from (p + f"{norm}.weight" for norm in GemmaDecoderLayer.NORMS)
-            attn = layer.self_attn
-            projs = ["q_proj"]
-            if attn.computes_kv:
-                projs += ["k_proj"] if attn.k_is_v else ["k_proj", "v_proj"]
-            for proj in projs + ["o_proj"]:
-                yield p + f"self_attn.{proj}.weight"
-            if c.attention_bias:
-                yield from (p + f"self_attn.{proj}.bias" for proj in projs)
-            if c.o_proj_bias:
-                yield p + "self_attn.o_proj.bias"
-            if attn.q_norm is not None:
-                yield p + "self_attn.q_norm.weight"
-            if attn.k_norm is not None:
-                yield p + "self_attn.k_norm.weight"
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                yield p + f"mlp.{proj}.weight"
-                if c.mlp_bias:
-                    yield p + f"mlp.{proj}.bias"
-
-    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
-        c, tp = self.config, self.parallel
-        if name == "model.embed_tokens.weight":
-            return copy_weight(name, self.embed_tokens, tensor)
-        if name == "lm_head.weight":
-            return copy_weight(name, self.lm_head, tensor)
-        if name == "model.norm.weight":
-            return copy_weight(name, self.norm.weight, tensor)
-        parts = name.split(".")
-        layer_id = int(parts[2])
-        layer = self.layers[layer_id]
-        module = parts[3]
-        if module in GemmaDecoderLayer.NORMS:
-            return copy_weight(name, getattr(layer, module).weight, tensor)
-        proj, kind = parts[4], parts[5]
-        if module == "self_attn":
-            attn = layer.self_attn
-            if proj in ("q_norm", "k_norm"):
-                return copy_weight(name, getattr(attn, proj).weight, tensor)
-            spec = c.layers[layer_id]
-            return load_attention_projection(name, attn, proj, kind, tensor, tp, spec.num_kv_heads, spec.head_dim)
-        return load_mlp_projection(name, layer.mlp, proj, kind, tensor, tp)
+    def _attention_projections(self, layer_id: int) -> tuple[str, ...]:
+        """A KV-shared layer stores only q; a layer whose K is its V (Gemma-4's attention_k_eq_v) no v."""
+        attn = self.layers[layer_id].self_attn
+        if not attn.computes_kv:
+            return ("q_proj",)
+        return ("q_proj", "k_proj") if attn.k_is_v else ("q_proj", "k_proj", "v_proj")

@@ -8,8 +8,6 @@ all-reduced.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
@@ -20,9 +18,6 @@ from services.engine.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
-    copy_weight,
-    load_attention_projection,
-    load_mlp_projection,
     param,
 )
 from services.engine.parallel import ParallelConfig, all_reduce
@@ -90,6 +85,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(DecoderModel):
     """The whole decoder plus LM head. ``kv_views[layer]`` is that layer's (K, V) cache view."""
 
+    LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+
     def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
@@ -118,49 +115,5 @@ class LlamaForCausalLM(DecoderModel):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return nn.functional.linear(hidden, head).float()
-
-    # ---- weight loading ------------------------------------------------------------------------
-    def _expected_names(self) -> Iterator[str]:
-        c = self.config
-        yield "model.embed_tokens.weight"
-        yield "model.norm.weight"
-        if not c.tie_word_embeddings:
-            yield "lm_head.weight"
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            yield from (p + "input_layernorm.weight", p + "post_attention_layernorm.weight")
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                yield p + f"self_attn.{proj}.weight"
-            if c.attention_bias:
-                yield from (p + f"self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj"))
-            if c.o_proj_bias:
-                yield p + "self_attn.o_proj.bias"
-            if c.qk_norm:
-                yield from (p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                yield p + f"mlp.{proj}.weight"
-                if c.mlp_bias:
-                    yield p + f"mlp.{proj}.bias"
-
-    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
-        c, tp = self.config, self.parallel
-        if name == "model.embed_tokens.weight":
-            return copy_weight(name, self.embed_tokens, tensor)
-        if name == "lm_head.weight":
-            return copy_weight(name, self.lm_head, tensor)
-        if name == "model.norm.weight":
-            return copy_weight(name, self.norm.weight, tensor)
-        parts = name.split(".")
-        layer = self.layers[int(parts[2])]
-        module = parts[3]
-        if module in ("input_layernorm", "post_attention_layernorm"):
-            return copy_weight(name, getattr(layer, module).weight, tensor)
-        proj, kind = parts[4], parts[5]
-        if module == "self_attn":
-            attn = layer.self_attn
-            if proj in ("q_norm", "k_norm"):
-                return copy_weight(name, getattr(attn, proj).weight, tensor)
-            return load_attention_projection(name, attn, proj, kind, tensor, tp, c.num_kv_heads, c.head_dim)
-        return load_mlp_projection(name, layer.mlp, proj, kind, tensor, tp)
 
 
