@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from services.engine.gguf_loader import _unpermute_rope_rows, load_gguf
+from tests.gguf_files import decoder_shapes, finish
 from tests.unit._smollm2 import smollm2_checkpoint, smollm2_path, smollm2_tokenizer, transformers_model
 
 CONFIG_FIELDS = [
@@ -131,37 +132,21 @@ def _write_tiny_model(path: Path, architecture: str, *, head_dim: int, tied: boo
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
 
-    shapes = {"token_embd.weight": (vocab_size, hidden), "output_norm.weight": (hidden,)}
-    if not tied:
-        shapes["output.weight"] = (vocab_size, hidden)
-    for layer in range(num_layers):
-        block = f"blk.{layer}."
-        shapes |= {
-            block + "attn_norm.weight": (hidden,),
-            block + "ffn_norm.weight": (hidden,),
-            block + "attn_q.weight": (num_heads * head_dim, hidden),
-            block + "attn_k.weight": (num_kv_heads * head_dim, hidden),
-            block + "attn_v.weight": (num_kv_heads * head_dim, hidden),
-            block + "attn_output.weight": (hidden, num_heads * head_dim),
-            block + "ffn_gate.weight": (intermediate, hidden),
-            block + "ffn_up.weight": (intermediate, hidden),
-            block + "ffn_down.weight": (hidden, intermediate),
-        }
-        if qkv_bias:
+    shapes = decoder_shapes(vocab=vocab_size, hidden=hidden, heads=num_heads, kv_heads=num_kv_heads,
+                            head_dim=head_dim, intermediate=intermediate, layers=num_layers, tied=tied,
+                            qk_norm=qk_norm)
+    if qkv_bias:
+        for layer in range(num_layers):
+            block = f"blk.{layer}."
             shapes |= {block + "attn_q.bias": (num_heads * head_dim,),
                        block + "attn_k.bias": (num_kv_heads * head_dim,),
                        block + "attn_v.bias": (num_kv_heads * head_dim,)}
-        if qk_norm:
-            shapes |= {block + "attn_q_norm.weight": (head_dim,), block + "attn_k_norm.weight": (head_dim,)}
     for name, shape in shapes.items():
         if name != drop:
             values = rng.standard_normal(shape).astype(np.float32)
             # Store the big matrices as F16 to cover a second storage type.
             writer.add_tensor(name, values.astype(np.float16) if len(shape) == 2 else values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path
 
 

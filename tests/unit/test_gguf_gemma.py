@@ -24,6 +24,7 @@ from services.engine.engine_config import EngineConfig
 from services.engine.gguf_loader import load_gguf
 from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
+from tests.gguf_files import decoder_shapes, finish
 from tests.parity import assert_matches, hf_greedy, run_to_completion
 
 VOCAB, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, WINDOW = 96, 64, 96, 2, 1, 8
@@ -83,26 +84,9 @@ def _write_gemma(path: Path, arch: str, *, layers: int, head_dim: int, tied: boo
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope_scale)
 
-    shapes = {"token_embd.weight": (VOCAB, HIDDEN), "output_norm.weight": (HIDDEN,)}
-    if not tied:
-        shapes["output.weight"] = (VOCAB, HIDDEN)
-    for layer in range(layers):
-        block = f"blk.{layer}."
-        shapes |= {
-            block + "attn_norm.weight": (HIDDEN,),
-            block + "attn_q.weight": (HEADS * head_dim, HIDDEN),
-            block + "attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
-            block + "attn_v.weight": (KV_HEADS * head_dim, HIDDEN),
-            block + "attn_output.weight": (HIDDEN, HEADS * head_dim),
-            block + "post_attention_norm.weight": (HIDDEN,),
-            block + "ffn_norm.weight": (HIDDEN,),
-            block + "ffn_gate.weight": (INTERMEDIATE, HIDDEN),
-            block + "ffn_up.weight": (INTERMEDIATE, HIDDEN),
-            block + "ffn_down.weight": (HIDDEN, INTERMEDIATE),
-            block + "post_ffw_norm.weight": (HIDDEN,),
-        }
-        if arch == "gemma3":
-            shapes |= {block + "attn_q_norm.weight": (head_dim,), block + "attn_k_norm.weight": (head_dim,)}
+    shapes = decoder_shapes(vocab=VOCAB, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=head_dim,
+                            intermediate=INTERMEDIATE, layers=layers, tied=tied, qk_norm=arch == "gemma3",
+                            layer_norms=("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"))
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
             # llama.cpp's converter writes Gemma's w as 1 + w (the model computes x * (1 + w)).
@@ -110,10 +94,7 @@ def _write_gemma(path: Path, arch: str, *, layers: int, head_dim: int, tied: boo
         else:
             values = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
             writer.add_tensor(name, values.astype(np.float16) if name != "token_embd.weight" else values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path
 
 

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import pre_tokenizers
 
 from services.engine.tokenizer import GGUFMetadata, Tokenizer
+from tests.gguf_files import finish
 from tests.unit._smollm2 import smollm2_checkpoint, smollm2_tokenizer, transformers_tokenizer
 
 TEXTS = [
@@ -85,10 +86,7 @@ def _write_gguf(path: Path, **strings: str) -> Path:
     writer.add_token_merges(["a b"])
     for key, value in strings.items():
         writer.add_string(f"tokenizer.ggml.{key}", value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path
 
 
@@ -309,10 +307,7 @@ def test_qwen2_pre_tokenizer_matches_transformers(tmp_path, tokenizer):
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_eos_token_id(2)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
     ours = Tokenizer.from_gguf(tmp_path / "qwen2.gguf")
     reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="qwen2.gguf")
