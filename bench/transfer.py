@@ -162,8 +162,7 @@ def make_reader(kind: str, num_blocks: int, devices: list[str]) -> tuple[KVPulle
     agent = rank.agent
     compat = CompatInfo.of(compat_fields(architecture="llama", num_layers=SHAPE["num_layers"],
                                          num_kv_heads=SHAPE["num_kv_heads"], head_dim=SHAPE["head_dim"], layout=layout))
-    puller = KVPuller(engine_id="bench-reader", compat=compat, num_kv_heads=SHAPE["num_kv_heads"],
-                      ranks=[rank], transfer_timeout_s=120)
+    puller = KVPuller(engine_id="bench-reader", compat=compat, ranks=[rank], transfer_timeout_s=120)
     return puller, agent
 
 
@@ -245,7 +244,7 @@ def run_groups(shapes: dict[str, dict], num_tokens: int, repeats: int, device: s
                 layout = layout_for(cfg, 1)
                 ranks = make_ranks(layout, rank_devices(reader_devices, 1), "bench-reader")
                 puller = KVPuller(engine_id="bench-reader", compat=compat_for(cfg, layout),
-                                  num_kv_heads=cfg["num_kv_heads"], ranks=ranks, transfer_timeout_s=120)
+                                  ranks=ranks, transfer_timeout_s=120)
                 ticket = kv_pb2.TransferTicket.FromString(bytes.fromhex(hello["tickets"]["g"]))
                 local = block_ids(num_blocks, 1)
                 measured[variant] = asyncio.run(time_pull_groups(puller, ticket, [local, local], repeats))
@@ -343,7 +342,7 @@ def run_tp(pairs: list[tuple[int, int]], orders: list[str], num_tokens: int, rep
                 ranks = make_ranks(layout, rank_devices(reader_devices, d_tp), f"bench-reader-tp{d_tp}")
                 agents += [rank.agent for rank in ranks]
                 readers[d_tp] = KVPuller(engine_id=f"bench-reader-tp{d_tp}", compat=compat_for(cfg, layout),
-                                         num_kv_heads=SHAPE["num_kv_heads"], ranks=ranks, transfer_timeout_s=120)
+                                         ranks=ranks, transfer_timeout_s=120)
             base = None
             for p_tp, d_tp in pairs:
                 row = dict(scenario="tp", device=device, layout="cross_layer", order=order, tokens=num_tokens,

@@ -161,7 +161,7 @@ async def serve(args: argparse.Namespace, engine: LLMEngine) -> str | None:
                                          num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, layout=layout,
                                          kv_sharing=mc.kv_sharing, group_kv_heads=engine.group_kv_heads))
     ranks = open_kv_ranks(engine, engine_id, epoch)
-    puller = KVPuller(engine_id=engine_id, compat=compat, num_kv_heads=mc.num_kv_heads, ranks=ranks,
+    puller = KVPuller(engine_id=engine_id, compat=compat, ranks=ranks,
                       auth_token=args.kv_auth_token, transfer_timeout_s=args.kv_transfer_timeout_s)
     aengine = AsyncEngine(engine)
     aengine.start()

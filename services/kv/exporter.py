@@ -1,10 +1,10 @@
 """Owner (prefill) side of KV transfer: publish the engine, hand out tickets, free on notification.
 
 Each TP rank registers its KV buffers with its own NIXL agent (``services.kv.rank``; the ranks
-may live in other processes). A ticket is handed out with the
-reader's TP size, so the owner knows how many reading ranks will notify each of its ranks
-(``readers_per_remote_rank``); the request's blocks are released once every owner rank has heard
-from all of its readers, or when the lease expires.
+may live in other processes). A ticket is handed out with the reader's TP size, so the owner
+knows how many reading ranks will notify each of its ranks (``group_readers_per_remote_rank``,
+each KV group sharded by its own heads); the request's blocks are released once every owner rank
+has heard from all of its readers, or when the lease expires.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ class KVExporter:
             raise ValueError("an engine has at least one TP rank")
         self.engine_id = engine_id
         self.epoch = epoch if epoch is not None else time.time_ns()
-        self.num_kv_heads = num_kv_heads
         self._ranks = list(ranks)
         layout = ranks[0].layout
         self.compat = CompatInfo.of(compat_fields(

@@ -57,14 +57,12 @@ class KVPuller:
         *,
         engine_id: str,
         compat: CompatInfo,
-        num_kv_heads: int,
         ranks: Sequence[KVRank],
         auth_token: str | None = None,
         handshake_timeout_s: float = 5.0,
         transfer_timeout_s: float = 30.0,
     ) -> None:
         self.engine_id = engine_id
-        self.num_kv_heads = num_kv_heads
         self._ranks = list(ranks)
         self.transfer_timeout_s = transfer_timeout_s
         self.peers = PeerCache(

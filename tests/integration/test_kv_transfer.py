@@ -105,7 +105,7 @@ def reader(cfg: dict, tp: int, token: str | None = None):
         caches.append(cache)
         agents.append(agent)
         ranks.append(LocalKVRank(agent, layout, cache.buffers))
-    puller = KVPuller(engine_id="reader", compat=compat_for(cfg, layout), num_kv_heads=cfg["num_kv_heads"], ranks=ranks,
+    puller = KVPuller(engine_id="reader", compat=compat_for(cfg, layout), ranks=ranks,
                       auth_token=token, handshake_timeout_s=10, transfer_timeout_s=20)
     r = Reader(puller, caches, agents, cfg, tp)
     try:

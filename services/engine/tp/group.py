@@ -277,9 +277,6 @@ class LeaderRunner:
         self.group.send_step(chunks, self.block_size)
         return self.runner.execute(chunks)
 
-    def __getattr__(self, name: str):
-        return getattr(self.runner, name)
-
 
 def _step_chunk(c: Chunk, block_size: int) -> m.StepChunk:
     """The chunk as a message: block tables cut at the last block this chunk's context touches."""
