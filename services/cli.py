@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -144,8 +145,9 @@ def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--advertise-host", default=None, help="host peers should dial (default: --host)")
     p.add_argument("--engine-id", default=None, help=f"stable id of this engine (default: {role}@host:port)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: a free one)")
-    p.add_argument("--kv-auth-token", default=None,
-                   help="shared token: KV agent metadata is only exchanged with peers presenting it")
+    p.add_argument("--kv-auth-token", default=os.environ.get("PDSERVE_KV_AUTH_TOKEN") or None,
+                   help="shared token: KV agent metadata is only exchanged with peers presenting it (default: "
+                        "$PDSERVE_KV_AUTH_TOKEN, which keeps it out of the process list)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0, help="SIGTERM: how long in-flight work may finish")
     if role == "prefill":
         p.add_argument("--kv-lease-s", type=float, default=30.0,
@@ -215,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: placed automatically)")
     up.add_argument("--served-model-name", default=None)
     up.add_argument("--direct-decode-threshold", type=int, default=0, metavar="TOKENS")
+    up.add_argument("--metrics-port", type=int, default=0,
+                    help="the supervisor's /metrics port (worker restarts; default: a free one, on the ready line)")
+    up.add_argument("--prometheus-sd-file", default=None, metavar="PATH",
+                    help="write every process's metrics address here as Prometheus file_sd targets")
     _add_engine_args(up)
     up.set_defaults(func=cmd_up)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+# The outcomes each role counts in pdserve_requests_total.
+REQUEST_OUTCOMES = {"prefill": ("ticket", "finished", "invalid"), "decode": ("finished", "invalid")}
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -36,6 +38,23 @@ class WorkerMetrics:
                                         "Requests prefilled locally because the pull failed", labels, registry=r)
         self.lease_expiries = Counter("pdserve_kv_lease_expiries", "Pinned KV freed by lease expiry, never pulled",
                                       labels, registry=r)
+        self.info = Gauge("pdserve_worker_info", "Always 1; labels say what this worker serves",
+                          ["role", "model", "engine_id", "tp_size", "block_size"], registry=r)
+        self._start_at_zero()
+
+    def _start_at_zero(self) -> None:
+        """Create this role's series now, so dashboards and rates see 0 rather than nothing before traffic."""
+        for metric in (self.ttft, self.itl, self.e2e, self.queue_depth, self.running, self.transfer_bytes,
+                       self.transfer_seconds, self.transfer_descriptors, self.handshake_failures,
+                       self.transfer_failures, self.local_recomputes, self.lease_expiries):
+            metric.labels(self.role)
+        for outcome in REQUEST_OUTCOMES[self.role]:
+            self.requests.labels(self.role, outcome)
+        for state in ("free", "used", "pinned_for_transfer"):
+            self.kv_blocks.labels(self.role, state)
+
+    def set_info(self, model: str, engine_id: str, tp_size: int, block_size: int) -> None:
+        self.info.labels(self.role, model, engine_id, str(tp_size), str(block_size)).set(1)
 
     def set_engine_stats(self, stats) -> None:  # stats: services.engine.async_engine.EngineStats
         self.queue_depth.labels(self.role).set(stats.num_waiting)

@@ -66,12 +66,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             except ValueError as e:
                 self.metrics.requests.labels("decode", "invalid").inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            last = time.monotonic()
             if prefix:  # the ticket's first token, when the engine restarted the request without it
                 yield worker_pb2.TokenChunk(token_ids=prefix, num_prompt_tokens=len(prompt), recomputed_locally=True)
+            last = None  # TTFT here is arrival (pull included) to the first token this worker produced
             async for out in self.engine.outputs(request.request_id):
                 now = time.monotonic()
-                self.metrics.itl.labels("decode").observe(now - last)
+                if last is None:
+                    self.metrics.ttft.labels("decode").observe(now - started)
+                else:
+                    self.metrics.itl.labels("decode").observe(now - last)
                 last = now
                 yield _chunk(out, len(prompt), recomputed)
             self.metrics.e2e.labels("decode").observe(time.monotonic() - started)
@@ -168,6 +171,7 @@ async def serve(args: argparse.Namespace, engine: LLMEngine) -> str | None:
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
         DecodeServicer(server, aengine, puller, compat, engine_id, epoch, metrics,
                        reserve_timeout_s=args.kv_transfer_timeout_s), server.server)
+    metrics.set_info(engine.source.name, engine_id, engine.config.parallel.tp_size, engine.config.block_size)
     metrics_port = metrics.serve(args.host, args.metrics_port)
     stop = asyncio.Event()
 

@@ -133,6 +133,7 @@ async def serve(args: argparse.Namespace, engine: LLMEngine) -> str | None:
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
         PrefillServicer(server, aengine, exporter, address, metrics), server.server)
     add_handshake_service(server.server, HandshakeServicer(exporter.describe, args.kv_auth_token))
+    metrics.set_info(engine.source.name, engine_id, engine.config.parallel.tp_size, engine.config.block_size)
     metrics_port = metrics.serve(args.host, args.metrics_port)
     stop = asyncio.Event()
     releaser = asyncio.create_task(release_loop(aengine, exporter, metrics, args.kv_lease_s, stop))

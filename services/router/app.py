@@ -30,7 +30,7 @@ from services.router.discovery import Discovery, EndpointSource, Probe, Resolver
 from services.router.errors import ModelNotFound, WorkerFailure, install_error_handlers, to_router_error
 from services.router.flow import Delta, Dispatcher, GenerationRequest, Outcome
 from services.router.metrics import CONTENT_TYPE, RouterMetrics
-from services.router.pairing import PairingPolicy, Role, WorkerIdentity, WorkerState
+from services.router.pairing import PairingPolicy, Role, ServingStatus, WorkerIdentity, WorkerState
 from services.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -74,11 +74,8 @@ class RouterRuntime:
     def max_model_len(self) -> int | None:
         return self.config.max_model_len or self.policy.max_model_len()
 
-    def healthy(self) -> bool:
-        """A compatible healthy pair exists; decode-only routers need a healthy decode worker."""
-        if self.config.decode_only:
-            return self.policy.has_healthy_decode()
-        return self.policy.has_healthy_pair()
+    def status(self) -> ServingStatus:
+        return self.policy.serving_status(self.config.decode_only)
 
 
 def create_app(
@@ -96,7 +93,8 @@ def create_app(
     tokenizer = tokenizer_loader(config.model)
     policy = PairingPolicy(config.direct_decode_threshold)
     pool = WorkerPool()
-    metrics = RouterMetrics(policy)
+    served_name = model_name(config.model, config.served_model_name)
+    metrics = RouterMetrics(policy, served_name, decode_only=config.decode_only)
 
     async def info_probe(role: Role, address: str) -> WorkerIdentity:
         return await pool.info(role, address, config.health_timeout_s)
@@ -109,7 +107,7 @@ def create_app(
     is_dummy = bool(config.model and config.model.startswith("dummy:"))
     runtime = RouterRuntime(
         config=config,
-        model_name=model_name(config.model, config.served_model_name),
+        model_name=served_name,
         tokenizer=tokenizer,
         # A dummy model borrows a tokenizer whose vocabulary is not the model's.
         vocab_size=tokenizer.vocab_size if tokenizer is not None and not is_dummy else None,
@@ -162,12 +160,20 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
+        """200 while requests can be served (``degraded``: only by decode workers prefilling locally, which
+        the body says), 503 only when nothing can; the body names every worker's state either way."""
         rt = _runtime(request)
+        status = rt.status()
         counts = {role.value: sum(w.available for w in rt.policy.workers(role)) for role in Role}
-        body = {"status": "ok" if rt.healthy() else "unavailable", "healthy_workers": counts,
-                "decode_only": rt.config.decode_only,
-                "workers": [_worker_health(rt.policy, w) for w in rt.policy.workers()]}
-        return _json(body, status_code=200 if rt.healthy() else 503)
+        body: dict[str, object] = {"status": status.value, "healthy_workers": counts,
+                                   "decode_only": rt.config.decode_only}
+        if status == ServingStatus.DEGRADED:
+            body["reason"] = ("no healthy prefill worker: decode workers prefill every prompt themselves"
+                              if not counts[Role.PREFILL.value] else
+                              "no healthy prefill worker can pair with a healthy decode worker (see each "
+                              "worker's unpaired_reason): decode workers prefill every prompt themselves")
+        body["workers"] = [_worker_health(rt.policy, w) for w in rt.policy.workers()]
+        return _json(body, status_code=503 if status == ServingStatus.UNAVAILABLE else 200)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -180,6 +186,7 @@ def _worker_health(policy: PairingPolicy, worker: WorkerState) -> dict[str, obje
     entry: dict[str, object] = {
         "address": worker.address,
         "role": worker.role.value,
+        "state": policy.worker_state(worker),
         "healthy": worker.healthy,
         "draining": bool(identity and identity.draining),
         "engine_id": identity.engine_id if identity else None,

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.router.pairing import PairingPolicy, Role
+from services.router.pairing import PairingPolicy, Role, ServingStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -24,12 +24,20 @@ _ROUTER_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 
 
 class _WorkerCollector(Collector):
-    """Workers per role and state, read from the pairing table when scraped."""
+    """Workers per role and state, and what the router can serve, read from the pairing table when scraped."""
 
-    def __init__(self, policy: PairingPolicy) -> None:
+    def __init__(self, policy: PairingPolicy, decode_only: bool) -> None:
         self._policy = policy
+        self._decode_only = decode_only
 
     def collect(self) -> Iterator[Metric]:
+        status = GaugeMetricFamily("pdserve_router_status",
+                                   "1 for the router's current status: ok (disaggregated pairs), degraded "
+                                   "(decode workers prefill locally) or unavailable", labels=["status"])
+        current = self._policy.serving_status(self._decode_only)
+        for value in ServingStatus:
+            status.add_metric([value.value], float(value == current))
+        yield status
         workers = GaugeMetricFamily("pdserve_router_workers", "Known workers by role and state",
                                     labels=["role", "state"])
         outstanding = GaugeMetricFamily("pdserve_router_worker_outstanding_requests",
@@ -54,9 +62,11 @@ class _WorkerCollector(Collector):
 class RouterMetrics:
     """Every metric the router exports, registered in ``self.registry``."""
 
-    def __init__(self, policy: PairingPolicy) -> None:
+    def __init__(self, policy: PairingPolicy, model: str = "", decode_only: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        info = Gauge("pdserve_router_info", "Always 1; the model the router serves", ["model"], registry=r)
+        info.labels(model).set(1)
         self.requests = Counter("pdserve_router_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.in_flight = Gauge("pdserve_router_requests_in_flight", "Generation requests being served",
@@ -83,7 +93,7 @@ class RouterMetrics:
                                        ["role"], registry=r)
         self.client_disconnects = Counter("pdserve_router_client_disconnects",
                                           "Requests whose client went away before the end", registry=r)
-        r.register(_WorkerCollector(policy))
+        r.register(_WorkerCollector(policy, decode_only))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

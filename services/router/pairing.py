@@ -30,6 +30,14 @@ class Role(enum.StrEnum):
     DECODE = "decode"
 
 
+class ServingStatus(enum.StrEnum):
+    """What the router can do now: disaggregate (ok), serve through decode workers alone (degraded), nothing."""
+
+    OK = "ok"
+    DEGRADED = "degraded"
+    UNAVAILABLE = "unavailable"
+
+
 @dataclass(frozen=True)
 class WorkerIdentity:
     """What a worker's ``Info`` says about it, as far as pairing is concerned."""
@@ -188,6 +196,24 @@ class PairingPolicy:
 
     def has_healthy_decode(self) -> bool:
         return bool(self._available(Role.DECODE))
+
+    def serving_status(self, decode_only: bool = False) -> ServingStatus:
+        """OK with a compatible healthy pair (a decode-only router: a healthy decode worker); DEGRADED when
+        decode workers are up but none has a prefill partner, so every prompt is prefilled on decode."""
+        if not self.has_healthy_decode():
+            return ServingStatus.UNAVAILABLE
+        if decode_only or self.has_healthy_pair():
+            return ServingStatus.OK
+        return ServingStatus.DEGRADED
+
+    def worker_state(self, worker: WorkerState) -> str:
+        """One word for ``/health``: healthy, unpaired (healthy, but no live worker of the other role can
+        pair with it), draining, unhealthy (its last probe failed) or unknown (never answered yet)."""
+        if worker.available:
+            return "unpaired" if self.unpaired_reason(worker) else "healthy"
+        if worker.healthy:
+            return "draining"
+        return "unhealthy" if worker.last_error else "unknown"
 
     def max_model_len(self) -> int | None:
         """The smallest context length any available worker reports (a request must fit both sides)."""

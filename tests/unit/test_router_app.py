@@ -229,18 +229,50 @@ async def test_health_follows_compatible_pairs(model_dir: Path, tokenizer: Token
         workers = body.pop("workers")
         assert body == {"status": "ok", "healthy_workers": {"prefill": 1, "decode": 1}, "decode_only": False}
         assert workers == [
-            {"address": "p:1", "role": "prefill", "healthy": True, "draining": False, "engine_id": "prefill-0",
-             "tp_size": 1, "block_size": None, "last_error": None},
-            {"address": "d:1", "role": "decode", "healthy": True, "draining": False, "engine_id": "decode-0",
-             "tp_size": 1, "block_size": None, "last_error": None},
+            {"address": "p:1", "role": "prefill", "state": "healthy", "healthy": True, "draining": False,
+             "engine_id": "prefill-0", "tp_size": 1, "block_size": None, "last_error": None},
+            {"address": "d:1", "role": "decode", "state": "healthy", "healthy": True, "draining": False,
+             "engine_id": "decode-0", "tp_size": 1, "block_size": None, "last_error": None},
         ]
         probe.up["d:1"] = WorkerIdentity(engine_id="d", role="decode", compat_hash="other")
         await router.runtime.discovery.check_health()
         response = await router.get("/health")
-        assert response.status_code == 503  # both up, but not compatible
-        reasons = {w["address"]: w.get("unpaired_reason") for w in response.json()["workers"]}
-        assert reasons == {"p:1": "decode d:1: compat hash: prefill h vs decode other",
-                           "d:1": "prefill p:1: compat hash: prefill h vs decode other"}
+        # both up, but not compatible: the decode worker still serves, prefilling locally
+        assert response.status_code == 200 and response.json()["status"] == "degraded"
+        assert "can pair" in response.json()["reason"]
+        workers = {w["address"]: w for w in response.json()["workers"]}
+        assert {a: w["state"] for a, w in workers.items()} == {"p:1": "unpaired", "d:1": "unpaired"}
+        assert {a: w["unpaired_reason"] for a, w in workers.items()} == {
+            "p:1": "decode d:1: compat hash: prefill h vs decode other",
+            "d:1": "prefill p:1: compat hash: prefill h vs decode other"}
+
+
+async def test_health_states_follow_what_can_be_served(model_dir: Path, tokenizer: Tokenizer) -> None:
+    """ok with a pair; degraded (200) with decode workers only; unavailable (503) with no decode worker;
+    the same status on /metrics as pdserve_router_status."""
+    probe = Probe({"p:1": _identity(Role.PREFILL), "d:1": _identity(Role.DECODE)})
+    async with _router(model_dir, tokenizer, probe, prefill=("p:1",), decode=("d:1",)) as router:
+        async def status() -> tuple[int, str, dict[str, str], str]:
+            response = await router.get("/health")
+            body = response.json()
+            metrics = (await router.get("/metrics")).text
+            on_metrics = [line for line in metrics.splitlines()
+                          if line.startswith("pdserve_router_status{") and line.endswith(" 1.0")]
+            return (response.status_code, body["status"], {w["address"]: w["state"] for w in body["workers"]},
+                    on_metrics[0])
+
+        assert await status() == (200, "ok", {"p:1": "healthy", "d:1": "healthy"},
+                                  'pdserve_router_status{status="ok"} 1.0')
+        probe.up.pop("p:1")
+        await router.runtime.discovery.check_health()
+        code, state, workers, metric = await status()
+        assert (code, state, metric) == (200, "degraded", 'pdserve_router_status{status="degraded"} 1.0')
+        assert workers == {"p:1": "unhealthy", "d:1": "healthy"}
+        assert (await router.get("/health")).json()["reason"].startswith("no healthy prefill worker:")
+        probe.up.pop("d:1")
+        await router.runtime.discovery.check_health()
+        assert await status() == (503, "unavailable", {"p:1": "unhealthy", "d:1": "unhealthy"},
+                                  'pdserve_router_status{status="unavailable"} 1.0')
 
 
 async def test_health_says_why_a_worker_cannot_pair(model_dir: Path, tokenizer: Tokenizer) -> None:
@@ -259,18 +291,19 @@ async def test_health_says_why_a_worker_cannot_pair(model_dir: Path, tokenizer: 
         assert response.status_code == 200
         workers = {w["address"]: w for w in response.json()["workers"]}
         assert workers["d:2"] == {
-            "address": "d:2", "role": "decode", "healthy": True, "draining": False, "engine_id": "decode-tp2",
+            "address": "d:2", "role": "decode", "state": "unpaired", "healthy": True, "draining": False,
+            "engine_id": "decode-tp2",
             "tp_size": 2, "block_size": 16, "last_error": None,
             "unpaired_reason": "prefill p:1: decode tp 2 cannot shard 3 KV heads (neither divides the other)",
         }
         assert "unpaired_reason" not in workers["d:3"] and "unpaired_reason" not in workers["p:1"]
         assert workers["d:9"]["healthy"] is False and workers["d:9"]["engine_id"] is None
         assert "ConnectionRefusedError" in workers["d:9"]["last_error"]
-        # without the TP-3 decode worker nothing pairs: 503, and the prefill worker says why
+        # without the TP-3 decode worker nothing pairs: degraded, and the prefill worker says why
         probe.up.pop("d:3")
         await router.runtime.discovery.check_health()
         response = await router.get("/health")
-        assert response.status_code == 503
+        assert response.status_code == 200 and response.json()["status"] == "degraded"
         workers = {w["address"]: w for w in response.json()["workers"]}
         assert workers["p:1"]["unpaired_reason"] == \
             "decode d:2: decode tp 2 cannot shard 3 KV heads (neither divides the other)"
