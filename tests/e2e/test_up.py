@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,3 +41,93 @@ def test_up_serves_the_default_model_and_stops_on_ctrl_c() -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+# ---- start-up failures and supervision -----------------------------------------------------------
+
+READY = re.compile(r"(?P<role>prefill|decode) (?P<address>[\d.]+:\d+) \(metrics (?P<metrics>[\d.]+:\d+)\)")
+
+
+def _start_up(*flags: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            start_new_session=True)
+    return proc, proc.stdout.readline()
+
+
+def _stop_up(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+    if proc.poll() is None or subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode == 0:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line.startswith(name) and wanted in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in {url}")
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_up_fails_at_once_with_the_workers_own_message() -> None:
+    """SmolLM2 cannot be sharded over 2 ranks: `up` stops within seconds, saying so, not after a timeout."""
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", str(free_port()), "--prefill-tp",
+                             "2", "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stdout == ""
+    assert "pdserve up: error: prefill worker exited with code 2 during start-up: pdserve: error: tensor-parallel " \
+           "size 2 cannot shard this model: 3 KV heads over 2 ranks" in result.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_a_killed_worker_comes_back_and_serves() -> None:
+    """kill -9 the prefill worker, then the decode worker, under `pdserve up`: /health says what is left
+    (degraded, then unavailable), the supervisor starts each again on its port (counted), and requests
+    are disaggregated again with the same greedy tokens."""
+    port = free_port()
+    proc, ready = _start_up("--port", str(port), "--model", "dummy:tiny", "--device", "cpu")
+    try:
+        assert ready.startswith(f"pdserve up: ready on http://127.0.0.1:{port}/v1"), ready
+        workers = {m["role"]: m for m in READY.finditer(ready)}
+        supervisor = "http://" + ready.rsplit("supervisor metrics ", 1)[1].strip() + "/metrics"
+        url = f"http://127.0.0.1:{port}"
+        body = {"prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+        def complete() -> str:
+            answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            answer.raise_for_status()
+            return answer.json()["choices"][0]["text"]
+
+        def health() -> tuple[int, str]:
+            response = httpx.get(f"{url}/health", timeout=10)
+            return response.status_code, response.json()["status"]
+
+        def disaggregated() -> float:
+            return _metric(f"{url}/metrics", "pdserve_router_routed_requests_total", route="disaggregated")
+
+        expected = complete()
+        assert disaggregated() == 1
+        for role, down in (("prefill", (200, "degraded")), ("decode", (503, "unavailable"))):
+            pid = int(subprocess.run(["pgrep", "-s", str(proc.pid), "-f", f"services.cli {role}"],
+                                     capture_output=True, text=True).stdout.split()[0])
+            os.kill(pid, signal.SIGKILL)
+            _wait_for(lambda down=down: health() == down, f"/health {down} with the {role} worker dead", 10)
+            _wait_for(lambda: health() == (200, "ok"), f"the {role} worker back")
+            assert _metric(supervisor, "pdserve_up_worker_restarts_total", role=role) == 1
+            assert httpx.get(f"http://{workers[role]['metrics']}/metrics", timeout=10).status_code == 200
+            before = disaggregated()
+            assert complete() == expected
+            assert disaggregated() == before + 1  # pulled from the new prefill worker / by the new decode one
+    finally:
+        _stop_up(proc)
