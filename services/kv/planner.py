@@ -1,7 +1,7 @@
 """The descriptor planner: the fewest contiguous (src, dst, len) copies that move a request's KV.
 
 Every NIXL descriptor costs ~6 us whatever its size, so the descriptor count is the lever (see
-DESIGN.md). A plan is computed from the two layout specs, the block pieces (after block-size ratio,
+docs/design.md). A plan is computed from the two layout specs, the block pieces (after block-size ratio,
 prefix skip and window clipping, see ``topology.map_blocks``) and one :class:`RankRead` (after TP).
 
 How rows coalesce. One (layer, K/V, token, head) row is ``head_dim`` elements. Inside one block

@@ -16,14 +16,13 @@ The probe and the resolver are injected, so the state machine is tested without 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ipaddress
 import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
+from services.common.addresses import join_host_port, split_host_port
 from services.router.pairing import PairingPolicy, Role, WorkerIdentity
 
 log = logging.getLogger(__name__)
@@ -44,24 +43,6 @@ class EndpointSource:
     def __post_init__(self) -> None:
         for entry in (*self.static, *self.dns):
             split_host_port(entry)  # raises ValueError naming the bad entry
-
-
-def split_host_port(entry: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` as (host, port); ValueError for anything else."""
-    host, sep, port_text = entry.strip().rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"{entry!r} is not host:port (a port in 1..65535; IPv6 as [addr]:port)")
-    return host, int(port_text)
-
-
-def join_host_port(host: str, port: int) -> str:
-    """The gRPC target of an address: IPv6 literals in brackets."""
-    with contextlib.suppress(ValueError):
-        if ipaddress.ip_address(host).version == 6:
-            return f"[{host}]:{port}"
-    return f"{host}:{port}"
 
 
 async def resolve(entry: str) -> list[str]:

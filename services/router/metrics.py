@@ -16,6 +16,8 @@ from prometheus_client.registry import Collector
 
 from services.router.pairing import PairingPolicy, Role, ServingStatus
 
+# How a request was served: both workers, the decode worker alone, or decode after the prefill worker failed.
+ROUTES = ("disaggregated", "direct", "fallback")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -93,6 +95,11 @@ class RouterMetrics:
                                        ["role"], registry=r)
         self.client_disconnects = Counter("pdserve_router_client_disconnects",
                                           "Requests whose client went away before the end", registry=r)
+        for route in ROUTES:  # every series from the start: a route's rate is 0 before its first request
+            for metric in (self.ttft, self.e2e, self.routes):
+                metric.labels(route)
+        for role in Role:
+            self.worker_failures.labels(role.value)
         r.register(_WorkerCollector(policy, decode_only))
 
     def render(self) -> bytes:

@@ -12,7 +12,8 @@ import socket
 
 import pytest
 
-from services.router.discovery import Discovery, EndpointSource, join_host_port, resolve, split_host_port
+from services.common.addresses import join_host_port, split_host_port
+from services.router.discovery import Discovery, EndpointSource, resolve
 from services.router.pairing import PairingPolicy, Role, WorkerIdentity
 
 
