@@ -142,7 +142,9 @@ def _generate(engine: LLMEngine, args: argparse.Namespace, params: SamplingParam
 def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one, printed on the ready line)")
-    p.add_argument("--advertise-host", default=None, help="host peers should dial (default: --host)")
+    p.add_argument("--advertise-host", default=None,
+                   help="host peers should dial (default: --host; for 0.0.0.0 or ::, the IP this machine's name "
+                        "resolves to, i.e. the container's or pod's own address)")
     p.add_argument("--engine-id", default=None, help=f"stable id of this engine (default: {role}@host:port)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: a free one)")
     p.add_argument("--kv-auth-token", default=os.environ.get("PDSERVE_KV_AUTH_TOKEN") or None,

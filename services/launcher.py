@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from services.common.addresses import WILDCARD_HOSTS
 from services.placement import Placement, detect_gpus, gpu_pool, plan_placement
 from services.supervisor import Child, StartChild, Supervisor
 
@@ -192,7 +193,7 @@ class Router:
 
 
 def _local(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return "127.0.0.1" if host in WILDCARD_HOSTS else host
 
 
 def free_port(host: str = "127.0.0.1") -> int:

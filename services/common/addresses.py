@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import logging
+import socket
+
+log = logging.getLogger(__name__)
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 def split_host_port(entry: str) -> tuple[str, int]:
@@ -22,3 +28,16 @@ def join_host_port(host: str, port: int) -> str:
         if ipaddress.ip_address(host).version == 6:
             return f"[{host}]:{port}"
     return f"{host}:{port}"
+
+
+def advertised_host(listen_host: str) -> str:
+    """The host peers dial to reach a daemon listening on ``listen_host``: that host itself, or for a
+    wildcard address (which names no machine) the address this machine's name resolves to, which is
+    the container's or pod's own IP. ``--advertise-host`` overrides it."""
+    if listen_host not in WILDCARD_HOSTS:
+        return listen_host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError as e:
+        log.warning("cannot resolve this host's name (%s): advertising 127.0.0.1; set --advertise-host", e)
+        return "127.0.0.1"

@@ -20,7 +20,7 @@ import time
 
 import grpc
 
-from services.common.addresses import join_host_port
+from services.common.addresses import advertised_host, join_host_port
 from services.common.engine_ranks import close_kv_ranks, go_down_with_tp_group, open_kv_ranks
 from services.common.grpc_server import WorkerServer
 from services.common.metrics import WorkerMetrics
@@ -157,7 +157,7 @@ async def serve(args: argparse.Namespace, engine: LLMEngine) -> str | None:
     metrics = WorkerMetrics("decode")
     server = WorkerServer(["pdserve.v1.DecodeWorker"])
     port = server.bind(args.host, args.port)
-    address = join_host_port(args.advertise_host or args.host, port)
+    address = join_host_port(args.advertise_host or advertised_host(args.host), port)
     epoch = time.time_ns()
     engine_id = args.engine_id or f"decode@{address}"
     mc, layout = engine.model_config, engine.kv_layout

@@ -254,3 +254,15 @@ def test_unpairable_workers_are_logged_once_per_change(caplog: pytest.LogCapture
             assert len(unpairable()) == 4 and caplog.text.count("can pair again") == 2
 
     asyncio.run(scenario())
+
+
+def test_a_wildcard_listener_advertises_this_machines_address() -> None:
+    """0.0.0.0 names no machine: a worker listening there advertises what its hostname resolves to (its
+    container's or pod's IP); a concrete listen address is advertised as it is."""
+    import socket
+
+    from services.common.addresses import advertised_host
+
+    assert advertised_host("10.1.2.3") == "10.1.2.3"
+    for wildcard in ("0.0.0.0", "::"):
+        assert advertised_host(wildcard) == socket.gethostbyname(socket.gethostname())
