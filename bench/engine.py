@@ -144,56 +144,114 @@ def bench_kv_shared_skip(engine: LLMEngine, prompt_lens: list[int], rounds: int)
     return rows
 
 
+def kv_bytes_per_token(mc, dtype: torch.dtype) -> int:
+    """K and V of every layer for one token (full-attention models: what a decode step reads per token)."""
+    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+
+
+def prefill_flops(mc, tokens: int) -> float:
+    """Matmul FLOPs of one causal prompt: 2 per parameter per token, plus attention's QK^T and PV over the
+    causal half (2 * head_dim * tokens^2 per head and layer)."""
+    return 2 * mc.num_parameters * tokens + 2 * mc.head_dim * tokens * tokens * mc.num_heads * mc.num_layers
+
+
+def hf_rows(args, mc, dev: torch.device, dtype: torch.dtype) -> dict[tuple, float]:
+    """HF transformers' seconds per case on the same weights, device and dtype, before the engine exists
+    (both would not fit beside each other's KV at 8B)."""
+    from bench.hf_reference import hf_decode_step_s, hf_model, hf_prefill_s
+
+    model = hf_model(mc, dev, dtype, seed=0)
+    seconds = {("prefill", n): hf_prefill_s(model, n, args.rounds) for n in args.prefill_lens}
+    for batch in args.batch_sizes:
+        for context in args.decode_contexts:
+            seconds[("decode", batch, context)] = hf_decode_step_s(model, batch, context, args.decode_steps)
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return seconds
+
+
+def _csv(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: bundled SmolLM2-135M-Instruct GGUF")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--batch-sizes", default="1,32")
+    ap.add_argument("--batch-sizes", type=_csv, default=[1, 32], help="decode batch sizes")
+    ap.add_argument("--decode-contexts", type=_csv, default=None,
+                    help="context lengths of the decode cases (default: --prompt-len)")
     ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--prefill-lens", type=_csv, default=None,
+                    help="one-prompt prefill lengths (default: --prompt-len at each batch size, as before)")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kv-layout", default="cross_layer", choices=[k.value for k in LayoutKind])
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--attention-backend", default=None, help="the engine's --attention-backend (default: auto)")
     ap.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs (eager column only)")
+    ap.add_argument("--hf", action="store_true",
+                    help="also time HF transformers on the same dummy weights (Llama presets) and print ratios")
     ap.add_argument("--skip-prompt-lens", default=None,
                     help="e.g. 2048,8192: also time prefill with and without the KV-shared-layer skip")
     ap.add_argument("--json", action="store_true", help="one JSON object per case per line")
     ap.add_argument("--json-out", default=None, help="also write the JSON lines to this file")
     args = ap.parse_args()
+    if args.hf and not (args.model or "").startswith("dummy:"):
+        raise SystemExit("--hf needs a dummy:<preset> model (the reference is built from the same preset)")
+    args.decode_contexts = args.decode_contexts or [args.prompt_len]
 
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    engine = LLMEngine(EngineConfig(
+    extra = {} if args.attention_backend is None else {"attention_backend": args.attention_backend}
+    config = EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, kv_layout=LayoutKind(args.kv_layout),
-        max_num_seqs=max(batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=False, enforce_eager=args.enforce_eager,
-    ))
+        max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False, enforce_eager=args.enforce_eager, **extra,
+    )
+    hf_seconds = {}
+    if args.hf:
+        from services.engine.config import PRESETS
+
+        dev = config.resolve_device()
+        hf_seconds = hf_rows(args, PRESETS[args.model.removeprefix("dummy:")], dev,
+                             TORCH_DTYPES["bfloat16" if args.dtype == "auto" and dev.type == "cuda" else
+                                          ("float32" if args.dtype == "auto" else args.dtype)])
+    engine = LLMEngine(config)
     graphs = engine.runner.decode_graphs
     mc, dev = engine.model_config, engine.device
     dtype = TORCH_DTYPES[engine.dtype]
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     bandwidth, flops, peak_src = machine_peaks(dev, dtype)
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    common = dict(device=device_name, model=engine.source.name, dtype=engine.dtype, kv_layout=args.kv_layout,
+                  attention_backend=getattr(engine.config, "attention_backend", "torch_sdpa"),
+                  peak_source=peak_src, peak_bandwidth_gbs=bandwidth / 1e9, peak_tflops=flops / 1e12)
 
-    bench_prefill(engine, 1, args.prompt_len, 1)  # warm-up
+    bench_prefill(engine, 1, min(args.prompt_len, 512), 1)  # warm-up
     rows = []
-    for batch in batch_sizes:
-        prefill_s = bench_prefill(engine, batch, args.prompt_len, args.rounds)
-        tokens = batch * args.prompt_len
-        prefill_floor_s = 2 * mc.num_parameters * tokens / flops
-        step_s = bench_decode(engine, batch, args.prompt_len, args.decode_steps)
-        eager_s = bench_decode_eager(engine, batch, args.prompt_len, args.decode_steps) if graphs else step_s
-        decode_floor_s = weight_bytes / bandwidth
-        rows.append(dict(
-            device=device_name, model=engine.source.name, dtype=engine.dtype, kv_layout=args.kv_layout,
-            batch=batch, prompt_len=args.prompt_len, weight_gb=weight_bytes / 1e9,
-            prefill_tok_s=tokens / prefill_s, prefill_s=prefill_s, prefill_floor_s=prefill_floor_s,
-            prefill_mfu=prefill_floor_s / prefill_s,
-            decode_tok_s=batch / step_s, decode_step_ms=step_s * 1e3, decode_floor_ms=decode_floor_s * 1e3,
-            decode_vs_floor=step_s / decode_floor_s, decode_graphs=graphs is not None,
-            decode_step_eager_ms=eager_s * 1e3, graph_speedup=eager_s / step_s, peak_source=peak_src,
-            peak_bandwidth_gbs=bandwidth / 1e9, peak_tflops=flops / 1e12,
-        ))
+    prefill_cases = [(1, n) for n in args.prefill_lens] if args.prefill_lens else \
+        [(b, args.prompt_len) for b in args.batch_sizes]
+    for batch, n in prefill_cases:
+        bench_prefill(engine, batch, n, 1)  # warm-up at this shape
+        prefill_s = bench_prefill(engine, batch, n, args.rounds)
+        floor_s = batch * prefill_flops(mc, n) / flops
+        hf_s = hf_seconds.get(("prefill", n)) if batch == 1 else None
+        rows.append(dict(common, case="prefill", batch=batch, prompt_len=n, prefill_s=prefill_s,
+                         prefill_tok_s=batch * n / prefill_s, prefill_floor_s=floor_s, prefill_mfu=floor_s / prefill_s,
+                         hf_s=hf_s, hf_mfu=floor_s / hf_s if hf_s else None,
+                         vs_hf=prefill_s / hf_s if hf_s else None))
+    for batch in args.batch_sizes:
+        for context in args.decode_contexts:
+            step_s = bench_decode(engine, batch, context, args.decode_steps)
+            eager_s = bench_decode_eager(engine, batch, context, args.decode_steps) if graphs else step_s
+            floor_s = (weight_bytes + batch * context * kv_bytes_per_token(mc, dtype)) / bandwidth
+            hf_s = hf_seconds.get(("decode", batch, context))
+            rows.append(dict(common, case="decode", batch=batch, context=context, decode_step_ms=step_s * 1e3,
+                             decode_tok_s=batch / step_s, decode_step_eager_ms=eager_s * 1e3,
+                             decode_floor_ms=floor_s * 1e3, decode_vs_floor=step_s / floor_s,
+                             decode_graphs=graphs is not None, graph_speedup=eager_s / step_s,
+                             hf_step_ms=hf_s * 1e3 if hf_s else None, vs_hf=step_s / hf_s if hf_s else None))
     skip_rows = []
     if args.skip_prompt_lens:
         if not engine.model.skips_to_tail:
@@ -201,18 +259,35 @@ def main() -> None:
         skip_rows = bench_kv_shared_skip(engine, [int(n) for n in args.skip_prompt_lens.split(",")], args.rounds)
     if emit_json(rows + skip_rows, args.json_out, args.json):
         return
-    print(f"# {device_name}  model={engine.source.name}  dtype={engine.dtype}  weights={weight_bytes / 1e9:.2f} GB  "
-          f"peaks ({peak_src}): {bandwidth / 1e9:.0f} GB/s, {flops / 1e12:.1f} TFLOP/s")
+    print_tables(engine, graphs, weight_bytes, common, rows, skip_rows)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_tables(engine: LLMEngine, graphs, weight_bytes: int, common: dict, rows: list[dict],
+                 skip_rows: list[dict]) -> None:
+    print(f"# {common['device']}  model={engine.source.name}  dtype={engine.dtype}  attention="
+          f"{common['attention_backend']}  weights={weight_bytes / 1e9:.2f} GB  peaks ({common['peak_source']}): "
+          f"{common['peak_bandwidth_gbs']:.0f} GB/s, {common['peak_tflops']:.1f} TFLOP/s")
     if graphs is not None:
         print(f"# decode CUDA graphs: {len(graphs.captured)} captured in {graphs.capture_s:.2f} s "
               f"(batch, context): {graphs.captured}")
+    print("# prefill floor: matmul + causal attention FLOPs / peak; decode floor: (weights + KV read) / bandwidth")
+    print(f"{'batch':>5} {'prompt':>7} {'prefill ms':>11} {'tok/s':>9} {'MFU':>6} {'HF ms':>9} {'HF MFU':>7} "
+          f"{'x HF':>6}")
+    for r in (r for r in rows if r["case"] == "prefill"):
+        print(f"{r['batch']:>5} {r['prompt_len']:>7} {r['prefill_s'] * 1e3:>11.2f} {r['prefill_tok_s']:>9.0f} "
+              f"{r['prefill_mfu']:>6.2f} {_fmt(r['hf_s'] and r['hf_s'] * 1e3, '9.2f'):>9} "
+              f"{_fmt(r['hf_mfu'], '7.2f'):>7} {_fmt(r['vs_hf'], '6.2f'):>6}")
     step = "graph ms" if graphs is not None else "step ms"
-    print(f"{'batch':>5} {'prefill tok/s':>14} {'MFU':>6} {'decode tok/s':>13} {step:>8} {'eager ms':>9} "
-          f"{'floor ms':>9} {'x floor':>8}")
-    for r in rows:
-        print(f"{r['batch']:>5} {r['prefill_tok_s']:>14.0f} {r['prefill_mfu']:>6.2f} {r['decode_tok_s']:>13.1f} "
-              f"{r['decode_step_ms']:>8.2f} {r['decode_step_eager_ms']:>9.2f} {r['decode_floor_ms']:>9.3f} "
-              f"{r['decode_vs_floor']:>8.1f}")
+    print(f"{'batch':>5} {'context':>7} {step:>9} {'eager ms':>9} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} "
+          f"{'HF ms':>8} {'x HF':>6}")
+    for r in (r for r in rows if r["case"] == "decode"):
+        print(f"{r['batch']:>5} {r['context']:>7} {r['decode_step_ms']:>9.2f} {r['decode_step_eager_ms']:>9.2f} "
+              f"{r['decode_floor_ms']:>9.3f} {r['decode_vs_floor']:>8.2f} {r['decode_tok_s']:>9.1f} "
+              f"{_fmt(r['hf_step_ms'], '8.2f'):>8} {_fmt(r['vs_hf'], '6.2f'):>6}")
     if skip_rows:
         print(f"{'prompt':>7} {'prefill ms, skip':>17} {'no skip':>9} {'speed-up':>9}")
         for r in skip_rows:

@@ -56,13 +56,18 @@ def dummy_weights(model: DecoderModel, seed: int = 0) -> Iterator[tuple[str, tor
     device, dtype = model.embed_tokens.device, model.embed_tokens.dtype
     unit_norm = 1.0 - model.config.norm_weight_offset
     for name in model._expected_names():
-        shape = model._hf_shape(name)
-        if name.endswith("norm.weight"):
-            yield name, torch.full(shape, unit_norm, dtype=dtype, device=device)
-        elif name.endswith("layer_scalar"):
-            yield name, torch.ones(shape, dtype=dtype, device=device)
-        elif name.endswith("bias"):
-            yield name, torch.zeros(shape, dtype=dtype, device=device)
-        else:
-            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            yield name, torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+        yield name, dummy_tensor(name, model._hf_shape(name), dtype, device, seed, unit_norm)
+
+
+def dummy_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int = 0,
+                 unit_norm: float = 1.0) -> torch.Tensor:
+    """The dummy value of one HF-named tensor (see :func:`dummy_weights`); a function of its name, so other
+    implementations of the model (HF transformers, in the benchmarks) can be given the same weights."""
+    if name.endswith("norm.weight"):
+        return torch.full(shape, unit_norm, dtype=dtype, device=device)
+    if name.endswith("layer_scalar"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    if name.endswith("bias"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,91 @@
+"""Hugging Face transformers on the engine's own dummy weights: the reference ``bench/engine.py`` divides by.
+
+The model is built from the same ``ModelConfig`` preset and every tensor gets the value the engine's
+dummy loader gives the tensor of that name (``weights.dummy_tensor``), so both run the same network
+on the same device and dtype. Only the Llama family maps here (Llama-3.1-8B is the benchmark shape).
+
+Prefill: one forward over ``tokens`` prompt tokens (logits of the last position only, as a server
+needs). Decode: one forward of one token per sequence over a KV cache of ``context`` tokens per
+sequence, filled with random values (a step's cost depends on shapes only), with HF's default SDPA
+attention; that is what ``generate`` runs per token, without its Python sampling loop.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from services.engine.config import ModelConfig
+from services.engine.weights import dummy_tensor
+
+
+def hf_model(mc: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A ``LlamaForCausalLM`` with the engine's dummy weights for ``mc`` (a Llama-architecture preset)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if mc.architecture != "llama":
+        raise ValueError(f"the HF reference maps Llama presets only, not {mc.architecture!r}")
+    rope = {"rope_type": mc.rope.rope_type, "rope_theta": mc.rope.theta}
+    if mc.rope.rope_type == "llama3":
+        rope.update(factor=mc.rope.factor, low_freq_factor=mc.rope.low_freq_factor,
+                    high_freq_factor=mc.rope.high_freq_factor,
+                    original_max_position_embeddings=mc.rope.original_max_position_embeddings)
+    config = LlamaConfig(
+        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps, max_position_embeddings=mc.max_position_embeddings,
+        tie_word_embeddings=mc.tie_word_embeddings, attention_bias=mc.attention_bias, rope_parameters=rope,
+    )
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not (mc.tie_word_embeddings and name == "lm_head.weight"):
+                param.copy_(dummy_tensor(name, tuple(param.shape), dtype, device, seed))
+    return model.eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def hf_prefill_s(model, tokens: int, rounds: int = 2) -> float:
+    """Best-of-``rounds`` seconds for one prompt of ``tokens`` tokens (one warm-up first)."""
+    device = model.device
+    ids = torch.randint(100, 30000, (1, tokens), device=device)
+    best = float("inf")
+    for r in range(rounds + 1):
+        _sync(device)
+        t = time.perf_counter()
+        model(input_ids=ids, logits_to_keep=1, use_cache=False)
+        _sync(device)
+        if r:
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+@torch.inference_mode()
+def hf_decode_step_s(model, batch: int, context: int, steps: int = 16) -> float:
+    """Seconds per decode step of ``batch`` sequences at ``context`` tokens of (random) KV each."""
+    from transformers import DynamicCache
+
+    cfg, device = model.config, model.device
+    dtype = next(model.parameters()).dtype
+    cache = DynamicCache(config=cfg)
+    shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
+    for layer in range(cfg.num_hidden_layers):
+        cache.update(torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype),
+                     layer)
+    ids = torch.randint(100, 30000, (batch, 1), device=device)
+    for i in range(3 + steps):
+        if i == 3:
+            _sync(device)
+            t = time.perf_counter()
+        position = torch.full((batch, 1), context + i, device=device)
+        out = model(input_ids=ids, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        ids = out.logits[:, -1:].argmax(-1)
+    _sync(device)
+    return (time.perf_counter() - t) / steps
