@@ -58,6 +58,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
     p.add_argument("--no-kv-shared-prefill-skip", action="store_true",
                    help="run every prompt token through KV-shared layers (Gemma-4) instead of only the sampled ones")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_sdpa", "triton_paged"],
+                   help="attention kernels: triton_paged reads the paged KV cache in place (CUDA), torch_sdpa "
+                        "gathers it and runs masked SDPA (any device); auto: triton_paged on CUDA when Triton "
+                        "imports, else torch_sdpa")
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
 
 
@@ -68,7 +72,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
                         ("--tp", args.tp), ("--block-size", args.block_size), ("--kv-layout", args.kv_layout),
                         ("--kv-block-order", args.kv_block_order), ("--num-kv-blocks", args.num_kv_blocks),
                         ("--max-model-len", args.max_model_len), ("--max-num-seqs", args.max_num_seqs),
-                        ("--max-num-batched-tokens", args.max_num_batched_tokens), ("--seed", args.seed)):
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens), ("--seed", args.seed),
+                        ("--attention-backend", args.attention_backend)):
         if value is not None:
             argv += [flag, str(value)]
     argv += ["--no-prefix-caching"] * args.no_prefix_caching + ["--enforce-eager"] * args.enforce_eager
@@ -96,6 +101,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         kv_shared_prefill_skip=not args.no_kv_shared_prefill_skip,
+        attention_backend=args.attention_backend,
         parallel=ParallelConfig(args.tp, 0),
     )
 

@@ -11,8 +11,11 @@ bucket's static input buffer::
                into the scratch block only, attends to its key 0 only, and its logits are dropped
 
 The host sends one int64 vector per step -- token ids, context lengths, block tables -- and the
-graph derives positions, write slots and masks from it, so nothing computed on the host can be
-left stale in a replay. The context bucket fixes ``max_context_len`` and the gather length.
+graph derives positions, write slots and each group's attention metadata from it (the backend's
+``build_metadata`` runs inside the captured region), so nothing computed on the host can be left
+stale in a replay. The context bucket fixes ``max_context_len``: for ``torch_sdpa`` the gather
+length and mask width, for ``triton_paged`` only the split count (its kernel reads each request's
+real context length from the device buffer and visits only those keys).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.attention import AttentionBatch, GroupAttentionMetadata
+from services.engine.attention import AttentionBatch, cache_group_backends
 from services.engine.kv_cache import KVCache
 from services.engine.models import DecoderModel
 
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
     from services.engine.model_runner import Chunk
 
 # Smallest context bucket (tokens). Buckets are powers of two and the midpoints between them, so
-# a step gathers at most a third more KV than its longest context (the gather is the price).
+# a step's bound is at most a third above its longest context (what torch_sdpa gathers and masks).
 MIN_CONTEXT_BUCKET = 256
 
 
@@ -79,7 +82,8 @@ class _Bucket:
     input_ids: torch.Tensor  # [batch]
     context_lens: torch.Tensor  # [batch]; padding rows hold 1
     block_tables: tuple[torch.Tensor, ...]  # per group [batch, context_len // block_size]
-    query_slots: torch.Tensor  # arange(batch): one query per request
+    query_start: torch.Tensor  # arange(batch + 1): one query per request
+    query_lens: torch.Tensor  # ones(batch)
     logits: torch.Tensor | None = None  # [batch, vocab] fp32, the graph's output
     graph: torch.cuda.CUDAGraph | None = field(default=None, repr=False)
 
@@ -93,7 +97,8 @@ class DecodeGraphRunner:
     """
 
     def __init__(self, model: DecoderModel, kv_cache: KVCache, max_batch_size: int, max_context_len: int,
-                 *, capture: bool | None = None, min_context_bucket: int = MIN_CONTEXT_BUCKET) -> None:
+                 *, capture: bool | None = None, min_context_bucket: int = MIN_CONTEXT_BUCKET,
+                 attention_backend: str = "auto") -> None:
         if kv_cache.scratch_block is None:
             raise ValueError("decode graphs need a KV cache with a scratch block for padded rows")
         self.model = model
@@ -105,6 +110,7 @@ class DecodeGraphRunner:
         spec = kv_cache.spec
         self.groups = spec.groups
         self.kv_views, self.layer_groups = kv_cache.views_by_layer(model.config.kv_sharing, model.config.num_layers)
+        self.group_backends = cache_group_backends(attention_backend, kv_cache)
         self.scratch_block = kv_cache.scratch_block
         self.batch_sizes = batch_buckets(max_batch_size)
         granularity = 1
@@ -157,7 +163,8 @@ class DecodeGraphRunner:
         bucket = _Bucket(
             batch_size=batch, context_len=context, packed=packed, input_ids=packed[:batch],
             context_lens=packed[batch: 2 * batch], block_tables=tuple(tables),
-            query_slots=torch.arange(batch, device=self.device),
+            query_start=torch.arange(batch + 1, dtype=torch.int32, device=self.device),
+            query_lens=torch.ones(batch, dtype=torch.int32, device=self.device),
         )
         if self.capture:
             self._capture(bucket)
@@ -203,33 +210,22 @@ class DecodeGraphRunner:
 
     # ---- the captured forward ------------------------------------------------------------------
     def _forward(self, bucket: _Bucket) -> torch.Tensor:
-        """Everything derived from the static inputs happens here, inside the graph."""
+        """Everything derived from the static inputs happens here, inside the graph.
+
+        A padding row (context 1, position 0, every block the scratch block) writes its K/V into
+        the scratch block and attends to its own key 0 only, with either backend.
+        """
         positions = bucket.context_lens - 1
-        groups = []
-        for g, tables in zip(self.groups, bucket.block_tables, strict=True):
-            write_blocks = tables.gather(1, (positions // g.block_size)[:, None])[:, 0]
-            groups.append(GroupAttentionMetadata(
-                write_blocks=write_blocks,
-                write_offsets=positions % g.block_size,
-                block_tables=tables,
-                mask=_decode_mask(positions, bucket.context_len, g.sliding_window),
-                max_context_len=bucket.context_len,
-            ))
-        batch = AttentionBatch(
-            num_reqs=bucket.batch_size, max_query_len=1, query_slots=bucket.query_slots, groups=tuple(groups),
+        step = AttentionBatch(
+            num_reqs=bucket.batch_size, num_tokens=bucket.batch_size, max_query_len=1,
+            max_context_len=bucket.context_len, query_start=bucket.query_start, query_lens=bucket.query_lens,
+            context_lens=bucket.context_lens,
         )
-        hidden = self.model(bucket.input_ids, positions, batch, self.kv_views, self.layer_groups)
+        groups = []
+        for g, tables, backend in zip(self.groups, bucket.block_tables, self.group_backends, strict=True):
+            write_blocks = tables.gather(1, (positions // g.block_size)[:, None])[:, 0]
+            groups.append(backend.build_metadata(step, tables, write_blocks, positions % g.block_size,
+                                                 g.sliding_window))
+        hidden = self.model(bucket.input_ids, positions, step.with_groups(tuple(groups)), self.kv_views,
+                            self.layer_groups)
         return self.model.compute_logits(hidden)
-
-
-def _decode_mask(positions: torch.Tensor, context_len: int, sliding_window: int | None) -> torch.Tensor:
-    """[batch, 1, 1, context_len]: the query at ``positions[i]`` sees keys 0..positions[i].
-
-    Equals ``build_mask`` with one query per request; a padding row (position 0) sees key 0.
-    """
-    keys = torch.arange(context_len, device=positions.device)[None, :]
-    query = positions[:, None]
-    mask = keys <= query
-    if sliding_window is not None:
-        mask &= keys > query - sliding_window
-    return mask[:, None, None, :]

@@ -9,6 +9,9 @@ import torch
 from services.engine.parallel import ParallelConfig
 from services.kv.layout import BlockOrder, LayoutKind
 
+# services.engine.attention.BACKEND_CHOICES, spelled out so the config (and the CLI) need not import it.
+ATTENTION_BACKENDS = ("auto", "torch_sdpa", "triton_paged")
+
 DTYPE_ALIASES = {
     "float32": "float32", "fp32": "float32", "float": "float32",
     "float16": "float16", "fp16": "float16", "half": "float16",
@@ -37,6 +40,9 @@ class EngineConfig:
     # Models with KV-shared layers (Gemma-4) run those layers only for the tokens whose output is
     # read (see TailBatch); False runs every token through every layer (same results, slower).
     kv_shared_prefill_skip: bool = True
+    # Attention backend (services/engine/attention/): "torch_sdpa", "triton_paged", or "auto" =
+    # triton_paged on CUDA when Triton imports, else torch_sdpa (registry.py says why).
+    attention_backend: str = "auto"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
@@ -50,6 +56,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; "
+                             f"expected one of {', '.join(ATTENTION_BACKENDS)}")
 
     def resolve_device(self) -> torch.device:
         """The device, with an index for CUDA (``cuda`` is the current one), so it can be made current."""

@@ -95,7 +95,8 @@ class LLMEngine:
         self.kv_cache = KVCache(self.kv_layout, self.device, scratch_block=self.num_kv_blocks)
         self.max_model_len = self._max_model_len()
         runner = ModelRunner(self.model, self.kv_cache, self.device, decode_graphs=self._decode_graphs(),
-                             kv_shared_prefill_skip=config.kv_shared_prefill_skip)
+                             kv_shared_prefill_skip=config.kv_shared_prefill_skip,
+                             attention_backend=config.attention_backend)
         self.runner = runner if tp_group is None else tp_group.leader_runner(runner)
         # Pool ids are 0 .. num_kv_blocks - 1 in every group. A sliding-window table's entry for a
         # block freed out of the window is the placeholder num_kv_blocks: the scratch block.
@@ -126,7 +127,8 @@ class LLMEngine:
         """CUDA graphs for pure-decode steps, unless disabled or unsupported (CPU, TP > 1)."""
         if self.config.enforce_eager or self.device.type != "cuda" or self.config.parallel.tp_size > 1:
             return None
-        return DecodeGraphRunner(self.model, self.kv_cache, self.config.max_num_seqs, self.max_model_len)
+        return DecodeGraphRunner(self.model, self.kv_cache, self.config.max_num_seqs, self.max_model_len,
+                                 attention_backend=self.config.attention_backend)
 
     def _max_model_len(self) -> int:
         capacity = self.num_kv_blocks * self.config.block_size

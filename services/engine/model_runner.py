@@ -12,7 +12,14 @@ from typing import Protocol
 
 import torch
 
-from services.engine.attention import AttentionBatch, GroupAttentionMetadata, TailBatch, build_mask
+from services.engine.attention import (
+    AttentionBackend,
+    AttentionBatch,
+    GroupAttentionMetadata,
+    TailBatch,
+    cache_group_backends,
+    step_batch,
+)
 from services.engine.cuda_graphs import DecodeGraphRunner
 from services.engine.kv_cache import KVCache
 from services.engine.models import DecoderModel
@@ -53,10 +60,15 @@ class StepLogits:
 
 
 class ModelRunner:
-    """Runs a step eagerly, or through ``decode_graphs`` when every chunk is one token (decode)."""
+    """Runs a step eagerly, or through ``decode_graphs`` when every chunk is one token (decode).
+
+    ``attention_backend`` (``EngineConfig.attention_backend``) names the attention backend; each
+    KV group gets it, or ``torch_sdpa`` where it cannot serve the group (see ``attention.registry``).
+    """
 
     def __init__(self, model: DecoderModel, kv_cache: KVCache, device: torch.device,
-                 decode_graphs: DecodeGraphRunner | None = None, kv_shared_prefill_skip: bool = True) -> None:
+                 decode_graphs: DecodeGraphRunner | None = None, kv_shared_prefill_skip: bool = True,
+                 attention_backend: str = "auto") -> None:
         self.model = model
         # EngineConfig.kv_shared_prefill_skip: pass `tail` to a model that can skip to it.
         self.kv_shared_prefill_skip = kv_shared_prefill_skip
@@ -66,6 +78,7 @@ class ModelRunner:
         spec = kv_cache.spec
         self.groups = spec.groups
         self.kv_views, self.layer_groups = kv_cache.views_by_layer(model.config.kv_sharing, model.config.num_layers)
+        self.group_backends: list[AttentionBackend] = cache_group_backends(attention_backend, kv_cache)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[Chunk]) -> StepLogits:
@@ -106,24 +119,15 @@ class ModelRunner:
             return TailBatch(torch.empty(0, dtype=torch.long, device=dev), None)
         q_lens = [n for _, n in kept]
         ctx_lens = [c.start + c.num_tokens for c, _ in kept]
-        max_q = max(q_lens)
-        query_slots = [slot for i, n in enumerate(q_lens) for slot in range(i * max_q, i * max_q + n)]
-        max_ctx = max(ctx_lens)
-        groups = []
-        for g in self.groups:
-            bs = g.block_size
-            max_blocks = -(-max_ctx // bs)
-            tables = [c.block_ids[g.group_id] for c, _ in kept]
-            padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
-            groups.append(GroupAttentionMetadata(
-                write_blocks=torch.empty(0, dtype=torch.long, device=dev),
-                write_offsets=torch.empty(0, dtype=torch.long, device=dev),
-                block_tables=torch.tensor(padded, device=dev),
-                mask=build_mask(q_lens, ctx_lens, max_q, max_ctx, g.sliding_window, dev),
-                max_context_len=max_ctx,
-            ))
-        batch = AttentionBatch(len(kept), max_q, torch.tensor(query_slots, device=dev), tuple(groups))
-        return TailBatch(torch.tensor(rows, device=dev), batch)
+        step = step_batch(q_lens, ctx_lens, dev)
+        no_writes = torch.empty(0, dtype=torch.long, device=dev)
+        groups = tuple(
+            self.group_backends[g.group_id].build_metadata(
+                step, self._block_tables(g.group_id, [c for c, _ in kept], step.max_context_len), no_writes,
+                no_writes, g.sliding_window)
+            for g in self.groups
+        )
+        return TailBatch(torch.tensor(rows, device=dev), step.with_groups(groups))
 
     def _execute_graph(self, chunks: Sequence[Chunk]) -> StepLogits:
         logits = self.decode_graphs.run(chunks)  # the graph's static output: copy out what is kept
@@ -136,44 +140,34 @@ class ModelRunner:
     def _prepare(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         ids: list[int] = []
         positions: list[int] = []
-        query_slots: list[int] = []
-        q_lens = [c.num_tokens for c in chunks]
-        ctx_lens = [c.start + c.num_tokens for c in chunks]
-        max_q = max(q_lens)
-        for i, c in enumerate(chunks):
+        for c in chunks:
             ids.extend(c.token_ids)
             positions.extend(range(c.start, c.start + c.num_tokens))
-            query_slots.extend(range(i * max_q, i * max_q + c.num_tokens))
         dev = self.device
-        groups = tuple(self._group_metadata(g.group_id, chunks, positions, q_lens, ctx_lens, max_q)
-                       for g in self.groups)
-        batch = AttentionBatch(
-            num_reqs=len(chunks),
-            max_query_len=max_q,
-            query_slots=torch.tensor(query_slots, device=dev),
-            groups=groups,
-        )
-        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), batch
+        step = step_batch([c.num_tokens for c in chunks], [c.start + c.num_tokens for c in chunks], dev)
+        groups = tuple(self._group_metadata(g.group_id, chunks, positions, step) for g in self.groups)
+        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), step.with_groups(groups)
 
     def _group_metadata(self, group_id: int, chunks: Sequence[Chunk], positions: list[int],
-                        q_lens: list[int], ctx_lens: list[int], max_q: int) -> GroupAttentionMetadata:
+                        step: AttentionBatch) -> GroupAttentionMetadata:
         group = self.groups[group_id]
         bs = group.block_size
-        tables = [c.block_ids[group_id] for c in chunks]
         write_blocks: list[int] = []
-        for c, table in zip(chunks, tables, strict=True):
+        for c in chunks:
+            table = c.block_ids[group_id]
             write_blocks.extend(table[p // bs] for p in range(c.start, c.start + c.num_tokens))
-        max_ctx = max(ctx_lens)
-        max_blocks = -(-max_ctx // bs)
-        padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
         dev = self.device
-        return GroupAttentionMetadata(
-            write_blocks=torch.tensor(write_blocks, device=dev),
-            write_offsets=torch.tensor([p % bs for p in positions], device=dev),
-            block_tables=torch.tensor(padded, device=dev),
-            mask=build_mask(q_lens, ctx_lens, max_q, max_ctx, group.sliding_window, dev),
-            max_context_len=max_ctx,
-        )
+        return self.group_backends[group_id].build_metadata(
+            step, self._block_tables(group_id, chunks, step.max_context_len),
+            torch.tensor(write_blocks, device=dev), torch.tensor([p % bs for p in positions], device=dev),
+            group.sliding_window)
+
+    def _block_tables(self, group_id: int, chunks: Sequence[Chunk], max_context_len: int) -> torch.Tensor:
+        """[len(chunks), blocks covering max_context_len]: each chunk's table, cut or padded with block 0."""
+        max_blocks = -(-max_context_len // self.groups[group_id].block_size)
+        tables = [c.block_ids[group_id] for c in chunks]
+        padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
+        return torch.tensor(padded, device=self.device)
 
 
 def _num_output_rows(chunk: Chunk) -> int:

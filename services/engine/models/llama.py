@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Projections run on the flattened tokens of the whole step; only attention needs the
-per-request structure (see ``attention.py``). q/k/v and gate/up are fused into one matmul each
+per-request structure (see ``attention/``). q/k/v and gate/up are fused into one matmul each
 at load time. Tensor parallelism shards heads and MLP columns; the row-parallel outputs are
 all-reduced.
 """

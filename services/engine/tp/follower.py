@@ -97,7 +97,8 @@ class Follower:
         self.layout = kv_layout(config, source, dtype, allocate.num_blocks)
         self.cache = KVCache(self.layout, self.device, scratch_block=allocate.num_blocks - 1)
         # No CUDA graphs under TP (rank 0 has none either): every step runs eagerly on every rank.
-        runner = ModelRunner(model, self.cache, self.device, kv_shared_prefill_skip=config.kv_shared_prefill_skip)
+        runner = ModelRunner(model, self.cache, self.device, kv_shared_prefill_skip=config.kv_shared_prefill_skip,
+                             attention_backend=config.attention_backend)
         self._transfers.start()
         while True:
             message = self._recv()

@@ -1,0 +1,154 @@
+"""The attention interface: per-step metadata, per-group metadata, and what a backend implements.
+
+A step's tokens arrive flattened (``[num_tokens, heads, head_dim]``); request ``i`` owns the
+tokens ``query_start[i] : query_start[i+1]`` at context positions
+``context_lens[i] - query_lens[i] .. context_lens[i] - 1`` (a decode row has query length 1, a
+prefill chunk may follow a prefix-cache hit)::
+
+    request 0: decode      query_len 1, context_len 300 -> token at position 299
+    request 1: prefill     query_len 5, context_len 21  -> tokens at 16..20 (16 cached tokens)
+    query_start = [0, 1, 6]
+
+Building the metadata is split in two. The runner (or the decode-graph runner, inside its
+captured forward) makes one ``AttentionBatch`` of device tensors per step, then asks each KV
+group's backend for that group's ``GroupAttentionMetadata`` (``AttentionBackend.build_metadata``):
+only the chosen backend's extras are built (the boolean mask exists only for ``torch_sdpa``). Each
+layer then calls ``paged_attention``, which writes the layer's new K/V into the paged cache and
+runs the group's backend.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class GroupAttentionMetadata:
+    """Per KV-cache group: where new tokens are written, what each request reads, and the
+    extras of the group's backend (``None`` / default where that backend needs none)."""
+
+    backend: AttentionBackend
+    write_blocks: torch.Tensor  # [num_tokens] block id of each new token
+    write_offsets: torch.Tensor  # [num_tokens] offset inside that block
+    block_tables: torch.Tensor  # [num_reqs, max_blocks]; entries past a request's context are padding
+    sliding_window: int | None  # keys older than this many positions are hidden
+    # torch_sdpa only: [num_reqs, 1, max_query_len, max_context_len] bool (True = attend), and the
+    # slot of each token in the padded [num_reqs * max_query_len] query batch.
+    mask: torch.Tensor | None = None
+    query_slots: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """What every attention layer of one forward pass needs: the step's shape and per-group metadata.
+
+    ``max_query_len`` and ``max_context_len`` are host integers: exact in an eager step, upper
+    bounds fixed at capture in a decode graph (1 and the context bucket). The tensors live on
+    the model's device; ``context_lens`` may be int32 or int64.
+    """
+
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
+    max_context_len: int
+    query_start: torch.Tensor  # [num_reqs + 1] cumulative query lengths
+    query_lens: torch.Tensor  # [num_reqs]
+    context_lens: torch.Tensor  # [num_reqs] tokens in context after this step (cached + new)
+    groups: tuple[GroupAttentionMetadata, ...] = ()
+
+    def with_groups(self, groups: tuple[GroupAttentionMetadata, ...]) -> AttentionBatch:
+        return replace(self, groups=groups)
+
+
+def step_batch(query_lens: Sequence[int], context_lens: Sequence[int], device: torch.device) -> AttentionBatch:
+    """The step part of an ``AttentionBatch`` (no groups yet) from host lengths, in one host-to-device copy."""
+    n = len(query_lens)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    packed = torch.tensor([*starts, *query_lens, *context_lens], dtype=torch.int32, device=device)
+    return AttentionBatch(
+        num_reqs=n, num_tokens=starts[-1], max_query_len=max(query_lens), max_context_len=max(context_lens),
+        query_start=packed[: n + 1], query_lens=packed[n + 1: 2 * n + 1], context_lens=packed[2 * n + 1:],
+    )
+
+
+@dataclass(frozen=True)
+class TailBatch:
+    """The step's tokens whose output is read, for the layers after the last one that writes KV.
+
+    Layers that only read earlier layers' KV (KV-shared layers) write nothing a later token needs,
+    so past the last KV-writing layer only tokens whose logits are used must go on: the last token
+    of each sampling chunk, every token of a chunk that returns logits, none of a chunk in the
+    middle of a chunked prefill. Each request's tail rows are a suffix of its chunk, so ``batch``
+    is the same attention problem with shorter queries over the same contexts::
+
+        chunk of 5 tokens at positions 3..7, samples   -> tail row: position 7 (query length 1)
+        chunk of 4 tokens at positions 0..3, mid-prefill -> no tail rows
+
+    ``rows`` index the step's flattened tokens; ``batch`` holds only requests with tail rows.
+    """
+
+    rows: torch.Tensor
+    batch: AttentionBatch | None  # None when no token of the step needs output
+
+
+class AttentionBackend(ABC):
+    """One way to attend over the paged cache. Stateless per step: all step state is metadata.
+
+    ``build_metadata`` runs once per step and KV group (inside the captured region for decode
+    graphs, so it must not sync with the device: device tensor ops and host integers only);
+    ``forward`` runs once per layer.
+    """
+
+    name: ClassVar[str]
+
+    def unsupported_reason(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
+        """Why this backend cannot serve a group of this head dim and dtype, or None if it can."""
+        return None
+
+    @abstractmethod
+    def build_metadata(self, batch: AttentionBatch, block_tables: torch.Tensor, write_blocks: torch.Tensor,
+                       write_offsets: torch.Tensor, sliding_window: int | None) -> GroupAttentionMetadata:
+        """This group's metadata for the step described by ``batch`` (whose ``groups`` are not set yet)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+                meta: GroupAttentionMetadata, scale: float, softcap: float | None) -> torch.Tensor:
+        """Attention of ``q`` [num_tokens, heads, head_dim] over the cache (this step's K/V already
+        written). Returns [num_tokens, heads * head_dim] in ``q``'s dtype."""
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: GroupAttentionMetadata) -> None:
+    """Scatter this step's K/V rows ([num_tokens, kv_heads, head_dim]) into their cache slots."""
+    k_cache[meta.write_blocks, meta.write_offsets] = k
+    v_cache[meta.write_blocks, meta.write_offsets] = v
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    meta: GroupAttentionMetadata,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Store this step's K/V in the cache, then attend with the group's backend.
+
+    ``k_cache``/``v_cache`` are [num_blocks, block_size, kv_heads, head_dim] views (any strides).
+    ``k``/``v`` None: a layer that reads another layer's KV and writes none. ``softcap``: scores
+    become ``softcap * tanh(scores / softcap)`` before the mask (Gemma-2).
+    Returns [num_tokens, heads * head_dim].
+    """
+    if k is not None:
+        write_kv(k, v, k_cache, v_cache, meta)
+    return meta.backend.forward(q, k_cache, v_cache, batch, meta, scale, softcap)

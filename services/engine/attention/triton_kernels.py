@@ -1,0 +1,211 @@
+"""Triton kernels of ``triton_paged``: paged flash attention (optionally split over the keys) and
+the split-K reduction. Imported only when that backend is used.
+
+Interpreter or compiler: Triton decides inside ``triton.jit``, at decoration time, from
+``TRITON_INTERPRET`` (``triton.knobs.runtime.interpret``), and its own library functions
+(``tl.max``, ``tl.sum``, ``tl.cdiv``) are decorated when ``triton.language`` is first imported. So
+interpreted kernels (the only way to run on CPU tensors) need ``TRITON_INTERPRET=1`` in the
+environment before anything imports triton, and then every kernel of the process is interpreted.
+The kernels here are plain functions wrapped on first use by ``kernels``, which checks that mode:
+CPU tensors without it are a clear error instead of a failure deep inside a launch.
+
+One program of ``_attention_kernel`` owns (request, tile of query tokens, KV head, split)::
+
+    tile rows (BLOCK_M) = TOKENS_PER_TILE tokens x GROUP query heads of one KV head
+        row m -> token first_tok + m // GROUP, query head kv_head * GROUP + m % GROUP
+
+so each K/V tile read from the cache serves every query head of its KV head (GQA folded into M;
+a decode row of Llama-3-8B is 4 rows of a 16-row tile). Keys are walked BLOCK_N at a time; each
+key's page comes from the block table (``page = table[n // BLOCK_SIZE]``, slot ``n % BLOCK_SIZE``)
+and its address from the view's four strides, so any [num_blocks, block_size, kv_heads, head_dim]
+view works (NHD/HND, per-layer/cross-layer) and nothing is gathered. Scores use an online softmax
+in base 2 (flash-attention style); keys past a row's position, older than the window, or outside
+the program's range get -inf. Only the keys some row of the tile can see are visited: from the
+window start of the tile's first token to the tile's last token.
+
+With ``SPLIT`` the visited key range is cut into ``num_splits`` contiguous parts (multiples of
+BLOCK_N), one per program; each stores its unnormalised accumulator, running max and sum, and
+``_reduce_kernel`` merges them (flash-decoding). The partition is computed from the request's
+own lengths, read on the device, so a decode graph captured for a context bucket splits each
+request's real context evenly.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # for the host
+_LOG2E = tl.constexpr(LOG2E)  # for the kernels
+# Row reductions, rebound under the interpreter by ``kernels`` (see ``_fast_interpreter_reductions``).
+_max = tl.max
+_sum = tl.sum
+
+
+def _attention_kernel(
+    Q, K, V, Out, PartAcc, PartMax, PartSum,
+    BlockTables, QueryStart, ContextLens,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    stride_ot, stride_oh, stride_od,
+    num_heads, num_splits, q_tiles,
+    qk_scale,  # scale * log2(e); with SOFTCAP, scale alone
+    softcap,  # used with SOFTCAP
+    window,  # used with WINDOW
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache page
+    GROUP: tl.constexpr,  # query heads per KV head
+    TOKENS_PER_TILE: tl.constexpr,  # BLOCK_M // GROUP
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two (>= 16)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32 rounding); 16-bit inputs ignore it
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = pid // q_tiles
+    tile = pid % q_tiles
+
+    q_start = tl.load(QueryStart + req)
+    q_len = tl.load(QueryStart + req + 1) - q_start
+    first_tok = tile * TOKENS_PER_TILE
+    if first_tok >= q_len:
+        return
+    ctx = tl.load(ContextLens + req).to(tl.int32)
+    first_pos = ctx - q_len  # position of the request's first query token
+
+    rows = tl.arange(0, BLOCK_M)
+    tok_in_req = first_tok + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows // GROUP < TOKENS_PER_TILE) & (tok_in_req < q_len)
+    pos = first_pos + tok_in_req
+    token = (q_start + tok_in_req).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Keys some row of this tile can see: [k_lo, k_hi).
+    last_tok = tl.minimum(q_len, first_tok + TOKENS_PER_TILE) - 1
+    k_hi = first_pos + last_tok + 1
+    k_lo = tl.maximum(first_pos + first_tok - window + 1, 0) if WINDOW else 0
+    start = (k_lo // BLOCK_N) * BLOCK_N
+    per_split = ((k_hi - start + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    s_lo = start + split * per_split
+    s_hi = tl.minimum(k_hi, s_lo + per_split)
+
+    table = BlockTables + req.to(tl.int64) * stride_bt
+    k_head = K + kv_head.to(tl.int64) * stride_kh
+    v_head = V + kv_head.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    for n0 in range(s_lo, s_hi, BLOCK_N):
+        n = n0 + cols
+        n_ok = (n >= k_lo) & (n < s_hi)
+        page = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = (n % BLOCK_SIZE).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_ks + d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            # softcap * tanh(s * scale / softcap), tanh from exp(-2|x|) (no overflow), then to base 2.
+            x = s * qk_scale / softcap
+            e = tl.exp2(tl.abs(x) * (-2.0 * _LOG2E))
+            t = (1.0 - e) / (1.0 + e)
+            s = tl.where(x < 0, -t, t) * (softcap * _LOG2E)
+        else:
+            s = s * qk_scale
+        visible = (n[None, :] <= pos[:, None]) & n_ok[None, :]
+        if WINDOW:
+            visible = visible & (n[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, _max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no NaN
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + _sum(p, 1)
+        v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vs + d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        part = (token * num_heads + head) * num_splits + split
+        tl.store(PartAcc + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+        tl.store(PartMax + part, m_i, mask=row_ok)
+        tl.store(PartSum + part, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+                 out.to(Out.dtype.element_ty), mask=out_mask)
+
+
+def _reduce_kernel(
+    Out, PartAcc, PartMax, PartSum,
+    stride_ot, stride_oh, stride_od,
+    num_heads, num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr,  # num_splits rounded up to a power of two
+):
+    """Merge the splits of one (token, query head): weights exp2(max_s - max), divided by the total sum."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    s_ok = s < num_splits
+    part = (token * num_heads + head) * num_splits + s
+    m = tl.load(PartMax + part, mask=s_ok, other=float("-inf"))
+    total = tl.load(PartSum + part, mask=s_ok, other=0.0)
+    m_max = _max(m, 0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # an empty split (max -inf) weighs 0
+    denom = _sum(total * w, 0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    acc = tl.load(PartAcc + part[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = _sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(Out + token * stride_ot + head * stride_oh + d * stride_od, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+_KERNELS: list[tuple] = []
+
+
+def interpreting() -> bool:
+    """Whether triton.language was imported in interpreter mode (TRITON_INTERPRET=1 at the time)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.cdiv, InterpretedFunction)
+
+
+def _fast_interpreter_reductions() -> None:
+    """The interpreter runs ``tl.max``/``tl.sum`` as interpreted library calls, re-patching the
+    language on every call (milliseconds each); ``tl.reduce`` with the library's own combine
+    functions takes its numpy path instead, with the same result. Halves the tests' kernel time."""
+    global _max, _sum
+    max_combine = getattr(tl.standard, "_elementwise_max", None)
+    sum_combine = getattr(tl.standard, "_sum_combine", None)
+    if max_combine is not None and sum_combine is not None:
+        _max = lambda x, axis: tl.reduce(x, axis, max_combine)
+        _sum = lambda x, axis: tl.reduce(x, axis, sum_combine)
+
+
+def kernels(device_type: str) -> tuple:
+    """(attention kernel, reduce kernel): compiled, or interpreted under TRITON_INTERPRET=1."""
+    if device_type == "cpu" and not interpreting():
+        raise RuntimeError(
+            "triton_paged on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 in the environment "
+            "before triton is first imported")
+    if not _KERNELS:
+        if interpreting():
+            _fast_interpreter_reductions()
+        _KERNELS.append((triton.jit(_attention_kernel), triton.jit(_reduce_kernel)))
+    return _KERNELS[0]

@@ -1,0 +1,193 @@
+"""``triton_paged``: a Triton flash-attention kernel that reads K/V in place through the block table.
+
+Where ``torch_sdpa`` copies every request's whole context out of the cache (every layer, every
+step) and runs SDPA under an explicit mask, this backend's kernel walks each request's block table
+and loads the K/V pages where they lie: the bytes a step reads are the context's K/V once per KV
+head, nothing is copied, and no [num_reqs, max_query_len, max_context_len] mask is built. A mixed
+batch (decode rows, prefill chunks after a prefix hit) is one launch; decode steps with few
+programs split each request's keys across programs (flash-decoding) so a batch of one still
+spreads over the whole GPU. See ``triton_kernels.py`` for the kernel itself.
+
+Host side, per layer: pick the tile shape (``kernel_config``) and split count
+(``choose_num_splits``) from integers fixed for a step -- query heads per KV head, head dim, the
+step's ``max_query_len``/``max_context_len`` (a decode graph's are fixed at capture) -- allocate
+the output (and split partials) and launch. No host sync, so decode graphs capture it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.attention.base import AttentionBackend, AttentionBatch, GroupAttentionMetadata
+
+# Head dims up to this compile to tiles without register spills on sm_90 (512: Gemma-4's full
+# layers, with 16-32 row tiles of 16 keys); a group with wider heads falls back to torch_sdpa.
+MAX_HEAD_DIM = 512
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Split-K: at least this many keys per split (fewer and the partials cost more than they save),
+# at most this many splits, aiming at about two programs per SM.
+MIN_KEYS_PER_SPLIT = 128
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 2
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape and launch parameters of the attention kernel."""
+
+    block_m: int  # query rows per program: tokens x query heads of one KV head
+    block_n: int  # keys per iteration
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def kernel_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dtype) -> KernelConfig:
+    """The tile for a step.
+
+    BLOCK_M: 16 rows when every request's query rows (query tokens x ``group``) fit in 16 (decode),
+    up to 128 for prefill; BLOCK_N shrinks as the head dim grows, to keep the K/V tiles and the
+    fp32 accumulator in registers (checked with ptxas for sm_90: no spills for 16-bit dtypes).
+    fp32 dots run in full precision on FMA units, which need smaller tiles.
+    """
+    rows = max_query_len * group
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
+    if head_dim > 128:
+        block_m = min(block_m, 64 if head_dim <= 256 else 32)
+    block_n = 64 if head_dim <= 128 else 32 if head_dim <= 256 else 16
+    if dtype == torch.float32:  # full-precision fp32 dots run on FMA units: far more registers per tile
+        block_m = min(block_m, 32 if head_dim <= 128 else 16)
+        block_n = 32 if head_dim <= 64 else 16
+    block_m = max(block_m, _next_pow2(group))  # one token's query heads always fit a tile
+    num_warps = 8 if block_m >= 64 or head_dim > 256 else 4
+    return KernelConfig(block_m, block_n, num_warps=num_warps, num_stages=2)
+
+
+def choose_num_splits(programs: int, max_context_len: int, num_sms: int) -> int:
+    """Splits of each request's keys (decode-shaped steps only, where ``programs`` -- requests x KV
+    heads -- can be too few for the GPU): 1 once the unsplit grid fills the GPU, else enough to reach
+    ``PROGRAMS_PER_SM`` programs per SM, keeping ``MIN_KEYS_PER_SPLIT`` keys per split; a power of two.
+
+    Llama-3-8B (8 KV heads) on 132 SMs: bs 1 at 2k context -> 16 splits (128 programs of 128 keys);
+    bs 8 at 8k -> 4 splits; bs 32 -> 1.
+    """
+    if programs >= num_sms:
+        return 1
+    wanted = min(-(-PROGRAMS_PER_SM * num_sms // programs), max_context_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS)
+    return 1 if wanted < 2 else 1 << (wanted.bit_length() - 1)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the CPU interpreter runs programs one by one: splitting only adds work
+
+
+@functools.cache
+def triton_import_error() -> str | None:
+    """None when Triton imports, else why not."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # a broken install raises anything
+        return f"triton does not import: {e}"
+    return None
+
+
+class TritonPagedBackend(AttentionBackend):
+    """``num_splits``/``config``: fixed instead of chosen per step (tests and the benchmark)."""
+
+    name = "triton_paged"
+
+    def __init__(self, num_splits: int | None = None, config: KernelConfig | None = None) -> None:
+        if num_splits is not None and not 1 <= num_splits <= 1024:
+            raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
+        self.num_splits = num_splits
+        self.config = config
+
+    def unsupported_reason(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
+        error = triton_import_error()
+        if error is not None:
+            return error
+        if device.type not in ("cuda", "cpu"):
+            return f"device {device.type} (Triton runs on CUDA, or interpreted on CPU)"
+        if head_dim > MAX_HEAD_DIM:
+            return f"head dim {head_dim} (the kernel supports up to {MAX_HEAD_DIM})"
+        if dtype not in _DTYPES:
+            return f"dtype {dtype} (the kernel supports float16, bfloat16 and float32)"
+        return None
+
+    def build_metadata(self, batch: AttentionBatch, block_tables: torch.Tensor, write_blocks: torch.Tensor,
+                       write_offsets: torch.Tensor, sliding_window: int | None) -> GroupAttentionMetadata:
+        # Everything the kernel reads is already in the batch (query_start, context_lens) or here.
+        return GroupAttentionMetadata(backend=self, write_blocks=write_blocks, write_offsets=write_offsets,
+                                      block_tables=block_tables, sliding_window=sliding_window)
+
+    def plan(self, batch: AttentionBatch, num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+             device: torch.device) -> tuple[KernelConfig, int, int]:
+        """(tile config, query tiles per request, splits) for one layer of this step."""
+        group = num_heads // kv_heads
+        config = self.config or kernel_config(head_dim, group, batch.max_query_len, dtype)
+        if config.block_m < group:
+            raise ValueError(f"a {config.block_m}-row tile cannot hold the {group} query heads of a KV head")
+        q_tiles = -(-batch.max_query_len // (config.block_m // group))
+        if self.num_splits is not None:
+            splits = self.num_splits
+        elif q_tiles == 1:  # every request in one query tile: decode rows, short chunks
+            splits = choose_num_splits(batch.num_reqs * kv_heads, batch.max_context_len, _num_sms(device))
+        else:  # prefill tiles fill the GPU; splitting them would only add the partials' traffic
+            splits = 1
+        return config, q_tiles, splits
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+                meta: GroupAttentionMetadata, scale: float, softcap: float | None) -> torch.Tensor:
+        from services.engine.attention.triton_kernels import LOG2E, kernels
+
+        num_tokens, num_heads, head_dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        if num_heads % kv_heads or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+            raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not fit a {kv_heads}-head {k_cache.dtype} cache")
+        out = q.new_empty(num_tokens, num_heads, head_dim)
+        if num_tokens == 0:
+            return out.view(0, num_heads * head_dim)
+        group = num_heads // kv_heads
+        config, q_tiles, splits = self.plan(batch, num_heads, kv_heads, head_dim, q.dtype, q.device)
+        block_d = max(16, _next_pow2(head_dim))
+        attention_kernel, reduce_kernel = kernels(q.device.type)
+        if splits > 1:
+            part_acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+            part_max = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
+            part_sum = torch.empty_like(part_max)
+        else:
+            part_acc = part_max = part_sum = out  # not read
+        window = meta.sliding_window
+        attention_kernel[(batch.num_reqs * q_tiles, kv_heads, splits)](
+            q, k_cache, v_cache, out, part_acc, part_max, part_sum,
+            meta.block_tables, batch.query_start, batch.context_lens,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), meta.block_tables.stride(0), *out.stride(),
+            num_heads, splits, q_tiles,
+            float(scale) if softcap is not None else float(scale) * LOG2E,
+            float(softcap) if softcap is not None else 0.0,
+            int(window) if window is not None else 0,
+            BLOCK_SIZE=block_size, GROUP=group, TOKENS_PER_TILE=config.block_m // group, HEAD_DIM=head_dim,
+            BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SOFTCAP=softcap is not None,
+            WINDOW=window is not None, SPLIT=splits > 1,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        if splits > 1:
+            reduce_kernel[(num_tokens, num_heads)](
+                out, part_acc, part_max, part_sum, *out.stride(), num_heads, splits,
+                HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=_next_pow2(splits), num_warps=4,
+            )
+        return out.view(num_tokens, num_heads * head_dim)
