@@ -1,9 +1,12 @@
-"""What every benchmark here shares: writing its rows as JSON lines."""
+"""What every benchmark here shares: GPU peaks, writing its rows as JSON lines."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+# (HBM bytes/s, dense bf16/fp16 FLOP/s) from the datasheets, by device-name substring.
+GPU_PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}
 
 
 def emit_json(rows: list[dict], json_out: str | None, to_stdout: bool) -> bool:

@@ -32,8 +32,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# (HBM bytes/s, dense bf16 FLOP/s) by device-name substring, as bench/engine.py.
-GPU_PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}
 
 
 @dataclass(frozen=True)
@@ -129,6 +127,8 @@ class Bench:
             buf.normal_(generator=gen)
         self.k_cache, self.v_cache = self.cache.views[min(1, args.layers - 1)]
         self.num_blocks = num_blocks
+        from bench._common import GPU_PEAKS
+
         peaks = next((p for k, p in GPU_PEAKS.items() if device.type == "cuda" and k in torch.cuda.get_device_name(
             device)), (None, None))
         self.peak_bw = args.peak_bw or peaks[0]

@@ -25,15 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import services  # noqa: E402,F401,I001  (oneDNN ISA cap before torch)
 import torch  # noqa: E402
 
-from bench._common import emit_json  # noqa: E402
+from bench._common import GPU_PEAKS, emit_json  # noqa: E402
 from services.engine.engine_config import EngineConfig  # noqa: E402
 from services.engine.kv_cache import TORCH_DTYPES  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
 from services.engine.sampling_params import SamplingParams  # noqa: E402
 from services.kv.layout import LayoutKind  # noqa: E402
 
-# (bandwidth bytes/s, dense bf16/fp16 FLOP/s) by device-name substring.
-GPU_PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}
 
 
 def _sync(device: torch.device) -> None:

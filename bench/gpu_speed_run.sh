@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU-speed matrix in device calls of under 10 minutes each (carry .whl/ and services/proto_gen/pdserve,
+# as bench/gpu_run.sh):
+#   bash bench/gpu_speed_run.sh kernels   CUDA correctness of the attention backends (kernel vs SDPA, engine
+#                                         parity with HF and CUDA graphs) and one layer's attention per backend
+#   bash bench/gpu_speed_run.sh engine    dummy Llama-3.1-8B bf16: prefill 512/2k/8k and decode bs 1/8/32 at 2k
+#                                         with triton_paged, beside the floors and HF transformers on the same
+#                                         weights; then the same engine with torch_sdpa
+#   bash bench/gpu_speed_run.sh pull      the in-service KV pull beside a raw NIXL READ of the same bytes
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+for part in "$@"; do
+  case "$part" in
+    kernels)
+      PDSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/unit/test_attention_backends.py \
+          tests/unit/test_cuda_graphs.py tests/unit/test_engine_parity.py 2>&1 | tee "$OUT/kernels_tests.log" | tail -15
+      timeout 200 python3 bench/attention.py --json-out "$OUT/attention.jsonl" 2>&1 | tee "$OUT/attention.txt" ;;
+    engine)
+      for backend in triton_paged torch_sdpa; do
+        hf=$([ "$backend" = triton_paged ] && echo --hf)
+        timeout 280 python3 bench/engine.py --model dummy:llama-3.1-8b --dtype bfloat16 --device cuda \
+            --attention-backend "$backend" --prefill-lens 512,2048,8192 --batch-sizes 1,8,32 --decode-contexts 2048 \
+            --decode-steps 16 --rounds 2 $hf --json-out "$OUT/engine_$backend.jsonl" 2>&1 \
+            | grep -v Warning | tee "$OUT/engine_$backend.txt"
+      done ;;
+    pull)
+      timeout 400 python3 bench/pull_path.py --device cuda 2>&1 | grep -v "NIXL INFO" | tee "$OUT/pull_path.txt" ;;
+  esac
+done

@@ -1,0 +1,59 @@
+"""Profile engine steps (torch.profiler) to see where a step's time goes: kernels by GPU time, host by CPU time.
+
+    python bench/profile_step.py --batch 32             # decode steps at 512 tokens of context
+    python bench/profile_step.py --prefill 8192         # one prefill of an 8192-token prompt
+"""
+
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import services  # noqa: E402,F401
+from services.engine.engine_config import EngineConfig  # noqa: E402
+from services.engine.llm_engine import LLMEngine  # noqa: E402
+from services.engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens instead")
+    ap.add_argument("--attention-backend", default="auto")
+    args = ap.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, enable_prefix_caching=False,
+                                    max_num_batched_tokens=max(8192, args.prefill),
+                                    attention_backend=args.attention_backend))
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    if args.prefill:
+        for warm in range(2):  # the same length once before, so nothing is compiled or allocated first inside
+            engine.add_request(f"w{warm}", list(range(100 + warm, 100 + warm + args.prefill)),
+                               SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                engine.step()
+        engine.add_request("p", list(range(200, 200 + args.prefill)), params)
+    else:
+        for i in range(args.batch):
+            engine.add_request(f"r{i}", list(range(100 + i, 612 + i)), params)
+        for _ in range(5):
+            engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(1 if args.prefill else args.steps):
+            engine.step()
+    sort = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by=sort, row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
