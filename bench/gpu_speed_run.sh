@@ -30,6 +30,6 @@ for part in "$@"; do
             | grep -v Warning | tee "$OUT/engine_$backend.txt"
       done ;;
     pull)
-      timeout 400 python3 bench/pull_path.py --device cuda 2>&1 | grep -v "NIXL INFO" | tee "$OUT/pull_path.txt" ;;
+      timeout 400 python3 bench/pull_path.py --placements auto --json-out "$OUT/pull_path_gpu.jsonl" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/pull_path.txt" ;;
   esac
 done

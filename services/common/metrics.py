@@ -7,6 +7,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 # The outcomes each role counts in pdserve_requests_total.
 REQUEST_OUTCOMES = {"prefill": ("ticket", "finished", "invalid"), "decode": ("finished", "invalid")}
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# The decode worker's path from a ticket to a request whose KV is usable, in order (they add up):
+# reserve local blocks (on the engine thread), then KVPuller.pull's stages (handshake: the peer cache,
+# a Handshake RPC on first contact; check: the ticket; pieces: token runs; plan: descriptors; read: the
+# NIXL READs until their completion reached the event loop), then resume (the engine takes the request).
+PULL_STAGES = ("reserve", "handshake", "check", "pieces", "plan", "read", "resume")
+STAGE_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0)
 
 
 class WorkerMetrics:
@@ -29,6 +36,9 @@ class WorkerMetrics:
         self.transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes pulled", labels, registry=r)
         self.transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "KV pull duration", labels,
                                           buckets=LATENCY_BUCKETS_S, registry=r)
+        self.pull_stage_seconds = Histogram("pdserve_kv_pull_stage_seconds",
+                                            "A successful KV pull's time by stage (decode workers)",
+                                            ["role", "stage"], buckets=STAGE_BUCKETS_S, registry=r)
         self.transfer_descriptors = Counter("pdserve_kv_transfer_descriptors", "NIXL descriptors read", labels,
                                             registry=r)
         self.handshake_failures = Counter("pdserve_kv_handshake_failures", "Handshakes that failed", labels,
@@ -52,6 +62,9 @@ class WorkerMetrics:
             self.requests.labels(self.role, outcome)
         for state in ("free", "used", "pinned_for_transfer"):
             self.kv_blocks.labels(self.role, state)
+        if self.role == "decode":
+            for stage in PULL_STAGES:
+                self.pull_stage_seconds.labels(self.role, stage)
 
     def set_info(self, model: str, engine_id: str, tp_size: int, block_size: int) -> None:
         self.info.labels(self.role, model, engine_id, str(tp_size), str(block_size)).set(1)

@@ -23,7 +23,7 @@ import grpc
 from services.common.addresses import advertised_host, join_host_port
 from services.common.engine_ranks import close_kv_ranks, go_down_with_tp_group, open_kv_ranks
 from services.common.grpc_server import WorkerServer
-from services.common.metrics import WorkerMetrics
+from services.common.metrics import PULL_STAGES, WorkerMetrics
 from services.common.sampling import sampling_from_proto
 from services.common.worker_info import worker_info
 from services.engine.async_engine import AsyncEngine
@@ -32,7 +32,7 @@ from services.engine.sampling_params import SamplingParams
 from services.kv.agent import TransferError
 from services.kv.compat import CompatInfo, compat_fields
 from services.kv.handshake import HandshakeError
-from services.kv.puller import KVPuller
+from services.kv.puller import KVPuller, PullResult
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """
         if list(ticket.groups) and ticket.num_tokens != len(prompt):
             raise ValueError(f"ticket covers {ticket.num_tokens} tokens, the prompt has {len(prompt)}")
+        started = time.perf_counter()
         request = await self._reserve(rid, prompt, params)
+        reserved = time.perf_counter()
         if request is None:
             log.warning("request %s: no KV blocks or sequence seat free for %.0f s; prefilling locally",
                         rid, self.reserve_timeout_s)
@@ -103,16 +105,29 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 failure.labels("decode").inc()
                 await self.engine.abort(rid)
             else:
+                pulled = time.perf_counter()
+                await self.engine.complete_external_kv(rid, ticket.first_token_id, ticket.first_token_logprob)
+                resumed = time.perf_counter()
                 self.metrics.transfer_bytes.labels("decode").inc(result.num_bytes)
                 self.metrics.transfer_descriptors.labels("decode").inc(result.num_descriptors)
                 self.metrics.transfer_seconds.labels("decode").observe(result.seconds)
-                await self.engine.complete_external_kv(rid, ticket.first_token_id, ticket.first_token_logprob)
+                self._observe_stages(rid, result, reserved - started, resumed - pulled)
                 return [], False
         # Recompute: the prompt plus the first token the client already has, one token fewer to go.
         self.metrics.local_recomputes.labels("decode").inc()
         rest = dataclasses.replace(params, max_tokens=params.max_tokens - 1, min_tokens=max(params.min_tokens - 1, 0))
         await self.engine.add_request(rid, [*prompt, ticket.first_token_id], rest)
         return [ticket.first_token_id], True
+
+    def _observe_stages(self, rid: str, result: PullResult, reserve_s: float, resume_s: float) -> None:
+        """pdserve_kv_pull_stage_seconds, and one debug line with every stage (the READ's own included)."""
+        stages = {"reserve": reserve_s, **result.stages, "resume": resume_s}
+        histogram = self.metrics.pull_stage_seconds
+        for stage in PULL_STAGES:
+            histogram.labels("decode", stage).observe(stages.get(stage, 0.0))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s: pulled %d bytes in %d descriptors; stages (ms): %s", rid, result.num_bytes,
+                      result.num_descriptors, " ".join(f"{k}={v * 1e3:.3f}" for k, v in stages.items()))
 
     async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams):
         """Reserve local blocks for the pull, waiting (bounded) for a seat or blocks to free up.

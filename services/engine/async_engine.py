@@ -157,7 +157,7 @@ class AsyncEngine:
         use_device(self.engine.device)  # the current CUDA device is per thread: this one runs the steps
         try:
             while True:
-                idle = not self.engine.has_unfinished_requests()
+                idle = not self._can_step()
                 try:
                     command = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
                 except queue.Empty:
@@ -170,7 +170,7 @@ class AsyncEngine:
                         command = self._commands.get_nowait()
                     except queue.Empty:
                         command = _NO_COMMAND
-                if self.engine.has_unfinished_requests():
+                if self._can_step():
                     for out in self.engine.step():
                         self._loop.call_soon_threadsafe(self._deliver, out)
                 self.stats = self._read_stats()
@@ -178,6 +178,17 @@ class AsyncEngine:
             log.exception("engine thread stopped")
             self._dead = e
             self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _can_step(self) -> bool:
+        """Whether a step has anything to run: a running or a waiting request.
+
+        A request whose KV is being pulled cannot run until a command completes (or fails) its pull, so
+        alone it leaves the thread idle, waiting for commands. Stepping it in a loop would hold the GIL
+        and make every other thread of the daemon (the event loop, the NIXL agent's) wait for the
+        interpreter's 5 ms switch interval at each hand-over: ~5 ms per thread hop of the very pull.
+        """
+        sched = self.engine.scheduler
+        return sched.num_running > 0 or sched.num_waiting > 0
 
     def _read_stats(self) -> EngineStats:
         e = self.engine

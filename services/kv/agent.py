@@ -6,9 +6,15 @@ notifications when a reader is done (``poll_notifications`` + :class:`Notificati
 
 Threading: a NIXL agent is created in its no-locking mode, so every NIXL call here goes through one
 lock. On DRAM, UCX performs the whole copy inside ``postXferReq`` (CMA/shared memory is synchronous;
-64 MB take ~30-60 ms on the CI machine); the call drops the GIL, so ``read`` runs preparation and the
-post on a per-agent worker thread and only polls from the event loop, never waiting on the lock there.
-The synchronous methods (``start_read``, ``poll_notifications``...) may wait for that lock.
+64 MB take ~10-60 ms on the CI machine; the call drops the GIL). ``read`` therefore hands a READ to
+the agent's one worker thread, which prepares and posts it and then polls every READ in flight:
+tightly for the first milliseconds (a GPU READ of a prompt takes 0.2-5 ms), then backing off, and
+wakes the waiting coroutine once, when it finishes. A READ whose post cannot block for long (a few
+descriptors of device memory, where the post only queues the copies, or a small host copy) to a
+peer already read from is posted on the caller's thread instead, if the lock is free at that
+moment, and completes there when the post finishes it. The event loop never waits on the lock
+except to abort a READ that timed out. The synchronous methods (``start_read``,
+``poll_notifications``...) may wait for that lock.
 
 Quirks of nixl 1.5.1 this module works around (checked on the CI machine):
 - ``add_remote_agent`` with a known name but new metadata (a restarted peer) fails with
@@ -26,18 +32,29 @@ Quirks of nixl 1.5.1 this module works around (checked on the CI machine):
 - The UCX progress thread (on by default in nixl) busy-polls a core per agent on DRAM, idle or not:
   on the 2-core CI machine two agents took both cores and cut DRAM READs from ~6 to ~1.4 GB/s.
   Host-memory agents here run without it; device-memory agents keep it (see ``TransferAgent``).
+- On DRAM, a READ that carries a notification, or follows one the peer has not taken in yet, completes
+  only once the peer's agent has progressed (it polls notifications, or runs a progress thread): a
+  4 MB READ copies in ~1 ms and then waited for the owner's next poll (10 ms here). So ``read`` sends
+  a host-memory READ's notification itself, right after the READ completed, rather than with it; a
+  device READ keeps it on the READ (device-memory agents run a progress thread). Either way the peer
+  hears only of a completed READ, never of an aborted one.
+- ``make_prepped_xfer`` merges descriptors that are adjacent on both sides; ``initialize_xfer`` does
+  not (the planner merges runs itself, so the two give the same descriptors here). Building the lists
+  and the request costs microseconds either way (~2-10 us for 1-512 rows on the CI machine).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
+import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -54,8 +71,16 @@ RegionLike = Any  # a torch.Tensor, a RegisteredRegion, or an (addr, length, dev
 CUDA_IPC_GET_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 _MEM_KINDS = ("DRAM", "VRAM")
 _MD_HEADER = b"nixlSerDes|Agent"  # nixl's metadata starts: header, u64-le name length, name
-_MIN_POLL_S, _MAX_POLL_S = 0.0002, 0.002  # the event loop rounds sleeps up to ~1 ms anyway
 _LOCK_TIMEOUT_S = 30.0
+# The worker polls a READ every _SPIN_POLL_S (the kernel makes it ~60-80 us) for its first _SPIN_S,
+# then every ~10% of its age, at most every _MAX_POLL_S: bounded error for a READ of any length.
+_SPIN_POLL_S, _SPIN_S, _MAX_POLL_S = 20e-6, 0.005, 0.001
+# A post that may run on the caller's thread: at most this many descriptors, and on host memory (where
+# the post is the copy: ~0.1 ms per MiB here) at most this many bytes.
+_INLINE_MAX_DESCRIPTORS, _INLINE_MAX_HOST_BYTES = 64, 256 << 10
+
+#: A dict here collects the stage durations (seconds) of ``TransferAgent.read`` calls in this context.
+read_stages: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("read_stages", default=None)
 
 
 class TransferError(RuntimeError):
@@ -243,12 +268,11 @@ class TransferHandle:
         """Cancel if still in flight; True when nothing is left in flight (see TransferTimeout)."""
         if self._state != "PROC":
             return True
-        self._state = "ABORTED"
-        return self._agent._release(self)
+        return self._agent._abort(self)
 
     def _poll(self, blocking: bool) -> Literal["PROC", "DONE"]:
         if self._state == "PROC":
-            self._settle(self._agent._poll_xfer(self, blocking), "READ failed")
+            self._agent._poll_xfer(self, blocking)
         if self._state == "DONE":
             return "DONE"
         if self._state == "PROC":
@@ -258,7 +282,8 @@ class TransferHandle:
         raise self._error
 
     def _settle(self, state: str | None, failure: str) -> None:
-        """Record NIXL's answer; the agent has already released the request if it is terminal."""
+        """Record NIXL's answer (under the agent lock); the agent has already released the request if it
+        is terminal."""
         if state is None or state == "PROC":
             return
         if state == "DONE":
@@ -312,7 +337,8 @@ class TransferAgent:
         self._peers: dict[str, bytes] = {}
         self._active: set[TransferHandle] = set()
         self._unreleased: list[Any] = []
-        self._executor: ThreadPoolExecutor | None = None
+        self._warm_peers: set[str] = set()  # peers a READ has completed from (connection and mappings set up)
+        self._reader: _Reader | None = None
         self._closed = False
 
     # -- lifecycle --
@@ -330,8 +356,8 @@ class TransferAgent:
         with self._locked():  # a READ being posted finishes first; later ones see the agent closed
             self._closed = True
             handles = list(self._active)
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._reader is not None:
+            self._reader.stop()
         for handle in handles:
             handle.abort()
         for name in list(self._peers):
@@ -437,6 +463,7 @@ class TransferAgent:
         for handle in handles:
             handle.abort()
         del self._peers[name]
+        self._warm_peers.discard(name)
         try:
             with self._locked():
                 self._nixl.remove_remote_agent(name)
@@ -451,30 +478,11 @@ class TransferAgent:
     ) -> TransferHandle:
         """Post a READ of ``remote`` (in ``peer``'s memory) into ``local``; ``notify`` (if not empty)
         reaches the peer when the READ completes. On DRAM this blocks while the copy runs."""
-        started_at = time.monotonic()
         self._check_open()
         local_arr, remote_arr = self._prepare(peer, local, remote, notify, mem_kind, remote_mem_kind)
-        n, num_bytes = int(local_arr.shape[0]), int(local_arr[:, 1].sum())
-        ctx = {"peer": peer, "num_descriptors": n, "num_bytes": num_bytes}
         with self._locked():
-            self._check_open()
-            self._retry_unreleased()
-            try:
-                local_dl = self._nixl.get_xfer_descs(local_arr, mem_kind)
-                remote_dl = self._nixl.get_xfer_descs(remote_arr, remote_mem_kind or mem_kind)
-                xfer = self._nixl.initialize_xfer("READ", local_dl, remote_dl, peer, notify)
-            except Exception as exc:
-                raise TransferError("preparing READ failed (are the ranges inside registered memory?)",
-                                    nixl_state=_describe(exc), **ctx) from exc
-            handle = TransferHandle(self, xfer, peer, n, num_bytes, started_at)
-            self._active.add(handle)
-            try:
-                state = self._nixl.transfer(xfer)
-            except Exception as exc:
-                state = _describe(exc)
-            if state != "PROC":
-                self._release_locked(handle)
-        handle._settle(state, "posting READ failed")
+            handle = self._post_locked(peer, local_arr, remote_arr, notify, mem_kind, remote_mem_kind or mem_kind,
+                                       {})
         if handle._error is not None:
             raise handle._error
         return handle
@@ -486,33 +494,44 @@ class TransferAgent:
         """``start_read`` + wait, without blocking the event loop (see module docstring).
 
         Raises TransferTimeout after ``timeout_s`` (the READ is aborted), TransferError on failure.
+        When the context variable ``read_stages`` holds a dict, the READ's stage durations (seconds)
+        are added to it: submit (until a thread starts on it), prepare (descriptor lists and request),
+        post, complete (until its end was seen) and wake (until this coroutine resumed).
         """
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        deadline = time.monotonic() + timeout_s
+        entered = time.perf_counter()
         self._check_open()
         # Validate here so bad input raises at once, in the caller's thread.
         local_arr, remote_arr = self._prepare(peer, local, remote, notify, mem_kind, remote_mem_kind)
-        ctx = {"peer": peer, "num_descriptors": int(local_arr.shape[0]), "num_bytes": int(local_arr[:, 1].sum())}
-        posting = self._worker().submit(
-            self.start_read, peer, local_arr, remote_arr, notify, mem_kind, remote_mem_kind=remote_mem_kind)
+        job = _ReadJob(peer, local_arr, remote_arr, notify, mem_kind, remote_mem_kind or mem_kind, timeout_s,
+                       asyncio.get_running_loop(), entered)
+        if notify and "DRAM" in (job.mem_kind, job.remote_mem_kind):  # see the module docstring
+            job.notify, job.notify_after = b"", notify
+        if self._may_post_inline(job):
+            handle = self._post(job, blocking=False)  # None: the lock is busy, the worker takes it
+            if handle is not None:
+                if handle.done:  # finished inside the post: no thread involved at all
+                    self._notify_after(job, handle)
+                    job.marks["done"] = job.marks["resumed"] = time.perf_counter()
+                    return self._outcome(job, handle)
+                job.state, job.handle = "in_flight", handle
+        self._reader_thread().submit(job)
+        loop = job.loop  # a timer on the future itself: fewer loop iterations than wait_for(shield(...))
+        timer = loop.call_at(loop.time() + max(job.deadline - time.monotonic(), 0.0), _expire, job.future)
         try:
-            handle = await asyncio.wait_for(asyncio.wrap_future(posting), max(deadline - time.monotonic(), 0.0))
-        except (TimeoutError, asyncio.CancelledError) as exc:
-            # The post cannot be interrupted; abort its READ when it returns (runs even after the loop closed).
-            posting.add_done_callback(_abort_when_posted)
-            if isinstance(exc, TimeoutError):
-                raise TransferTimeout(f"posting READ took more than {timeout_s:.3f}s", aborted=False,
-                                      **ctx) from None
+            woken_by = await job.future
+        except asyncio.CancelledError:
+            self._give_up(job, cancelled=True)
             raise
-        try:
-            await _wait_done(handle, deadline)
-        except TimeoutError:
-            aborted = handle.abort()
-            raise TransferTimeout(f"READ not complete after {timeout_s:.3f}s", aborted=aborted, **ctx) from None
         finally:
-            handle.abort()  # a no-op once finished; covers cancellation
-        return handle.result()
+            timer.cancel()
+        if woken_by is _TIMED_OUT:
+            self._give_up(job)  # raises TransferTimeout unless the READ finished meanwhile
+        job.marks["resumed"] = time.perf_counter()
+        if isinstance(job.outcome, BaseException):
+            raise job.outcome
+        return self._outcome(job, job.handle)
 
     def send_notification(self, peer: str, message: bytes) -> None:
         """A notification not tied to a READ (e.g. after several READs for one request all finished)."""
@@ -559,10 +578,106 @@ class TransferAgent:
             raise UnknownPeerError(f"agent {self.name!r} has no peer {peer!r} (known: {sorted(self._peers)}); "
                                    "add_peer() its metadata first", peer=peer)
 
-    def _worker(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nixl-{self.name}")
-        return self._executor
+    def _reader_thread(self) -> _Reader:
+        if self._reader is None:
+            self._reader = _Reader(self)
+        return self._reader
+
+    def _may_post_inline(self, job: _ReadJob) -> bool:
+        """Whether the post is short enough for the caller's thread (see module docstring)."""
+        n = job.local.shape[0]
+        if n > _INLINE_MAX_DESCRIPTORS or job.peer not in self._warm_peers:
+            return False  # a first READ from a peer sets up its connection and mappings inside the post
+        on_device = job.mem_kind == "VRAM" and job.remote_mem_kind == "VRAM"
+        return on_device or job.num_bytes <= _INLINE_MAX_HOST_BYTES
+
+    def _post(self, job: _ReadJob, blocking: bool) -> TransferHandle | None:
+        """Prepare and post ``job``'s READ; None when not ``blocking`` and another call holds the agent."""
+        if not self._lock.acquire(blocking=blocking, timeout=_LOCK_TIMEOUT_S if blocking else -1):
+            if blocking:
+                raise TransferError(f"agent {self.name!r}: a NIXL call held the agent for more than "
+                                    f"{_LOCK_TIMEOUT_S}s")
+            return None
+        try:
+            return self._post_locked(job.peer, job.local, job.remote, job.notify, job.mem_kind, job.remote_mem_kind,
+                                     job.marks)
+        finally:
+            self._lock.release()
+
+    def _post_locked(self, peer: str, local: np.ndarray, remote: np.ndarray, notify: bytes, mem_kind: str,
+                     remote_mem_kind: str, marks: dict[str, float]) -> TransferHandle:
+        """Descriptor lists, request, post (the lock held). The handle may already be DONE or failed."""
+        marks["start"] = time.perf_counter()
+        started_at = time.monotonic()
+        self._check_open()
+        self._retry_unreleased()
+        n, num_bytes = int(local.shape[0]), int(local[:, 1].sum())
+        ctx = {"peer": peer, "num_descriptors": n, "num_bytes": num_bytes}
+        try:
+            local_dl = self._nixl.get_xfer_descs(local, mem_kind)
+            remote_dl = self._nixl.get_xfer_descs(remote, remote_mem_kind)
+            xfer = self._nixl.initialize_xfer("READ", local_dl, remote_dl, peer, notify)
+        except Exception as exc:
+            raise TransferError("preparing READ failed (are the ranges inside registered memory?)",
+                                nixl_state=_describe(exc), **ctx) from exc
+        handle = TransferHandle(self, xfer, peer, n, num_bytes, started_at)
+        self._active.add(handle)
+        marks["prepared"] = time.perf_counter()
+        try:
+            state = self._nixl.transfer(xfer)
+        except Exception as exc:
+            state = _describe(exc)
+        marks["posted"] = time.perf_counter()
+        if state != "PROC":
+            self._release_locked(handle)
+        handle._settle(state, "posting READ failed")
+        if state == "DONE":
+            self._warm_peers.add(peer)
+        return handle
+
+    def _notify_after(self, job: _ReadJob, handle: TransferHandle) -> None:
+        """Send a completed READ's deferred notification. The data arrived whatever happens here: a failure
+        is logged, and the peer's lease frees what the notification would have."""
+        if not job.notify_after or handle._state != "DONE":
+            return
+        try:
+            with self._locked():
+                self._check_open()
+                self._nixl.send_notif(job.peer, job.notify_after)
+        except Exception as exc:
+            log.warning("agent %s: READ from %s done, but its notification failed: %s", self.name, job.peer,
+                        _describe(exc))
+
+    def _outcome(self, job: _ReadJob, handle: TransferHandle) -> TransferResult:
+        """The finished READ's result (or its error, raised), its stages recorded for the caller."""
+        stages = read_stages.get()
+        if stages is not None:
+            m = job.marks
+            stages.update(submit=m["start"] - m["entered"], prepare=m["prepared"] - m["start"],
+                          post=m["posted"] - m["prepared"], complete=m["done"] - m["posted"],
+                          wake=m["resumed"] - m["done"])
+        if handle._error is not None:
+            raise handle._error
+        self._warm_peers.add(handle.peer)
+        return handle.result()
+
+    def _give_up(self, job: _ReadJob, cancelled: bool = False) -> None:
+        """The caller stops waiting (timeout or cancellation): abort or disown the READ.
+
+        Returns when the READ finished meanwhile (its outcome is the job's); else raises
+        TransferTimeout (not on cancellation, which the caller re-raises).
+        """
+        with job.lock:
+            state = job.state
+            if state == "finished":
+                return
+            job.state = "cancelled"
+        if state == "in_flight":
+            aborted, what = job.handle.abort(), f"READ not complete after {job.timeout_s:.3f}s"
+        else:  # queued: never posted, nothing to abort; posting: the worker aborts it when the post returns
+            aborted, what = state == "queued", f"posting READ took more than {job.timeout_s:.3f}s"
+        if not cancelled:
+            raise TransferTimeout(what, aborted=aborted, **job.ctx) from None
 
     @contextlib.contextmanager
     def _locked(self, timeout_s: float = _LOCK_TIMEOUT_S) -> Iterator[None]:
@@ -573,25 +688,31 @@ class TransferAgent:
         finally:
             self._lock.release()
 
-    def _poll_xfer(self, handle: TransferHandle, blocking: bool) -> str | None:
-        """NIXL's state for a READ (released here once terminal), or None if not blocking and busy."""
+    def _poll_xfer(self, handle: TransferHandle, blocking: bool) -> None:
+        """Ask NIXL for a READ's state and settle the handle (released here once terminal); nothing
+        when not blocking and another call holds the agent, or when the handle settled meanwhile."""
         if not self._lock.acquire(blocking=blocking, timeout=_LOCK_TIMEOUT_S if blocking else -1):
             if blocking:
                 raise TransferError(f"agent {self.name!r}: lock not acquired within {_LOCK_TIMEOUT_S}s")
-            return None
+            return
         try:
+            if handle._state != "PROC":  # aborted or settled by another thread while we waited
+                return
             try:
                 state = self._nixl.check_xfer_state(handle._xfer)
             except Exception as exc:  # e.g. nixlRemoteDisconnectError
                 state = _describe(exc)
             if state != "PROC":
                 self._release_locked(handle)
-            return state
+            handle._settle(state, "READ failed")
         finally:
             self._lock.release()
 
-    def _release(self, handle: TransferHandle) -> bool:
+    def _abort(self, handle: TransferHandle) -> bool:
         with self._locked():
+            if handle._state != "PROC":
+                return True
+            handle._state = "ABORTED"
             return self._release_locked(handle)
 
     def _release_locked(self, handle: TransferHandle) -> bool:
@@ -617,19 +738,165 @@ class TransferAgent:
         self._unreleased = still
 
 
-def _abort_when_posted(posting: Future) -> None:
-    if not posting.cancelled() and posting.exception() is None:
-        posting.result().abort()
+class _ReadJob:
+    """One ``read`` between the caller and the worker thread.
+
+    ``state`` (under ``lock``): queued -> posting -> in_flight -> finished, or cancelled when the
+    caller stopped waiting first; whoever moves it to finished or cancelled owns the outcome.
+    """
+
+    def __init__(self, peer: str, local: np.ndarray, remote: np.ndarray, notify: bytes, mem_kind: str,
+                 remote_mem_kind: str, timeout_s: float, loop: asyncio.AbstractEventLoop, entered: float) -> None:
+        self.peer, self.local, self.remote, self.notify = peer, local, remote, notify
+        self.notify_after = b""  # sent once the READ completed, instead of with it
+        self.mem_kind, self.remote_mem_kind = mem_kind, remote_mem_kind
+        self.num_bytes = int(local[:, 1].sum())
+        self.ctx = {"peer": peer, "num_descriptors": int(local.shape[0]), "num_bytes": self.num_bytes}
+        self.timeout_s, self.deadline = timeout_s, time.monotonic() + timeout_s
+        self.loop, self.future = loop, loop.create_future()
+        self.lock = threading.Lock()
+        self.state = "queued"
+        self.handle: TransferHandle | None = None
+        self.outcome: BaseException | None = None
+        self.marks = {"entered": entered}
 
 
-async def _wait_done(handle: TransferHandle, deadline: float) -> None:
-    """Poll with a short backoff; never waits on the agent lock from the event loop."""
-    delay = _MIN_POLL_S
-    while handle.try_poll() == "PROC":
-        if time.monotonic() >= deadline:
-            raise TimeoutError
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, _MAX_POLL_S)
+class _Reader:
+    """The agent's worker thread: posts READs handed to it and polls every READ in flight until it ends.
+
+    One thread serves all of an agent's READs, so concurrent pulls stay concurrent on the device
+    (their posts are short there) and each completion wakes its coroutine exactly once.
+    """
+
+    _STOP: Any = object()
+
+    def __init__(self, agent: TransferAgent) -> None:
+        self._agent = weakref.proxy(agent)  # the thread must not keep an agent nobody closed alive
+        self._name = agent.name
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._in_flight: list[_ReadJob] = []
+        self._thread = threading.Thread(target=self._run, name=f"nixl-{agent.name}", daemon=True)
+        self._thread.start()
+        weakref.finalize(agent, self.stop)
+
+    def submit(self, job: _ReadJob) -> None:
+        """Post ``job`` (queued) or watch it (in flight already)."""
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        self._jobs.put(self._STOP)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    job = self._jobs.get(timeout=self._delay()) if self._in_flight else self._jobs.get()
+                except queue.Empty:
+                    job = None
+                while job is not None:
+                    if job is self._STOP:
+                        self._fail_all()
+                        return
+                    self._take(job)
+                    try:
+                        job = self._jobs.get_nowait()
+                    except queue.Empty:
+                        job = None
+                self._sweep()
+        except ReferenceError:  # the agent was collected without close(): nothing can be waiting on it
+            return
+        except BaseException:  # never expected; callers still time out
+            log.exception("agent %s: the READ thread stopped", self._name)
+
+    def _delay(self) -> float:
+        """Poll fresh READs every ~_SPIN_POLL_S, older ones every ~10% of their age (<= _MAX_POLL_S)."""
+        age = time.perf_counter() - max(j.marks.get("posted", 0.0) for j in self._in_flight)
+        return _SPIN_POLL_S if age < _SPIN_S else min(_MAX_POLL_S, 0.1 * age)
+
+    def _take(self, job: _ReadJob) -> None:
+        with job.lock:
+            state = job.state
+            if state == "queued":
+                job.state = "posting"
+        if state == "in_flight":  # posted by the caller; watch it
+            self._in_flight.append(job)
+            return
+        if state != "queued":  # the caller gave up before it started
+            return
+        try:
+            handle = self._agent._post(job, blocking=True)
+        except Exception as exc:
+            self._finish(job, exc)
+            return
+        with job.lock:
+            cancelled = job.state == "cancelled"
+            if not cancelled:
+                job.state, job.handle = "in_flight", handle
+        if cancelled:  # the caller timed out during the post (it said aborted=False)
+            handle.abort()
+        elif handle.done:
+            self._finish(job, None)
+            self._agent._notify_after(job, handle)  # after waking the caller: not on its path
+        else:
+            self._in_flight.append(job)
+
+    def _sweep(self) -> None:
+        still = []
+        for job in self._in_flight:
+            if job.state != "in_flight":  # cancelled: the caller aborted it
+                continue
+            try:
+                state = job.handle.poll()
+            except TransferError as exc:
+                self._finish(job, exc)
+                continue
+            if state == "DONE":
+                self._finish(job, None)
+                self._agent._notify_after(job, job.handle)  # after waking the caller: not on its path
+            elif time.monotonic() >= job.deadline:
+                aborted = job.handle.abort()
+                self._finish(job, TransferTimeout(f"READ not complete after {job.timeout_s:.3f}s", aborted=aborted,
+                                                  **job.ctx))
+            else:
+                still.append(job)
+        self._in_flight = still
+
+    def _finish(self, job: _ReadJob, error: BaseException | None) -> None:
+        job.marks["done"] = time.perf_counter()
+        with job.lock:
+            if job.state == "cancelled":
+                return
+            job.state, job.outcome = "finished", error
+        with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody is waiting
+            job.loop.call_soon_threadsafe(_wake, job.future)
+
+    def _fail_all(self) -> None:
+        """The agent closed: end every READ this thread still has (closing aborted the posted ones)."""
+        jobs = self._in_flight
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not self._STOP:
+                jobs.append(job)
+        for job in jobs:
+            if job.handle is not None:
+                job.handle.abort()
+            self._finish(job, TransferError(f"agent {self._name!r} closed", **job.ctx))
+
+
+_TIMED_OUT: Any = object()
+
+
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(_TIMED_OUT)
 
 
 # ---- owner-side bookkeeping ----------------------------------------------------------------------

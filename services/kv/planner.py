@@ -77,6 +77,17 @@ class TransferPlan:
             arr.flags.writeable = False
             object.__setattr__(self, name, arr)
 
+    @classmethod
+    def _owned(cls, remote_rank: int, cols: Sequence[np.ndarray]) -> TransferPlan:
+        """A plan over int64 arrays nobody else holds (the planner's own): made read-only, not copied."""
+        plan = object.__new__(cls)
+        object.__setattr__(plan, "remote_rank", remote_rank)
+        for name, arr in zip(_FIELDS, cols, strict=True):
+            arr = np.ascontiguousarray(arr, dtype=np.int64)
+            arr.flags.writeable = False
+            object.__setattr__(plan, name, arr)
+        return plan
+
     @property
     def num_descriptors(self) -> int:
         return int(self.length.size)
@@ -105,8 +116,15 @@ class TransferPlan:
             table = np.asarray(regions, dtype=np.int64).reshape(-1, 2)
             if buf.size and int(buf.max()) >= table.shape[0]:
                 raise ValueError(f"plan names {side} buffer {int(buf.max())}, only {table.shape[0]} regions given")
-            base, device = table[buf, 0], table[buf, 1]
-            out.append(np.ascontiguousarray(np.stack([base + off, self.length, device], axis=1), dtype=np.uint64))
+            rows = np.empty((buf.size, 3), dtype=np.uint64)
+            if table.shape[0] == 1:  # one buffer (cross-layer, one group): no gather
+                rows[:, 0] = off + table[0, 0]
+                rows[:, 2] = table[0, 1]
+            else:
+                rows[:, 0] = table[buf, 0] + off
+                rows[:, 2] = table[buf, 1]
+            rows[:, 1] = self.length
+            out.append(rows)
         return out[0], out[1]
 
     @classmethod
@@ -153,8 +171,13 @@ def _check_heads(read: RankRead, remote: KVLayoutSpec, local: KVLayoutSpec, grou
         raise ValueError(f"{label}: local heads {read.local_heads} exceed the local rank's {l_heads} heads")
 
 
-def _piece_arrays(pieces: Sequence[BlockPiece]) -> np.ndarray:
-    """Pieces as a [5, N] int64 array: remote block, remote offset, local block, local offset, tokens."""
+def _piece_arrays(pieces: Sequence[BlockPiece] | np.ndarray) -> np.ndarray:
+    """Pieces as a [5, N] int64 array: remote block, remote offset, local block, local offset, tokens
+    (``topology.map_block_arrays`` gives that form directly)."""
+    if isinstance(pieces, np.ndarray):
+        if pieces.ndim != 2 or pieces.shape[0] != 5:
+            raise ValueError(f"block pieces as an array must be [5, N], got shape {pieces.shape}")
+        return pieces.astype(np.int64, copy=False)
     if not len(pieces):
         return np.zeros((5, 0), dtype=np.int64)
     rows = [(p.remote_block, p.remote_offset, p.local_block, p.local_offset, p.num_tokens) for p in pieces]
@@ -173,6 +196,8 @@ def _check_pieces(
             raise ValueError(f"{side} block id outside [0, {spec.num_blocks})")
         if ((off < 0) | (off + nt > g.block_size)).any():
             raise ValueError(f"a piece overruns a {side} block of {g.block_size} tokens")
+    if (lb[1:] > lb[:-1]).all():  # ascending local blocks: no two pieces share one
+        return
     order = np.lexsort((lo, lb))
     same_block = lb[order][1:] == lb[order][:-1]
     if (same_block & (lo[order][1:] < (lo + nt)[order][:-1])).any():
@@ -183,6 +208,8 @@ def _pad_partial(arr: np.ndarray, unit: int) -> np.ndarray:
     """Widen pieces that start on a ``unit`` boundary on both sides to the full unit."""
     rb, ro, lb, lo, nt = arr
     pad = (nt < unit) & (ro % unit == 0) & (lo % unit == 0)
+    if not pad.any():
+        return arr
     return np.stack([rb, ro, lb, lo, np.where(pad, unit, nt)])
 
 
@@ -229,6 +256,22 @@ def _grid(axes_outer_first: Sequence[_Axis]) -> tuple[np.ndarray, np.ndarray]:
         src = (src[:, None] + idx[None, :] * axis.src_stride).ravel()
         dst = (dst[:, None] + idx[None, :] * axis.dst_stride).ravel()
     return src, dst
+
+
+def _fold_planes(planes: Sequence[np.ndarray], run: int) -> list[np.ndarray]:
+    """Join planes that continue each other on both sides when each copies one ``run`` per piece.
+
+    Planes are sorted by source; plane i+1 joins plane i when it starts ``run`` bytes after it in
+    the same source and destination buffers, so every piece's run in i+1 continues its run in i.
+    A whole cross-layer block (all heads, whole pages) thus becomes one plane of the block's size
+    before the pieces multiply it, instead of ``2 * layers`` runs per piece that ``_merge`` would join.
+    Returns (src buffer, src offset, dst buffer, dst offset, length) per folded plane.
+    """
+    sb, so, db, do = planes
+    joins = (sb[1:] == sb[:-1]) & (db[1:] == db[:-1]) & (so[1:] == so[:-1] + run) & (do[1:] == do[:-1] + run)
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    counts = np.diff(np.append(starts, sb.size))
+    return [sb[starts], so[starts], db[starts], do[starts], counts * run]
 
 
 def _expand(plane: np.ndarray, piece: np.ndarray, grid: np.ndarray, piece_major: bool) -> np.ndarray:
@@ -281,7 +324,7 @@ def plan_transfer(
     remote: KVLayoutSpec,
     local: KVLayoutSpec,
     group_id: int,
-    pieces: Sequence[BlockPiece],
+    pieces: Sequence[BlockPiece] | np.ndarray,
     read: RankRead,
     layers: Sequence[int] | None = None,
     *,
@@ -298,63 +341,103 @@ def plan_transfer(
     last block costs no more descriptors than a full one (one instead of ``2 * layers`` per block
     for cross-layer). Only use it when nobody else reads those local slots.
     """
-    rg, lg = _check_specs(remote, local, group_id)
-    _check_heads(read, remote, local, group_id)
-    if layers is None:
-        layers = rg.layer_ids
-    layers = tuple(layers)
-    if len(set(layers)) != len(layers) or not set(layers) <= set(rg.layer_ids):
-        raise ValueError(f"layers {layers} must be distinct layers of group {group_id} {rg.layer_ids}")
+    pair = _pair(remote, local, group_id, read, None if layers is None else tuple(layers))
     arr = _piece_arrays(pieces)
     if pad_partial_blocks:
-        arr = _pad_partial(arr, min(rg.block_size, lg.block_size))
-    _check_pieces(arr, remote, local, rg, lg)
-    if not layers or arr.shape[1] == 0:
+        arr = _pad_partial(arr, pair.unit)
+    _check_pieces(arr, remote, local, pair.rg, pair.lg)
+    if not pair.layers or arr.shape[1] == 0:
         return TransferPlan.empty(read.remote_rank)
 
-    e = remote.element_size
-    # Planes: one (layer, K/V) each, sorted by source address so a sorted source needs no sort.
-    r_views, l_views = _views(remote, layers), _views(local, layers)
-    planes = sorted(
-        (rv.buffer_index, rv.offset * e, lv.buffer_index, lv.offset * e)
-        for rv, lv in zip(r_views, l_views, strict=True)
-    )
-    p_sb, p_so, p_db, p_do = (np.array(c, dtype=np.int64) for c in zip(*planes, strict=True))
-    r_block, r_token, r_head = (s * e for s in r_views[0].strides[:3])
-    l_block, l_token, l_head = (s * e for s in l_views[0].strides[:3])
-    num_heads = read.num_heads
-    row_bytes = remote.group_head_dim(group_id) * e
-    head_base_src = read.remote_heads[0] * r_head
-    head_base_dst = read.local_heads[0] * l_head
-    piece_major = remote.kind is LayoutKind.CROSS_LAYER
-
     rb, ro, lb, lo, nt = arr
+    classes = np.unique(nt).tolist() if int(nt.min()) != int(nt.max()) else [int(nt[0])]
     out: list[list[np.ndarray]] = [[] for _ in _FIELDS]
-    for tokens in np.unique(nt).tolist():  # full pieces, and at most a partial first/last one
-        sel = nt == tokens
-        head_axis = _Axis(num_heads, r_head, l_head)
-        token_axis = _Axis(tokens, r_token, l_token)
-        inner_first = [head_axis, token_axis] if remote.order is BlockOrder.NHD else [token_axis, head_axis]
-        run, left = _coalesce(row_bytes, inner_first)
-        g_src, g_dst = _grid(left)
-        piece_src = rb[sel] * r_block + ro[sel] * r_token + head_base_src
-        piece_dst = lb[sel] * l_block + lo[sel] * l_token + head_base_dst
+    for tokens in classes:  # full pieces, and at most a partial first/last one
+        sel = slice(None) if len(classes) == 1 else nt == tokens
+        f_sb, f_so, f_db, f_do, f_len, g_src, g_dst = pair.runs(tokens)
+        piece_src = rb[sel] * pair.r_block + ro[sel] * pair.r_token + pair.head_base_src
+        piece_dst = lb[sel] * pair.l_block + lo[sel] * pair.l_token + pair.head_base_dst
         no_piece, no_grid = np.zeros_like(piece_src), np.zeros_like(g_src)
-        out[0].append(_expand(p_sb, no_piece, no_grid, piece_major))
-        out[1].append(_expand(p_so, piece_src, g_src, piece_major))
-        out[2].append(_expand(p_db, no_piece, no_grid, piece_major))
-        out[3].append(_expand(p_do, piece_dst, g_dst, piece_major))
-        out[4].append(np.full(out[1][-1].size, run, dtype=np.int64))
+        out[0].append(_expand(f_sb, no_piece, no_grid, pair.piece_major))
+        out[1].append(_expand(f_so, piece_src, g_src, pair.piece_major))
+        out[2].append(_expand(f_db, no_piece, no_grid, pair.piece_major))
+        out[3].append(_expand(f_do, piece_dst, g_dst, pair.piece_major))
+        out[4].append(_expand(f_len, no_piece, no_grid, pair.piece_major))
 
-    cols = [np.concatenate(c) for c in out]
-    src_buffer_bytes = max(b.num_bytes for b in remote.buffers())
-    return TransferPlan(read.remote_rank, *_merge(cols, src_buffer_bytes))
+    cols = [c[0] if len(c) == 1 else np.concatenate(c) for c in out]
+    return TransferPlan._owned(read.remote_rank, _merge(cols, pair.src_buffer_bytes))
+
+
+class _Pair:
+    """What a plan needs of (remote spec, local spec, group, read, layers), pieces aside: checked and
+    computed once per combination, since the same pair recurs for every request between two engines."""
+
+    def __init__(self, remote: KVLayoutSpec, local: KVLayoutSpec, group_id: int, read: RankRead,
+                 layers: tuple[int, ...] | None) -> None:
+        rg, lg = _check_specs(remote, local, group_id)
+        _check_heads(read, remote, local, group_id)
+        layers = rg.layer_ids if layers is None else layers
+        if len(set(layers)) != len(layers) or not set(layers) <= set(rg.layer_ids):
+            raise ValueError(f"layers {layers} must be distinct layers of group {group_id} {rg.layer_ids}")
+        self.rg, self.lg, self.layers = rg, lg, layers
+        self.unit = min(rg.block_size, lg.block_size)
+        self.src_buffer_bytes = max(b.num_bytes for b in remote.buffers())
+        self.piece_major = remote.kind is LayoutKind.CROSS_LAYER
+        self.nhd = remote.order is BlockOrder.NHD
+        self._runs: dict[int, tuple[np.ndarray, ...]] = {}
+        if not layers:
+            return
+        e = remote.element_size
+        # Planes: one (layer, K/V) each, sorted by source address so a sorted source needs no sort.
+        r_views, l_views = _views(remote, layers), _views(local, layers)
+        planes = sorted(
+            (rv.buffer_index, rv.offset * e, lv.buffer_index, lv.offset * e)
+            for rv, lv in zip(r_views, l_views, strict=True)
+        )
+        self.planes = tuple(np.array(c, dtype=np.int64) for c in zip(*planes, strict=True))
+        self.r_block, self.r_token, self.r_head = (s * e for s in r_views[0].strides[:3])
+        self.l_block, self.l_token, self.l_head = (s * e for s in l_views[0].strides[:3])
+        self.num_heads = read.num_heads
+        self.row_bytes = remote.group_head_dim(group_id) * e
+        self.head_base_src = read.remote_heads[0] * self.r_head
+        self.head_base_dst = read.local_heads[0] * self.l_head
+
+    def runs(self, tokens: int) -> tuple[np.ndarray, ...]:
+        """For pieces of ``tokens`` tokens: the (folded) planes with their run lengths, and the grid of
+        runs inside one piece and plane (src, dst offsets)."""
+        got = self._runs.get(tokens)
+        if got is None:
+            head_axis = _Axis(self.num_heads, self.r_head, self.l_head)
+            token_axis = _Axis(tokens, self.r_token, self.l_token)
+            run, left = _coalesce(self.row_bytes, [head_axis, token_axis] if self.nhd else [token_axis, head_axis])
+            if left:
+                planes = [*self.planes, np.full(self.planes[0].size, run, dtype=np.int64)]
+            else:
+                planes = _fold_planes(self.planes, run)
+            got = self._runs[tokens] = (*planes, *_grid(left))
+        return got
+
+
+_PAIRS: dict[tuple, tuple[KVLayoutSpec, KVLayoutSpec, _Pair]] = {}
+
+
+def _pair(remote: KVLayoutSpec, local: KVLayoutSpec, group_id: int, read: RankRead,
+          layers: tuple[int, ...] | None) -> _Pair:
+    """The cached :class:`_Pair`, by the specs' identity (hashing a spec costs more than planning a
+    small request); the entry keeps both specs alive, so an id is never reused while it is cached."""
+    key = (id(remote), id(local), group_id, read, layers)
+    entry = _PAIRS.get(key)
+    if entry is None or entry[0] is not remote or entry[1] is not local:
+        if len(_PAIRS) >= 256:
+            _PAIRS.clear()
+        entry = _PAIRS[key] = (remote, local, _Pair(remote, local, group_id, read, layers))
+    return entry[2]
 
 
 def plan_groups(
     remote: KVLayoutSpec,
     local: KVLayoutSpec,
-    pieces_by_group: Mapping[int, Sequence[BlockPiece]],
+    pieces_by_group: Mapping[int, Sequence[BlockPiece] | np.ndarray],
     read: RankRead | Mapping[int, RankRead],
     *,
     pad_partial_blocks: bool = False,
@@ -376,7 +459,7 @@ def plan_groups(
         plan_transfer(remote, local, gid, pieces, reads[gid], pad_partial_blocks=pad_partial_blocks)
         for gid, pieces in pieces_by_group.items()
     ]
-    return concat_plans(plans, remote_rank, max(b.num_bytes for b in remote.buffers()))
+    return concat_plans(plans, remote_rank, max(b.num_bytes for b in remote.buffers()) if len(plans) > 1 else 0)
 
 
 def concat_plans(plans: Sequence[TransferPlan], remote_rank: int, src_buffer_bytes: int = 1 << 40) -> TransferPlan:
@@ -385,8 +468,10 @@ def concat_plans(plans: Sequence[TransferPlan], remote_rank: int, src_buffer_byt
         raise ValueError(f"plans read different remote ranks: {sorted({p.remote_rank for p in plans})}")
     if not plans:
         return TransferPlan.empty(remote_rank)
+    if len(plans) == 1:  # a plan is merged already
+        return plans[0]
     cols = [np.concatenate([getattr(p, name) for p in plans]) for name in _FIELDS]
-    return TransferPlan(remote_rank, *_merge(cols, src_buffer_bytes))
+    return TransferPlan._owned(remote_rank, _merge(cols, src_buffer_bytes))
 
 
 # ---- reference copy ------------------------------------------------------------------------------

@@ -24,16 +24,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from services.kv.agent import TransferError
+import numpy as np
+
+from services.kv.agent import TransferError, read_stages
 from services.kv.compat import CompatInfo
-from services.kv.handshake import EngineDescription, PeerCache
+from services.kv.handshake import EngineDescription, PeerCache, RankExport
 from services.kv.layout import BlockOrder, KVLayoutSpec
 from services.kv.pair_support import group_heads_from_fields
 from services.kv.planner import TransferPlan, plan_groups
 from services.kv.rank import KVRank
-from services.kv.topology import BlockPiece, group_rank_reads, kv_head_range, map_blocks, window_start_token
+from services.kv.topology import RankRead, group_rank_reads, kv_head_range, map_block_arrays, window_start_token
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,23 @@ class PullResult:
     num_descriptors: int
     num_reads: int
     seconds: float
+    #: Seconds per stage, in order: handshake (the peer cache; the Handshake RPC on first contact), check
+    #: (the ticket), pieces (token runs), plan (descriptor rows, every rank), read (every READ, until the
+    #: last completion reached this coroutine); and "read.<stage>" inside one READ (``TransferAgent.read``:
+    #: submit, prepare, post, complete, wake; the largest over the ranks when several read).
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PlannedRead:
+    """One READ of a pull: which local rank reads which owner rank, and the descriptor rows."""
+
+    rank: KVRank
+    owner: RankExport
+    local_rows: np.ndarray
+    remote_rows: np.ndarray
+    num_bytes: int
+    num_descriptors: int
 
 
 class KVPuller:
@@ -65,6 +84,7 @@ class KVPuller:
         self.engine_id = engine_id
         self._ranks = list(ranks)
         self.transfer_timeout_s = transfer_timeout_s
+        self._reads_of: dict[str, tuple[EngineDescription, list]] = {}  # engine id -> (its description, reads)
         self.peers = PeerCache(
             compat, reader_engine_id=engine_id, auth_token=auth_token, timeout_s=handshake_timeout_s,
             validate=self._check_topology, on_evict=self._drop_peers,
@@ -118,6 +138,7 @@ class KVPuller:
                         remote.engine_id, remote.tp_size, self.tp_size)
 
     def _drop_peers(self, old: EngineDescription) -> None:
+        self._reads_of.pop(old.engine_id, None)
         for r in self._ranks:
             for remote_rank in old.ranks:
                 r.remove_peer(remote_rank.agent_name)
@@ -136,55 +157,118 @@ class KVPuller:
         started = time.perf_counter()
         if not 0 <= num_cached_tokens <= ticket.num_tokens:
             raise ValueError(f"num_cached_tokens {num_cached_tokens} outside [0, {ticket.num_tokens}]")
-        remote = await self.peers.get(ticket.handshake_address, ticket.engine_id, ticket.epoch)
-        remote_ids = self._check_ticket(ticket, remote, local_block_ids)
+        # A known peer needs no await (and no lock): the common case costs a dict lookup.
+        remote = self.peers.cached(ticket.engine_id, ticket.epoch) or \
+            await self.peers.get(ticket.handshake_address, ticket.engine_id, ticket.epoch)
+        t_handshake = time.perf_counter()
+        remote_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
+        t_check = time.perf_counter()
         # Every local rank shares the block tables, so the token runs are the same for all of them.
-        pieces = self._pieces(remote, self._ranks[0].layout, ticket.num_tokens, remote_ids, local_block_ids,
+        pieces = self._pieces(remote, self._ranks[0].layout, ticket.num_tokens, remote_ids, local_ids,
                               num_cached_tokens)
-        heads = group_heads_from_fields(remote.compat.fields)
-        reads = []
-        for local_rank, rank in enumerate(self._ranks):
-            for remote_rank, group_reads in group_rank_reads(self.tp_size, local_rank, remote.tp_size, heads).items():
-                owner = remote.ranks[remote_rank]
-                # The last block is this request's own (partial blocks are never shared), and decode
-                # overwrites the slots past the prompt before reading them: padding it costs no
-                # extra descriptors for the stale tail bytes it copies.
-                plan = plan_groups(owner.layout, rank.layout, {g: pieces[g] for g in group_reads}, group_reads,
-                                   pad_partial_blocks=True)
-                reads.append(self._read(rank, plan, owner, ticket.request_id.encode()))
+        t_pieces = time.perf_counter()
+        reads = self._plan_reads(remote, pieces)
+        t_plan = time.perf_counter()
+        notify = ticket.request_id.encode()
         try:
-            results = await asyncio.gather(*reads)
+            if len(reads) == 1:  # no task to create and schedule for the one READ of a TP-1 pair
+                results = [await self._read(*reads[0], notify)]
+            else:
+                results = await asyncio.gather(*(self._read(*read, notify) for read in reads))
         except TransferError:
             # The owner may have restarted (its old agents are gone): handshake afresh next time, so
             # later tickets of the dead epoch fail fast as stale instead of timing out on reads.
             self.peers.forget(ticket.engine_id)
             raise
+        done = time.perf_counter()
+        stages = {"handshake": t_handshake - started, "check": t_check - t_handshake, "pieces": t_pieces - t_check,
+                  "plan": t_plan - t_pieces, "read": done - t_plan}
+        for _, _, sub in results:
+            for name, seconds in sub.items():
+                stages[f"read.{name}"] = max(stages.get(f"read.{name}", 0.0), seconds)
         return PullResult(
             num_bytes=sum(r[0] for r in results), num_descriptors=sum(r[1] for r in results), num_reads=len(results),
-            seconds=time.perf_counter() - started,
+            seconds=done - started, stages=stages,
         )
 
-    async def _read(self, rank: KVRank, plan: TransferPlan, owner, notify: bytes) -> tuple[int, int]:
+    def planned_reads(self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]],
+                      num_cached_tokens: int = 0) -> list[PlannedRead]:
+        """The READs ``pull`` would issue for this ticket (its owner already handshaken), without issuing
+        them: for benchmarks and tests that compare with the same descriptors."""
+        remote = self.peers.cached(ticket.engine_id, ticket.epoch)
+        if remote is None:
+            raise ValueError(f"engine {ticket.engine_id} epoch {ticket.epoch} is not handshaken")
+        remote_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
+        pieces = self._pieces(remote, self._ranks[0].layout, ticket.num_tokens, remote_ids, local_ids,
+                              num_cached_tokens)
+        return [PlannedRead(*read) for read in self._plan_reads(remote, pieces)]
+
+    def _plan_reads(self, remote: EngineDescription, pieces: dict[int, np.ndarray]
+                    ) -> list[tuple[KVRank, RankExport, np.ndarray, np.ndarray, int, int]]:
+        """One READ per (local rank, remote rank): (rank, owner rank, local rows, remote rows, bytes, descriptors).
+
+        Ranks whose layouts and head slices match (equal TP sizes: rank r reads rank r) share one
+        plan; only the addresses differ.
+        """
+        plans: dict[tuple, TransferPlan] = {}
+        src_tables: dict[int, list[tuple[int, int]]] = {}
+        reads = []
+        for local_rank, rank in enumerate(self._ranks):
+            dst = [(r.address, r.device_id) for r in rank.regions]
+            for remote_rank, group_reads in self._rank_reads(remote)[local_rank].items():
+                owner = remote.ranks[remote_rank]
+                key = (id(owner.layout), id(rank.layout),
+                       tuple((g, r.remote_heads, r.local_heads) for g, r in group_reads.items()))
+                plan = plans.get(key)
+                if plan is None:
+                    # The last block is this request's own (partial blocks are never shared), and decode
+                    # overwrites the slots past the prompt before reading them: padding it costs no
+                    # extra descriptors for the stale tail bytes it copies.
+                    plan = plans[key] = plan_groups(owner.layout, rank.layout, {g: pieces[g] for g in group_reads},
+                                                    group_reads, pad_partial_blocks=True)
+                src = src_tables.get(remote_rank)
+                if src is None:
+                    src = src_tables[remote_rank] = [
+                        (r.address, r.device_id) for r in sorted(owner.regions, key=lambda r: r.buffer_index)]
+                remote_rows, local_rows = plan.address_rows(src, dst)
+                reads.append((rank, owner, local_rows, remote_rows, plan.total_bytes, plan.num_descriptors))
+        return reads
+
+    def _rank_reads(self, remote: EngineDescription) -> list[dict[int, dict[int, RankRead]]]:
+        """``group_rank_reads`` of every local rank against this peer, computed once per peer."""
+        entry = self._reads_of.get(remote.engine_id)
+        if entry is None or entry[0] is not remote:
+            heads = group_heads_from_fields(remote.compat.fields)
+            entry = self._reads_of[remote.engine_id] = (remote, [
+                group_rank_reads(self.tp_size, r, remote.tp_size, heads) for r in range(self.tp_size)])
+        return entry[1]
+
+    async def _read(self, rank: KVRank, owner: RankExport, local_rows: np.ndarray, remote_rows: np.ndarray,
+                    num_bytes: int, num_descriptors: int, notify: bytes) -> tuple[int, int, dict[str, float]]:
         """One READ from one owner rank (or, when everything was local, only the notification)."""
-        src = [(r.address, r.device_id) for r in sorted(owner.regions, key=lambda r: r.buffer_index)]
-        dst = [(r.address, r.device_id) for r in rank.regions]
-        remote_rows, local_rows = plan.address_rows(src, dst)
-        return await rank.read(owner.agent_metadata, local_rows, remote_rows, notify, owner.regions[0].kind,
-                               self.transfer_timeout_s)
+        sub: dict[str, float] = {}
+        token = read_stages.set(sub)  # the agent's READ adds its stages here
+        try:
+            got = await rank.read(owner.agent_metadata, local_rows, remote_rows, notify, owner.regions[0].kind,
+                                  self.transfer_timeout_s)
+        finally:
+            read_stages.reset(token)
+        return got[0], got[1], sub
 
     def _check_ticket(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription,
-                      local_block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
-        """The ticket's block ids per group, after checking them against the owner's handshake.
+                      local_block_ids: Sequence[Sequence[int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The ticket's and the reader's block ids per group (arrays), after checking them against the
+        owner's handshake and this engine.
 
         Every id must be inside the owner's blocks, placeholders included (they are never read but
         a forged id is refused all the same); repeats are only refused where a transfer reads them
         (``map_blocks``), since a sliding group's out-of-window placeholders may repeat.
         """
-        groups: dict[int, list[int]] = {}
+        groups: dict[int, np.ndarray] = {}
         for g in ticket.groups:
             if g.group_id in groups:
                 raise TicketError(f"ticket names KV group {g.group_id} twice")
-            groups[g.group_id] = list(g.block_ids)
+            groups[g.group_id] = np.asarray(g.block_ids, dtype=np.int64)
         if sorted(groups) != [g.group_id for g in remote.groups]:
             raise TicketError(f"ticket names KV groups {sorted(groups)}, the engine has "
                               f"{[g.group_id for g in remote.groups]}")
@@ -193,25 +277,31 @@ class KVPuller:
         num_blocks = remote.ranks[0].layout.num_blocks
         for g in remote.groups:
             ids = groups[g.group_id]
-            if any(not 0 <= b < num_blocks for b in ids):
+            if not _inside(ids, num_blocks):
                 raise TicketError(f"ticket block ids for {g.label} fall outside the owner's {num_blocks} blocks")
             if len(ids) * g.block_size < ticket.num_tokens:
                 raise TicketError(f"ticket holds {len(ids)} blocks of {g.block_size} for {ticket.num_tokens} tokens "
                                   f"in {g.label}")
         local_blocks = self._ranks[0].layout.num_blocks
-        if any(not 0 <= b < local_blocks for ids in local_block_ids for b in ids):
+        local_ids = [np.asarray(ids) for ids in local_block_ids]  # map_block_arrays refuses non-integers
+        if not all(_inside(ids, local_blocks) for ids in local_ids):
             raise TicketError(f"local block ids fall outside this engine's {local_blocks} blocks")
-        return [groups[g.group_id] for g in remote.groups]
+        return [groups[g.group_id] for g in remote.groups], local_ids
 
     @staticmethod
-    def _pieces(remote: EngineDescription, local: KVLayoutSpec, num_tokens: int, remote_ids: list[list[int]],
-                local_ids: Sequence[Sequence[int]], num_cached_tokens: int) -> dict[int, tuple[BlockPiece, ...]]:
-        """Token runs per group: from the reader's cached prefix (whole local blocks of that group)
-        or, for a sliding group, the window's start, whichever is later; to the prompt's end."""
+    def _pieces(remote: EngineDescription, local: KVLayoutSpec, num_tokens: int, remote_ids: list[np.ndarray],
+                local_ids: Sequence[np.ndarray], num_cached_tokens: int) -> dict[int, np.ndarray]:
+        """Token runs per group (``map_block_arrays``): from the reader's cached prefix (whole local
+        blocks of that group) or, for a sliding group, the window's start, whichever is later; to the
+        prompt's end."""
         out = {}
         for rg, lg in zip(remote.groups, local.groups, strict=True):
             cached = num_cached_tokens - num_cached_tokens % lg.block_size
             start = max(cached, window_start_token(rg, lg, num_tokens))
-            out[lg.group_id] = map_blocks(remote_ids[rg.group_id], rg.block_size, local_ids[lg.group_id],
-                                          lg.block_size, num_tokens, start)
+            out[lg.group_id] = map_block_arrays(remote_ids[rg.group_id], rg.block_size, local_ids[lg.group_id],
+                                                lg.block_size, num_tokens, start)
         return out
+
+
+def _inside(ids: np.ndarray, num_blocks: int) -> bool:
+    return ids.size == 0 or (int(ids.min()) >= 0 and int(ids.max()) < num_blocks)

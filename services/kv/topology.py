@@ -197,7 +197,7 @@ def _check_ids(ids: np.ndarray, side: str) -> None:
         return
     if int(ids.min()) < 0:
         raise ValueError(f"{side} block ids must be >= 0, got {int(ids.min())}")
-    if np.unique(ids).size != ids.size:
+    if not (ids[1:] > ids[:-1]).all() and np.unique(ids).size != ids.size:  # ascending ids: distinct, no sort
         raise ValueError(f"{side} block ids repeat inside the transferred range")
 
 
@@ -209,7 +209,8 @@ def map_blocks(
     num_tokens: int,
     start_token: int = 0,
 ) -> tuple[BlockPiece, ...]:
-    """Split tokens ``[start_token, num_tokens)`` into runs that stay in one block on each side.
+    """Split tokens ``[start_token, num_tokens)`` into runs that stay in one block on each side
+    (:func:`map_block_arrays` as :class:`BlockPiece` values).
 
     Both id lists are block tables from token 0; entries before ``start_token`` are not read.
     One block size must divide the other, so every run is ``min(sizes)`` tokens except a partial
@@ -226,6 +227,21 @@ def map_blocks(
     boundary of the finer side and may fall inside a coarse local block, whose earlier slots then
     stay as they are (they are older than the window and never read).
     """
+    cols = map_block_arrays(remote_block_ids, remote_block_size, local_block_ids, local_block_size, num_tokens,
+                            start_token)
+    return tuple(BlockPiece(*row) for row in zip(*cols.tolist(), strict=True))
+
+
+def map_block_arrays(
+    remote_block_ids: Sequence[int] | np.ndarray,
+    remote_block_size: int,
+    local_block_ids: Sequence[int] | np.ndarray,
+    local_block_size: int,
+    num_tokens: int,
+    start_token: int = 0,
+) -> np.ndarray:
+    """:func:`map_blocks` as one ``[5, N]`` int64 array (rows: remote block, remote offset, local block,
+    local offset, tokens), built without a Python loop per piece: what the planner consumes."""
     if remote_block_size < 1 or local_block_size < 1:
         raise ValueError(f"block sizes must be >= 1, got remote {remote_block_size}, local {local_block_size}")
     small, large = sorted((remote_block_size, local_block_size))
@@ -247,7 +263,7 @@ def map_blocks(
         if ids.size < needed:
             raise ValueError(f"{num_tokens} tokens need {needed} {side} blocks of {size}, got {ids.size}")
     if start_token == num_tokens:
-        return ()
+        return np.zeros((5, 0), dtype=np.int64)
 
     starts = np.arange(start_token, num_tokens, small, dtype=np.int64)
     counts = np.minimum(starts + small, num_tokens) - starts
@@ -255,9 +271,7 @@ def map_blocks(
     l_idx, l_off = np.divmod(starts, local_block_size)
     _check_ids(remote_ids[r_idx[0] : r_idx[-1] + 1], "remote")
     _check_ids(local_ids[l_idx[0] : l_idx[-1] + 1], "local")
-    cols = (remote_ids[r_idx], r_off, local_ids[l_idx], l_off, counts)
-    rows = zip(*(c.tolist() for c in cols), strict=True)
-    return tuple(BlockPiece(*row) for row in rows)
+    return np.stack((remote_ids[r_idx], r_off, local_ids[l_idx], l_off, counts))
 
 
 # ---- sliding window ----------------------------------------------------------------------------

@@ -173,6 +173,7 @@ CASES = {
     "tp-1-to-2": ({}, {}, 1, 2),
     "tp-2-to-1": ({"kind": "cross_layer"}, {}, 2, 1),
     "tp-2-to-4": ({"order": "HND"}, {"order": "HND"}, 2, 4),
+    "tp-2-to-2": ({"kind": "cross_layer"}, {"kind": "cross_layer"}, 2, 2),  # the ranks share one plan
 }
 
 
@@ -190,6 +191,14 @@ def test_pull_reproduces_owner_bytes(case: str) -> None:
         check_received(owner_cfg, r, ticket, [local_ids], [0])
         assert result.num_descriptors > 0 and result.num_bytes > 0
         owner.wait_released("req-1")  # every reading rank notified: the owner frees the blocks
+        # The pull's stages, each measured, together no longer than the pull; planned_reads describes it.
+        top = [result.stages[k] for k in ("handshake", "check", "pieces", "plan", "read")]
+        assert min(result.stages.values()) >= 0 and sum(top) <= result.seconds + 1e-6
+        assert {"read.submit", "read.prepare", "read.post", "read.complete", "read.wake"} <= set(result.stages)
+        planned = r.puller.planned_reads(ticket, [local_ids])
+        assert len(planned) == result.num_reads
+        assert sum(p.num_descriptors for p in planned) == result.num_descriptors
+        assert sum(p.num_bytes for p in planned) == result.num_bytes
 
 
 def test_sliding_window_group_moves_only_the_window() -> None:

@@ -17,6 +17,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -36,6 +37,7 @@ from services.kv.agent import (  # noqa: E402
     TransferTimeout,
     UnknownPeerError,
     as_descriptor_array,
+    read_stages,
 )
 
 BUF_BYTES = 32 << 20
@@ -287,6 +289,73 @@ def test_timeout_releases_the_read_and_the_agent_stays_usable(owner: Owner, read
     assert rd.agent.num_in_flight == 0
 
 
+def test_concurrent_reads_are_in_flight_together_and_exact(owner: Owner, readers: list[Reader]) -> None:
+    """One agent, several READs at once (each with a notification, so on DRAM each waits for the owner's
+    progress): the agent's one thread posts and polls them all, and each coroutine gets its own result."""
+    rd = readers[0]
+    rd.reset()
+    rd.agent.add_peer(owner.metadata)
+    n, size = 6, 1 << 20
+    offsets = np.arange(n, dtype=np.int64) * 3 * size
+    keys = [f"c-{RUN_ID}-{i}".encode() for i in range(n)]
+    for key in keys:
+        assert owner.call("expect", key, 1) == "ok"
+
+    async def one(i: int) -> tuple[int, dict[str, float]]:
+        stages: dict[str, float] = {}
+        read_stages.set(stages)  # this task's own context
+        local = _descs(rd.region.addr, offsets[i : i + 1] + size, np.array([size]))
+        remote = _descs(owner.region.addr, offsets[i : i + 1], np.array([size]))
+        result = await rd.agent.read(owner.name, local, remote, notify=keys[i], timeout_s=10)
+        return result.num_bytes, stages
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+    results = asyncio.run(main())
+    assert [b for b, _ in results] == [size] * n
+    for _, stages in results:
+        assert set(stages) == {"submit", "prepare", "post", "complete", "wake"} and min(stages.values()) >= 0
+    want = rd.sentinel.copy()
+    for off in offsets.tolist():
+        want[off + size : off + 2 * size] = owner.pattern[off : off + size]
+    assert np.array_equal(rd.view(), want)
+    assert rd.agent.num_in_flight == 0
+    # Host memory: read() sends each notification itself once its READ completed; the owner counts them all.
+    completed, _, _ = owner.wait_report(lambda c, r, s: set(keys) <= set(c))
+    assert all(completed.count(key) == 1 for key in keys)
+
+
+def test_small_reads_from_a_known_peer_post_on_the_callers_thread(owner: Owner, readers: list[Reader],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short post runs where ``read`` was called (no thread hop); a long one, or the first READ from a
+    peer (which sets up the connection inside the post), on the agent's thread."""
+    fresh = TransferAgent(f"inline-{RUN_ID}")
+    buf = torch.zeros(4 << 20, dtype=torch.uint8)
+    (region,) = fresh.register([buf])
+    posted_on: list[int] = []
+    post = fresh._post
+
+    def spy(job, blocking):
+        posted_on.append(threading.get_ident())
+        return post(job, blocking)
+
+    monkeypatch.setattr(fresh, "_post", spy)
+    try:
+        fresh.add_peer(owner.metadata)
+        small = ([(region.addr, 64 << 10, 0)], [(owner.region.addr + 4096, 64 << 10, 0)])
+        big = ([(region.addr, 4 << 20, 0)], [(owner.region.addr, 4 << 20, 0)])
+        for descs in (small, small, big):
+            asyncio.run(fresh.read(owner.name, *descs, timeout_s=10))
+        here = threading.get_ident()
+        assert posted_on[0] != here  # first READ from this peer: the agent's thread
+        assert posted_on[1] == here  # 64 KiB from a known peer: inline
+        assert posted_on[2] != here  # 4 MiB of host memory: the post is the copy, never on the loop
+        assert np.array_equal(buf.numpy(), owner.pattern[: 4 << 20])
+    finally:
+        fresh.close()
+
+
 # ---- notifications -------------------------------------------------------------------------------
 
 
@@ -435,6 +504,51 @@ def test_read_from_a_frozen_peer_times_out_and_is_aborted(readers: list[Reader])
             os.kill(frozen.proc.pid, signal.SIGCONT)
         rd.reset()
         asyncio.run(rd.agent.read(name, *descs, timeout_s=10))  # the peer recovered: reads work again
+        assert np.array_equal(rd.view()[:n], frozen.pattern)
+    finally:
+        rd.agent.remove_peer(frozen.name)
+        frozen.stop()
+
+
+def test_reads_from_a_frozen_peer_are_aborted_on_timeout_and_cancellation(readers: list[Reader]) -> None:
+    """Both ways a caller stops waiting leave nothing in flight: a small READ posted on the caller's
+    thread and then watched by the agent's thread times out and is aborted; a cancelled one is too."""
+    rd, n = readers[0], 4 << 20
+    frozen = Owner(f"frozen2-{RUN_ID}", seed=5, nbytes=n)
+    try:
+        name = rd.agent.add_peer(frozen.metadata)
+        big = ([(rd.region.addr, n, 0)], [(frozen.region.addr, n, 0)])
+        small = ([(rd.region.addr, 32 << 10, 0)], [(frozen.region.addr, 32 << 10, 0)])
+        asyncio.run(rd.agent.read(name, *big, timeout_s=10))  # a known peer from now on
+        os.kill(frozen.proc.pid, signal.SIGSTOP)
+        try:
+            _wait_stopped(frozen.proc.pid)
+            for _ in range(4):  # UCX may finish one READ from resources the owner set up before it froze
+                try:
+                    asyncio.run(rd.agent.read(name, *small, notify=b"late", timeout_s=0.5))
+                except TransferTimeout as exc:
+                    assert "not complete after 0.500s" in str(exc) and exc.aborted
+                    break
+            else:
+                raise AssertionError("every READ from a stopped peer completed")
+            assert rd.agent.num_in_flight == 0
+
+            async def cancel_in_flight() -> None:
+                task = asyncio.create_task(rd.agent.read(name, *big, notify=b"late", timeout_s=10))
+                deadline = time.monotonic() + 5
+                while not rd.agent.num_in_flight and not task.done():
+                    assert time.monotonic() < deadline, "the READ never went in flight"
+                    await asyncio.sleep(0.001)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, TransferError):
+                    await task
+
+            asyncio.run(cancel_in_flight())
+            assert rd.agent.num_in_flight == 0
+        finally:
+            os.kill(frozen.proc.pid, signal.SIGCONT)
+        rd.reset()
+        asyncio.run(rd.agent.read(name, *big, timeout_s=10))  # the peer recovered: reads work again
         assert np.array_equal(rd.view()[:n], frozen.pattern)
     finally:
         rd.agent.remove_peer(frozen.name)

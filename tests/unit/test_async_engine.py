@@ -38,3 +38,36 @@ def test_first_token_of_external_kv_comes_first_and_aborts_free_everything() -> 
     streams, (busy, pool) = asyncio.run(main())
     assert all(s[0] == 1234 and len(s) == 6 for s in streams)
     assert not busy and pool.num_free_blocks == pool.num_blocks
+
+
+def test_a_request_waiting_for_its_kv_leaves_the_engine_thread_idle() -> None:
+    """While a pull fills a request's blocks there is nothing to step: the engine thread waits for a
+    command instead of stepping in a loop (which held the GIL: every thread hop of the daemon's pull
+    then waited ~5 ms for the interpreter's switch interval)."""
+    engine = LLMEngine(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=64))
+    steps = [0]
+    step = engine.step
+
+    def counting_step():
+        steps[0] += 1
+        return step()
+
+    engine.step = counting_step
+
+    async def main() -> list[int]:
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        try:
+            assert await aengine.add_request_with_external_kv("pulling", [5, 6, 7, 8, 9], PARAMS) is not None
+            before = steps[0]
+            await asyncio.sleep(0.3)
+            idle_steps = steps[0] - before
+            await aengine.complete_external_kv("pulling", 1234)  # the command wakes it: the request runs
+            tokens = [t async for out in aengine.outputs("pulling") for t in out.new_token_ids]
+            return [idle_steps, len(tokens)]
+        finally:
+            await aengine.stop()
+
+    idle_steps, num_tokens = asyncio.run(main())
+    assert idle_steps <= 1  # at most the step already under way
+    assert num_tokens == 6

@@ -15,7 +15,7 @@ from services.engine.parallel import ParallelConfig
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.layout import DTYPE_SIZES, BlockOrder, KVLayoutSpec, LayoutKind
 from services.kv.planner import Descriptor, TransferPlan, apply_plan, plan_groups, plan_transfer
-from services.kv.topology import BlockPiece, RankRead, map_blocks, rank_reads, window_start_token
+from services.kv.topology import BlockPiece, RankRead, map_block_arrays, map_blocks, rank_reads, window_start_token
 
 PER, CROSS = LayoutKind.PER_LAYER, LayoutKind.CROSS_LAYER
 NHD, HND = BlockOrder.NHD, BlockOrder.HND
@@ -224,6 +224,46 @@ def test_plans_copy_exactly_what_a_naive_copy_does(c: Case) -> None:
     for lr in range(c.local_tp):
         for got, want in zip(actual[lr], expected[lr], strict=True):
             np.testing.assert_array_equal(got, want)  # includes every byte the plan must not touch
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases())
+def test_array_pieces_plan_like_block_pieces(c: Case) -> None:
+    """The puller's [5, N] piece arrays (``map_block_arrays``) give the very plan ``BlockPiece`` values do,
+    padded or not."""
+    rng = np.random.default_rng(c.seed)
+    r_need, l_need = -(-c.num_tokens // c.remote_bs), -(-c.num_tokens // c.local_bs)
+    remote = KVLayoutSpec(c.remote_kind, c.order, r_need + 2, c.num_kv_heads, c.head_dim, c.dtype,
+                          case_groups(c, c.remote_bs))
+    local = KVLayoutSpec(c.local_kind, c.order, l_need + 2, c.num_kv_heads, c.head_dim, c.dtype,
+                         case_groups(c, c.local_bs))
+    r_ids = block_table(rng, r_need, r_need + 2, c.shuffle_remote)
+    l_ids = block_table(rng, l_need, l_need + 2, c.shuffle_local)
+    start = c.cached_local_blocks * c.local_bs
+    arrays = map_block_arrays(r_ids, c.remote_bs, l_ids, c.local_bs, c.num_tokens, start)
+    pieces = map_blocks(r_ids, c.remote_bs, l_ids, c.local_bs, c.num_tokens, start)
+    assert [BlockPiece(*row) for row in arrays.T.tolist()] == list(pieces)
+    read = RankRead(0, (0, c.num_kv_heads), (0, c.num_kv_heads))
+    for pad in (False, True):
+        a = plan_groups(remote, local, {g.group_id: arrays for g in remote.groups}, read, pad_partial_blocks=pad)
+        b = plan_groups(remote, local, {g.group_id: pieces for g in remote.groups}, read, pad_partial_blocks=pad)
+        assert a.descriptors() == b.descriptors()
+
+
+def test_whole_cross_layer_blocks_fold_into_one_descriptor_each() -> None:
+    """All heads of whole blocks, cross-layer on both sides: each block's 2 * layers pages fold into one
+    run before the blocks multiply them; fragmented blocks stay one descriptor each, consecutive merge."""
+    s = spec(CROSS, block_size=16, heads=8, layers=32, num_blocks=64, head_dim=128, dtype="bfloat16")
+    read = rank_reads(1, 0, 1, 8)[0]
+    block = 32 * 2 * 16 * 8 * 128 * 2
+    fragmented = map_block_arrays(list(range(0, 40, 2)), 16, list(range(1, 41, 2)), 16, 20 * 16 - 5)
+    plan = plan_transfer(s, s, 0, fragmented, read, pad_partial_blocks=True)
+    assert plan.num_descriptors == 20 and set(plan.length.tolist()) == {block}
+    assert plan.src_offset.tolist() == [b * block for b in range(0, 40, 2)]
+    assert plan.dst_offset.tolist() == [b * block for b in range(1, 41, 2)]
+    consecutive_ = map_block_arrays(list(range(3, 23)), 16, list(range(30, 50)), 16, 20 * 16)
+    plan = plan_transfer(s, s, 0, consecutive_, read)
+    assert plan.descriptors() == [Descriptor(0, 3 * block, 0, 30 * block, 20 * block)]
 
 
 # ---- descriptor counts ---------------------------------------------------------------------------
@@ -553,12 +593,17 @@ def test_puller_pieces_skip_the_cached_prefix_and_clip_the_window_per_group() ->
     remote_ids = [[scratch] * 6 + [20, 21], [5, 6]]  # sliding: key 24 -> remote keeps blocks 6.. of 4
     local_ids = [[scratch] * 3 + [30], list(range(10, 18))]  # local (block 8) keeps block 3.. (token 24)
     description = SimpleNamespace(groups=remote.groups)
+
+    def pieces_of(cached: int) -> dict[int, list[BlockPiece]]:  # the puller keeps them as [5, N] arrays
+        arrays = KVPuller._pieces(description, local, n, remote_ids, local_ids, cached)
+        return {g: [BlockPiece(*row) for row in arr.T.tolist()] for g, arr in arrays.items()}
+
     for cached, full_start in ((0, 0), (8, 8), (12, 12), (16, 16)):
-        pieces = KVPuller._pieces(description, local, n, remote_ids, local_ids, cached)
+        pieces = pieces_of(cached)
         # the full group (local block 4) starts at its cached whole blocks; the sliding group at the window
         assert pieces[1][0].remote_offset == full_start % 16 and sum(p.num_tokens for p in pieces[1]) == n - full_start
         assert [(p.remote_block, p.local_block) for p in pieces[0]] == [(20, 30), (21, 30)]
         assert sum(p.num_tokens for p in pieces[0]) == n - 24
     # 28 cached tokens: 7 whole blocks of the full group (block 4), 3 of the sliding one (block 8)
-    pieces = KVPuller._pieces(description, local, n, remote_ids, local_ids, 28)
+    pieces = pieces_of(28)
     assert sum(p.num_tokens for p in pieces[0]) == n - 24 and sum(p.num_tokens for p in pieces[1]) == n - 28

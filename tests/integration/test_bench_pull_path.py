@@ -1,0 +1,33 @@
+"""bench/pull_path.py runs on the CI machine (real processes, real NIXL) and reports every stage and variant."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # Llama-3.1-8B: 32 layers x K/V x 8 heads x 128 x bf16
+VARIANTS = {"pull", "agent", "raw_plan", "raw_prep", "raw_1"}
+
+
+def test_pull_path_breakdown_reports_every_variant_and_stage() -> None:
+    out = subprocess.run([sys.executable, "bench/pull_path.py", "--tokens", "256", "--repeats", "2", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=180, check=True)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    (first,) = [r for r in rows if r["variant"] == "first"]
+    assert first["stages"]["handshake"] > 0 and first["seconds"] > 0  # the first pull handshakes
+    for pool, descriptors in (("contiguous", 1), ("fragmented", 16)):
+        by = {r["variant"]: r for r in rows if r["pool"] == pool and r["variant"] != "first"}
+        assert set(by) == VARIANTS
+        assert {r["bytes"] for r in by.values()} == {256 * KV_BYTES_PER_TOKEN}  # every variant moves the same
+        assert by["pull"]["descriptors"] == by["raw_plan"]["descriptors"] == descriptors
+        assert by["raw_1"]["descriptors"] == 1
+        assert all(r["seconds"] > 0 for r in by.values())
+        pull = by["pull"]
+        assert {"handshake", "check", "pieces", "plan", "read.submit", "read.prepare", "read.post", "read.complete",
+                "read.wake"} <= set(pull["stages"])
+        assert sum(pull["stages"][k] for k in ("handshake", "check", "pieces", "plan")) < pull["seconds"]
+        assert 0 < pull["planning_warm_seconds"] < pull["seconds"]
+        assert set(by["raw_1"]["stages"]) == {"prepare", "post", "complete"}
