@@ -15,6 +15,10 @@ What differs from Llama, all driven by ``ModelConfig`` (so one module serves bot
 * Gemma-3 norms q and k per head before RoPE, and its sliding and full layers have different
   ropes (one ``RopeAngles`` per distinct (head dim, rope) pair, computed once per step).
 
+Each residual add is fused into the norm that reads its result (``services.engine.ops``): the
+add after the attention block into ``pre_feedforward_layernorm``, and (Gemma-2/3) the add after
+the MLP block into the next layer's ``input_layernorm`` (``GemmaDecoderLayer.sublayers``).
+
 Layers alternate sliding-window and full attention; each kind is its own KV-cache group and the
 runner hands every layer its group's metadata, so the attention code is the same for both.
 Per-layer head dims, KV heads and KV sharing (Gemma-4) are read from ``config.layers`` here
@@ -27,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.engine import ops
 from services.engine.attention import AttentionBatch, TailBatch, paged_attention
 from services.engine.config import ModelConfig
 from services.engine.models.base import DecoderModel
@@ -34,8 +39,7 @@ from services.engine.models.layers import (
     Linear,
     OffsetRMSNorm,
     RopeAngles,
-    activation,
-    apply_rope,
+    check_activation,
     param,
     softcap,
 )
@@ -85,10 +89,9 @@ class GemmaAttention(nn.Module):
                 k = self.k_norm(k)
             if self.v_norm is not None:
                 v = self.v_norm(v)
-            k = apply_rope(k, *angles)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        q = apply_rope(q, *angles)
+        q, k = ops.apply_rope(q, k, *angles)
         out = paged_attention(q, k, v, kv[0], kv[1], batch, batch.groups[group], self.scale, self.softcap)
         return all_reduce(self.o_proj(out), self.parallel)
 
@@ -101,11 +104,11 @@ class GemmaMLP(nn.Module):
         inter = config.layer_intermediate_size(layer_id) // parallel.tp_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, config.mlp_bias, dtype, device)
         self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias, dtype, device)
-        self.act = activation(config.hidden_activation)
+        self.activation = check_activation(config.hidden_activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return all_reduce(self.down_proj(self.act(gate) * up), self.parallel)
+        gated = ops.act_and_mul(self.activation, *self.gate_up_proj(x).chunk(2, dim=-1))
+        return all_reduce(self.down_proj(gated), self.parallel)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -122,8 +125,23 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, angles: Angles, kv: tuple[torch.Tensor, torch.Tensor],
                 batch: AttentionBatch, group: int) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), angles, kv, batch, group))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        """``h = h + post_attn_norm(attn(input_norm(h))); h + post_ff_norm(mlp(pre_ff_norm(h)))``."""
+        h, out = self.sublayers(h, None, angles, kv, batch, group)
+        return h + out
+
+    def sublayers(self, residual: torch.Tensor, pending: torch.Tensor | None, angles: Angles,
+                  kv: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, group: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the stream ``residual + pending`` (``pending``: the previous layer's last
+        output, not yet added; None: nothing pending). Returns the stream after the attention block
+        and the MLP block's output, not yet added to it: each add is done by the next norm's kernel."""
+        if pending is None:
+            x = self.input_layernorm(residual)
+        else:
+            x, residual = self.input_layernorm(pending, residual)
+        attn = self.post_attention_layernorm(self.self_attn(x, angles, kv, batch, group))
+        x, residual = self.pre_feedforward_layernorm(attn, residual)
+        return residual, self.post_feedforward_layernorm(self.mlp(x))
 
 
 class GemmaForCausalLM(DecoderModel):
@@ -161,9 +179,11 @@ class GemmaForCausalLM(DecoderModel):
         """Hidden states [num_tokens, hidden] after the final norm (every layer owns KV: no tail skip)."""
         h = self.embed_tokens[input_ids] * self.embed_scale
         angles = [rope(positions) for rope in self.ropes]
+        pending = None  # the last layer's MLP output, added to h by the next norm
         for i, layer in enumerate(self.layers):
-            h = layer(h, angles[self.rope_of_layer[i]], kv_views[i], batch, layer_groups[i])
-        return self.norm(h)
+            h, pending = layer.sublayers(h, pending, angles[self.rope_of_layer[i]], kv_views[i], batch,
+                                         layer_groups[i])
+        return self.norm(h) if pending is None else self.norm(pending, h)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head

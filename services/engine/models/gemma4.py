@@ -30,10 +30,11 @@ from collections.abc import Iterator
 
 import torch
 
+from services.engine import ops
 from services.engine.attention import AttentionBatch, TailBatch
 from services.engine.config import ModelConfig
 from services.engine.models.gemma import Angles, GemmaDecoderLayer, GemmaForCausalLM
-from services.engine.models.layers import Linear, OffsetRMSNorm, activation, copy_weight, param
+from services.engine.models.layers import Linear, OffsetRMSNorm, check_activation, copy_weight, param
 from services.engine.parallel import ParallelConfig
 
 
@@ -51,13 +52,13 @@ class Gemma4DecoderLayer(GemmaDecoderLayer):
             self.per_layer_projection = Linear(p, h, False, dtype, device)
             self.post_per_layer_input_norm = OffsetRMSNorm(h, config.rms_norm_eps, config.norm_weight_offset,
                                                            dtype, device)
-            self.act = activation(config.hidden_activation)
+            self.activation = check_activation(config.hidden_activation)
 
     def forward(self, h: torch.Tensor, angles: Angles, kv: tuple[torch.Tensor, torch.Tensor],
                 batch: AttentionBatch, group: int, per_layer_input: torch.Tensor | None = None) -> torch.Tensor:
         h = super().forward(h, angles, kv, batch, group)
         if per_layer_input is not None:
-            gated = self.act(self.per_layer_input_gate(h)) * per_layer_input
+            gated = ops.act_and_mul(self.activation, self.per_layer_input_gate(h), per_layer_input)
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return h * self.layer_scalar
 

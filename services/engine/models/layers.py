@@ -1,5 +1,8 @@
 """Building blocks every architecture shares: linear layers with loader-filled storage, RMSNorm,
 rotary embeddings, and the weight-copy helpers.
+
+The elementwise math (norms, RoPE, the gated activation) runs through ``services.engine.ops``:
+one fused Triton kernel each on CUDA, today's torch expressions on CPU.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from services.engine import ops
 from services.engine.config import RopeSpec
 from services.engine.parallel import ParallelConfig
 
@@ -31,16 +35,20 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """Llama's RMSNorm: normalised in fp32, cast to x's dtype, then scaled by ``weight``.
+
+    With ``residual``: the norm of ``residual + x``, returned with that sum (``(normed, sum)``),
+    in one kernel -- the residual add before a sublayer fused into its input norm.
+    """
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = param(dim, dtype=dtype, device=device)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return ops.rms_norm(x, self.weight, self.eps, None, residual)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:
@@ -84,14 +92,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        """(q, k) [tokens, heads, head_dim] rotated by their positions' angles (one launch for both)."""
+        return ops.apply_rope(q, k, self.cos, self.sin, positions)
 
 
 def row_parallel_bias(bias: torch.Tensor, tp: ParallelConfig) -> torch.Tensor:
@@ -111,7 +113,7 @@ class OffsetRMSNorm(nn.Module):
     """RMSNorm computed in fp32 and cast once at the end: ``x_normed * (offset + weight)``.
 
     Gemma-2/3 store ``weight - 1`` (offset 1); Gemma-4 stores the scale itself (offset 0), and its
-    value norm has no weight at all (``with_weight=False``).
+    value norm has no weight at all (``with_weight=False``). ``residual`` as in ``RMSNorm``.
     """
 
     def __init__(self, dim: int, eps: float, offset: float, dtype: torch.dtype, device: torch.device,
@@ -121,21 +123,16 @@ class OffsetRMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight is not None:
-            x32 = x32 * (self.offset + self.weight.float())
-        return x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return ops.rms_norm(x, self.weight, self.eps, self.offset, residual)
 
 
-def activation(name: str):
-    """The MLP gate activation a config names (``ModelConfig.hidden_activation``)."""
-    if name == "silu":
-        return nn.functional.silu
-    if name == "gelu_pytorch_tanh":
-        return lambda x: nn.functional.gelu(x, approximate="tanh")
-    raise ValueError(f"unsupported activation {name!r}")
+def check_activation(name: str) -> str:
+    """``name`` if it is an MLP gate activation the fused ops implement (``ModelConfig.hidden_activation``)."""
+    if name not in ops.ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}")
+    return name
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -159,13 +156,6 @@ class RopeAngles(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [n, heads, head_dim] by per-token angles (cos/sin [n, head_dim], any float dtype)."""
-    cos = cos.to(x.dtype)[:, None, :]
-    sin = sin.to(x.dtype)[:, None, :]
-    return x * cos + rotate_half(x) * sin
 
 
 def projection_shape(proj: str, kind: str, hidden: int, q_size: int, kv_size: int, intermediate: int

@@ -4,6 +4,10 @@ Projections run on the flattened tokens of the whole step; only attention needs 
 per-request structure (see ``attention/``). q/k/v and gate/up are fused into one matmul each
 at load time. Tensor parallelism shards heads and MLP columns; the row-parallel outputs are
 all-reduced.
+
+Each residual add is fused into the norm that reads its result (``services.engine.ops``): the
+layer loop carries the residual stream and the last sublayer's output separately, and
+``norm(out, residual)`` returns both the normed input of the next sublayer and the new stream.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.engine import ops
 from services.engine.attention import AttentionBatch, TailBatch, paged_attention
 from services.engine.config import ModelConfig
 from services.engine.models.base import DecoderModel
@@ -68,8 +73,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return all_reduce(self.down_proj(nn.functional.silu(gate) * up), self.parallel)
+        return all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))), self.parallel)
 
 
 class DecoderLayer(nn.Module):
@@ -105,12 +109,23 @@ class LlamaForCausalLM(DecoderModel):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_views: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: list[int],
                 tail: TailBatch | None = None) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] after the final norm (every layer owns KV: no tail skip)."""
-        h = self.embed_tokens[input_ids]
+        """Hidden states [num_tokens, hidden] after the final norm (every layer owns KV: no tail skip).
+
+        The same math as ``h = h + attn(norm1(h)); h = h + mlp(norm2(h))`` per layer, with each add
+        done by the next norm's kernel: ``residual`` is the stream, ``out`` the sublayer output not
+        yet added to it.
+        """
+        residual = self.embed_tokens[input_ids]
+        out = None
         for i, layer in enumerate(self.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), positions, self.rope, kv_views[i], batch, layer_groups[i])
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+            if out is None:
+                x = layer.input_layernorm(residual)
+            else:
+                x, residual = layer.input_layernorm(out, residual)
+            out = layer.self_attn(x, positions, self.rope, kv_views[i], batch, layer_groups[i])
+            x, residual = layer.post_attention_layernorm(out, residual)
+            out = layer.mlp(x)
+        return self.norm(residual) if out is None else self.norm(out, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head

@@ -1,0 +1,177 @@
+"""Fused elementwise ops of the model layers, each one function dispatching on the device.
+
+Unfused, a layer's elementwise work is many small kernels: RMSNorm is float/pow/mean/add/rsqrt/
+mul/cast/mul, rotate-half RoPE is a gather, two casts, negation, cat, multiplies and an add per
+tensor, the gated MLP is activation then multiply, and each residual add is its own kernel. Here
+each op is one launch:
+
+* ``rms_norm(x, weight, eps, offset, residual)``: RMSNorm, optionally after adding a residual
+  (returning the sum too: the residual stream for the next sublayer);
+* ``apply_rope(q, k, cos, sin, positions)``: rotate-half RoPE of q and k together;
+* ``silu_and_mul`` / ``gelu_tanh_and_mul`` on a fused gate/up projection output, and
+  ``act_and_mul`` on separate gate and up tensors.
+
+Two implementations sit behind each: ``reference.py`` (torch, today's layer math op for op: the
+CPU path and the tests' reference) and ``triton_ops.py`` (one Triton kernel per op, computing in
+fp32 and rounding where the reference rounds). Which runs is chosen per call from the tensor's
+device and the process-wide backend, set from ``PDSERVE_FUSED_OPS`` at import:
+
+* unset / ``auto`` / ``1``: Triton on CUDA tensors when Triton imports, torch otherwise;
+* ``0`` / ``torch``: torch everywhere (the A/B switch: the unfused path);
+* ``triton``: Triton everywhere; on CPU that is Triton's interpreter (``TRITON_INTERPRET=1``
+  before triton is imported), which is for tests only.
+
+An input a kernel does not handle (another dtype, a norm wider than ``MAX_NORM_COLS``) takes the
+torch path. ``triton_ops`` is imported on first use, so a process that never takes a Triton path
+never imports triton (the tests rely on that: see ``tests/unit/test_attention_backends.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+
+import torch
+
+from services.engine.attention.triton_paged import triton_import_error
+from services.engine.ops import reference
+
+ENV_VAR = "PDSERVE_FUSED_OPS"
+BACKENDS = ("auto", "torch", "triton")
+_ALIASES = {"": "auto", "1": "auto", "on": "auto", "true": "auto", "auto": "auto",
+            "0": "torch", "off": "torch", "false": "torch", "torch": "torch", "triton": "triton"}
+ACTIVATIONS = tuple(reference.ACTIVATIONS)
+
+
+def _backend_from_env() -> str:
+    value = os.environ.get(ENV_VAR, "auto")
+    if value.strip().lower() not in _ALIASES:
+        raise ValueError(f"{ENV_VAR}={value!r}: expected auto (or 1), torch (or 0) or triton")
+    return _ALIASES[value.strip().lower()]
+
+
+_backend = _backend_from_env()
+_triton_ops: ModuleType | None = None
+
+
+def get_backend() -> str:
+    """The process-wide backend: ``auto``, ``torch`` or ``triton``."""
+    return _backend
+
+
+def set_backend(name: str) -> str:
+    """Set the process-wide backend; returns the previous one."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown fused-ops backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    previous, _backend = _backend, name
+    return previous
+
+
+@contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """``set_backend(name)`` for the duration of a ``with`` block."""
+    previous = set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def _kernels(x: torch.Tensor) -> ModuleType | None:
+    """``triton_ops`` when ``x`` should take the Triton path, else None."""
+    global _triton_ops
+    if _backend == "torch" or (_backend == "auto" and not (x.is_cuda and triton_import_error() is None)):
+        return None
+    if _triton_ops is None:
+        error = triton_import_error()
+        if error is not None:
+            raise RuntimeError(f"{ENV_VAR}=triton: {error}")
+        from services.engine.ops import triton_ops
+
+        _triton_ops = triton_ops
+    return _triton_ops
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float | None = None,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim, fp32 inside, output in x's dtype; with ``residual``, of
+    ``residual + x`` (rounded to x's dtype), returning ``(normed, residual + x)``.
+
+    ``offset`` picks the convention:
+
+    * None -- Llama's ``RMSNorm``: the normalised x is cast to x's dtype, then multiplied by
+      ``weight`` in that dtype;
+    * a float -- Gemma's ``OffsetRMSNorm``: multiplied by ``offset + weight`` in fp32 (1.0 for
+      Gemma-2/3, which store ``weight - 1``; 0.0 for Gemma-4), then cast once. ``weight`` may be
+      None (Gemma-4's value norm): normalisation only.
+
+    ``x`` is [..., cols]; a [tokens, heads, cols] view with strided tokens (q or k sliced out of a
+    fused projection) is read in place. Outputs are new contiguous tensors.
+    """
+    kernels = _kernels(x)
+    if kernels is not None:
+        out = kernels.rms_norm(x, weight, eps, offset, residual)
+        if out is not None:
+            return out
+    return reference.rms_norm(x, weight, eps, offset, residual)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotate-half (NeoX) RoPE of ``q`` [tokens, heads, head_dim] and ``k`` [tokens, kv_heads,
+    head_dim] (None: a layer without keys) in one launch; returns new (q, k).
+
+    ``cos``/``sin`` [rows, head_dim] (fp32 tables whose two halves repeat the angles; any
+    halves work): a token's row is ``positions[token]`` when ``positions`` is given (a table over
+    positions), else the token's index (angles already computed for the step's tokens). They are
+    cast to q's dtype before use, and ``x * cos + rotate_half(x) * sin`` is rounded as in torch.
+    Partial rotary (Gemma-4's proportional rope) is the same call: its unrotated pairs have
+    cos 1 and sin 0.
+    """
+    kernels = _kernels(q)
+    if kernels is not None:
+        out = kernels.apply_rope(q, k, cos, sin, positions)
+        if out is not None:
+            return out
+    return reference.apply_rope(q, k, cos, sin, positions)
+
+
+def act_and_mul(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` (``activation``: ``silu`` or ``gelu_pytorch_tanh``), the activation rounded
+    to the inputs' dtype before the product, as unfused."""
+    if activation not in reference.ACTIVATIONS:
+        raise ValueError(f"unsupported activation {activation!r}")
+    kernels = _kernels(gate)
+    if kernels is not None:
+        out = kernels.act_and_mul(activation, gate, up)
+        if out is not None:
+            return out
+    return reference.act_and_mul(activation, gate, up)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused [..., 2 * inter] gate/up projection output -> [..., inter]."""
+    return act_and_mul("silu", *gate_up.chunk(2, dim=-1))
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (Gemma's ``gelu_pytorch_tanh``) of a fused gate/up output -> [..., inter]."""
+    return act_and_mul("gelu_pytorch_tanh", *gate_up.chunk(2, dim=-1))
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "BACKENDS",
+    "ENV_VAR",
+    "act_and_mul",
+    "apply_rope",
+    "gelu_tanh_and_mul",
+    "get_backend",
+    "rms_norm",
+    "set_backend",
+    "silu_and_mul",
+    "use_backend",
+]
