@@ -4,13 +4,7 @@
 # Runs from the repo root on the GPU machine; carry .whl/ (wheels, see bench/RESULTS.md) and the
 # generated stubs services/proto_gen/pdserve (the image has no grpcio-tools).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
+source bench/gpu_env.sh
 PDSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/unit/test_engine_parity.py \
     tests/unit/test_cuda_graphs.py tests/unit/test_sampler.py 2>&1 | tee "$OUT/parity_cuda.log" | tail -4
 python3 bench/engine.py --model dummy:llama-3.1-8b --dtype bfloat16 --device cuda --batch-sizes 1,32 \

@@ -56,6 +56,7 @@ from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.parity import run_to_completion  # noqa: E402
+from tests.sm90_compile import compile_script_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -201,34 +202,13 @@ def test_split_and_tile_rules() -> None:
 # any Python, so only this catches what the compiler rejects. Run in a subprocess without
 # TRITON_INTERPRET; prints one line per case with the registers and spilled bytes cuobjdump reports.
 _COMPILE_FOR_SM90 = r"""
-import os, subprocess, tempfile
 import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from services.engine.attention import triton_kernels as tk
 from services.engine.attention.triton_paged import _next_pow2, kernel_config
+from tests.sm90_compile import compile_for_sm90 as compile_
 
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
-target = GPUTarget("cuda", 90, 32)
 attention, reduce = triton.jit(tk._attention_kernel), triton.jit(tk._reduce_kernel)
-objdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
-def compile_(fn, pointers, constexprs, aligned, num_warps, num_stages):
-    names = fn.arg_names
-    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
-    usage = "?"
-    if os.path.exists(objdump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kernel.asm["cubin"])
-            f.flush()
-            out = subprocess.run([objdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        usage = " ".join(w for line in out.splitlines() if "REG:" in line for w in line.split()[:2])
-    return usage
-
 
 for dtype, head_dim, group, max_q in ((torch.bfloat16, 128, 4, 1), (torch.bfloat16, 128, 4, 512),
                                       (torch.float16, 256, 2, 1), (torch.bfloat16, 512, 8, 64),
@@ -251,14 +231,8 @@ print("reduce", compile_(reduce, dict(Out="*bf16", PartAcc="*fp32", PartMax="*fp
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_without_spills() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.splitlines()
-    assert len(lines) == 6 and lines[-1].startswith("reduce"), out.stdout
-    spills = [line for line in lines if "STACK:" in line and "STACK:0" not in line]
-    assert not spills, spills
+    lines = compile_script_lines(_COMPILE_FOR_SM90)
+    assert len(lines) == 6 and lines[-1].startswith("reduce"), lines
 
 
 # ---- choosing backends -----------------------------------------------------------------------------

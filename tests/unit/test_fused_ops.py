@@ -15,8 +15,6 @@ bfloat16 truncates (compiled kernels round to nearest even, as torch).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,6 +35,7 @@ from services.engine.ops import reference, triton_ops  # noqa: E402
 from services.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.parity import run_to_completion  # noqa: E402
+from tests.sm90_compile import compile_script_lines  # noqa: E402
 
 # exp(-x) overflows to inf for very negative gates in the interpreter's numpy (the result, -0, is right)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -313,31 +312,15 @@ def test_engine_parity_other_architectures(arch: str, tmp_path: Path) -> None:
 # Compiles the kernels for sm_90 with the ptxas Triton ships (no GPU needed): the interpreter runs any
 # Python, so only this catches what the compiler rejects. Prints each case's registers and spills.
 _COMPILE_FOR_SM90 = r"""
-import os, subprocess, tempfile
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import torch
 from services.engine.ops import triton_ops as to
+from tests.sm90_compile import compile_for_sm90
 
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
-objdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
 def compile_(name, fn, types, constexprs, num_warps):
-    names = fn.arg_names
-    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    pointers = [n for n in names if types.get(n, "").startswith("*")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers}
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps))
-    usage = "?"
-    if os.path.exists(objdump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kernel.asm["cubin"])
-            f.flush()
-            out = subprocess.run([objdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        usage = " ".join(w for line in out.splitlines() if "REG:" in line for w in line.split()[:2])
-    print(name, usage)
+    print(name, compile_for_sm90(fn, types, constexprs, num_warps=num_warps))
 
 
 for dtype, cols, residual, fp32_scale in ((torch.bfloat16, 128, False, False), (torch.bfloat16, 4096, True, False),
@@ -367,11 +350,4 @@ for gelu in (False, True):
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_without_spills() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.splitlines()
-    assert len(lines) == 9, out.stdout
-    spills = [line for line in lines if "STACK:" in line and "STACK:0" not in line]
-    assert not spills, spills
+    assert len(compile_script_lines(_COMPILE_FOR_SM90)) == 9
