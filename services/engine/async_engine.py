@@ -155,9 +155,10 @@ class AsyncEngine:
     # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         use_device(self.engine.device)  # the current CUDA device is per thread: this one runs the steps
+        stalled = False  # the last step scheduled nothing: only a command (or time) can change that
         try:
             while True:
-                idle = not self._can_step()
+                idle = stalled or not self._can_step()
                 try:
                     command = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
                 except queue.Empty:
@@ -166,6 +167,7 @@ class AsyncEngine:
                     if command is None:
                         return
                     command()
+                    stalled = False
                     try:
                         command = self._commands.get_nowait()
                     except queue.Empty:
@@ -173,6 +175,9 @@ class AsyncEngine:
                 if self._can_step():
                     for out in self.engine.step():
                         self._loop.call_soon_threadsafe(self._deliver, out)
+                    # Waiting requests that do not fit while nothing runs: blocks come back only through a
+                    # command (a pull completing, held KV released, an abort), so wait for one, not spin.
+                    stalled = not self.engine.last_step_ran
                 self.stats = self._read_stats()
         except BaseException as e:  # a failed step: fail every stream rather than hang them
             log.exception("engine thread stopped")

@@ -115,6 +115,7 @@ class LLMEngine:
         )
         self._states: dict[str, _RequestState] = {}
         self._generate_ids = itertools.count()
+        self.last_step_ran = False  # whether the last step() scheduled any work
 
     # ---- set-up --------------------------------------------------------------------------------
     def _eos_ids(self) -> frozenset[int]:
@@ -255,6 +256,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns a delta for every request that produced a token or finished."""
         output = self.scheduler.schedule()
+        self.last_step_ran = bool(output.chunks)
         if not output.chunks:
             return []
         logits = self.runner.execute(output.chunks)

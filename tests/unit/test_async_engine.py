@@ -71,3 +71,38 @@ def test_a_request_waiting_for_its_kv_leaves_the_engine_thread_idle() -> None:
     idle_steps, num_tokens = asyncio.run(main())
     assert idle_steps <= 1  # at most the step already under way
     assert num_tokens == 6
+
+
+def test_a_waiting_request_that_does_not_fit_leaves_the_engine_thread_idle() -> None:
+    """Nothing runs and the waiting request needs blocks a pending pull holds: steps schedule nothing
+    until a command frees blocks, so the thread waits for one instead of stepping in a loop."""
+    engine = LLMEngine(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=4, max_model_len=64))
+    steps = [0]
+    step = engine.step
+
+    def counting_step():
+        steps[0] += 1
+        return step()
+
+    engine.step = counting_step
+
+    async def main() -> tuple[int, list[int], list[int]]:
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        try:
+            assert await aengine.add_request_with_external_kv("pulling", list(range(5, 45)), PARAMS) is not None
+            await aengine.add_request("waiting", list(range(50, 80)), PARAMS)  # 2 blocks; 1 is free
+            await asyncio.sleep(0.2)
+            before = steps[0]
+            await asyncio.sleep(0.3)
+            idle_steps = steps[0] - before
+            await aengine.complete_external_kv("pulling", 1234)
+            first = [t async for out in aengine.outputs("pulling") for t in out.new_token_ids]
+            second = [t async for out in aengine.outputs("waiting") for t in out.new_token_ids]
+            return idle_steps, first, second
+        finally:
+            await aengine.stop()
+
+    idle_steps, first, second = asyncio.run(main())
+    assert idle_steps <= 1
+    assert len(first) == 6 and len(second) == 6  # the waiting request ran once the pulled one finished
