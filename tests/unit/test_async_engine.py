@@ -40,11 +40,8 @@ def test_first_token_of_external_kv_comes_first_and_aborts_free_everything() -> 
     assert not busy and pool.num_free_blocks == pool.num_blocks
 
 
-def test_a_request_waiting_for_its_kv_leaves_the_engine_thread_idle() -> None:
-    """While a pull fills a request's blocks there is nothing to step: the engine thread waits for a
-    command instead of stepping in a loop (which held the GIL: every thread hop of the daemon's pull
-    then waited ~5 ms for the interpreter's switch interval)."""
-    engine = LLMEngine(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=64))
+def _count_steps(engine: LLMEngine) -> list[int]:
+    """Wrap ``engine.step`` so that ``steps[0]`` counts its calls."""
     steps = [0]
     step = engine.step
 
@@ -53,6 +50,15 @@ def test_a_request_waiting_for_its_kv_leaves_the_engine_thread_idle() -> None:
         return step()
 
     engine.step = counting_step
+    return steps
+
+
+def test_a_request_waiting_for_its_kv_leaves_the_engine_thread_idle() -> None:
+    """While a pull fills a request's blocks there is nothing to step: the engine thread waits for a
+    command instead of stepping in a loop (which held the GIL: every thread hop of the daemon's pull
+    then waited ~5 ms for the interpreter's switch interval)."""
+    engine = LLMEngine(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=64))
+    steps = _count_steps(engine)
 
     async def main() -> list[int]:
         aengine = AsyncEngine(engine)
@@ -77,14 +83,7 @@ def test_a_waiting_request_that_does_not_fit_leaves_the_engine_thread_idle() -> 
     """Nothing runs and the waiting request needs blocks a pending pull holds: steps schedule nothing
     until a command frees blocks, so the thread waits for one instead of stepping in a loop."""
     engine = LLMEngine(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=4, max_model_len=64))
-    steps = [0]
-    step = engine.step
-
-    def counting_step():
-        steps[0] += 1
-        return step()
-
-    engine.step = counting_step
+    steps = _count_steps(engine)
 
     async def main() -> tuple[int, list[int], list[int]]:
         aengine = AsyncEngine(engine)

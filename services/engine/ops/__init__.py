@@ -95,6 +95,15 @@ def _kernels(x: torch.Tensor) -> ModuleType | None:
     return _triton_ops
 
 
+
+def _dispatch(name: str, like: torch.Tensor, *args):
+    """``name`` from the Triton kernels when they serve ``like``'s device and accept the input (a kernel
+    answers None for an input it does not handle), else from the torch reference."""
+    kernels = _kernels(like)
+    out = getattr(kernels, name)(*args) if kernels is not None else None
+    return out if out is not None else getattr(reference, name)(*args)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float | None = None,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim, fp32 inside, output in x's dtype; with ``residual``, of
@@ -111,12 +120,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: f
     ``x`` is [..., cols]; a [tokens, heads, cols] view with strided tokens (q or k sliced out of a
     fused projection) is read in place. Outputs are new contiguous tensors.
     """
-    kernels = _kernels(x)
-    if kernels is not None:
-        out = kernels.rms_norm(x, weight, eps, offset, residual)
-        if out is not None:
-            return out
-    return reference.rms_norm(x, weight, eps, offset, residual)
+    return _dispatch("rms_norm", x, x, weight, eps, offset, residual)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -131,12 +135,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: 
     Partial rotary (Gemma-4's proportional rope) is the same call: its unrotated pairs have
     cos 1 and sin 0.
     """
-    kernels = _kernels(q)
-    if kernels is not None:
-        out = kernels.apply_rope(q, k, cos, sin, positions)
-        if out is not None:
-            return out
-    return reference.apply_rope(q, k, cos, sin, positions)
+    return _dispatch("apply_rope", q, q, k, cos, sin, positions)
 
 
 def act_and_mul(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -144,12 +143,7 @@ def act_and_mul(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.
     to the inputs' dtype before the product, as unfused."""
     if activation not in reference.ACTIVATIONS:
         raise ValueError(f"unsupported activation {activation!r}")
-    kernels = _kernels(gate)
-    if kernels is not None:
-        out = kernels.act_and_mul(activation, gate, up)
-        if out is not None:
-            return out
-    return reference.act_and_mul(activation, gate, up)
+    return _dispatch("act_and_mul", gate, activation, gate, up)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
