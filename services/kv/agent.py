@@ -253,11 +253,15 @@ class TransferHandle:
 
     def poll(self) -> Literal["PROC", "DONE"]:
         """"PROC" while in flight, "DONE" once complete; raises TransferError if NIXL reports a failure."""
-        return self._poll(blocking=True)
-
-    def try_poll(self) -> Literal["PROC", "DONE"]:
-        """Like poll(), but answers "PROC" instead of waiting while another NIXL call holds the agent."""
-        return self._poll(blocking=False)
+        if self._state == "PROC":
+            self._agent._poll_xfer(self)
+        if self._state == "DONE":
+            return "DONE"
+        if self._state == "PROC":
+            return "PROC"
+        if self._error is None:
+            self._error = self._make_error(f"transfer was {self._state.lower()}", self._state)
+        raise self._error
 
     def result(self) -> TransferResult:
         if self._state != "DONE" or self._finished_at is None:
@@ -269,17 +273,6 @@ class TransferHandle:
         if self._state != "PROC":
             return True
         return self._agent._abort(self)
-
-    def _poll(self, blocking: bool) -> Literal["PROC", "DONE"]:
-        if self._state == "PROC":
-            self._agent._poll_xfer(self, blocking)
-        if self._state == "DONE":
-            return "DONE"
-        if self._state == "PROC":
-            return "PROC"
-        if self._error is None:
-            self._error = self._make_error(f"transfer was {self._state.lower()}", self._state)
-        raise self._error
 
     def _settle(self, state: str | None, failure: str) -> None:
         """Record NIXL's answer (under the agent lock); the agent has already released the request if it
@@ -688,14 +681,10 @@ class TransferAgent:
         finally:
             self._lock.release()
 
-    def _poll_xfer(self, handle: TransferHandle, blocking: bool) -> None:
-        """Ask NIXL for a READ's state and settle the handle (released here once terminal); nothing
-        when not blocking and another call holds the agent, or when the handle settled meanwhile."""
-        if not self._lock.acquire(blocking=blocking, timeout=_LOCK_TIMEOUT_S if blocking else -1):
-            if blocking:
-                raise TransferError(f"agent {self.name!r}: lock not acquired within {_LOCK_TIMEOUT_S}s")
-            return
-        try:
+    def _poll_xfer(self, handle: TransferHandle) -> None:
+        """Ask NIXL for a READ's state and settle the handle (released here once terminal); nothing when
+        the handle settled while this waited for the lock."""
+        with self._locked():
             if handle._state != "PROC":  # aborted or settled by another thread while we waited
                 return
             try:
@@ -705,8 +694,6 @@ class TransferAgent:
             if state != "PROC":
                 self._release_locked(handle)
             handle._settle(state, "READ failed")
-        finally:
-            self._lock.release()
 
     def _abort(self, handle: TransferHandle) -> bool:
         with self._locked():
