@@ -18,7 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from services.common.metrics import serve_metrics
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,7 @@ class SupervisorMetrics:
                 self.workers.labels(role, state)
 
     def serve(self, host: str, port: int) -> int:
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_port
+        return serve_metrics(self.registry, host, port)
 
 
 # Starts a child and returns once it serves (or raises); it hands the process to its argument as soon

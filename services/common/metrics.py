@@ -78,6 +78,10 @@ class WorkerMetrics:
         self.kv_blocks.labels(self.role, "pinned_for_transfer").set(stats.kv_blocks_held)
 
     def serve(self, host: str, port: int) -> int:
-        """Expose /metrics over HTTP; returns the bound port (``port=0`` picks a free one)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_port
+        return serve_metrics(self.registry, host, port)
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
+    """Expose ``registry`` as /metrics over HTTP on a thread; returns the bound port (``port=0``: a free one)."""
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server.server_port
