@@ -62,6 +62,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="attention kernels: triton_paged reads the paged KV cache in place (CUDA), torch_sdpa "
                         "gathers it and runs masked SDPA (any device); auto: triton_paged on CUDA when Triton "
                         "imports, else torch_sdpa")
+    p.add_argument("--kv-offload-gib", type=float, default=0.0,
+                   help="host (CPU) KV tier size in GiB, pinned on CUDA: full blocks are copied there as they are "
+                        "computed, and a later prompt with the same prefix loads them back instead of recomputing "
+                        "(default 0: off)")
+    p.add_argument("--kv-offload-block-factor", type=_positive_int, default=1,
+                   help="device blocks per host-tier span, the unit the tier stores, looks up and evicts")
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
 
 
@@ -73,7 +79,9 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
                         ("--kv-block-order", args.kv_block_order), ("--num-kv-blocks", args.num_kv_blocks),
                         ("--max-model-len", args.max_model_len), ("--max-num-seqs", args.max_num_seqs),
                         ("--max-num-batched-tokens", args.max_num_batched_tokens), ("--seed", args.seed),
-                        ("--attention-backend", args.attention_backend)):
+                        ("--attention-backend", args.attention_backend),
+                        ("--kv-offload-gib", args.kv_offload_gib or None),
+                        ("--kv-offload-block-factor", args.kv_offload_block_factor)):
         if value is not None:
             argv += [flag, str(value)]
     argv += ["--no-prefix-caching"] * args.no_prefix_caching + ["--enforce-eager"] * args.enforce_eager
@@ -102,6 +110,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         kv_shared_prefill_skip=not args.no_kv_shared_prefill_skip,
         attention_backend=args.attention_backend,
+        kv_offload_bytes=int(args.kv_offload_gib * 2**30) if args.kv_offload_gib else None,
+        kv_offload_block_factor=args.kv_offload_block_factor,
         parallel=ParallelConfig(args.tp, 0),
     )
 

@@ -48,6 +48,21 @@ class WorkerMetrics:
                                         "Requests prefilled locally because the pull failed", labels, registry=r)
         self.lease_expiries = Counter("pdserve_kv_lease_expiries", "Pinned KV freed by lease expiry, never pulled",
                                       labels, registry=r)
+        # Prefix cache and host KV tier (services/engine/offload/); the engine counts, these follow.
+        self.prefix_lookups = Counter("pdserve_kv_prefix_lookups", "Prefix lookups of admitted requests by tier "
+                                      "and result (the host tier is asked only past the device hit)",
+                                      ["role", "tier", "result"], registry=r)
+        self.prefix_cached_tokens = Counter("pdserve_kv_prefix_cached_tokens", "Prompt tokens served from a "
+                                            "tier's prefix cache instead of computed", ["role", "tier"], registry=r)
+        self.offload_bytes = Counter("pdserve_kv_offload_bytes", "Bytes copied between device blocks and the "
+                                     "host KV tier", ["role", "direction"], registry=r)
+        self.offload_spans = Gauge("pdserve_kv_offload_spans", "Host KV tier spans by state (total, used: being "
+                                   "copied or pinned, cached: holding a prefix)", ["role", "state"], registry=r)
+        self.offload_queue = Gauge("pdserve_kv_offload_queue_depth", "Host KV tier copies queued or running: "
+                                   "spans to store, requests loading", ["role", "kind"], registry=r)
+        self.offload_skipped = Counter("pdserve_kv_offload_stores_skipped", "Spans not stored: every host span "
+                                       "was in use", labels, registry=r)
+        self._counted: dict[tuple, float] = {}  # engine totals already added to the counters above
         self.info = Gauge("pdserve_worker_info", "Always 1; labels say what this worker serves",
                           ["role", "model", "engine_id", "tp_size", "block_size"], registry=r)
         self._start_at_zero()
@@ -56,8 +71,18 @@ class WorkerMetrics:
         """Create this role's series now, so dashboards and rates see 0 rather than nothing before traffic."""
         for metric in (self.ttft, self.itl, self.e2e, self.queue_depth, self.running, self.transfer_bytes,
                        self.transfer_seconds, self.transfer_descriptors, self.handshake_failures,
-                       self.transfer_failures, self.local_recomputes, self.lease_expiries):
+                       self.transfer_failures, self.local_recomputes, self.lease_expiries, self.offload_skipped):
             metric.labels(self.role)
+        for tier in ("device", "host"):
+            self.prefix_cached_tokens.labels(self.role, tier)
+            for result in ("hit", "miss"):
+                self.prefix_lookups.labels(self.role, tier, result)
+        for direction in ("store", "load"):
+            self.offload_bytes.labels(self.role, direction)
+        for state in ("total", "used", "cached"):
+            self.offload_spans.labels(self.role, state)
+        for kind in ("store", "load"):
+            self.offload_queue.labels(self.role, kind)
         for outcome in REQUEST_OUTCOMES[self.role]:
             self.requests.labels(self.role, outcome)
         for state in ("free", "used", "pinned_for_transfer"):
@@ -76,6 +101,30 @@ class WorkerMetrics:
         self.kv_blocks.labels(self.role, "free").set(stats.kv_blocks_free)
         self.kv_blocks.labels(self.role, "used").set(used)
         self.kv_blocks.labels(self.role, "pinned_for_transfer").set(stats.kv_blocks_held)
+        if stats.prefix is not None:
+            p = stats.prefix
+            for tier, hits, misses, tokens in (("device", p.device_hits, p.device_misses, p.device_hit_tokens),
+                                               ("host", p.host_hits, p.host_misses, p.host_hit_tokens)):
+                self._count(self.prefix_lookups.labels(self.role, tier, "hit"), hits)
+                self._count(self.prefix_lookups.labels(self.role, tier, "miss"), misses)
+                self._count(self.prefix_cached_tokens.labels(self.role, tier), tokens)
+        t = stats.host_tier
+        if t is not None:
+            self._count(self.offload_bytes.labels(self.role, "store"), t.bytes_stored)
+            self._count(self.offload_bytes.labels(self.role, "load"), t.bytes_loaded)
+            self._count(self.offload_skipped.labels(self.role), t.stores_skipped)
+            for state, value in (("total", t.num_spans), ("used", t.spans_used), ("cached", t.spans_cached)):
+                self.offload_spans.labels(self.role, state).set(value)
+            self.offload_queue.labels(self.role, "store").set(t.store_queue_depth)
+            self.offload_queue.labels(self.role, "load").set(t.loads_in_flight)
+
+    def _count(self, child, total: float) -> None:
+        """Bring a counter up to the engine's running total (the engine counts; a Counter only adds)."""
+        key = id(child)
+        delta = total - self._counted.get(key, 0)
+        if delta > 0:
+            child.inc(delta)
+            self._counted[key] = total
 
     def serve(self, host: str, port: int) -> int:
         return serve_metrics(self.registry, host, port)

@@ -14,13 +14,15 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from services.engine.llm_engine import LLMEngine, RequestOutput
+from services.engine.offload import HostTierStats
 from services.engine.rank_setup import use_device
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import PrefixCacheStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,6 +41,9 @@ class EngineStats:
     kv_blocks_total: int
     kv_blocks_free: int
     kv_blocks_held: int
+    num_loading: int = 0  # requests loading their prefix from the host KV tier
+    prefix: PrefixCacheStats | None = None
+    host_tier: HostTierStats | None = None  # None: no host tier
 
 
 class AsyncEngine:
@@ -50,6 +55,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self.stats = self._read_stats()
+        if engine.host_tier is not None:  # a finished copy wakes the engine thread to take it in
+            engine.host_tier.set_wakeup(lambda: self._commands.put(_wake_up))
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -192,8 +199,8 @@ class AsyncEngine:
         and make every other thread of the daemon (the event loop, the NIXL agent's) wait for the
         interpreter's 5 ms switch interval at each hand-over: ~5 ms per thread hop of the very pull.
         """
-        sched = self.engine.scheduler
-        return sched.num_running > 0 or sched.num_waiting > 0
+        sched, tier = self.engine.scheduler, self.engine.host_tier
+        return sched.num_running > 0 or sched.num_waiting > 0 or (tier is not None and tier.has_completions)
 
     def _read_stats(self) -> EngineStats:
         e = self.engine
@@ -203,6 +210,8 @@ class AsyncEngine:
             num_waiting_for_kv=sched.num_waiting_for_kv, num_held=sched.num_held,
             kv_blocks_total=pool.num_blocks, kv_blocks_free=pool.num_free_blocks,
             kv_blocks_held=sum(s.num_held for s in e.kv_manager.stats()),
+            num_loading=sched.num_loading, prefix=replace(sched.prefix_stats),
+            host_tier=e.host_tier.stats() if e.host_tier is not None else None,
         )
 
     # ---- event-loop side -----------------------------------------------------------------------
@@ -222,6 +231,10 @@ class AsyncEngine:
 
 
 _NO_COMMAND: Any = object()
+
+
+def _wake_up() -> None:
+    """A command that does nothing: it only ends the engine thread's wait for one."""
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

@@ -293,6 +293,11 @@ class BlockPool:
                 del self._evictable[block_id]
             self._ref_counts[block_id] += 1
 
+    def refresh(self, block_id: int) -> None:
+        """Mark a cached-free block as just used: it moves to the back of the eviction queue."""
+        if block_id in self._evictable:
+            self._evictable.move_to_end(block_id)
+
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per listed id; blocks reaching zero are freed in the given order.
 

@@ -43,6 +43,10 @@ class EngineConfig:
     # Attention backend (services/engine/attention/): "torch_sdpa", "triton_paged", or "auto" =
     # triton_paged on CUDA when Triton imports, else torch_sdpa (registry.py says why).
     attention_backend: str = "auto"
+    # Host KV tier (services/engine/offload/): bytes of host memory (None or 0: off), and how many
+    # device blocks one host span holds (the unit stored, looked up and evicted).
+    kv_offload_bytes: int | None = None
+    kv_offload_block_factor: int = 1
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
@@ -56,6 +60,14 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.kv_offload_bytes is not None and self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
+        if self.kv_offload_block_factor < 1:
+            raise ValueError(f"kv_offload_block_factor must be >= 1, got {self.kv_offload_block_factor}")
+        if self.kv_offload_bytes and not self.enable_prefix_caching:
+            raise ValueError("the host KV tier needs prefix caching: it finds blocks by their hashes")
+        if self.kv_offload_bytes and self.parallel.tp_size > 1:
+            raise ValueError("the host KV tier runs at TP 1 only for now (each rank would need its own tier)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; "
                              f"expected one of {', '.join(ATTENTION_BACKENDS)}")

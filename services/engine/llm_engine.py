@@ -21,6 +21,7 @@ from services.engine.engine_config import EngineConfig
 from services.engine.kv_cache import KVCache
 from services.engine.loader import ModelSource, resolve_model
 from services.engine.model_runner import ModelRunner
+from services.engine.offload import HostKVTier, num_spans_for
 from services.engine.rank_setup import kv_layout, load_model, num_blocks_for, use_device
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import make_generator, min_tokens_banned_ids, sample
@@ -104,6 +105,7 @@ class LLMEngine:
             self.kv_layout.groups, [self.num_kv_blocks] * len(self.kv_layout.groups),
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        self.host_tier = self._host_tier()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -112,6 +114,7 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
             ),
             self.kv_manager,
+            self.host_tier,
         )
         self._states: dict[str, _RequestState] = {}
         self._generate_ids = itertools.count()
@@ -130,6 +133,21 @@ class LLMEngine:
             return None
         return DecodeGraphRunner(self.model, self.kv_cache, self.config.max_num_seqs, self.max_model_len,
                                  attention_backend=self.config.attention_backend)
+
+    def _host_tier(self) -> HostKVTier | None:
+        """The host KV tier of ``kv_offload_bytes`` (spans of ``kv_offload_block_factor`` blocks), if asked for."""
+        if not self.config.kv_offload_bytes:
+            return None
+        factor = self.config.kv_offload_block_factor
+        per_block = sum(self.kv_layout.block_bytes(g.group_id) for g in self.kv_layout.groups)
+        num_spans = num_spans_for(per_block, factor, self.config.kv_offload_bytes)
+        if num_spans < 1:
+            raise ValueError(f"a host KV tier of {self.config.kv_offload_bytes} bytes holds no span of {factor} "
+                             f"blocks ({per_block * factor} bytes)")
+        tier = HostKVTier(self.kv_cache, self.kv_manager, num_spans, factor)
+        log.info("host KV tier: %d spans of %d blocks (%.2f GiB%s)", num_spans, factor, tier.num_bytes / 2**30,
+                 ", pinned" if self.device.type == "cuda" else "")
+        return tier
 
     def _max_model_len(self) -> int:
         capacity = self.num_kv_blocks * self.config.block_size
@@ -150,9 +168,11 @@ class LLMEngine:
         return {g.group_id: self.model_config.layers[g.layer_ids[0]].num_kv_heads for g in self.kv_layout.groups}
 
     def close(self) -> None:
-        """Stop the follower ranks of a TP engine (nothing to do at TP 1)."""
+        """Stop the follower ranks of a TP engine and the host tier's copier."""
         if self.tp_group is not None:
             self.tp_group.close()
+        if self.host_tier is not None:
+            self.host_tier.close()
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(

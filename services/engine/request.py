@@ -13,6 +13,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     # Blocks are allocated and being filled from outside (a KV pull); not schedulable yet.
     WAITING_FOR_KV = "waiting_for_kv"
+    # Blocks are allocated and being filled from this engine's host KV tier; not schedulable yet.
+    LOADING_KV = "loading_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -52,8 +54,10 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
-    # Tokens served from the prefix cache when the request was first scheduled.
+    # Tokens served from the prefix cache (device or host tier) when the request was first scheduled.
     num_cached_tokens: int = 0
+    # Of those, the tokens loaded back from the host KV tier.
+    num_host_cached_tokens: int = 0
     block_ids: list[list[int]] = field(default_factory=list)
     # Keep the KV blocks after finishing until `release` (prefill worker: held for a pull).
     hold_kv_on_finish: bool = False

@@ -11,9 +11,13 @@ import bisect
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.engine.block_manager import KVCacheManager
 from services.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from services.engine.offload import HostKVTier
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +92,22 @@ class ScheduledChunk:
         return self.request.sampling_params.return_logits
 
 
+@dataclass
+class PrefixCacheStats:
+    """Prefix lookups of admitted requests per tier (``hits`` + ``misses`` = lookups) and tokens served.
+
+    The host tier is consulted only for what the device tier missed: a host hit is a request whose
+    prefix reached past its device hit.
+    """
+
+    device_hits: int = 0
+    device_misses: int = 0
+    device_hit_tokens: int = 0
+    host_hits: int = 0
+    host_misses: int = 0
+    host_hit_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
@@ -105,18 +125,23 @@ class SchedulerOutput:
 class Scheduler:
     """FCFS continuous batching with chunked prefill, prefix caching and preemption by recompute."""
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 host_tier: HostKVTier | None = None) -> None:
         if not kv_manager.can_ever_fit(config.max_model_len, config.max_step_tokens):
             raise ValueError(f"the KV pool cannot hold one request of max_model_len={config.max_model_len} "
                              "tokens; lower max_model_len or add blocks")
         self.config = config
         self.kv = kv_manager
+        self.host_tier = host_tier
+        self.prefix_stats = PrefixCacheStats()
         self._requests: dict[str, Request] = {}  # every live (unfinished) request
         self._arrival: dict[str, int] = {}  # request id -> arrival sequence number
         self._next_arrival = 0
         self._waiting: deque[Request] = deque()  # WAITING and PREEMPTED, front first
         self._running: list[Request] = []  # sorted by arrival: the newest is last
         self._waiting_for_kv: dict[str, Request] = {}
+        self._loading: dict[str, tuple[Request, int]] = {}  # loading from the host tier, up to that many tokens
+        self._host_load_failed: set[str] = set()  # computed instead, never loaded again
         self._held: dict[str, Request] = {}  # finished, blocks kept for a pull
         self._finished_ids: list[str] = []
 
@@ -133,6 +158,10 @@ class Scheduler:
     @property
     def num_waiting_for_kv(self) -> int:
         return len(self._waiting_for_kv)
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loading)
 
     @property
     def num_held(self) -> int:
@@ -184,6 +213,7 @@ class Scheduler:
         """
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        self.take_finished_loads()
         budget = self._schedule_running(self.config.max_num_batched_tokens, chunks, preempted)
         if not preempted:
             self._schedule_waiting(budget, chunks)
@@ -226,6 +256,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free the blocks and requeue at the front; the tokens so far are recomputed later."""
         self.kv.free(request)
+        self._forget_offload(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -236,17 +267,78 @@ class Scheduler:
         while self._waiting and budget > 0 and self._num_seats_taken() < self.config.max_num_seqs:
             request = self._waiting[0]
             computed, num_hit = self.kv.get_computed_blocks(request)
+            if self.host_tier is not None and request.request_id not in self._host_load_failed:
+                host_tables, num_host_hit = self.host_tier.lookup(request)
+                if num_host_hit > num_hit:
+                    if not self._start_load(request, computed, num_hit, host_tables, num_host_hit):
+                        return
+                    continue
             num_tokens = self._num_tokens_to_schedule(request, num_hit, budget)
             if not num_tokens or self.kv.allocate_slots(request, num_tokens, computed) is None:
                 return
             self._waiting.popleft()
+            self._count_lookup(request, num_hit, 0)
             self._admit(request, num_hit)
             chunks.append(_chunk(request, num_tokens))
             budget -= num_tokens
 
     def _num_seats_taken(self) -> int:
-        # Requests pulling KV have a seat reserved: they join the running set when the pull ends.
-        return len(self._running) + len(self._waiting_for_kv)
+        # Requests pulling or loading KV have a seat reserved: they run when their blocks are filled.
+        return len(self._running) + len(self._waiting_for_kv) + len(self._loading)
+
+    def _count_lookup(self, request: Request, num_device_hit: int, num_host_hit: int) -> None:
+        """Count an admitted request's prefix lookup (``num_host_hit``: tokens past the device hit)."""
+        stats = self.prefix_stats
+        stats.device_hits += bool(num_device_hit)
+        stats.device_misses += not num_device_hit
+        stats.device_hit_tokens += num_device_hit
+        if self.host_tier is not None:
+            stats.host_hits += bool(num_host_hit)
+            stats.host_misses += not num_host_hit
+            stats.host_hit_tokens += num_host_hit
+        if request.num_preemptions == 0:
+            request.num_host_cached_tokens = num_host_hit
+
+    def _start_load(self, request: Request, computed: list[list[int]], num_hit: int,
+                    host_tables: list[list[int]], num_host_hit: int) -> bool:
+        """Take the head waiting request into LOADING_KV: blocks for its host hit, and the copy started.
+
+        The tokens past the device hit get blocks as for a pull (``external_kv``: a sliding group
+        keeps the window the hit's end needs); False, changing nothing, when they do not fit now.
+        """
+        if self.kv.allocate_slots(request, num_host_hit - num_hit, computed, external_kv=True) is None:
+            return False
+        self._waiting.popleft()
+        self._count_lookup(request, num_hit, num_host_hit - num_hit)
+        request.num_computed_tokens = num_hit
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_host_hit
+        request.status = RequestStatus.LOADING_KV
+        self._loading[request.request_id] = (request, num_host_hit)
+        self.host_tier.start_load(request, host_tables, num_hit, num_host_hit)
+        return True
+
+    def take_finished_loads(self) -> None:
+        """Requests whose host-tier load finished run from its end; a failed load computes instead."""
+        if self.host_tier is None:
+            return
+        for result in self.host_tier.poll():
+            request, num_tokens = self._loading.pop(result.request_id)
+            if result.ok:
+                request.num_computed_tokens = num_tokens
+                self.kv.cache_full_blocks(request, num_tokens)
+                request.status = RequestStatus.RUNNING
+                bisect.insort(self._running, request, key=self._arrival_of)
+            else:
+                self.kv.free(request)
+                self._host_load_failed.add(request.request_id)
+                request.num_computed_tokens = request.num_cached_tokens = request.num_host_cached_tokens = 0
+                request.status = RequestStatus.WAITING
+                self._requeue_in_arrival_order(request)
+
+    def _forget_offload(self, request_id: str) -> None:
+        if self.host_tier is not None:
+            self.host_tier.forget(request_id)
 
     def _admit(self, request: Request, num_hit: int) -> None:
         request.num_computed_tokens = num_hit
@@ -290,10 +382,14 @@ class Scheduler:
             request = c.request
             request.num_computed_tokens += c.num_tokens
             self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            if self.host_tier is not None:
+                self.host_tier.note_computed(request)
             if c.samples:
                 token_id, logprob = sampled[request.request_id]
                 _append_token(request, token_id, logprob)
                 updated.append(request)
+        if self.host_tier is not None:
+            self.host_tier.flush()
         return updated
 
     def _is_current(self, chunk: ScheduledChunk) -> bool:
@@ -314,6 +410,7 @@ class Scheduler:
         hold = (request.hold_kv_on_finish and status is not RequestStatus.FINISHED_ABORTED
                 and request.status is RequestStatus.RUNNING)
         self._remove(request)
+        self._forget_offload(request_id)
         if hold:
             self.kv.hold(request)
             self._held[request_id] = request
@@ -327,10 +424,13 @@ class Scheduler:
             self._running.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_KV:
             del self._waiting_for_kv[request.request_id]
+        elif request.status is RequestStatus.LOADING_KV:
+            del self._loading[request.request_id]  # the copy keeps its own block references
         else:
             self._waiting.remove(request)
         del self._requests[request.request_id]
         del self._arrival[request.request_id]
+        self._host_load_failed.discard(request.request_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a live request in any state, freeing its blocks; False if it is not live.
@@ -389,6 +489,9 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         _append_token(request, first_token_id, first_logprob)
         self.kv.cache_full_blocks(request, request.num_computed_tokens)
+        if self.host_tier is not None:
+            self.host_tier.note_computed(request)
+            self.host_tier.flush()
         request.status = RequestStatus.RUNNING
         bisect.insort(self._running, request, key=self._arrival_of)
         return request
@@ -400,6 +503,9 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed_tokens = request.num_cached_tokens = 0
         request.status = RequestStatus.WAITING
+        self._requeue_in_arrival_order(request)
+
+    def _requeue_in_arrival_order(self, request: Request) -> None:
         arrival = self._arrival_of(request)
         position = next((i for i, r in enumerate(self._waiting) if self._arrival_of(r) > arrival),
                         len(self._waiting))
