@@ -7,6 +7,9 @@
 #                                         with triton_paged, beside the floors and HF transformers on the same
 #                                         weights; then the same engine with torch_sdpa
 #   bash bench/gpu_speed_run.sh pull      the in-service KV pull beside a raw NIXL READ of the same bytes
+#   bash bench/gpu_speed_run.sh offload   the host KV tier: its tests on CUDA (pinned memory, copy stream),
+#                                         the e2e serving test (decode reading the prefill's host tier into
+#                                         VRAM), and TTFT/store/load of an 8k prompt (bench/offload.py)
 set -uo pipefail
 source bench/gpu_env.sh
 for part in "$@"; do
@@ -22,6 +25,16 @@ for part in "$@"; do
             --attention-backend "$backend" --prefill-lens 512,2048,8192 --batch-sizes 1,8,32 --decode-contexts 2048 \
             --decode-steps 16 --rounds 2 $hf --json-out "$OUT/engine_$backend.jsonl" 2>&1 \
             | grep -v Warning | tee "$OUT/engine_$backend.txt"
+      done ;;
+    offload)
+      PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_offload.py \
+          2>&1 | tee "$OUT/offload_tests.log" | tail -8
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_kv_offload_serving.py 2>&1 \
+          | tee "$OUT/offload_e2e.log" | tail -8
+      for factor in 4 1; do
+        timeout 200 python3 bench/offload.py --model dummy:llama-3.1-8b --dtype bfloat16 --prompt-len 8192 \
+            --offload-gib 8 --factor "$factor" --rounds 3 --json-out "$OUT/offload_f$factor.jsonl" 2>&1 \
+            | grep -v Warning | tee "$OUT/offload_f$factor.txt"
       done ;;
     pull)
       timeout 400 python3 bench/pull_path.py --placements auto --json-out "$OUT/pull_path_gpu.jsonl" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/pull_path.txt" ;;

@@ -22,8 +22,10 @@ def open_kv_ranks(engine: LLMEngine, engine_id: str, epoch: int) -> list[KVRank]
     def name(rank: int) -> str:
         return f"{engine_id}-{epoch}-tp{rank}"
 
+    tier = engine.host_tier
     ranks: list[KVRank] = [LocalKVRank(TransferAgent(name(0), device=engine.device.type), engine.kv_layout,
-                                       engine.kv_cache.buffers)]
+                                       engine.kv_cache.buffers, tier.layout if tier else None,
+                                       tier.buffers if tier else ())]
     if engine.tp_group is not None:
         ranks += engine.tp_group.open_kv_ranks(name, engine.kv_layout)
     return ranks

@@ -34,6 +34,9 @@ class WorkerMetrics:
         self.running = Gauge("pdserve_running_requests", "Requests in the running batch", labels, registry=r)
         self.kv_blocks = Gauge("pdserve_kv_blocks", "KV blocks by state", ["role", "state"], registry=r)
         self.transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes pulled", labels, registry=r)
+        self.transfer_source_bytes = Counter("pdserve_kv_transfer_source_bytes", "KV bytes pulled, by where the "
+                                             "owner held them (device blocks or its host KV tier)",
+                                             ["role", "source"], registry=r)
         self.transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "KV pull duration", labels,
                                           buckets=LATENCY_BUCKETS_S, registry=r)
         self.pull_stage_seconds = Histogram("pdserve_kv_pull_stage_seconds",
@@ -79,6 +82,9 @@ class WorkerMetrics:
                 self.prefix_lookups.labels(self.role, tier, result)
         for direction in ("store", "load"):
             self.offload_bytes.labels(self.role, direction)
+        if self.role == "decode":
+            for source in ("device", "host"):
+                self.transfer_source_bytes.labels(self.role, source)
         for state in ("total", "used", "cached"):
             self.offload_spans.labels(self.role, state)
         for kind in ("store", "load"):

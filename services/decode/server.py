@@ -109,6 +109,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 await self.engine.complete_external_kv(rid, ticket.first_token_id, ticket.first_token_logprob)
                 resumed = time.perf_counter()
                 self.metrics.transfer_bytes.labels("decode").inc(result.num_bytes)
+                self.metrics.transfer_source_bytes.labels("decode", "host").inc(result.host_bytes)
+                self.metrics.transfer_source_bytes.labels("decode", "device").inc(result.num_bytes - result.host_bytes)
                 self.metrics.transfer_descriptors.labels("decode").inc(result.num_descriptors)
                 self.metrics.transfer_seconds.labels("decode").observe(result.seconds)
                 self._observe_stages(rid, result, reserved - started, resumed - pulled)

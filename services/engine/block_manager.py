@@ -566,6 +566,11 @@ class KVCacheManager:
 
     # ---- introspection -------------------------------------------------------------------
 
+    @property
+    def hit_granularity(self) -> int:
+        """A prefix hit's length is a multiple of this (every group's block size divides it)."""
+        return self._block_size_lcm
+
     def pool(self, group_id: int) -> BlockPool:
         return self.managers[group_id].pool
 
@@ -848,15 +853,24 @@ class KVCacheManager:
         for g, (m, table) in enumerate(zip(self.managers, tables, strict=True)):
             m.pool.free(self.real_blocks(g, table)[::-1])
 
-    def hold(self, request: Request) -> None:
+    def hold(self, request: Request, from_token: int = 0) -> None:
         """Keep a finished request's blocks referenced until ``release`` (a peer still pulls them).
 
-        Only real blocks are held. ``request.block_ids`` is left as is, placeholders included, so
-        the caller can describe every group's table from token 0 to the peer.
+        Only real blocks are held, and only from ``from_token`` (a block boundary in every group)
+        on: the blocks before it are freed now (a peer reads those tokens elsewhere: the host
+        tier). ``request.block_ids`` is left as is, placeholders included, so the caller can
+        describe every group's table from token 0 to the peer.
         """
         if request.request_id in self._held:
             raise ValueError(f"request {request.request_id} is already held")
-        self._held[request.request_id] = [self.real_blocks(g, t) for g, t in enumerate(request.block_ids)]
+        if any(from_token % m.block_size for m in self.managers):
+            raise ValueError(f"hold from token {from_token}: not a block boundary in every group")
+        held = []
+        for g, (m, table) in enumerate(zip(self.managers, request.block_ids, strict=True)):
+            cut = min(from_token // m.block_size, len(table))
+            m.pool.free(self.real_blocks(g, table[:cut])[::-1])
+            held.append(self.real_blocks(g, table[cut:]))
+        self._held[request.request_id] = held
         self._cursors.pop(request.request_id, None)
 
     def held_block_ids(self, request_id: str) -> list[list[int]] | None:

@@ -61,6 +61,9 @@ class Request:
     block_ids: list[list[int]] = field(default_factory=list)
     # Keep the KV blocks after finishing until `release` (prefill worker: held for a pull).
     hold_kv_on_finish: bool = False
+    # Prefill worker: the prompt's first tokens a peer reads from the host KV tier instead of the
+    # held device blocks, as (host block ids per group from token 0, number of tokens).
+    host_prefix: tuple[list[list[int]], int] | None = None
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     stop_reason: int | str | None = None

@@ -286,13 +286,14 @@ class Scheduler:
         # Requests pulling or loading KV have a seat reserved: they run when their blocks are filled.
         return len(self._running) + len(self._waiting_for_kv) + len(self._loading)
 
-    def _count_lookup(self, request: Request, num_device_hit: int, num_host_hit: int) -> None:
-        """Count an admitted request's prefix lookup (``num_host_hit``: tokens past the device hit)."""
+    def _count_lookup(self, request: Request, num_device_hit: int, num_host_hit: int | None) -> None:
+        """Count an admitted request's prefix lookup (``num_host_hit``: tokens past the device hit;
+        None: the host tier was not asked, as for a prompt whose KV is pulled)."""
         stats = self.prefix_stats
         stats.device_hits += bool(num_device_hit)
         stats.device_misses += not num_device_hit
         stats.device_hit_tokens += num_device_hit
-        if self.host_tier is not None:
+        if self.host_tier is not None and num_host_hit is not None:
             stats.host_hits += bool(num_host_hit)
             stats.host_misses += not num_host_hit
             stats.host_hit_tokens += num_host_hit
@@ -412,7 +413,9 @@ class Scheduler:
         self._remove(request)
         self._forget_offload(request_id)
         if hold:
-            self.kv.hold(request)
+            if self.host_tier is not None and request.num_host_cached_tokens:
+                request.host_prefix = self.host_tier.pin_prefix(request, request.num_cached_tokens)
+            self.kv.hold(request, request.host_prefix[1] if request.host_prefix else 0)
             self._held[request_id] = request
         else:
             self.kv.free(request)
@@ -448,6 +451,8 @@ class Scheduler:
         if request is None:
             return False
         self.kv.release(request_id)
+        if request.host_prefix is not None:
+            self.host_tier.unpin(request_id)
         request.block_ids = []
         return True
 
@@ -475,6 +480,7 @@ class Scheduler:
         if self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit, computed, external_kv=True) is None:
             return None
         self._register(request)
+        self._count_lookup(request, num_hit, None)
         self._waiting_for_kv[request.request_id] = request
         request.status = RequestStatus.WAITING_FOR_KV
         request.num_computed_tokens = request.num_cached_tokens = num_hit

@@ -18,6 +18,7 @@ from services.kv.handshake import EngineDescription, RankExport
 from services.kv.pair_support import group_heads_from_fields
 from services.kv.rank import KVRank
 from services.kv.topology import group_readers_per_remote_rank
+from services.kv.wire import HOST_TIER_NOTIFY_SUFFIX, notification_key
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 
@@ -52,7 +53,7 @@ class KVExporter:
             engine_id=engine_id, epoch=self.epoch, model_name=model_name, num_layers=num_layers,
             num_kv_heads=num_kv_heads, head_dim=head_dim, compat=self.compat, groups=layout.groups,
             ranks=tuple(
-                RankExport(i, r.name, r.metadata(), r.regions, r.layout)
+                RankExport(i, r.name, r.metadata(), r.regions, r.layout, r.host_layout, r.host_regions)
                 for i, r in enumerate(ranks)
             ),
             kv_sharing=dict(kv_sharing or {}),
@@ -60,7 +61,8 @@ class KVExporter:
         # The model's total KV heads per group: each group is sharded by its own (Gemma-4's differ).
         self._group_heads = group_heads_from_fields(self.compat.fields)
         self._trackers = [NotificationTracker() for _ in ranks]
-        self._waiting: dict[str, set[int]] = {}  # request id -> owner ranks still expecting readers
+        # request id -> (owner rank, host tier) sources still expecting readers
+        self._waiting: dict[str, set[tuple[int, bool]]] = {}
 
     @property
     def tp_size(self) -> int:
@@ -79,29 +81,41 @@ class KVExporter:
         handshake_address: str,
         reader_tp_size: int,
         first_token_logprob: float = 0.0,
+        host_block_ids: Sequence[Sequence[int]] = (),
+        num_host_tokens: int = 0,
     ) -> kv_pb2.TransferTicket:
-        """The ticket for a finished prefill whose blocks stay pinned until read (or the lease ends)."""
+        """The ticket for a finished prefill whose blocks stay pinned until read (or the lease ends).
+
+        ``num_host_tokens`` > 0: the prompt's first tokens are read from the host tier's
+        ``host_block_ids`` (per group, from token 0), and each reader notifies once per source.
+        """
         if request_id in self._waiting:
             raise ValueError(f"request {request_id!r} already has a ticket out")
+        if num_host_tokens and self._ranks[0].host_layout is None:
+            raise ValueError("a ticket names host-tier blocks but this engine has no host tier")
+        sources = (False, True) if num_host_tokens else (False,)
         readers = group_readers_per_remote_rank(reader_tp_size, self.tp_size, self._group_heads)
         waiting = set()
         for rank, n in enumerate(readers):
-            if n:
-                self._trackers[rank].expect(request_id.encode(), n)
-                waiting.add(rank)
+            for host in sources if n else ():
+                self._trackers[rank].expect(notification_key(request_id, host), n)
+                waiting.add((rank, host))
         self._waiting[request_id] = waiting
         return kv_pb2.TransferTicket(
             engine_id=self.engine_id, epoch=self.epoch, request_id=request_id,
             groups=[kv_pb2.GroupBlocks(group_id=g, block_ids=list(ids)) for g, ids in enumerate(block_ids)],
             num_tokens=num_tokens, first_token_id=first_token_id, first_token_logprob=first_token_logprob,
-            handshake_address=handshake_address,
+            handshake_address=handshake_address, num_host_tokens=num_host_tokens,
+            host_groups=[kv_pb2.GroupBlocks(group_id=g, block_ids=list(ids)) for g, ids in enumerate(host_block_ids)],
         )
 
     def poll_released(self) -> list[str]:
         """Request ids every reader has finished with: their blocks can be freed now."""
         for rank, r in enumerate(self._ranks):
             for key in self._trackers[rank].feed(r.poll_notifications()):
-                self._waiting.get(key.decode(), set()).discard(rank)
+                host = key.endswith(HOST_TIER_NOTIFY_SUFFIX)
+                rid = key.removesuffix(HOST_TIER_NOTIFY_SUFFIX) if host else key
+                self._waiting.get(rid.decode(), set()).discard((rank, host))
         done = [rid for rid, ranks in self._waiting.items() if not ranks]
         for rid in done:
             del self._waiting[rid]
@@ -111,7 +125,7 @@ class KVExporter:
         """Request ids whose readers did not all finish within ``lease_s``: freed by the lease."""
         expired: set[str] = set()
         for tracker in self._trackers:
-            expired.update(k.decode() for k in tracker.expire(lease_s))
+            expired.update(k.removesuffix(HOST_TIER_NOTIFY_SUFFIX).decode() for k in tracker.expire(lease_s))
         for rid in expired:
             self.abandon(rid)
         return sorted(expired)
@@ -119,7 +133,8 @@ class KVExporter:
     def abandon(self, request_id: str) -> bool:
         """Stop waiting for a request's readers (it was aborted or its lease ran out)."""
         for tracker in self._trackers:
-            tracker.discard(request_id.encode())
+            for host in (False, True):
+                tracker.discard(notification_key(request_id, host))
         return self._waiting.pop(request_id, None) is not None
 
     @property

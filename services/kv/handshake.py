@@ -52,6 +52,10 @@ class RankExport:
     agent_metadata: bytes
     regions: tuple[MemoryRegion, ...]
     layout: KVLayoutSpec
+    # The rank's host KV tier (services/engine/offload/), if it has one: the device layout with
+    # more blocks, registered with the same agent.
+    host_layout: KVLayoutSpec | None = None
+    host_regions: tuple[MemoryRegion, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,8 @@ def description_to_proto(d: EngineDescription) -> kv_pb2.HandshakeResponse:
             kv_pb2.RankInfo(
                 tp_rank=r.tp_rank, agent_name=r.agent_name, agent_metadata=r.agent_metadata,
                 regions=[region_to_proto(x) for x in r.regions], layout=layout_to_proto(r.layout),
+                host_layout=layout_to_proto(r.host_layout) if r.host_layout is not None else None,
+                host_regions=[region_to_proto(x) for x in r.host_regions],
             )
             for r in d.ranks
         ],
@@ -104,7 +110,9 @@ def description_from_proto(m: kv_pb2.HandshakeResponse) -> EngineDescription:
     try:
         ranks = tuple(
             RankExport(r.tp_rank, r.agent_name, r.agent_metadata, tuple(region_from_proto(x) for x in r.regions),
-                       layout_from_proto(r.layout))
+                       layout_from_proto(r.layout),
+                       layout_from_proto(r.host_layout) if r.HasField("host_layout") else None,
+                       tuple(region_from_proto(x) for x in r.host_regions))
             for r in m.ranks
         )
         if [r.tp_rank for r in ranks] != list(range(len(ranks))) or len(ranks) != m.tp_size or not ranks:
@@ -113,10 +121,13 @@ def description_from_proto(m: kv_pb2.HandshakeResponse) -> EngineDescription:
         for r in ranks:
             if r.layout.groups != groups:
                 raise ValueError(f"rank {r.tp_rank}'s layout groups differ from the engine's KV groups")
-            expected = [b.num_bytes for b in r.layout.buffers()]
-            got = [x.length for x in sorted(r.regions, key=lambda x: x.buffer_index)]
-            if got != expected:
-                raise ValueError(f"rank {r.tp_rank} registered regions {got} do not match its layout {expected}")
+            _check_regions(r.tp_rank, "", r.layout, r.regions)
+            if r.host_layout is not None:
+                if r.host_layout.groups != groups:
+                    raise ValueError(f"rank {r.tp_rank}'s host tier layout groups differ from the engine's KV groups")
+                _check_regions(r.tp_rank, "host tier ", r.host_layout, r.host_regions)
+            elif r.host_regions:
+                raise ValueError(f"rank {r.tp_rank} sends host tier regions without a host tier layout")
         return EngineDescription(
             engine_id=m.engine_id,
             epoch=m.epoch,
@@ -132,6 +143,13 @@ def description_from_proto(m: kv_pb2.HandshakeResponse) -> EngineDescription:
         )
     except ValueError as e:
         raise HandshakeError(f"malformed handshake from engine {m.engine_id!r}: {e}") from None
+
+
+def _check_regions(rank: int, what: str, layout: KVLayoutSpec, regions: tuple[MemoryRegion, ...]) -> None:
+    expected = [b.num_bytes for b in layout.buffers()]
+    got = [x.length for x in sorted(regions, key=lambda x: x.buffer_index)]
+    if got != expected:
+        raise ValueError(f"rank {rank} registered {what}regions {got} do not match its {what}layout {expected}")
 
 
 class HandshakeServicer(kv_pb2_grpc.KVHandshakeServicer):

@@ -36,6 +36,7 @@ from services.kv.pair_support import group_heads_from_fields
 from services.kv.planner import TransferPlan, plan_groups
 from services.kv.rank import KVRank
 from services.kv.topology import RankRead, group_rank_reads, kv_head_range, map_block_arrays, window_start_token
+from services.kv.wire import notification_key
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class PullResult:
     num_descriptors: int
     num_reads: int
     seconds: float
+    host_bytes: int = 0  # of num_bytes, read from the owner's host KV tier
     #: Seconds per stage, in order: handshake (the peer cache; the Handshake RPC on first contact), check
     #: (the ticket), pieces (token runs), plan (descriptor rows, every rank), read (every READ, until the
     #: last completion reached this coroutine); and "read.<stage>" inside one READ (``TransferAgent.read``:
@@ -68,6 +70,7 @@ class PlannedRead:
     remote_rows: np.ndarray
     num_bytes: int
     num_descriptors: int
+    host_tier: bool = False  # reads the owner's host KV tier, not its device blocks
 
 
 class KVPuller:
@@ -161,20 +164,17 @@ class KVPuller:
         remote = self.peers.cached(ticket.engine_id, ticket.epoch) or \
             await self.peers.get(ticket.handshake_address, ticket.engine_id, ticket.epoch)
         t_handshake = time.perf_counter()
-        remote_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
+        remote_ids, host_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
         t_check = time.perf_counter()
-        # Every local rank shares the block tables, so the token runs are the same for all of them.
-        pieces = self._pieces(remote, self._ranks[0].layout, ticket.num_tokens, remote_ids, local_ids,
-                              num_cached_tokens)
+        pieces = self._source_pieces(ticket, remote, remote_ids, host_ids, local_ids, num_cached_tokens)
         t_pieces = time.perf_counter()
         reads = self._plan_reads(remote, pieces)
         t_plan = time.perf_counter()
-        notify = ticket.request_id.encode()
         try:
             if len(reads) == 1:  # no task to create and schedule for the one READ of a TP-1 pair
-                results = [await self._read(*reads[0], notify)]
+                results = [await self._read(*reads[0], ticket.request_id)]
             else:
-                results = await asyncio.gather(*(self._read(*read, notify) for read in reads))
+                results = await asyncio.gather(*(self._read(*read, ticket.request_id) for read in reads))
         except TransferError:
             # The owner may have restarted (its old agents are gone): handshake afresh next time, so
             # later tickets of the dead epoch fail fast as stale instead of timing out on reads.
@@ -189,6 +189,7 @@ class KVPuller:
         return PullResult(
             num_bytes=sum(r[0] for r in results), num_descriptors=sum(r[1] for r in results), num_reads=len(results),
             seconds=done - started, stages=stages,
+            host_bytes=sum(r[0] for r, read in zip(results, reads, strict=True) if read[-1]),
         )
 
     def planned_reads(self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]],
@@ -198,40 +199,61 @@ class KVPuller:
         remote = self.peers.cached(ticket.engine_id, ticket.epoch)
         if remote is None:
             raise ValueError(f"engine {ticket.engine_id} epoch {ticket.epoch} is not handshaken")
-        remote_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
-        pieces = self._pieces(remote, self._ranks[0].layout, ticket.num_tokens, remote_ids, local_ids,
-                              num_cached_tokens)
+        remote_ids, host_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
+        pieces = self._source_pieces(ticket, remote, remote_ids, host_ids, local_ids, num_cached_tokens)
         return [PlannedRead(*read) for read in self._plan_reads(remote, pieces)]
 
-    def _plan_reads(self, remote: EngineDescription, pieces: dict[int, np.ndarray]
-                    ) -> list[tuple[KVRank, RankExport, np.ndarray, np.ndarray, int, int]]:
-        """One READ per (local rank, remote rank): (rank, owner rank, local rows, remote rows, bytes, descriptors).
+    def _source_pieces(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription, remote_ids: list[np.ndarray],
+                       host_ids: list[np.ndarray] | None, local_ids: list[np.ndarray], num_cached_tokens: int
+                       ) -> dict[bool, dict[int, np.ndarray]]:
+        """Token runs per source (host tier: True) and group. Every local rank shares the block
+        tables, so the runs are the same for all of them. The host tier holds the prompt's first
+        ``num_host_tokens``, the device blocks the rest."""
+        local = self._ranks[0].layout
+        if host_ids is None:
+            return {False: self._pieces(remote, local, ticket.num_tokens, remote_ids, local_ids, num_cached_tokens)}
+        split = ticket.num_host_tokens
+        return {True: self._pieces(remote, local, ticket.num_tokens, host_ids, local_ids, num_cached_tokens,
+                                   end=split),
+                False: self._pieces(remote, local, ticket.num_tokens, remote_ids, local_ids, num_cached_tokens,
+                                    begin=split)}
+
+    def _plan_reads(self, remote: EngineDescription, pieces: dict[bool, dict[int, np.ndarray]]
+                    ) -> list[tuple[KVRank, RankExport, np.ndarray, np.ndarray, int, int, bool]]:
+        """One READ per (local rank, remote rank, source): (rank, owner rank, local rows, remote rows,
+        bytes, descriptors, from the host tier).
 
         Ranks whose layouts and head slices match (equal TP sizes: rank r reads rank r) share one
-        plan; only the addresses differ.
+        plan; only the addresses differ. A ticket with a host-tier part gets a READ from each
+        source, even an empty one: its notification is what the owner counts.
         """
         plans: dict[tuple, TransferPlan] = {}
-        src_tables: dict[int, list[tuple[int, int]]] = {}
+        src_tables: dict[tuple[int, bool], list[tuple[int, int]]] = {}
         reads = []
         for local_rank, rank in enumerate(self._ranks):
             dst = [(r.address, r.device_id) for r in rank.regions]
             for remote_rank, group_reads in self._rank_reads(remote)[local_rank].items():
                 owner = remote.ranks[remote_rank]
-                key = (id(owner.layout), id(rank.layout),
-                       tuple((g, r.remote_heads, r.local_heads) for g, r in group_reads.items()))
-                plan = plans.get(key)
-                if plan is None:
-                    # The last block is this request's own (partial blocks are never shared), and decode
-                    # overwrites the slots past the prompt before reading them: padding it costs no
-                    # extra descriptors for the stale tail bytes it copies.
-                    plan = plans[key] = plan_groups(owner.layout, rank.layout, {g: pieces[g] for g in group_reads},
-                                                    group_reads, pad_partial_blocks=True)
-                src = src_tables.get(remote_rank)
-                if src is None:
-                    src = src_tables[remote_rank] = [
-                        (r.address, r.device_id) for r in sorted(owner.regions, key=lambda r: r.buffer_index)]
-                remote_rows, local_rows = plan.address_rows(src, dst)
-                reads.append((rank, owner, local_rows, remote_rows, plan.total_bytes, plan.num_descriptors))
+                for host, source_pieces in pieces.items():
+                    owner_layout, owner_regions = (owner.host_layout, owner.host_regions) if host else \
+                        (owner.layout, owner.regions)
+                    key = (host, id(owner_layout), id(rank.layout),
+                           tuple((g, r.remote_heads, r.local_heads) for g, r in group_reads.items()))
+                    plan = plans.get(key)
+                    if plan is None:
+                        # The prompt's last block is this request's own (partial blocks are never shared),
+                        # and decode overwrites the slots past the prompt before reading them: padding it
+                        # costs no extra descriptors for the stale tail bytes it copies. A host-tier part
+                        # ends mid-prompt, where the device part's READ writes the rest of the block.
+                        plan = plans[key] = plan_groups(owner_layout, rank.layout,
+                                                        {g: source_pieces[g] for g in group_reads}, group_reads,
+                                                        pad_partial_blocks=not host)
+                    src = src_tables.get((remote_rank, host))
+                    if src is None:
+                        src = src_tables[remote_rank, host] = [
+                            (r.address, r.device_id) for r in sorted(owner_regions, key=lambda r: r.buffer_index)]
+                    remote_rows, local_rows = plan.address_rows(src, dst)
+                    reads.append((rank, owner, local_rows, remote_rows, plan.total_bytes, plan.num_descriptors, host))
         return reads
 
     def _rank_reads(self, remote: EngineDescription) -> list[dict[int, dict[int, RankRead]]]:
@@ -244,19 +266,23 @@ class KVPuller:
         return entry[1]
 
     async def _read(self, rank: KVRank, owner: RankExport, local_rows: np.ndarray, remote_rows: np.ndarray,
-                    num_bytes: int, num_descriptors: int, notify: bytes) -> tuple[int, int, dict[str, float]]:
+                    num_bytes: int, num_descriptors: int, host: bool, request_id: str
+                    ) -> tuple[int, int, dict[str, float]]:
         """One READ from one owner rank (or, when everything was local, only the notification)."""
+        notify = notification_key(request_id, host)
         sub: dict[str, float] = {}
         token = read_stages.set(sub)  # the agent's READ adds its stages here
+        kind = (owner.host_regions if host else owner.regions)[0].kind
         try:
-            got = await rank.read(owner.agent_metadata, local_rows, remote_rows, notify, owner.regions[0].kind,
+            got = await rank.read(owner.agent_metadata, local_rows, remote_rows, notify, kind,
                                   self.transfer_timeout_s)
         finally:
             read_stages.reset(token)
         return got[0], got[1], sub
 
     def _check_ticket(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription,
-                      local_block_ids: Sequence[Sequence[int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+                      local_block_ids: Sequence[Sequence[int]]
+                      ) -> tuple[list[np.ndarray], list[np.ndarray] | None, list[np.ndarray]]:
         """The ticket's and the reader's block ids per group (arrays), after checking them against the
         owner's handshake and this engine.
 
@@ -264,43 +290,64 @@ class KVPuller:
         a forged id is refused all the same); repeats are only refused where a transfer reads them
         (``map_blocks``), since a sliding group's out-of-window placeholders may repeat.
         """
-        groups: dict[int, np.ndarray] = {}
-        for g in ticket.groups:
-            if g.group_id in groups:
-                raise TicketError(f"ticket names KV group {g.group_id} twice")
-            groups[g.group_id] = np.asarray(g.block_ids, dtype=np.int64)
-        if sorted(groups) != [g.group_id for g in remote.groups]:
-            raise TicketError(f"ticket names KV groups {sorted(groups)}, the engine has "
-                              f"{[g.group_id for g in remote.groups]}")
         if len(local_block_ids) != len(remote.groups):
             raise TicketError(f"{len(local_block_ids)} local block tables for {len(remote.groups)} KV groups")
-        num_blocks = remote.ranks[0].layout.num_blocks
-        for g in remote.groups:
-            ids = groups[g.group_id]
-            if not _inside(ids, num_blocks):
-                raise TicketError(f"ticket block ids for {g.label} fall outside the owner's {num_blocks} blocks")
-            if len(ids) * g.block_size < ticket.num_tokens:
-                raise TicketError(f"ticket holds {len(ids)} blocks of {g.block_size} for {ticket.num_tokens} tokens "
-                                  f"in {g.label}")
+        owner = remote.ranks[0]
+        device_ids = _ticket_groups(ticket.groups, remote, owner.layout.num_blocks, ticket.num_tokens, "")
+        host_ids = None
+        if ticket.num_host_tokens or ticket.host_groups:
+            if owner.host_layout is None:
+                raise TicketError(f"ticket names host-tier blocks, engine {remote.engine_id} has no host tier")
+            if not 0 < ticket.num_host_tokens <= ticket.num_tokens:
+                raise TicketError(f"ticket reads {ticket.num_host_tokens} tokens from the host tier of a "
+                                  f"{ticket.num_tokens}-token prompt")
+            if any(ticket.num_host_tokens % g.block_size for g in remote.groups):
+                raise TicketError(f"ticket's host-tier part ({ticket.num_host_tokens} tokens) ends inside a block")
+            host_ids = _ticket_groups(ticket.host_groups, remote, owner.host_layout.num_blocks,
+                                      ticket.num_host_tokens, "host-tier ")
         local_blocks = self._ranks[0].layout.num_blocks
         local_ids = [np.asarray(ids) for ids in local_block_ids]  # map_block_arrays refuses non-integers
         if not all(_inside(ids, local_blocks) for ids in local_ids):
             raise TicketError(f"local block ids fall outside this engine's {local_blocks} blocks")
-        return [groups[g.group_id] for g in remote.groups], local_ids
+        return device_ids, host_ids, local_ids
 
     @staticmethod
     def _pieces(remote: EngineDescription, local: KVLayoutSpec, num_tokens: int, remote_ids: list[np.ndarray],
-                local_ids: Sequence[np.ndarray], num_cached_tokens: int) -> dict[int, np.ndarray]:
-        """Token runs per group (``map_block_arrays``): from the reader's cached prefix (whole local
-        blocks of that group) or, for a sliding group, the window's start, whichever is later; to the
-        prompt's end."""
+                local_ids: Sequence[np.ndarray], num_cached_tokens: int, begin: int = 0, end: int | None = None
+                ) -> dict[int, np.ndarray]:
+        """Token runs per group (``map_block_arrays``) of the prompt's tokens ``begin .. end``: from
+        the reader's cached prefix (whole local blocks of that group) or, for a sliding group, the
+        window's start, whichever is later; to ``end`` (the prompt's end by default)."""
+        end = num_tokens if end is None else end
         out = {}
         for rg, lg in zip(remote.groups, local.groups, strict=True):
             cached = num_cached_tokens - num_cached_tokens % lg.block_size
-            start = max(cached, window_start_token(rg, lg, num_tokens))
+            start = min(max(cached, window_start_token(rg, lg, num_tokens), begin), end)
             out[lg.group_id] = map_block_arrays(remote_ids[rg.group_id], rg.block_size, local_ids[lg.group_id],
-                                                lg.block_size, num_tokens, start)
+                                                lg.block_size, end, start)
         return out
+
+
+def _ticket_groups(groups: Sequence[kv_pb2.GroupBlocks], remote: EngineDescription, num_blocks: int,
+                   num_tokens: int, what: str) -> list[np.ndarray]:
+    """A ticket's block ids per group, checked: every group once, ids inside the owner's blocks,
+    enough of them for ``num_tokens``."""
+    by_group: dict[int, np.ndarray] = {}
+    for g in groups:
+        if g.group_id in by_group:
+            raise TicketError(f"ticket names {what}KV group {g.group_id} twice")
+        by_group[g.group_id] = np.asarray(g.block_ids, dtype=np.int64)
+    if sorted(by_group) != [g.group_id for g in remote.groups]:
+        raise TicketError(f"ticket names {what}KV groups {sorted(by_group)}, the engine has "
+                          f"{[g.group_id for g in remote.groups]}")
+    for g in remote.groups:
+        ids = by_group[g.group_id]
+        if not _inside(ids, num_blocks):
+            raise TicketError(f"ticket {what}block ids for {g.label} fall outside the owner's {num_blocks} blocks")
+        if len(ids) * g.block_size < num_tokens:
+            raise TicketError(f"ticket holds {len(ids)} {what}blocks of {g.block_size} for {num_tokens} tokens "
+                              f"in {g.label}")
+    return [by_group[g.group_id] for g in remote.groups]
 
 
 def _inside(ids: np.ndarray, num_blocks: int) -> bool:

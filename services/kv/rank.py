@@ -30,6 +30,9 @@ class KVRank(Protocol):
     name: str
     layout: KVLayoutSpec
     regions: tuple[MemoryRegion, ...]
+    # The rank's host KV tier, registered with the same agent (None and () without one).
+    host_layout: KVLayoutSpec | None
+    host_regions: tuple[MemoryRegion, ...]
 
     def metadata(self) -> bytes:
         """NIXL agent metadata for a peer (connection info and registered memory)."""
@@ -66,13 +69,17 @@ def register_rank(
 
 
 class LocalKVRank:
-    """A rank whose KV buffers and agent live in this process; registers the buffers at once."""
+    """A rank whose KV buffers and agent live in this process; registers the buffers at once,
+    and the host tier's (``host_layout``/``host_buffers``) when it has one, so a peer can read either."""
 
-    def __init__(self, agent: TransferAgent, layout: KVLayoutSpec, buffers: Sequence[torch.Tensor]) -> None:
+    def __init__(self, agent: TransferAgent, layout: KVLayoutSpec, buffers: Sequence[torch.Tensor],
+                 host_layout: KVLayoutSpec | None = None, host_buffers: Sequence[torch.Tensor] = ()) -> None:
         self.agent = agent
         self.name = agent.name
         self.layout = layout
         self.regions = register_rank(agent, layout, buffers)
+        self.host_layout = host_layout
+        self.host_regions = register_rank(agent, host_layout, host_buffers) if host_layout is not None else ()
 
     def metadata(self) -> bytes:
         return self.agent.metadata()

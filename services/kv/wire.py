@@ -29,6 +29,16 @@ def _lookup(table: dict, value: int, what: str):
         raise ValueError(f"unknown {what} {value} on the wire") from None
 
 
+# A reading rank's notification is the request id after a READ of the owner's device blocks, and
+# the request id plus this suffix after a READ of its host KV tier (one of each for a ticket with
+# a host-tier part), so the owner counts both sources of every reader.
+HOST_TIER_NOTIFY_SUFFIX = b"/host"
+
+
+def notification_key(request_id: str, host_tier: bool) -> bytes:
+    return request_id.encode() + (HOST_TIER_NOTIFY_SUFFIX if host_tier else b"")
+
+
 @dataclass(frozen=True)
 class MemoryRegion:
     """A registered KV buffer as a peer sees it: where it is and what kind of memory."""

@@ -1,9 +1,13 @@
 """The host KV tier in one engine (CPU): stores as blocks are computed, loads back on a hit, and the
 races the seed's review found (a block reused while its store is in flight, eviction during a
-load, a request aborted mid-load). Greedy tokens must equal an engine with no host tier."""
+load, a request aborted mid-load). Greedy tokens must equal an engine with no host tier.
+
+The GPU machine runs this file with ``PDSERVE_TEST_DEVICE=cuda``: pinned host memory, the copy
+stream and its events instead of the CPU path."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -18,6 +22,7 @@ from services.engine.offload.copier import block_planes, block_runs
 from services.engine.sampling_params import SamplingParams
 from services.kv.layout import LayoutKind
 
+DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [(7 * i + 3) % 3000 + 100 for i in range(300)]
 OTHER = [(11 * i + 5) % 3000 + 3100 for i in range(300)]
@@ -25,12 +30,12 @@ OTHER = [(11 * i + 5) % 3000 + 3100 for i in range(300)]
 
 def _engine(model: str = "dummy:tiny", num_kv_blocks: int = 24, factor: int = 2, offload_bytes: int | None = 1 << 24,
             **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model, device="cpu", num_kv_blocks=num_kv_blocks,
+    return LLMEngine(EngineConfig(model=model, device=DEVICE, dtype="float32", num_kv_blocks=num_kv_blocks,
                                   kv_offload_bytes=offload_bytes, kv_offload_block_factor=factor, **kw))
 
 
 def _reference(model: str, prompts: list[list[int]], **kw) -> list[list[int]]:
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", num_kv_blocks=128, **kw))
+    engine = LLMEngine(EngineConfig(model=model, device=DEVICE, dtype="float32", num_kv_blocks=128, **kw))
     return [o.token_ids for o in engine.generate(prompts, GREEDY)]
 
 
@@ -231,9 +236,9 @@ def test_a_failed_load_computes_the_prompt_instead() -> None:
 
 def test_the_host_tier_needs_prefix_caching_and_a_span_of_room() -> None:
     with pytest.raises(ValueError, match="prefix caching"):
-        EngineConfig(model="dummy:tiny", device="cpu", kv_offload_bytes=1 << 20, enable_prefix_caching=False)
+        EngineConfig(model="dummy:tiny", device=DEVICE, kv_offload_bytes=1 << 20, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="factor"):
-        EngineConfig(model="dummy:tiny", device="cpu", kv_offload_bytes=1 << 20, kv_offload_block_factor=0)
+        EngineConfig(model="dummy:tiny", device=DEVICE, kv_offload_bytes=1 << 20, kv_offload_block_factor=0)
     with pytest.raises(ValueError, match="holds no span"):
         _engine(offload_bytes=1024)
 

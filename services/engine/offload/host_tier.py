@@ -120,6 +120,7 @@ class HostKVTier:
         self._jobs: dict[int, _Job] = {}
         self._loading: dict[str, int] = {}  # request id -> its load job
         self._cursors: dict[str, list[_StoreCursor]] = {}
+        self._pinned: dict[str, list[list[int]]] = {}  # request id -> spans per group a peer reads
         self._storing: list[set[bytes]] = [set() for _ in spec.groups]  # hashes queued or copying
         self._pending: list[_SpanStore] = []  # found this step, submitted by flush()
         self._bytes_stored = self._bytes_loaded = self._stores_skipped = 0
@@ -232,6 +233,35 @@ class HostKVTier:
         self._jobs[job_id] = job
         self._copier.submit(job_id, copies)
         return job_id
+
+    # ---- a peer reading the host tier --------------------------------------------------------
+    def pin_prefix(self, request: Request, max_tokens: int) -> tuple[list[list[int]], int] | None:
+        """Pin the host spans of the request's longest stored prefix (at most ``max_tokens``) for a peer.
+
+        Returns (host block ids per group from token 0, tokens covered), or None when no span
+        is stored. A span a sliding group's hit skips is named by the placeholder span's blocks
+        (never read: the peer starts at the window). ``unpin`` lets them go.
+        """
+        if request.request_id in self._pinned:
+            raise ValueError(f"request {request.request_id} already has host spans pinned")
+        tables, num_tokens = self.spans.get_computed_blocks(request)
+        step = self.spans.hit_granularity
+        num_tokens = min(num_tokens, max_tokens - max_tokens % step)
+        if num_tokens <= 0:
+            return None
+        pinned, block_ids = [], []
+        for g, table in enumerate(tables):
+            spans = table[:num_tokens // self.spans.groups[g].block_size]
+            real = [s for s in spans if s != self.num_spans]
+            self.spans.pool(g).touch(real)
+            pinned.append(real)
+            block_ids.append([s * self.factor + j for s in spans for j in range(self.factor)])
+        self._pinned[request.request_id] = pinned
+        return block_ids, num_tokens
+
+    def unpin(self, request_id: str) -> None:
+        for g, spans in enumerate(self._pinned.pop(request_id, [])):
+            self.spans.pool(g).free(spans)
 
     # ---- completion --------------------------------------------------------------------------
     @property

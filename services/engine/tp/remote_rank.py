@@ -36,6 +36,8 @@ class FollowerKVRank:
         self.tp_rank = tp_rank
         self.name = opened.name
         self.layout = layout
+        self.host_layout = None  # host KV tiers run at TP 1 only (EngineConfig)
+        self.host_regions = ()
         self.regions = tuple(MemoryRegion(i, r.address, r.length, r.device_id, r.kind)
                              for i, r in enumerate(opened.regions))
         self._metadata = opened.metadata

@@ -1,0 +1,75 @@
+"""The host KV tier end to end (CPU, real daemons, real NIXL, the router's HTTP API).
+
+The prefill worker's device pool holds one prompt at most: a second prompt pushes the first out,
+so when the first comes back its prefix is found in the host tier, loaded back to compute the
+rest, and the decode worker reads that prefix straight from the prefill worker's host memory
+(the ticket names host blocks; a metric counts the bytes). The answer must be the same tokens,
+``usage.prompt_tokens_details.cached_tokens`` must report the prefix, and nothing may stay
+pinned afterwards on either tier.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.stack import metric_total, stack
+
+pytestmark = pytest.mark.slow
+
+MODEL = "dummy:tiny"
+PROMPT = [(7 * i + 3) % 3000 + 100 for i in range(300)]
+OTHER = [(11 * i + 5) % 3000 + 3100 for i in range(300)]
+
+
+def _complete(url: str, prompt: list[int]) -> tuple[list[int], int]:
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0, "return_tokens_as_token_ids": True,
+            "ignore_eos": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    response.raise_for_status()
+    answer = response.json()
+    tokens = [int(t.removeprefix("token_id:")) for t in answer["choices"][0]["logprobs"]["tokens"]]
+    return tokens, answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _eventually(check, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+# (factor, decode block size): the decode side's blocks may be coarser than a span, so the host
+# part of a pull can end inside one of its blocks (the device part's READ writes the rest).
+@pytest.mark.parametrize(("factor", "decode_block_size"), [(1, 32), (2, 16), (4, 16)])
+def test_repeated_prompt_is_served_from_the_host_tier(factor: int, decode_block_size: int) -> None:
+    prefill_args = ("--block-size", "16", "--num-kv-blocks", "24", "--kv-offload-gib", "0.02",
+                    "--kv-offload-block-factor", str(factor))
+    # The decode worker's pool also holds one prompt, so its own prefix cache does not keep PROMPT.
+    decode_args = ("--block-size", str(decode_block_size), "--num-kv-blocks", str(384 // decode_block_size),
+                   "--kv-layout", "per_layer")
+    with stack(MODEL, prefill_args=prefill_args, decode_args=decode_args) as s:
+        (prefill,), (decode,) = s.prefill, s.decode
+        first, first_cached = _complete(s.url, PROMPT)
+        # The stores of PROMPT's spans finish in the background; then OTHER evicts it from the device.
+        _eventually(lambda: metric_total(prefill, "pdserve_kv_offload_spans", 'state="cached"') >= 300 // (16 * factor))
+        _complete(s.url, OTHER)
+        again, cached = _complete(s.url, PROMPT)
+
+        assert first_cached == 0 and again == first
+        span = 16 * factor
+        assert cached == (len(PROMPT) - 1) // span * span
+        # The workers publish the engine's counts as they come (every few milliseconds).
+        host_hits = 'result="hit",role="prefill",tier="host"'  # labels as /metrics orders them
+        _eventually(lambda: metric_total(prefill, "pdserve_kv_prefix_lookups_total", host_hits) == 1)
+        assert metric_total(prefill, "pdserve_kv_prefix_cached_tokens_total", 'tier="host"') > 0
+        assert metric_total(prefill, "pdserve_kv_offload_bytes_total", 'direction="load"') > 0
+        assert metric_total(decode, "pdserve_kv_transfer_source_bytes_total", 'source="host"') > 0
+        # Nothing stays pinned: held device blocks and pinned host spans are freed on notification.
+        _eventually(lambda: metric_total(prefill, "pdserve_kv_blocks", 'state="pinned_for_transfer"') == 0
+                    and metric_total(prefill, "pdserve_kv_offload_spans", 'state="used"') == 0
+                    and metric_total(prefill, "pdserve_kv_offload_queue_depth") == 0)
+        assert metric_total(prefill, "pdserve_kv_lease_expiries_total") == 0
+        assert metric_total(decode, "pdserve_local_recompute_fallbacks_total") == 0
