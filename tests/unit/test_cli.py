@@ -130,3 +130,17 @@ def test_up_picks_head_major_blocks_for_mixed_tp_unless_told() -> None:
     assert {_flag(argv, "--kv-block-order") for _, _, argv in same} == {None}
     told, _ = _up_specs("--prefill-tp 1 --decode-tp 2 --kv-block-order NHD --device cpu", num_gpus=0)
     assert {_flag(argv, "--kv-block-order") for _, _, argv in told} == {"NHD"}
+
+
+def test_host_kv_tier_flags_reach_every_worker_and_the_engine_config() -> None:
+    from services.cli import engine_config_from_args
+
+    specs, _ = _up_specs("--kv-offload-gib 2.5 --kv-offload-block-factor 4", num_gpus=0)
+    assert all((_flag(a, "--kv-offload-gib"), _flag(a, "--kv-offload-block-factor")) == ("2.5", "4")
+               for _, _, a in specs)
+    config = engine_config_from_args(build_parser().parse_args(["prefill", "--kv-offload-gib", "0.5",
+                                                                "--kv-offload-block-factor", "2"]))
+    assert (config.kv_offload_bytes, config.kv_offload_block_factor) == (2**29, 2)
+    assert engine_config_from_args(build_parser().parse_args(["decode"])).kv_offload_bytes is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["decode", "--kv-offload-block-factor", "0"])
