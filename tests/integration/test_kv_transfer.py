@@ -293,6 +293,11 @@ def test_forged_ticket_cannot_read_outside_the_owner_blocks() -> None:
         forged.num_tokens = 4096  # more tokens than its blocks hold
         with pytest.raises(TicketError):
             asyncio.run(r.puller.pull(forged, [[0, 1]]))
+        forged.CopyFrom(owner.tickets["f"])  # a host-tier part from an owner that has no host tier
+        forged.num_host_tokens = 4
+        forged.host_groups.add(group_id=0, block_ids=[0])
+        with pytest.raises(TicketError, match="no host tier"):
+            asyncio.run(r.puller.pull(forged, [[0, 1]]))
         assert all(bool((b == SENTINEL).all()) for b in r.caches[0].buffers)
 
 

@@ -1,0 +1,98 @@
+"""A ticket's host-tier part, as the decode side plans it: split at ``num_host_tokens`` into a host READ
+and a device READ, each from its own owner layout, and refused when forged (no NIXL needed: these are
+the planning and checking steps ``KVPuller.pull`` runs before any READ)."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from services.kv.handshake import EngineDescription, RankExport
+from services.kv.puller import KVPuller, TicketError
+from services.kv.synthetic import compat_for, layout_for
+from services.kv.wire import MemoryRegion, notification_key
+from services.proto_gen.pdserve.v1 import kv_pb2
+
+CFG = dict(kind="cross_layer", order="NHD", num_blocks=24, num_kv_heads=2, head_dim=8, dtype="float16",
+           num_layers=2, block_size=4, seed=1)
+FACTOR = 2
+
+
+def _regions(layout, base: int, kind: str) -> tuple[MemoryRegion, ...]:
+    return tuple(MemoryRegion(b.index, base + 10**9 * b.index, b.num_bytes, 0, kind) for b in layout.buffers())
+
+
+def _engine(host: bool) -> tuple[KVPuller, EngineDescription]:
+    layout = layout_for(CFG, 1)
+    host_layout = dataclasses.replace(layout, num_blocks=10 * FACTOR) if host else None
+    owner = RankExport(0, "owner-tp0", b"", _regions(layout, 1 << 40, "DRAM"), layout, host_layout,
+                       _regions(host_layout, 1 << 44, "DRAM") if host else ())
+    compat = compat_for(CFG, layout)
+    remote = EngineDescription("owner", 1, "m", 2, 2, 8, compat, layout.groups, (owner,))
+    local = SimpleNamespace(layout=layout, regions=_regions(layout, 1 << 48, "DRAM"))
+    return KVPuller(engine_id="reader", compat=compat, ranks=[local]), remote
+
+
+def _ticket(num_tokens: int, num_host_tokens: int) -> kv_pb2.TransferTicket:
+    ticket = kv_pb2.TransferTicket(engine_id="owner", epoch=1, request_id="r", num_tokens=num_tokens,
+                                   num_host_tokens=num_host_tokens)
+    ticket.groups.add(group_id=0, block_ids=list(range(10, 10 + -(-num_tokens // 4))))
+    if num_host_tokens:
+        ticket.host_groups.add(group_id=0, block_ids=list(range(4, 4 + num_host_tokens // 4)))
+    return ticket
+
+
+def test_a_host_tier_part_is_read_from_the_host_layout_and_the_rest_from_device_blocks() -> None:
+    puller, remote = _engine(host=True)
+    ticket = _ticket(num_tokens=22, num_host_tokens=16)
+    device_ids, host_ids, local_ids = puller._check_ticket(ticket, remote, [list(range(6))])
+    pieces = puller._source_pieces(ticket, remote, device_ids, host_ids, local_ids, num_cached_tokens=4)
+    reads = puller._plan_reads(remote, pieces)
+    assert [read[-1] for read in reads] == [True, False]  # one READ per source, host first
+    host_read, device_read = reads
+    owner = remote.ranks[0]
+    page = owner.layout.block_bytes(0)
+    # Host: tokens 4..15 (the reader held 0..3) = host blocks 5, 6, 7 -> local blocks 1, 2, 3, one run.
+    assert host_read[3].tolist() == [[owner.host_regions[0].address + 5 * page, 3 * page, 0]]
+    assert host_read[4:6] == (3 * page, 1)
+    # Device: tokens 16..21 = owner blocks 14, 15 (the last padded) -> local 4, 5.
+    assert device_read[3].tolist() == [[owner.regions[0].address + 14 * page, 2 * page, 0]]
+    # Each source notifies under its own key, so the owner counts both of every reader.
+    assert {notification_key("r", True), notification_key("r", False)} == {b"r/host", b"r"}
+
+
+def test_a_reader_already_holding_the_host_part_still_sends_its_notification() -> None:
+    puller, remote = _engine(host=True)
+    ticket = _ticket(num_tokens=22, num_host_tokens=16)
+    device_ids, host_ids, local_ids = puller._check_ticket(ticket, remote, [list(range(6))])
+    pieces = puller._source_pieces(ticket, remote, device_ids, host_ids, local_ids, num_cached_tokens=20)
+    host_read, device_read = puller._plan_reads(remote, pieces)
+    assert host_read[-1] and len(host_read[2]) == 0 and host_read[4] == 0  # an empty READ: notification only
+    assert device_read[4] > 0
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda t: setattr(t, "num_host_tokens", 30), "host tier of a 22-token prompt"),
+    (lambda t: setattr(t, "num_host_tokens", 6), "ends inside a block"),
+    (lambda t: t.host_groups[0].block_ids.__setitem__(0, 10**6), "host-tier block ids .* outside"),
+    (lambda t: t.host_groups[0].block_ids.pop(), "host-tier blocks of 4 for 16 tokens"),
+    (lambda t: t.host_groups.add(group_id=0, block_ids=[1]), "host-tier KV group 0 twice"),
+])
+def test_a_forged_host_tier_part_is_refused(mutate, message: str) -> None:
+    puller, remote = _engine(host=True)
+    ticket = _ticket(num_tokens=22, num_host_tokens=16)
+    mutate(ticket)
+    with pytest.raises(TicketError, match=message):
+        puller._check_ticket(ticket, remote, [list(range(6))])
+
+
+def test_host_tier_part_from_an_owner_without_one_is_refused() -> None:
+    puller, remote = _engine(host=False)
+    with pytest.raises(TicketError, match="no host tier"):
+        puller._check_ticket(_ticket(num_tokens=22, num_host_tokens=16), remote, [list(range(6))])
+    device_ids, host_ids, _ = puller._check_ticket(_ticket(num_tokens=22, num_host_tokens=0), remote,
+                                                   [list(range(6))])
+    assert host_ids is None and isinstance(device_ids[0], np.ndarray)
