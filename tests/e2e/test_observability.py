@@ -85,7 +85,8 @@ def _start_up(tmp: Path, targets_file: Path) -> tuple[subprocess.Popen, queue.Qu
     log = (tmp / "pdserve-up.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--model", MODEL, "--device", "cpu",
-         "--prometheus-sd-file", str(targets_file), "--metrics-port", "0"],
+         "--prometheus-sd-file", str(targets_file), "--metrics-port", "0",
+         "--kv-offload-gib", "0.05"],  # a host KV tier on each worker: its series get data
         stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         start_new_session=True)
     lines: queue.Queue = queue.Queue()
@@ -125,6 +126,8 @@ def _start_prometheus(tmp: Path, targets_file: Path) -> tuple[subprocess.Popen, 
 
 
 def _prompt(i: int) -> str:
+    if i == NUM_REQUESTS - 1:
+        i = 3  # the last request repeats an early prompt (33 words): a prefix cache hit
     words = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards",
              "quietly", "hum", "an", "old", "tune")
     return " ".join(words[(i + k) % len(words)] for k in range(12 + 7 * i))  # 12 to over 100 words
@@ -179,9 +182,12 @@ def observed(tmp_path_factory) -> Observed:
                   and prom.value('sum(pdserve_requests_total{role="decode", outcome="finished"})') >= NUM_REQUESTS
                   and prom.value("sum(pdserve_kv_transfer_seconds_count)") >= 1,
                   "the traffic to show up in the scraped counters", timeout_s=20)
-        # And evaluated: every recording rule has a series, over a window that holds the traffic.
+        # And evaluated: every recording rule has a series, over a window that holds the traffic (rule
+        # groups are evaluated apart: a quantile evaluated before the last scrape is NaN, never > 0).
         prom.wait(lambda: all(prom.query(name) for name in promql.recording_rule_names())
-                  and prom.value('sum(role:pdserve_kv_transfer_bytes:rate1m{role="decode"})') > 0,
+                  and prom.value('sum(role:pdserve_kv_transfer_bytes:rate1m{role="decode"})') > 0
+                  and prom.value("sum(job:pdserve_router_time_to_first_token_seconds:p99_rate1m)") > 0
+                  and prom.value('sum(role:pdserve_inter_token_latency_seconds:p50_rate1m{role="decode"})') > 0,
                   "the recording rules to see the traffic", timeout_s=20)
         yield Observed(prom, router_url, NUM_REQUESTS)
     except BaseException:
@@ -265,3 +271,9 @@ def test_the_figures_describe_the_traffic(observed: Observed) -> None:
     assert 0 < prom.value("sum(job:pdserve_router_time_to_first_token_seconds:p99_rate1m)") < 2
     assert prom.value('sum(role:pdserve_inter_token_latency_seconds:p50_rate1m{role="decode"})') > 0
     assert prom.value("sum(pdserve_up_worker_restarts_total)") == 0
+    # The repeated prompt hit the prefix cache; full blocks were stored in the host KV tiers.
+    assert prom.value('sum(pdserve_kv_prefix_lookups_total{result="hit"})') >= 1
+    assert prom.value("sum(pdserve_kv_prefix_cached_tokens_total)") > 0
+    assert prom.value('sum(pdserve_kv_offload_bytes_total{direction="store"})') > 0
+    assert prom.value('sum(pdserve_kv_offload_spans{state="total"})') > 0
+    assert prom.value("sum(pdserve_kv_offload_stores_skipped_total)") == 0
