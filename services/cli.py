@@ -56,6 +56,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each decode step's tokens before launching the next (default: pipelined)")
     p.add_argument("--no-kv-shared-prefill-skip", action="store_true",
                    help="run every prompt token through KV-shared layers (Gemma-4) instead of only the sampled ones")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_sdpa", "triton_paged"],
@@ -85,6 +87,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         if value is not None:
             argv += [flag, str(value)]
     argv += ["--no-prefix-caching"] * args.no_prefix_caching + ["--enforce-eager"] * args.enforce_eager
+    argv += ["--no-async-scheduling"] * args.no_async_scheduling
     argv += ["--no-kv-shared-prefill-skip"] * args.no_kv_shared_prefill_skip
     return argv
 
@@ -108,6 +111,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        async_scheduling=not args.no_async_scheduling,
         kv_shared_prefill_skip=not args.no_kv_shared_prefill_skip,
         attention_backend=args.attention_backend,
         kv_offload_bytes=int(args.kv_offload_gib * 2**30) if args.kv_offload_gib else None,

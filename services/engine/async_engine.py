@@ -199,8 +199,10 @@ class AsyncEngine:
         and make every other thread of the daemon (the event loop, the NIXL agent's) wait for the
         interpreter's 5 ms switch interval at each hand-over: ~5 ms per thread hop of the very pull.
         """
-        sched, tier = self.engine.scheduler, self.engine.host_tier
-        return sched.num_running > 0 or sched.num_waiting > 0 or (tier is not None and tier.has_completions)
+        e = self.engine
+        sched, tier = e.scheduler, e.host_tier
+        return (sched.num_running > 0 or sched.num_waiting > 0 or e.has_step_in_flight
+                or (tier is not None and tier.has_completions))
 
     def _read_stats(self) -> EngineStats:
         e = self.engine

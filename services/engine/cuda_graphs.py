@@ -72,6 +72,22 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+@dataclass(frozen=True)
+class DeviceTokens:
+    """Input tokens taken from a tensor on the device: row ``rows[i]`` gets ``tokens[source_rows[i]]``."""
+
+    tokens: torch.Tensor
+    rows: list[int]
+    source_rows: list[int]
+
+    def copy_into(self, input_ids: torch.Tensor) -> None:
+        device = input_ids.device
+        pin = device.type == "cuda"
+        index = torch.tensor([self.rows, self.source_rows], dtype=torch.int64, pin_memory=pin).to(
+            device, non_blocking=pin)
+        input_ids.index_copy_(0, index[0], self.tokens.index_select(0, index[1]))
+
+
 @dataclass
 class _Bucket:
     """Static buffers of one (batch, context) graph; the tensors are views into ``packed``."""
@@ -135,9 +151,11 @@ class DecodeGraphRunner:
             and max(c.start for c in chunks) < self.context_lens[-1]
         )
 
-    def run(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+    def run(self, chunks: Sequence[Chunk], device_tokens: DeviceTokens | None = None) -> torch.Tensor:
         """Logits [len(chunks), vocab] (fp32) of each chunk's token.
 
+        ``device_tokens``: the input tokens of some rows are still on the device (sampled by the
+        step before, whose results the host has not seen); they are copied in on the device.
         A view of the graph's static output: valid until the next ``run``.
         """
         context_lens = [c.start + 1 for c in chunks]
@@ -145,6 +163,8 @@ class DecodeGraphRunner:
         context = self.context_lens[bisect.bisect_left(self.context_lens, max(context_lens))]
         bucket = self._buckets.get((batch, context)) or self._build(batch, context)
         self._fill(bucket, chunks, context_lens)
+        if device_tokens is not None:
+            device_tokens.copy_into(bucket.input_ids)
         if bucket.graph is not None:
             bucket.graph.replay()
         else:

@@ -37,6 +37,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (every step runs eagerly)
+    # Pipeline decode-graph steps: launch the next before this one's tokens reach the host (LLMEngine.step).
+    async_scheduling: bool = True
     # Models with KV-shared layers (Gemma-4) run those layers only for the tokens whose output is
     # read (see TailBatch); False runs every token through every layer (same results, slower).
     kv_shared_prefill_skip: bool = True

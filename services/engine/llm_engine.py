@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.engine.block_manager import KVCacheManager
-from services.engine.cuda_graphs import DecodeGraphRunner
+from services.engine.cuda_graphs import DecodeGraphRunner, DeviceTokens
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.engine_config import EngineConfig
 from services.engine.kv_cache import KVCache
@@ -24,9 +24,9 @@ from services.engine.model_runner import ModelRunner
 from services.engine.offload import HostKVTier, num_spans_for
 from services.engine.rank_setup import kv_layout, load_model, num_blocks_for, use_device
 from services.engine.request import Request, RequestStatus
-from services.engine.sampler import make_generator, min_tokens_banned_ids, sample
+from services.engine.sampler import PendingSample, make_generator, min_tokens_banned_ids, sample_async
 from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.stopping import StopStringMatcher, check_token_stop
 from services.engine.tokenizer import Tokenizer
 
@@ -52,6 +52,16 @@ class RequestOutput:
     # (first position, logits [n, vocab]) for every chunk computed so far, in order; positions
     # may repeat after a preemption (only with SamplingParams.return_logits).
     logits: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _LaunchedStep:
+    """A step whose model is launched; its sampled tokens may still be on the device."""
+
+    output: SchedulerOutput
+    rows: list[Request]  # the requests of the sampled rows, in row order
+    pending: PendingSample | None  # None when no chunk samples
+    graph: bool  # ran through the decode graphs: the next graph step can read its tokens on the device
 
 
 @dataclass
@@ -119,6 +129,7 @@ class LLMEngine:
         self._states: dict[str, _RequestState] = {}
         self._generate_ids = itertools.count()
         self.last_step_ran = False  # whether the last step() scheduled any work
+        self._in_flight: _LaunchedStep | None = None  # a decode step launched, not yet resolved
 
     # ---- set-up --------------------------------------------------------------------------------
     def _eos_ids(self) -> frozenset[int]:
@@ -243,6 +254,7 @@ class LLMEngine:
         request = Request(request_id, token_ids, params)
         if self.scheduler.allocate_external(request) is None:
             return None
+        self.wait_for_step_in_flight()  # the blocks may have been a stopped request's: a READ fills them next
         self._states[request_id] = self._new_state(request)
         return request
 
@@ -274,28 +286,91 @@ class LLMEngine:
 
     # ---- the step loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch. Returns a delta for every request that produced a token or finished."""
+        """Run one batch. Returns a delta for every request that produced a token or finished.
+
+        Decode steps through the CUDA graphs are pipelined (``EngineConfig.async_scheduling``): the
+        next step is scheduled and launched before this one's tokens reach the host, its input
+        tokens copied from this step's on the device, so the GPU never waits for the host's
+        bookkeeping between them. Each call then returns the previous decode step's outputs::
+
+            call k:   schedule N+1 | launch N+1 (tokens of N on the device) | wait for N's tokens,
+                      stop checks, outputs of N | count N+1 as computed (placeholder tokens)
+
+        A request that stopped at N has its chunk of N+1 computed for nothing and dropped. Any step
+        the graphs cannot run (a prefill chunk) waits for N's tokens first, as without pipelining.
+        """
+        prev, self._in_flight = self._in_flight, None
         output = self.scheduler.schedule()
-        self.last_step_ran = bool(output.chunks)
-        if not output.chunks:
-            return []
-        logits = self.runner.execute(output.chunks)
+        launched = None
+        if output.chunks and prev is not None and prev.graph and self.runner.runs_as_graph(output.chunks):
+            launched = self._launch(output, prev)
+        outputs = self._resolve(prev) if prev is not None else []
+        if launched is None and output.chunks:
+            output = self.scheduler.drop_stale_chunks(output)  # requests that stopped at prev
+            if output.chunks:
+                launched = self._launch(output, None)
+        self.last_step_ran = launched is not None or prev is not None
+        if launched is None:
+            return outputs
+        self.scheduler.advance(launched.output)
+        if launched.graph and self.config.async_scheduling:
+            self._in_flight = launched
+            return outputs
+        return outputs + self._resolve(launched)
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        """A launched decode step whose outputs the next ``step`` returns."""
+        return self._in_flight is not None
+
+    def wait_for_step_in_flight(self) -> None:
+        """Block until the step in flight has finished on the device.
+
+        Blocks freed at a step's stop checks may still be written by the step launched before them
+        (the stopped request's extra token): a writer outside the compute stream (a NIXL READ into
+        blocks reserved for a pull) must wait for it. Copies on the device's streams need not.
+        """
+        step = self._in_flight
+        if step is not None and step.pending is not None and step.pending.ready is not None:
+            step.pending.ready.synchronize()
+
+    def _launch(self, output: SchedulerOutput, prev: _LaunchedStep | None) -> _LaunchedStep:
+        """Run the model on a scheduled step and start sampling; nothing waits for the device.
+
+        ``prev``: the step before, not yet resolved; chunks whose token is its placeholder read
+        the token from its sampled tensor on the device.
+        """
+        graph = self.runner.runs_as_graph(output.chunks)
+        if prev is None:
+            logits = self.runner.execute(output.chunks)
+        else:
+            source = {id(r): i for i, r in enumerate(prev.rows)}
+            rows = [i for i, c in enumerate(output.chunks) if c.token_ids[0] == PLACEHOLDER_TOKEN]
+            tokens = DeviceTokens(prev.pending.token_ids, rows, [source[id(output.chunks[i].request)] for i in rows]) \
+                if rows else None
+            logits = self.runner.execute(output.chunks, tokens)
         for i, chunk_logits in logits.all_logits.items():
             chunk = output.chunks[i]
             self._states[chunk.request.request_id].logits.append((chunk.start, chunk_logits.cpu()))
-
         rows = [output.chunks[i].request for i in logits.sample_rows]
-        sampled: dict[str, tuple[int, float | None]] = {}
+        pending = None
         if rows:
-            result = sample(
+            pending = sample_async(
                 logits.sample_logits,
                 [r.sampling_params for r in rows],
                 [self._states[r.request_id].generator for r in rows],
                 [min_tokens_banned_ids(r.sampling_params, r.num_output_tokens, self.eos_token_ids) for r in rows],
             )
-            for j, r in enumerate(rows):
+        return _LaunchedStep(output, rows, pending, graph)
+
+    def _resolve(self, step: _LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched (and advanced) step's tokens, put them in place, check stops."""
+        sampled: dict[str, tuple[int, float | None]] = {}
+        if step.pending is not None:
+            result = step.pending.result()
+            for j, r in enumerate(step.rows):
                 sampled[r.request_id] = (result.token_ids[j], result.logprobs[j] if result.logprobs else None)
-        updated = self.scheduler.update_from_output(output, sampled)
+        updated = self.scheduler.resolve(step.output, sampled)
         return [self._finish_step(r) for r in updated]
 
     def _finish_step(self, request: Request) -> RequestOutput:

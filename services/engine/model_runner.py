@@ -20,7 +20,7 @@ from services.engine.attention import (
     cache_group_backends,
     step_batch,
 )
-from services.engine.cuda_graphs import DecodeGraphRunner
+from services.engine.cuda_graphs import DecodeGraphRunner, DeviceTokens
 from services.engine.kv_cache import KVCache
 from services.engine.models import DecoderModel
 
@@ -80,12 +80,19 @@ class ModelRunner:
         self.kv_views, self.layer_groups = kv_cache.views_by_layer(model.config.kv_sharing, model.config.num_layers)
         self.group_backends: list[AttentionBackend] = cache_group_backends(attention_backend, kv_cache)
 
+    def runs_as_graph(self, chunks: Sequence[Chunk]) -> bool:
+        """Whether ``execute`` would run these chunks through the decode graphs."""
+        return self.decode_graphs is not None and self.decode_graphs.can_run(chunks)
+
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[Chunk]) -> StepLogits:
+    def execute(self, chunks: Sequence[Chunk], device_tokens: DeviceTokens | None = None) -> StepLogits:
+        """``device_tokens`` (decode-graph steps only): input tokens still on the device."""
         if not chunks:
             raise ValueError("execute() needs at least one chunk")
-        if self.decode_graphs is not None and self.decode_graphs.can_run(chunks):
-            return self._execute_graph(chunks)
+        if self.runs_as_graph(chunks):
+            return self._execute_graph(chunks, device_tokens)
+        if device_tokens is not None:
+            raise ValueError("tokens on the device can only feed a decode-graph step")
         input_ids, positions, batch = self._prepare(chunks)
         skip = self.kv_shared_prefill_skip and self.model.skips_to_tail
         tail = self._prepare_tail(chunks, positions) if skip else None
@@ -129,8 +136,8 @@ class ModelRunner:
         )
         return TailBatch(torch.tensor(rows, device=dev), step.with_groups(groups))
 
-    def _execute_graph(self, chunks: Sequence[Chunk]) -> StepLogits:
-        logits = self.decode_graphs.run(chunks)  # the graph's static output: copy out what is kept
+    def _execute_graph(self, chunks: Sequence[Chunk], device_tokens: DeviceTokens | None) -> StepLogits:
+        logits = self.decode_graphs.run(chunks, device_tokens)  # the graph's static output: copy out what is kept
         sample_rows = [i for i, c in enumerate(chunks) if c.samples]
         if len(sample_rows) == len(chunks):
             return StepLogits(sample_rows, logits.clone(), {})

@@ -58,6 +58,27 @@ def min_tokens_banned_ids(
     return frozenset(banned)
 
 
+@dataclass(frozen=True)
+class PendingSample:
+    """Sampled tokens still on the device, their copy to the host under way.
+
+    ``token_ids`` [rows] stays on the device, so the next step can read it without the host waiting
+    (the engine's pipelined decode); ``result`` waits for the copy, once.
+    """
+
+    token_ids: torch.Tensor
+    host: torch.Tensor  # int64 [rows], or float64 [2, rows] with the logprobs: the copy's target
+    ready: torch.cuda.Event | None
+
+    def result(self) -> SamplerOutput:
+        if self.ready is not None:
+            self.ready.synchronize()
+        if self.host.dim() == 1:
+            return SamplerOutput(token_ids=self.host.tolist(), logprobs=None)
+        ids, logprobs = self.host.tolist()
+        return SamplerOutput(token_ids=[int(t) for t in ids], logprobs=logprobs)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -70,6 +91,16 @@ def sample(
     device's default RNG; ``banned_token_ids[i]`` are ids row ``i`` must not get (see
     ``min_tokens_banned_ids``). Returns after a single device-to-host copy.
     """
+    return sample_async(logits, params, generators, banned_token_ids).result()
+
+
+def sample_async(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    banned_token_ids: Sequence[Collection[int]] | None = None,
+) -> PendingSample:
+    """``sample`` without waiting: the tokens stay on the device and their host copy is started."""
     _check_inputs(logits, params, generators, banned_token_ids)
     raw = logits.float()
     masked = _ban(raw, banned_token_ids) if banned_token_ids is not None else raw
@@ -88,12 +119,18 @@ def sample(
             )
             token_ids.index_copy_(0, index, drawn)
 
-    if not any(p.logprobs for p in params):
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None)
-    logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)
-    # Pack both into one float64 tensor (exact for ids below 2**53) so the host waits once.
-    ids_host, logprobs_host = torch.stack((token_ids.double(), logprobs.double())).tolist()
-    return SamplerOutput(token_ids=[int(t) for t in ids_host], logprobs=logprobs_host)
+    out = token_ids
+    if any(p.logprobs for p in params):
+        logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)
+        # Pack both into one float64 tensor (exact for ids below 2**53) so the host waits once.
+        out = torch.stack((token_ids.double(), logprobs.double()))
+    if out.device.type != "cuda":
+        return PendingSample(token_ids, out, None)
+    host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+    host.copy_(out, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(out.device))
+    return PendingSample(token_ids, host, ready)
 
 
 def _check_inputs(

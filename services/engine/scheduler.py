@@ -8,6 +8,7 @@ the model runner reads the ``ScheduledChunk`` values and the requests' block tab
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +19,9 @@ from services.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from services.engine.offload import HostKVTier
+
+# The token of a sampling chunk whose step is still running (``Scheduler.advance``); never a real id.
+PLACEHOLDER_TOKEN = -1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,6 +261,7 @@ class Scheduler:
         """Free the blocks and requeue at the front; the tokens so far are recomputed later."""
         self.kv.free(request)
         self._forget_offload(request.request_id)
+        _drop_placeholders(request)  # a token of a step in flight: recomputed with the rest
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -374,21 +379,42 @@ class Scheduler:
         not sample are ignored. Requests finished or aborted since ``schedule`` are skipped.
         Returns the requests that got a new token (the engine checks their stop conditions).
         """
-        live = [c for c in output.chunks if self._is_current(c)]
+        self.advance(output)
+        return self.resolve(output, sampled)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """Count a launched step's chunks as computed before their results are known.
+
+        A chunk that samples appends ``PLACEHOLDER_TOKEN``, so the next step can be scheduled (its
+        chunk is that token, which the model runner takes from the device) while this one runs;
+        ``resolve`` puts the real token in its place. Requests finished, aborted or preempted
+        since ``schedule`` are skipped.
+        """
+        for c in output.chunks:
+            if self._is_current(c):
+                c.request.num_computed_tokens += c.num_tokens
+                if c.samples:
+                    c.request.output_token_ids.append(PLACEHOLDER_TOKEN)
+
+    def resolve(self, output: SchedulerOutput, sampled: Mapping[str, tuple[int, float | None]]) -> list[Request]:
+        """An advanced step's results: its sampled tokens replace the placeholders, its full blocks are
+        published. Returns the requests that got a token (the engine checks their stop conditions)."""
+        live = [c for c in output.chunks if self._is_advanced(c)]
         for c in live:
             if c.samples:
                 _check_sample(c.request.request_id, sampled.get(c.request.request_id))
         updated = []
         for c in live:
             request = c.request
-            request.num_computed_tokens += c.num_tokens
+            if c.samples:
+                token_id, logprob = sampled[request.request_id]
+                request.output_token_ids[-1] = token_id
+                if logprob is not None:
+                    request.output_logprobs.append(logprob)
+                updated.append(request)
             self.kv.cache_full_blocks(request, request.num_computed_tokens)
             if self.host_tier is not None:
                 self.host_tier.note_computed(request)
-            if c.samples:
-                token_id, logprob = sampled[request.request_id]
-                _append_token(request, token_id, logprob)
-                updated.append(request)
         if self.host_tier is not None:
             self.host_tier.flush()
         return updated
@@ -398,6 +424,21 @@ class Scheduler:
         return (self._requests.get(request.request_id) is request
                 and request.status is RequestStatus.RUNNING
                 and request.num_computed_tokens == chunk.start)
+
+    def _is_advanced(self, chunk: ScheduledChunk) -> bool:
+        """``advance`` counted this chunk and nothing has happened to its request since."""
+        request = chunk.request
+        return (self._requests.get(request.request_id) is request
+                and request.status is RequestStatus.RUNNING
+                and request.num_computed_tokens == chunk.start + chunk.num_tokens
+                and (not chunk.samples or request.output_token_ids[-1] == PLACEHOLDER_TOKEN))
+
+    def drop_stale_chunks(self, output: SchedulerOutput) -> SchedulerOutput:
+        """The output without chunks whose requests finished or were aborted since ``schedule``."""
+        chunks = tuple(c for c in output.chunks if self._is_current(c))
+        if len(chunks) == len(output.chunks):
+            return output
+        return dataclasses.replace(output, chunks=chunks, num_batched_tokens=sum(c.num_tokens for c in chunks))
 
     # ---- finishing ---------------------------------------------------------------------------
 
@@ -535,6 +576,11 @@ def _check_sample(request_id: str, sample: tuple[int, float | None] | None) -> N
     token_id = sample[0]
     if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < 2**32:
         raise ValueError(f"request {request_id!r}: bad token id {token_id!r}")
+
+
+def _drop_placeholders(request: Request) -> None:
+    while request.output_token_ids and request.output_token_ids[-1] == PLACEHOLDER_TOKEN:
+        request.output_token_ids.pop()
 
 
 def _append_token(request: Request, token_id: int, logprob: float | None) -> None:

@@ -273,6 +273,9 @@ class LeaderRunner:
         self.group = group
         self.block_size = runner.groups[0].block_size  # every KV group has the engine's block size
 
+    def runs_as_graph(self, chunks: Sequence[Chunk]) -> bool:
+        return False  # a TP engine runs eagerly: the followers need every token on the host
+
     def execute(self, chunks: Sequence[Chunk]) -> StepLogits:
         self.group.send_step(chunks, self.block_size)
         return self.runner.execute(chunks)
