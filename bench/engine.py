@@ -3,9 +3,11 @@
     python bench/engine.py                                    # CPU, bundled SmolLM2 GGUF, fp32
     python bench/engine.py --model dummy:llama-3.1-8b --dtype bfloat16 --device cuda
 
-On CUDA every decode step is timed twice, through the decode CUDA graphs and eagerly (the same
-engine with its graph runner detached), so the two columns share weights, KV and prompts;
---enforce-eager builds the engine without graphs and times the eager path only.
+On CUDA every decode step is timed three times: through the decode CUDA graphs with pipelined
+steps (the engine's default), through the graphs with each step waiting for its tokens ("sync",
+``async_scheduling`` off), and eagerly (the same engine with its graph runner detached), so the
+columns share weights, KV and prompts; --enforce-eager builds the engine without graphs and times
+the eager path only.
 
 Floors (speed of light): a decode step must read every weight once, so it cannot beat
 weight_bytes / memory bandwidth; a prefill cannot beat 2 * params * tokens / peak FLOP/s.
@@ -112,6 +114,15 @@ def bench_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> 
     while engine.has_unfinished_requests():
         engine.step()
     return elapsed
+
+
+def bench_decode_sync(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
+    """``bench_decode`` with pipelined decode steps switched off: each step waits for its tokens."""
+    engine.async_scheduling, was = False, engine.async_scheduling
+    try:
+        return bench_decode(engine, batch, prompt_len, steps)
+    finally:
+        engine.async_scheduling = was
 
 
 def bench_decode_eager(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
@@ -243,10 +254,12 @@ def main() -> None:
         for context in args.decode_contexts:
             step_s = bench_decode(engine, batch, context, args.decode_steps)
             eager_s = bench_decode_eager(engine, batch, context, args.decode_steps) if graphs else step_s
+            sync_s = bench_decode_sync(engine, batch, context, args.decode_steps) if graphs else step_s
             floor_s = (weight_bytes + batch * context * kv_bytes_per_token(mc, dtype)) / bandwidth
             hf_s = hf_seconds.get(("decode", batch, context))
             rows.append(dict(common, case="decode", batch=batch, context=context, decode_step_ms=step_s * 1e3,
                              decode_tok_s=batch / step_s, decode_step_eager_ms=eager_s * 1e3,
+                             decode_step_sync_ms=sync_s * 1e3, sync_floor=sync_s / floor_s,
                              decode_floor_ms=floor_s * 1e3, decode_vs_floor=step_s / floor_s,
                              decode_graphs=graphs is not None, graph_speedup=eager_s / step_s,
                              hf_step_ms=hf_s * 1e3 if hf_s else None, vs_hf=step_s / hf_s if hf_s else None))
@@ -280,10 +293,11 @@ def print_tables(engine: LLMEngine, graphs, weight_bytes: int, common: dict, row
               f"{r['prefill_mfu']:>6.2f} {_fmt(r['hf_s'] and r['hf_s'] * 1e3, '9.2f'):>9} "
               f"{_fmt(r['hf_mfu'], '7.2f'):>7} {_fmt(r['vs_hf'], '6.2f'):>6}")
     step = "graph ms" if graphs is not None else "step ms"
-    print(f"{'batch':>5} {'context':>7} {step:>9} {'eager ms':>9} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} "
-          f"{'HF ms':>8} {'x HF':>6}")
+    print(f"{'batch':>5} {'context':>7} {step:>9} {'sync ms':>9} {'eager ms':>9} {'floor ms':>9} {'x floor':>8} "
+          f"{'tok/s':>9} {'HF ms':>8} {'x HF':>6}")
     for r in (r for r in rows if r["case"] == "decode"):
-        print(f"{r['batch']:>5} {r['context']:>7} {r['decode_step_ms']:>9.2f} {r['decode_step_eager_ms']:>9.2f} "
+        print(f"{r['batch']:>5} {r['context']:>7} {r['decode_step_ms']:>9.2f} {r['decode_step_sync_ms']:>9.2f} "
+              f"{r['decode_step_eager_ms']:>9.2f} "
               f"{r['decode_floor_ms']:>9.3f} {r['decode_vs_floor']:>8.2f} {r['decode_tok_s']:>9.1f} "
               f"{_fmt(r['hf_step_ms'], '8.2f'):>8} {_fmt(r['vs_hf'], '6.2f'):>6}")
     if skip_rows:

@@ -7,6 +7,8 @@
 #                                         with triton_paged, beside the floors and HF transformers on the same
 #                                         weights; then the same engine with torch_sdpa
 #   bash bench/gpu_speed_run.sh pull      the in-service KV pull beside a raw NIXL READ of the same bytes
+#   bash bench/gpu_speed_run.sh async     pipelined decode steps: their tests and the CUDA-graph/parity tests on
+#                                         CUDA, the e2e serving tests on the GPU, and decode steps pipelined vs sync
 #   bash bench/gpu_speed_run.sh offload   the host KV tier: its tests on CUDA (pinned memory, copy stream),
 #                                         the e2e serving test (decode reading the prefill's host tier into
 #                                         VRAM), and TTFT/store/load of an 8k prompt (bench/offload.py)
@@ -36,6 +38,14 @@ for part in "$@"; do
             --offload-gib 8 --factor "$factor" --rounds 3 --json-out "$OUT/offload_f$factor.jsonl" 2>&1 \
             | grep -v Warning | tee "$OUT/offload_f$factor.txt"
       done ;;
+    async)
+      PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_async_scheduling.py \
+          tests/unit/test_cuda_graphs.py tests/unit/test_engine_parity.py 2>&1 | tee "$OUT/async_tests.log" | tail -8
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_serving.py 2>&1 | tee "$OUT/serving_e2e.log" \
+          | tail -8
+      timeout 250 python3 bench/engine.py --model dummy:llama-3.1-8b --dtype bfloat16 --device cuda --prefill-lens 512 \
+          --batch-sizes 1,8,32 --decode-contexts 2048 --decode-steps 32 --rounds 2 --json-out "$OUT/engine_async.jsonl" \
+          2>&1 | grep -v Warning | tee "$OUT/engine_async.txt" ;;
     pull)
       timeout 400 python3 bench/pull_path.py --placements auto --json-out "$OUT/pull_path_gpu.jsonl" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/pull_path.txt" ;;
   esac

@@ -130,6 +130,7 @@ class LLMEngine:
         self._generate_ids = itertools.count()
         self.last_step_ran = False  # whether the last step() scheduled any work
         self._in_flight: _LaunchedStep | None = None  # a decode step launched, not yet resolved
+        self.async_scheduling = config.async_scheduling  # may be switched off at run time (benchmarks: A/B)
 
     # ---- set-up --------------------------------------------------------------------------------
     def _eos_ids(self) -> frozenset[int]:
@@ -313,7 +314,7 @@ class LLMEngine:
         if launched is None:
             return outputs
         self.scheduler.advance(launched.output)
-        if launched.graph and self.config.async_scheduling:
+        if launched.graph and self.async_scheduling:
             self._in_flight = launched
             return outputs
         return outputs + self._resolve(launched)

@@ -232,6 +232,9 @@ class Scheduler:
         i = 0
         while i < len(self._running) and budget > 0:
             request = self._running[i]
+            if request.num_output_tokens >= request.sampling_params.max_tokens:
+                i += 1  # its last token is in a step in flight: it finishes when that step resolves
+                continue
             num_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if not num_tokens:
                 i += 1
@@ -379,6 +382,9 @@ class Scheduler:
         not sample are ignored. Requests finished or aborted since ``schedule`` are skipped.
         Returns the requests that got a new token (the engine checks their stop conditions).
         """
+        for c in output.chunks:  # check before anything changes
+            if c.samples and self._is_current(c):
+                _check_sample(c.request.request_id, sampled.get(c.request.request_id))
         self.advance(output)
         return self.resolve(output, sampled)
 

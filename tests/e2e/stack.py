@@ -14,9 +14,12 @@ from services.launcher import Daemon, Router, daemons, start_router, stop_router
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 # Small pools and blocks so prompts span several blocks; prefill and decode differ in layout and
-# block size on purpose (both are reconciled by the transfer).
-PREFILL_ARGS = ("--kv-layout", "cross_layer", "--block-size", "4", "--num-kv-blocks", "512", "--max-num-seqs", "32")
-DECODE_ARGS = ("--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "512", "--max-num-seqs", "32")
+# block size on purpose (both are reconciled by the transfer). float32 on any device: the colocated
+# references run on the CPU in float32 (on a GPU, "auto" would pick bfloat16 and round differently).
+PREFILL_ARGS = ("--kv-layout", "cross_layer", "--block-size", "4", "--num-kv-blocks", "512", "--max-num-seqs", "32",
+                "--dtype", "float32")
+DECODE_ARGS = ("--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "512", "--max-num-seqs", "32",
+               "--dtype", "float32")
 
 
 @dataclass

@@ -5,6 +5,7 @@ through stops, seeded sampling, preemption and aborts, and nothing may be left a
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -16,14 +17,17 @@ from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import PLACEHOLDER_TOKEN
 
+DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
 PROMPTS = [[random.Random(i).randrange(100, 3000) for _ in range(20 + 7 * i)] for i in range(6)]
 
 
 def _engine(async_scheduling: bool, num_kv_blocks: int = 256) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(model="dummy:tiny", device="cpu", dtype="float32", max_num_seqs=8,
+    """On CUDA (``PDSERVE_TEST_DEVICE=cuda``, the GPU machine) the engine's own captured graphs."""
+    engine = LLMEngine(EngineConfig(model="dummy:tiny", device=DEVICE, dtype="float32", max_num_seqs=8,
                                     num_kv_blocks=num_kv_blocks, async_scheduling=async_scheduling))
-    engine.runner.decode_graphs = DecodeGraphRunner(engine.model, engine.kv_cache, 8, engine.max_model_len,
-                                                    capture=False)
+    if engine.device.type != "cuda":
+        engine.runner.decode_graphs = DecodeGraphRunner(engine.model, engine.kv_cache, 8, engine.max_model_len,
+                                                        capture=False)
     return engine
 
 

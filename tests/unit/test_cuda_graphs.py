@@ -62,6 +62,9 @@ class StepComparer:
     """
 
     def __init__(self, engine: LLMEngine, rel_tol: float) -> None:
+        # Every step's tokens on the host, so the eager run can take them (test_async_scheduling
+        # covers steps fed on the device).
+        engine.async_scheduling = False
         self.runner = engine.runner
         self.graphs = engine.runner.decode_graphs
         self.execute = engine.runner.execute
@@ -182,14 +185,14 @@ def test_scratch_block_never_written_by_a_request(checkpoint: str) -> None:
     scratch = engine.kv_cache.scratch_block
     written: set[int] = set()
 
-    def recording(chunks):
+    def recording(chunks, *device_tokens):
         for c in chunks:
             for group, table in zip(engine.kv_layout.groups, c.request.block_ids, strict=True):
                 bs = group.block_size
                 written.update(table[p // bs] for p in range(c.start, c.start + c.num_tokens))
                 real = [b for b in table if b != scratch]
                 assert table[:len(table) - len(real)] == [scratch] * (len(table) - len(real))
-        return execute(chunks)
+        return execute(chunks, *device_tokens)
 
     engine.runner.execute = recording
     _run(engine)

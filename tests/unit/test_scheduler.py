@@ -48,10 +48,15 @@ def sample(out: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
 def step(sched: Scheduler) -> SchedulerOutput:
     """One engine step: schedule, fake the model, update, finish requests that hit max_tokens."""
     out = sched.schedule()
+    update(sched, out)
+    return out
+
+
+def update(sched: Scheduler, out: SchedulerOutput) -> None:
+    """Take in a step's (faked) samples and finish the requests that hit a length limit, as the engine does."""
     for r in sched.update_from_output(out, sample(out)):
         if r.num_output_tokens >= r.sampling_params.max_tokens or r.num_tokens >= sched.config.max_model_len:
             sched.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
-    return out
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 1000) -> int:
@@ -433,7 +438,7 @@ def test_external_kv_failure_falls_back_to_local_prefill():
     out = sched.schedule()
     assert [c[0] for c in chunks_of(out)] == ["first", "remote", "later"]  # arrival order
     assert ("remote", 0, 10, True) in chunks_of(out)
-    sched.update_from_output(out, sample(out))
+    update(sched, out)
     run_to_completion(sched)
     assert remote.output_token_ids == reference_output(list(range(10)), 3)
     assert_all_blocks_free(sched)
