@@ -13,14 +13,14 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.engine.tokenizer import Tokenizer
@@ -29,7 +29,9 @@ from services.router.config import RouterConfig
 from services.router.discovery import Discovery, EndpointSource, Probe, Resolver, resolve
 from services.router.errors import ModelNotFound, WorkerFailure, install_error_handlers, to_router_error
 from services.router.flow import Delta, Dispatcher, GenerationRequest, Outcome
+from services.router.http_guards import AnswerUnexpected, ApiKeyAuth, RequestIds, read_body, worker_request_id
 from services.router.metrics import CONTENT_TYPE, RouterMetrics
+from services.router.openapi import openapi_document
 from services.router.pairing import PairingPolicy, Role, ServingStatus, WorkerIdentity, WorkerState
 from services.router.protocol import (
     ChatCompletionRequest,
@@ -40,6 +42,7 @@ from services.router.protocol import (
 )
 from services.router.responses import ModelCard, ModelList, join_deltas
 from services.router.streaming import DONE_EVENT, SSEResponse, run_until_disconnect, sse_event
+from services.router.tokenize_api import DetokenizeRequest, TokenizeRequest, decode_body, detokenize, tokenize
 from services.router.tokenizing import (
     check_text_features,
     load_tokenizer,
@@ -51,7 +54,8 @@ from services.router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
-_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+              "/detokenize")
 # Status reported for a request whose client went away (nginx's convention); nobody reads it.
 _CLIENT_CLOSED = 499
 
@@ -134,7 +138,12 @@ def create_app(
     app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runtime = runtime
     install_error_handlers(app)
+    # The last added runs first: every response (a 401 or 500 too) is counted and carries its request id.
+    app.add_middleware(AnswerUnexpected)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyAuth, api_key=config.api_key)
     app.add_middleware(_CountRequests, metrics=metrics)
+    app.add_middleware(RequestIds)
     _add_routes(app)
     return app
 
@@ -179,6 +188,30 @@ def _add_routes(app: FastAPI) -> None:
     async def metrics(request: Request) -> Response:
         return Response(_runtime(request).metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        rt = _runtime(request)
+        body = decode_body(await read_body(request, rt.config.max_request_bytes), TokenizeRequest)
+        _check_model(body.model, rt)
+        return _json(tokenize(body, rt.tokenizer, rt.max_model_len()))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        rt = _runtime(request)
+        body = decode_body(await read_body(request, rt.config.max_request_bytes), DetokenizeRequest)
+        _check_model(body.model, rt)
+        return _json(detokenize(body, rt.tokenizer))
+
+    document = msgspec.json.encode(openapi_document(app.title))
+
+    @app.get("/openapi.json")
+    async def openapi_json() -> Response:
+        return Response(document, media_type="application/json")
+
+    @app.get("/docs")
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title}: API")
+
 
 def _worker_health(policy: PairingPolicy, worker: WorkerState) -> dict[str, object]:
     """One worker on ``/health``: what it last reported and, if it can pair with nobody, why not."""
@@ -208,14 +241,13 @@ async def _generate(request: Request, kind: type[RequestT]) -> Response:
     """Validate, tokenize, then run the request over a worker pair, streamed or collected."""
     arrival_s = time.monotonic()
     rt = _runtime(request)
-    body = decode_request(await request.body(), kind)
-    if body.model is not None and body.model != rt.model_name:
-        raise ModelNotFound(f"The model `{body.model}` does not exist.", param="model")
+    body = decode_request(await read_body(request, rt.config.max_request_bytes), kind)
+    _check_model(body.model, rt)
     check_text_features(body, rt.tokenizer)
     token_ids = prompt_token_ids(body, rt.tokenizer, rt.vocab_size)
     max_tokens = resolve_max_tokens(body, len(token_ids), rt.max_model_len())
     prefix = "chatcmpl" if kind is ChatCompletionRequest else "cmpl"
-    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    request_id = worker_request_id(request, prefix)
     generation = GenerationRequest(request_id, token_ids, to_sampling_params(body, max_tokens), arrival_s)
     outcome = Outcome(num_prompt_tokens=len(token_ids))
     answer = answer_for(request_id, rt.model_name, body, rt.tokenizer)
@@ -232,6 +264,11 @@ async def _generate(request: Request, kind: type[RequestT]) -> Response:
         rt.metrics.client_disconnects.inc()
         return Response(status_code=_CLIENT_CLOSED)
     return _json(answer.full(join_deltas(collected), outcome))
+
+
+def _check_model(model: str | None, rt: RouterRuntime) -> None:
+    if model is not None and model != rt.model_name:
+        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
 
 
 async def _first(deltas: AsyncIterator[Delta]) -> Delta:

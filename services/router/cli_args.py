@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
-from services.router.config import RouterConfig
+from services.router.config import DEFAULT_MAX_REQUEST_BYTES, RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,11 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="deadline for a whole request")
     p.add_argument("--max-inflight-requests", type=int, default=None,
                    help="beyond this many requests in flight, answer 429 (default: no limit)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                   help=f"longer request bodies get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
+                   help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize (default: "
+                        "$PDSERVE_API_KEY, which keeps it out of the process list; unset: no key needed)")
     p.set_defaults(func=run_router)
     return p
 
@@ -66,6 +72,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_model_len=args.max_model_len,
         request_timeout_s=args.request_timeout_s,
         max_inflight_requests=args.max_inflight_requests,
+        max_request_bytes=args.max_request_bytes,
+        api_key=args.api_key,
     )
     if not (config.decode or config.decode_dns):
         raise ValueError("the router needs decode workers: give --decode or --decode-dns")

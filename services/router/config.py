@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class RouterConfig:
     retry_after_s: int = 1
     # How long the router waits for Abort/Release after a client goes away.
     cleanup_timeout_s: float = 5.0
+    # Longer request bodies get 413.
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # None: open; else /v1/*, /tokenize and /detokenize need ``Authorization: Bearer <api_key>``.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("dns_refresh_s", "health_interval_s", "health_timeout_s", "request_timeout_s",
@@ -45,6 +51,10 @@ class RouterConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_inflight_requests is not None and self.max_inflight_requests < 1:
             raise ValueError(f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset for an open router)")
 
     @property
     def decode_only(self) -> bool:

@@ -64,6 +64,22 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class InvalidApiKey(RouterError):
+    """``--api-key`` is set and the request's ``Authorization: Bearer`` key is missing or wrong."""
+
+    status_code = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class RequestTooLarge(RouterError):
+    """The body is longer than ``--max-request-bytes``."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
 class ModelNotFound(RouterError):
     status_code = 404
     error_type = "invalid_request_error"
@@ -125,8 +141,16 @@ _MSGSPEC_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _MISSING_FIELD = re.compile(r"missing required field `(?P<field>[^`]+)`")
 
 
-def from_decode_error(exc: msgspec.DecodeError) -> InvalidRequest:
-    """A msgspec error as a 400 naming the offending parameter (``max_tokens``, ``messages[0].role``)."""
+def from_decode_error(exc: msgspec.DecodeError | UnicodeError | RecursionError) -> InvalidRequest:
+    """A msgspec error as a 400 naming the offending parameter (``max_tokens``, ``messages[0].role``).
+
+    Bytes that are not UTF-8 (``UnicodeError``) and JSON nested beyond the decoder's recursion limit
+    (``RecursionError``) are bad bodies too, not server errors.
+    """
+    if isinstance(exc, UnicodeError):
+        return InvalidRequest(f"the request body is not valid UTF-8: {exc}")
+    if isinstance(exc, RecursionError):
+        return InvalidRequest("the request body is not valid JSON: it is nested too deeply")
     message = str(exc)
     if not isinstance(exc, msgspec.ValidationError):
         return InvalidRequest(f"the request body is not valid JSON: {message}")

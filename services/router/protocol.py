@@ -200,7 +200,7 @@ def decode_request(body: bytes, kind: type[RequestT]) -> RequestT:
     """Decode and check a request body; raise InvalidRequest (400) naming the parameter at fault."""
     try:
         request = _DECODERS[kind].decode(body)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deeply
         raise from_decode_error(exc) from None
     request.check()
     return request

@@ -93,6 +93,7 @@ def test_bad_requests_get_openai_errors_and_touch_no_worker(model: str) -> None:
         url = f"{s.url}/v1/completions"
         cases = [
             (client.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400),
+            (client.post(url, content=b'{"prompt": "\xff"}', headers={"content-type": "application/json"}), 400),
             (client.post(url, json={"max_tokens": 4}), 400),  # no prompt
             (client.post(url, json={"prompt": "hi", "max_tokens": "four"}), 400),
             (client.post(url, json={"prompt": [5, 6], "max_tokens": -1}), 400),
@@ -106,3 +107,8 @@ def test_bad_requests_get_openai_errors_and_touch_no_worker(model: str) -> None:
         after = [info(d) for d in s.prefill + s.decode]
         for b, a in zip(before, after, strict=True):
             assert (a.num_running, a.num_waiting, a.kv_blocks_free) == (b.num_running, b.num_waiting, b.kv_blocks_free)
+
+        # A client's request id comes back, and is in the id the workers got (the answer's id).
+        response = client.post(url, json={"prompt": [5, 6], "max_tokens": 2}, headers={"X-Request-Id": "e2e-trace-7"})
+        assert response.status_code == 200 and response.headers["x-request-id"] == "e2e-trace-7"
+        assert response.json()["id"].startswith("cmpl-e2e-trace-7-")
