@@ -19,6 +19,11 @@ def sampling_from_proto(m: worker_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=m.ignore_eos,
         min_tokens=m.min_tokens,
         logprobs=m.logprobs,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        repetition_penalty=m.repetition_penalty or 1.0,  # proto3's 0 is "unset": off
+        logit_bias=tuple(sorted(m.logit_bias.items())),
+        min_p=m.min_p,
     )
 
 
@@ -26,6 +31,8 @@ def sampling_to_proto(p: SamplingParams) -> worker_pb2.SamplingParams:
     m = worker_pb2.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0, stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, logprobs=p.logprobs,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias), min_p=p.min_p,
     )
     if p.seed is not None:
         m.seed = p.seed

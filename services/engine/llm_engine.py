@@ -24,7 +24,13 @@ from services.engine.model_runner import ModelRunner
 from services.engine.offload import HostKVTier, num_spans_for
 from services.engine.rank_setup import kv_layout, load_model, num_blocks_for, use_device
 from services.engine.request import Request, RequestStatus
-from services.engine.sampler import PendingSample, make_generator, min_tokens_banned_ids, sample_async
+from services.engine.sampler import (
+    PendingSample,
+    TokenHistory,
+    make_generator,
+    min_tokens_banned_ids,
+    sample_async,
+)
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.stopping import StopStringMatcher, check_token_stop
@@ -75,6 +81,20 @@ class _RequestState:
     text: str = ""
     emitted_tokens: int = 0
     logits: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+def _needs_history(output: SchedulerOutput) -> bool:
+    """Whether a chunk's request has penalties, which need every output token on the host."""
+    return any(c.request.sampling_params.needs_history for c in output.chunks)
+
+
+def _history(request: Request) -> TokenHistory | None:
+    """The tokens a penalised row's logits depend on (None for other rows); all resolved by now."""
+    if not request.sampling_params.needs_history:
+        return None
+    if PLACEHOLDER_TOKEN in request.output_token_ids:
+        raise RuntimeError(f"request {request.request_id}: penalties with an unresolved output token")
+    return TokenHistory(request.prompt_token_ids, request.output_token_ids)
 
 
 class LLMEngine:
@@ -226,6 +246,7 @@ class LLMEngine:
                 "(the prompt must leave room for at least one generated token)"
             )
         params.validate()
+        params.check_vocab(vocab)
 
     def _new_state(self, request: Request) -> _RequestState:
         p = request.sampling_params
@@ -298,12 +319,15 @@ class LLMEngine:
                       stop checks, outputs of N | count N+1 as computed (placeholder tokens)
 
         A request that stopped at N has its chunk of N+1 computed for nothing and dropped. Any step
-        the graphs cannot run (a prefill chunk) waits for N's tokens first, as without pipelining.
+        the graphs cannot run (a prefill chunk) waits for N's tokens first, as without pipelining, and
+        so does a step with a row whose penalties need its whole output (``needs_history``): N's
+        token is only on the device until then.
         """
         prev, self._in_flight = self._in_flight, None
         output = self.scheduler.schedule()
         launched = None
-        if output.chunks and prev is not None and prev.graph and self.runner.runs_as_graph(output.chunks):
+        if (output.chunks and prev is not None and prev.graph and self.runner.runs_as_graph(output.chunks)
+                and not _needs_history(output)):
             launched = self._launch(output, prev)
         outputs = self._resolve(prev) if prev is not None else []
         if launched is None and output.chunks:
@@ -361,6 +385,7 @@ class LLMEngine:
                 [r.sampling_params for r in rows],
                 [self._states[r.request_id].generator for r in rows],
                 [min_tokens_banned_ids(r.sampling_params, r.num_output_tokens, self.eos_token_ids) for r in rows],
+                [_history(r) for r in rows],
             )
         return _LaunchedStep(output, rows, pending, graph)
 

@@ -1,7 +1,8 @@
 """Pick one token per row of a step's logits, batched, on whatever device the logits live.
 
 One call per engine step. Rows are grouped by what they need so the common cases stay cheap:
-an all-greedy batch is one argmax; the vocabulary sort runs only over rows with top-k/top-p.
+an all-greedy batch is one argmax; logit_bias and the penalties touch only the rows that ask for
+them (greedy ones too); the vocabulary sort runs only over rows with top-k/top-p.
 
 Sampling uses the exponential-race trick: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. per
 token draws from ``probs``. A seeded row's ``q`` comes from its own generator, so its tokens
@@ -59,6 +60,14 @@ def min_tokens_banned_ids(
 
 
 @dataclass(frozen=True)
+class TokenHistory:
+    """The tokens a penalised row has seen: its prompt, and its output so far (all real ids)."""
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
 class PendingSample:
     """Sampled tokens still on the device, their copy to the host under way.
 
@@ -84,14 +93,16 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     banned_token_ids: Sequence[Collection[int]] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
 ) -> SamplerOutput:
     """Choose the next token for each row of ``logits`` [num_rows, vocab].
 
     ``generators[i]`` is row ``i``'s own generator (from ``make_generator``) or None for the
     device's default RNG; ``banned_token_ids[i]`` are ids row ``i`` must not get (see
-    ``min_tokens_banned_ids``). Returns after a single device-to-host copy.
+    ``min_tokens_banned_ids``); ``histories[i]`` is required where ``params[i].needs_history``
+    (the penalties). Returns after a single device-to-host copy.
     """
-    return sample_async(logits, params, generators, banned_token_ids).result()
+    return sample_async(logits, params, generators, banned_token_ids, histories).result()
 
 
 def sample_async(
@@ -99,11 +110,14 @@ def sample_async(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     banned_token_ids: Sequence[Collection[int]] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
 ) -> PendingSample:
     """``sample`` without waiting: the tokens stay on the device and their host copy is started."""
-    _check_inputs(logits, params, generators, banned_token_ids)
+    _check_inputs(logits, params, generators, banned_token_ids, histories)
     raw = logits.float()
     masked = _ban(raw, banned_token_ids) if banned_token_ids is not None else raw
+    if any(p.processes_logits for p in params):
+        masked = process_logits(masked if masked is not raw else raw.clone(), params, histories)
 
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(sampled_rows) == len(params):
@@ -138,6 +152,7 @@ def _check_inputs(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     banned_token_ids: Sequence[Collection[int]] | None,
+    histories: Sequence[TokenHistory | None] | None,
 ) -> None:
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a 2-D float tensor, got {logits.dtype} {tuple(logits.shape)}")
@@ -146,6 +161,11 @@ def _check_inputs(
         raise ValueError("logits have an empty vocabulary")
     if len(params) != num_rows or len(generators) != num_rows:
         raise ValueError(f"{num_rows} logit rows but {len(params)} params and {len(generators)} generators")
+    for row, p in enumerate(params):
+        if p.logit_bias and max(t for t, _ in p.logit_bias) >= vocab_size:
+            raise ValueError(f"row {row}: logit_bias ids outside vocab of {vocab_size}")
+        if p.needs_history and (histories is None or len(histories) != num_rows or histories[row] is None):
+            raise ValueError(f"row {row}: penalties need the row's token history")
     if banned_token_ids is None:
         return
     if len(banned_token_ids) != num_rows:
@@ -166,20 +186,81 @@ def _ban(logits: torch.Tensor, banned_token_ids: Sequence[Collection[int]]) -> t
     return masked
 
 
+def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+             histories: Sequence[TokenHistory | None] | None) -> torch.Tensor:
+    """logit_bias, then the penalties, in place on ``logits`` (pass a copy), for the rows that ask only.
+
+    ``histories[i]`` is needed where ``params[i].needs_history``. Returns ``logits``.
+    """
+    device = logits.device
+    bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
+    if bias:
+        bias_rows, bias_cols, bias_values = zip(*bias, strict=True)
+        logits.index_put_(
+            (_to_device(list(bias_rows), torch.long, device), _to_device(list(bias_cols), torch.long, device)),
+            _to_device(list(bias_values), torch.float32, device), accumulate=True)
+    penalised = [row for row, p in enumerate(params) if p.needs_history]
+    if not penalised:
+        return logits
+    assert histories is not None  # _check_inputs
+    vocab_size = logits.shape[1]
+    index = _to_device(penalised, torch.long, device)
+    rows = logits.index_select(0, index)
+    output_counts = _bincount_rows([histories[r].output_token_ids for r in penalised], vocab_size, device)
+    seen_in_output = output_counts > 0
+    repetition = [params[r].repetition_penalty for r in penalised]
+    if any(x != 1.0 for x in repetition):
+        prompt_seen = _bincount_rows([histories[r].prompt_token_ids for r in penalised], vocab_size, device) > 0
+        factor = _to_device(repetition, torch.float32, device).unsqueeze(1)
+        penalised_logits = torch.where(rows > 0, rows / factor, rows * factor)
+        rows = torch.where(prompt_seen | seen_in_output, penalised_logits, rows)
+    frequency = _to_device([params[r].frequency_penalty for r in penalised], torch.float32, device).unsqueeze(1)
+    presence = _to_device([params[r].presence_penalty for r in penalised], torch.float32, device).unsqueeze(1)
+    rows = rows - frequency * output_counts - presence * seen_in_output
+    return logits.index_copy_(0, index, rows)
+
+
+def _bincount_rows(token_ids: list[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """float32 [len(token_ids), vocab_size]: how often each id occurs in each row's list."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    # Pad with vocab_size: an extra column that is dropped.
+    padded = torch.full((len(token_ids), max(width, 1)), vocab_size, dtype=torch.long)
+    for row, ids in enumerate(token_ids):
+        if ids:
+            padded[row, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+    padded = padded.to(device, non_blocking=True)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
 def _sample_rows(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, then one draw per row; every row has temperature > 0."""
+    """Temperature, then min-p, then top-k, then top-p, then one draw per row; every row has temperature > 0."""
     temperatures = _to_device([p.temperature for p in params], torch.float32, logits.device)
     scaled = logits / temperatures.unsqueeze(1)
+    if any(p.min_p > 0.0 for p in params):
+        scaled = _min_p(scaled, params)
     filtered_rows = [i for i, p in enumerate(params) if p.top_k is not None or p.top_p < 1.0]
     if filtered_rows:
         scaled = _filter_rows(scaled, filtered_rows, params)
     probs = scaled.softmax(dim=-1)
     noise = _exponential_noise(probs, generators)
     return probs.div_(noise).argmax(dim=-1)
+
+
+def _min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Set to -inf every token whose probability is below ``min_p`` times its row's top probability.
+
+    Rows with ``min_p == 0`` keep everything (no probability is below 0).
+    """
+    min_p = _to_device([p.min_p for p in params], torch.float32, logits.device).unsqueeze(1)
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p
+    return logits.masked_fill(probs < threshold, -math.inf)
 
 
 def _filter_rows(logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# OpenAI's limit on logit_bias entries.
+MAX_LOGIT_BIAS = 300
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -12,6 +15,14 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy. ``top_k is None`` and ``top_p == 1.0`` disable those filters.
     ``seed`` makes a sampled request reproducible regardless of what it is batched with.
+
+    Logit processing, in order (vLLM's): ``logit_bias`` (OpenAI: ``(token id, bias)`` pairs added to
+    the logits), then ``repetition_penalty`` (HF/vLLM: for every id in the prompt or the output so
+    far, positive logits are divided by it, negative ones multiplied; 1.0 = off), then
+    ``frequency_penalty * count`` and ``presence_penalty`` (once per distinct id) subtracted for
+    ids in the output so far (OpenAI). Greedy rows see all of them. Sampled rows then apply
+    temperature, ``min_p`` (drop ids whose probability is below ``min_p`` times the top one; 0 = off),
+    top-k and top-p. The defaults change nothing.
     """
 
     max_tokens: int = 16
@@ -24,6 +35,11 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
     # Keep the logits of every computed position (tests compare them with a reference model).
     return_logits: bool = False
 
@@ -33,6 +49,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the logits depend on the tokens so far (the penalties): the engine must have them on the host."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits are changed before the greedy argmax (penalties or logit_bias)."""
+        return self.needs_history or bool(self.logit_bias)
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -54,6 +80,35 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a tuple of token ids >= 0, got {self.stop_token_ids!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or not all(isinstance(pair, tuple) and len(pair) == 2 for pair in bias):
+            raise ValueError(f"logit_bias must be a tuple of (token id, bias) pairs, got {bias!r}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(bias)} entries, at most {MAX_LOGIT_BIAS} are allowed")
+        for token_id, value in bias:
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"logit_bias token ids must be integers >= 0, got {token_id!r}")
+            if not _is_number(value) or not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for token {token_id}")
+        if len({token_id for token_id, _ in bias}) != len(bias):
+            raise ValueError("logit_bias names a token id more than once")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError naming ``logit_bias`` if it names an id outside ``[0, vocab_size)``."""
+        bad = sorted(t for t, _ in self.logit_bias if t >= vocab_size)
+        if bad:
+            raise ValueError(f"logit_bias token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
 def _is_number(x: object) -> bool:

@@ -245,6 +245,8 @@ async def _generate(request: Request, kind: type[RequestT]) -> Response:
     _check_model(body.model, rt)
     check_text_features(body, rt.tokenizer)
     token_ids = prompt_token_ids(body, rt.tokenizer, rt.vocab_size)
+    if rt.vocab_size is not None:  # else the workers check it (a 400 from INVALID_ARGUMENT)
+        body.check_vocab(rt.vocab_size)
     max_tokens = resolve_max_tokens(body, len(token_ids), rt.max_model_len())
     prefix = "chatcmpl" if kind is ChatCompletionRequest else "cmpl"
     request_id = worker_request_id(request, prefix)

@@ -155,7 +155,8 @@ def from_decode_error(exc: msgspec.DecodeError | UnicodeError | RecursionError) 
     if not isinstance(exc, msgspec.ValidationError):
         return InvalidRequest(f"the request body is not valid JSON: {message}")
     path_match = _MSGSPEC_PATH.search(message)
-    path = path_match["path"].lstrip(".") if path_match else ""
+    # msgspec writes a mapping's value as `[...]` (`logit_bias[...]`): the param is the mapping.
+    path = path_match["path"].lstrip(".").replace("[...]", "") if path_match else ""
     missing = _MISSING_FIELD.search(message)
     if missing:
         path = f"{path}.{missing['field']}" if path else missing["field"]

@@ -3,12 +3,14 @@
 Types and ranges are declared on the Structs, so msgspec rejects a wrong type or an out-of-range
 number with the JSON path of the field; what needs more than one field, or is an OpenAI feature
 pdserve does not have, is checked in ``check()``. Unknown fields are ignored, as OpenAI does; known
-ones we cannot honour (``n`` > 1, ``echo``, penalties, alternatives in ``logprobs``) are a 400 rather
+ones we cannot honour (``n`` > 1, ``echo``, alternatives in ``logprobs``) are a 400 rather
 than a silently different answer. Nothing here talks to a worker.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Annotated, TypeVar
 
 import msgspec
@@ -18,6 +20,7 @@ from services.proto_gen.pdserve.v1 import worker_pb2
 from services.router.errors import InvalidRequest, from_decode_error
 
 _MAX_U31 = 2**31 - 1
+_TOKEN_ID_KEY = re.compile(r"[0-9]+")
 PositiveInt = Annotated[int, Meta(ge=1, le=_MAX_U31)]
 NonNegativeInt = Annotated[int, Meta(ge=0, le=_MAX_U31)]
 TokenId = Annotated[int, Meta(ge=0, le=_MAX_U31)]
@@ -26,6 +29,11 @@ StopString = Annotated[str, Meta(min_length=1)]
 # OpenAI allows 4 stop strings; we allow a few more, but not an unbounded scan per token.
 MAX_STOP_STRINGS = 16
 Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
+
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+LogitBias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+# OpenAI's limit on logit_bias entries (the engine's too).
+MAX_LOGIT_BIAS = 300
 
 # Completions default to 16 tokens, as OpenAI's legacy endpoint does.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -53,9 +61,14 @@ class _Common(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    # OpenAI: subtracted from the logits of tokens in the output so far (once, and per occurrence).
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    # OpenAI: token id (a string key in JSON) -> bias added to its logit.
+    logit_bias: Annotated[dict[str, LogitBias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    # vLLM's extensions: HF repetition penalty over prompt and output (1 = off); min-p filtering (0 = off).
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     # vLLM's extension: logprobs name tokens as "token_id:<id>" (exact, and needs no tokenizer).
     return_tokens_as_token_ids: bool = False
 
@@ -74,11 +87,24 @@ class _Common(msgspec.Struct, kw_only=True):
             raise InvalidRequest(f"n={self.n} is not supported: pdserve returns exactly one choice", param="n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options can only be given with stream=true", param="stream_options")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise InvalidRequest(f"{name} is not supported (only 0)", param=name)
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+        if not math.isfinite(self.repetition_penalty):
+            raise InvalidRequest("repetition_penalty must be a finite number > 0", param="repetition_penalty")
+        for key in self.logit_bias or {}:
+            if not _TOKEN_ID_KEY.fullmatch(key) or int(key) > _MAX_U31:
+                raise InvalidRequest(f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                                     param="logit_bias")
+
+    @property
+    def logit_bias_pairs(self) -> list[tuple[int, float]]:
+        """``logit_bias`` as (token id, bias) pairs in id order; ``check()`` has validated the keys."""
+        return sorted((int(key), bias) for key, bias in (self.logit_bias or {}).items())
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """400 naming ``logit_bias`` when one of its ids is outside the vocabulary."""
+        bad = [t for t, _ in self.logit_bias_pairs if t >= vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                                 param="logit_bias")
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -218,6 +244,11 @@ def to_sampling_params(request: AnyRequest, max_tokens: int) -> worker_pb2.Sampl
         ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens,
         logprobs=request.wants_logprobs,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        logit_bias=dict(request.logit_bias_pairs),
+        min_p=request.min_p,
     )
     if request.seed is not None:
         params.seed = request.seed

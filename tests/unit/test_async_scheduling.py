@@ -120,3 +120,39 @@ def test_an_abort_while_a_step_is_in_flight_leaks_nothing(params: list[SamplingP
     assert [done[f"r{i}"] for i in range(3)] == [o.token_ids for o in expected]
     assert all(PLACEHOLDER_TOKEN not in tokens for tokens in done.values())
     assert all(s.num_used == 0 for s in engine.kv_manager.stats())
+
+
+def test_penalised_requests_give_the_same_tokens_and_are_not_pipelined(injections: list[int]) -> None:
+    """Penalties need every output token on the host: steps with such a row wait for the previous one
+    (the history includes what would still be a placeholder), and tokens equal the unpipelined engine.
+    Rows without penalties (logit_bias, min_p need no history) still pipeline."""
+    penalised = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, frequency_penalty=2.0,
+                                presence_penalty=0.5),
+                 SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.5),
+                 SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True, presence_penalty=1.5,
+                                min_p=0.05)]
+    prompts = PROMPTS[:3]
+    sync, pipelined = _engine(False), _engine(True)
+    expected = [o.token_ids for o in sync.generate(prompts, penalised)]
+    plain = [o.token_ids for o in sync.generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+    assert expected[0] != plain[0] and expected[1] != plain[1]  # the penalties bite (random weights repeat)
+    assert [o.token_ids for o in pipelined.generate(prompts, penalised)] == expected
+    assert not injections  # every step had a penalised row: none was pipelined
+
+    biased = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias=((prompts[0][0], 100.0),))
+    got = pipelined.generate(prompts[:2], biased)
+    assert all(o.token_ids == [prompts[0][0]] * 12 for o in got)
+    assert injections  # logit_bias needs no history: pipelined as before
+
+
+def test_a_penalised_row_beside_plain_rows_gets_its_real_history(params: list[SamplingParams]) -> None:
+    penalised = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, frequency_penalty=1.0)
+    mixed = [*params[:3], penalised]
+    prompts = PROMPTS[:4]
+    expected = [o.token_ids for o in _engine(False).generate(prompts, mixed)]
+    engine = _engine(True)
+    assert [o.token_ids for o in engine.generate(prompts, mixed)] == expected
+    while engine.has_step_in_flight:
+        engine.step()
+    assert all(s.num_used == 0 for s in engine.kv_manager.stats())

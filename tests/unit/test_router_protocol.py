@@ -7,6 +7,7 @@ import json
 import msgspec
 import pytest
 
+from services.common.sampling import sampling_from_proto
 from services.router.answers import ChatAnswer, CompletionAnswer
 from services.router.errors import ContextLengthExceeded, InvalidRequest, error_response
 from services.router.flow import Delta, Outcome
@@ -63,8 +64,22 @@ def _rejected(body: bytes, kind=CompletionRequest) -> InvalidRequest:
     (_completion(prompt=["a", "b"]), "prompt[0]"),
     (_completion(echo=True), "echo"),
     (_completion(best_of=3), "best_of"),
-    (_completion(presence_penalty=0.5), "presence_penalty"),
-    (_completion(logit_bias={"1": 2.0}), "logit_bias"),
+    (_completion(presence_penalty=2.5), "presence_penalty"),
+    (_completion(presence_penalty="high"), "presence_penalty"),
+    (_completion(frequency_penalty=-2.01), "frequency_penalty"),
+    (_completion(repetition_penalty=0), "repetition_penalty"),
+    (_completion(repetition_penalty=-1.0), "repetition_penalty"),
+    (_completion(min_p=1.5), "min_p"),
+    (_completion(min_p=-0.1), "min_p"),
+    (_completion(logit_bias={"1": 100.5}), "logit_bias"),
+    (_completion(logit_bias={"1": -101}), "logit_bias"),
+    (_completion(logit_bias={"1": "up"}), "logit_bias"),
+    (_completion(logit_bias={"x": 1.0}), "logit_bias"),
+    (_completion(logit_bias={"-1": 1.0}), "logit_bias"),
+    (_completion(logit_bias={"1.5": 1.0}), "logit_bias"),
+    (_completion(logit_bias={str(2**40): 1.0}), "logit_bias"),
+    (_completion(logit_bias={str(i): 1.0 for i in range(301)}), "logit_bias"),
+    (_completion(logit_bias=[1, 2]), "logit_bias"),
     (_completion(stream_options={"include_usage": True}), "stream_options"),
     (_completion(min_tokens=9, max_tokens=4), "min_tokens"),
     (_completion(stream="yes"), "stream"),
@@ -138,6 +153,32 @@ def test_sampling_params_conversion() -> None:
     assert params.ignore_eos and params.min_tokens == 2 and params.logprobs
     plain = to_sampling_params(decode_request(_completion(top_k=-1), CompletionRequest), max_tokens=1)
     assert plain.top_k == 0 and not plain.HasField("seed") and not plain.logprobs
+
+
+@pytest.mark.parametrize("kind", [CompletionRequest, ChatCompletionRequest])
+def test_penalties_logit_bias_and_min_p_reach_the_worker_params(kind) -> None:
+    make = _completion if kind is CompletionRequest else _chat
+    request = decode_request(make(presence_penalty=-2, frequency_penalty=1.5, repetition_penalty=1.25, min_p=0.5,
+                                  logit_bias={"7": 100, "3": -100, "12": 0.5}), kind)
+    params = to_sampling_params(request, max_tokens=4)
+    assert params.presence_penalty == -2.0 and params.frequency_penalty == 1.5
+    assert params.repetition_penalty == 1.25 and params.min_p == 0.5
+    assert dict(params.logit_bias) == {7: 100.0, 3: -100.0, 12: 0.5}
+    request.check_vocab(13)
+    with pytest.raises(InvalidRequest) as info:
+        request.check_vocab(12)
+    assert info.value.param == "logit_bias" and "12" in info.value.message
+    assert len(decode_request(make(logit_bias={str(i): 1.0 for i in range(300)}), kind).logit_bias_pairs) == 300
+
+
+def test_sampling_params_defaults_are_off() -> None:
+    params = to_sampling_params(decode_request(_completion(), CompletionRequest), max_tokens=4)
+    assert params.repetition_penalty == 1.0 and not params.logit_bias and params.min_p == 0.0
+    engine = sampling_from_proto(params)
+    assert not engine.processes_logits and engine.min_p == 0.0
+    # A peer that predates repetition_penalty sends proto3's 0: read as 1.0 (off).
+    params.ClearField("repetition_penalty")
+    assert sampling_from_proto(params).repetition_penalty == 1.0
 
 
 def test_max_tokens_against_the_context_length() -> None:

@@ -1,11 +1,20 @@
-"""Sampler: greedy, temperature/top-k/top-p support and distribution, seeds, bans, logprobs."""
+"""Sampler: greedy, temperature/top-k/top-p support and distribution, seeds, bans, logprobs, logit_bias,
+penalties and min-p."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.engine.sampler import SamplerOutput, make_generator, min_tokens_banned_ids, sample
+from services.engine import sampler
+from services.engine.sampler import (
+    SamplerOutput,
+    TokenHistory,
+    make_generator,
+    min_tokens_banned_ids,
+    process_logits,
+    sample,
+)
 from services.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -294,3 +303,139 @@ def test_bad_inputs_raise_value_error() -> None:
         sample(logits, [GREEDY, GREEDY], [None, None], [{8}, set()])
     with pytest.raises(ValueError):
         sample(logits.long(), [GREEDY, GREEDY], [None, None])
+
+
+# ---- logit processing: logit_bias, penalties, min_p -------------------------------------------------
+def _processed(logits: list[float], params: SamplingParams, prompt: list[int] = (), output: list[int] = ()) -> list:
+    history = TokenHistory(list(prompt), list(output)) if params.needs_history else None
+    return process_logits(torch.tensor([logits]), [params], [history])[0].tolist()
+
+
+def test_presence_and_frequency_penalties_count_the_output_only() -> None:
+    logits = [1.0, 2.0, -1.0, 0.5, 3.0]
+    prompt, output = [4, 4, 0], [1, 1, 1, 2]
+    assert _processed(logits, SamplingParams(presence_penalty=0.5), prompt, output) == [1.0, 1.5, -1.5, 0.5, 3.0]
+    assert _processed(logits, SamplingParams(frequency_penalty=0.5), prompt, output) == [1.0, 0.5, -1.5, 0.5, 3.0]
+    both = SamplingParams(presence_penalty=-1.0, frequency_penalty=2.0)
+    assert _processed(logits, both, prompt, output) == [1.0, 2.0 + 1.0 - 6.0, -1.0 + 1.0 - 2.0, 0.5, 3.0]
+    assert _processed(logits, SamplingParams(frequency_penalty=2.0), prompt, []) == logits
+
+
+def test_repetition_penalty_covers_prompt_and_output_by_sign() -> None:
+    logits = [1.0, 2.0, -1.0, 0.5, 3.0]
+    params = SamplingParams(repetition_penalty=2.0)
+    assert _processed(logits, params, prompt=[4, 2], output=[1, 1]) == [1.0, 1.0, -2.0, 0.5, 1.5]
+    assert _processed(logits, SamplingParams(repetition_penalty=0.5), [0], []) == [2.0, 2.0, -1.0, 0.5, 3.0]
+    # Applied first, then the OpenAI penalties (vLLM's order).
+    mixed = SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0)
+    assert _processed(logits, mixed, [], [1, 1]) == [1.0, 1.0 - 2.0, -1.0, 0.5, 3.0]
+
+
+def test_logit_bias_adds_to_the_named_ids() -> None:
+    logits = [1.0, 2.0, -1.0, 0.5]
+    assert _processed(logits, SamplingParams(logit_bias=((0, 1.5), (3, -0.5)))) == [2.5, 2.0, -1.0, 0.0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_forces_and_bans_tokens_greedy_and_sampled(device: str) -> None:
+    logits = _logits(4, 40, seed=11).to(device)
+    top = logits.argmax(dim=-1).tolist()
+    forced = [SamplingParams(temperature=0.0, logit_bias=((17, 100.0),)),
+              SamplingParams(temperature=1.0, logit_bias=((17, 100.0),))]
+    banned = [SamplingParams(temperature=0.0, logit_bias=((top[2], -100.0),)), GREEDY]
+    out = sample(logits, forced + banned, [None] * 4)
+    assert out.token_ids[:2] == [17, 17]
+    assert out.token_ids[2] != top[2] and out.token_ids[2] == logits[2].topk(2).indices[1].item()
+    assert out.token_ids[3] == top[3]  # rows that ask for nothing are untouched
+    draws = _draws(logits[0].cpu(), SamplingParams(temperature=1.0, logit_bias=((17, 100.0),)), 500)
+    assert set(draws.tolist()) == {17}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_penalties_change_greedy_rows_in_a_mixed_batch(device: str) -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]] * 3, device=device)
+    history = TokenHistory([2], [0])
+    params = [SamplingParams(temperature=0.0, frequency_penalty=0.2), GREEDY,
+              SamplingParams(temperature=0.0, repetition_penalty=1.1)]
+    out = sample(logits, params, [None] * 3, None, [history, None, history])
+    assert out.token_ids == [1, 0, 1]  # 3.0 - 0.2 < 2.9; 3.0 / 1.1 < 2.9
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()
+    draws = _draws(logits, SamplingParams(temperature=1.0, min_p=0.35), 4000)  # threshold 0.175
+    assert set(draws.tolist()) == {0, 1}
+    counts = torch.bincount(draws, minlength=4).float()
+    assert _chi_square(counts, torch.tensor([0.625, 0.375, 0.0, 0.0])) < 20.0
+    assert set(_draws(logits, SamplingParams(temperature=1.0, min_p=0.0), 4000).tolist()) == {0, 1, 2, 3}
+    # After temperature: at T = 0.5 the probabilities are 0.5^2 : 0.3^2 : ... so 0.15 falls below 0.1 * max too.
+    assert set(_draws(logits, SamplingParams(temperature=0.5, min_p=0.1), 4000).tolist()) == {0, 1}
+    assert set(_draws(logits, SamplingParams(temperature=1.0, min_p=1.0), 500).tolist()) == {0}
+
+
+def test_min_p_applies_only_to_the_rows_that_ask() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(2000, -1)
+    params = [SamplingParams(min_p=0.5), PLAIN] * 1000
+    torch.manual_seed(5)
+    tokens = torch.tensor(sample(logits, params, [None] * 2000).token_ids)
+    assert set(tokens[0::2].tolist()) == {0, 1} and set(tokens[1::2].tolist()) == {0, 1, 2, 3}
+
+
+def test_no_processing_keeps_the_single_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Default params never reach the logit processing (the all-greedy fast path is one argmax)."""
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("logit processing ran for rows that asked for none")
+
+    monkeypatch.setattr(sampler, "process_logits", fail)
+    logits = _logits(3, 20)
+    assert sample(logits, [GREEDY] * 3, [None] * 3).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_processing_leaves_the_input_and_logprobs_raw() -> None:
+    logits = _logits(2, 16, seed=12)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.0, logit_bias=((5, 100.0),), logprobs=True),
+              SamplingParams(temperature=0.0, presence_penalty=1.0, min_p=0.5)]
+    out = sample(logits, params, [None, None], None, [None, TokenHistory([], [3])])
+    assert torch.equal(logits, before) and out.token_ids[0] == 5
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], dim=-1)[5].item(), abs=1e-6)
+
+
+def test_processing_bad_inputs_raise_value_error() -> None:
+    logits = _logits(1, 8)
+    with pytest.raises(ValueError, match="history"):
+        sample(logits, [SamplingParams(frequency_penalty=1.0)], [None])
+    with pytest.raises(ValueError, match="logit_bias"):
+        sample(logits, [SamplingParams(logit_bias=((8, 1.0),))], [None])
+
+
+@pytest.mark.parametrize(("fields", "name"), [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.1}, "frequency_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"min_p": 1.1}, "min_p"),
+    ({"min_p": -0.5}, "min_p"),
+    ({"logit_bias": {1: 2.0}}, "logit_bias"),
+    ({"logit_bias": ((1, 101.0),)}, "logit_bias"),
+    ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+    ({"logit_bias": ((1, 1.0), (1, 2.0))}, "logit_bias"),
+    ({"logit_bias": tuple((i, 1.0) for i in range(301))}, "logit_bias"),
+])
+def test_sampling_params_validation(fields: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**fields)
+
+
+def test_sampling_params_defaults_and_vocab_check() -> None:
+    p = SamplingParams()
+    assert not p.needs_history and not p.processes_logits and p.min_p == 0.0
+    assert SamplingParams(logit_bias=((3, 1.0),)).processes_logits
+    assert not SamplingParams(logit_bias=((3, 1.0),)).needs_history
+    assert SamplingParams(repetition_penalty=1.2).needs_history
+    biased = SamplingParams(logit_bias=((3, 1.0), (9, -1.0)))
+    biased.check_vocab(10)
+    with pytest.raises(ValueError, match="logit_bias"):
+        biased.check_vocab(9)
