@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.grpc_auth import TokenAuthInterceptor
+
 log = logging.getLogger(__name__)
 
 
@@ -56,8 +58,11 @@ class InFlight:
 class WorkerServer:
     """A grpc.aio server with grpc.health.v1 and a drain that SIGTERM triggers."""
 
-    def __init__(self, service_names: list[str]) -> None:
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    def __init__(self, service_names: list[str], auth_token: str | None = None) -> None:
+        """``auth_token``: the cluster token every call but health and handshake must carry (grpc_auth.py)."""
+        interceptors = [TokenAuthInterceptor(auth_token)] if auth_token else None
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
+                                      interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = ["", *service_names]

@@ -172,7 +172,7 @@ def _chunk(out: RequestOutput, num_prompt_tokens: int, recomputed: bool) -> work
 async def serve(args: argparse.Namespace, engine: LLMEngine) -> str | None:
     """Run the decode daemon until drained (SIGTERM/SIGINT); the failure that stopped it, if one did."""
     metrics = WorkerMetrics("decode")
-    server = WorkerServer(["pdserve.v1.DecodeWorker"])
+    server = WorkerServer(["pdserve.v1.DecodeWorker"], args.kv_auth_token)
     port = server.bind(args.host, args.port)
     address = join_host_port(args.advertise_host or advertised_host(args.host), port)
     epoch = time.time_ns()

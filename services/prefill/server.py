@@ -118,7 +118,7 @@ async def release_loop(engine: AsyncEngine, exporter: KVExporter, metrics: Worke
 async def serve(args: argparse.Namespace, engine: LLMEngine) -> str | None:
     """Run the prefill daemon until drained (SIGTERM/SIGINT); the failure that stopped it, if one did."""
     metrics = WorkerMetrics("prefill")
-    server = WorkerServer(["pdserve.v1.PrefillWorker", "pdserve.v1.KVHandshake"])
+    server = WorkerServer(["pdserve.v1.PrefillWorker", "pdserve.v1.KVHandshake"], args.kv_auth_token)
     port = server.bind(args.host, args.port)
     address = join_host_port(args.advertise_host or advertised_host(args.host), port)
     epoch = time.time_ns()

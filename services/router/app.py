@@ -96,7 +96,7 @@ def create_app(
     """
     tokenizer = tokenizer_loader(config.model)
     policy = PairingPolicy(config.direct_decode_threshold)
-    pool = WorkerPool()
+    pool = WorkerPool(config.kv_auth_token)
     served_name = model_name(config.model, config.served_model_name)
     metrics = RouterMetrics(policy, served_name, decode_only=config.decode_only)
 

@@ -53,6 +53,9 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
                    help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize (default: "
                         "$PDSERVE_API_KEY, which keeps it out of the process list; unset: no key needed)")
+    p.add_argument("--kv-auth-token", default=os.environ.get("PDSERVE_KV_AUTH_TOKEN") or None,
+                   help="the workers' cluster token, sent with every call to them (default: "
+                        "$PDSERVE_KV_AUTH_TOKEN; workers started with one refuse calls without it)")
     p.set_defaults(func=run_router)
     return p
 
@@ -74,6 +77,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_inflight_requests=args.max_inflight_requests,
         max_request_bytes=args.max_request_bytes,
         api_key=args.api_key,
+        kv_auth_token=args.kv_auth_token,
     )
     if not (config.decode or config.decode_dns):
         raise ValueError("the router needs decode workers: give --decode or --decode-dns")

@@ -39,6 +39,8 @@ class RouterConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     # None: open; else /v1/*, /tokenize and /detokenize need ``Authorization: Bearer <api_key>``.
     api_key: str | None = field(default=None, repr=False)
+    # The workers' cluster token (services/common/grpc_auth.py), sent with every call to them.
+    kv_auth_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("dns_refresh_s", "health_interval_s", "health_timeout_s", "request_timeout_s",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import grpc
 
+from services.common.grpc_auth import token_interceptors
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from services.router.pairing import Role, WorkerIdentity
 
@@ -41,7 +42,9 @@ def identity_from_info(info: worker_pb2.WorkerInfo) -> WorkerIdentity:
 class WorkerPool:
     """Channels and stubs keyed by address, and one method per RPC the router makes."""
 
-    def __init__(self) -> None:
+    def __init__(self, auth_token: str | None = None) -> None:
+        """``auth_token``: the workers' cluster token, added to every call (``grpc_auth.token_interceptors``)."""
+        self._interceptors = token_interceptors(auth_token) if auth_token else None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._prefill_stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
         self._decode_stubs: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
@@ -54,7 +57,7 @@ class WorkerPool:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS, interceptors=self._interceptors)
             self._channels[address] = channel
         return channel
 

@@ -238,6 +238,9 @@ def test_every_setting_reaches_the_command_lines(tmp_path, profile):
         role = role_of(name)
         assert args.model == "/models/some-model", name
         assert args.log_level == "DEBUG", name
+        # Every role gets the token from the environment (the router sends it with each call to a worker).
+        assert service["environment"]["PDSERVE_KV_AUTH_TOKEN"] == "s3cret", name
+        assert "s3cret" not in service["command"], f"{name}: the token belongs in the environment, not argv"
         if role == "router":
             assert args.served_model_name == "my-model"
             assert args.direct_decode_threshold == 64 and args.max_inflight_requests == 100
@@ -245,8 +248,6 @@ def test_every_setting_reaches_the_command_lines(tmp_path, profile):
         assert args.kv_block_order == "HND" and args.max_model_len == 4096, name
         assert args.drain_timeout_s == 50, name
         assert go_duration_s(service["stop_grace_period"]) == 70, name
-        assert service["environment"]["PDSERVE_KV_AUTH_TOKEN"] == "s3cret", name
-        assert "s3cret" not in service["command"], f"{name}: the token belongs in the environment, not argv"
         if role == "prefill":
             assert (args.tp, args.block_size, args.kv_lease_s) == (2, 32, 60), name
         else:
