@@ -305,7 +305,7 @@ class Scheduler:
             stats.host_hits += bool(num_host_hit)
             stats.host_misses += not num_host_hit
             stats.host_hit_tokens += num_host_hit
-        if request.num_preemptions == 0:
+        if request.num_preemptions == 0 and num_host_hit is not None:
             request.num_host_cached_tokens = num_host_hit
 
     def _start_load(self, request: Request, computed: list[list[int]], num_hit: int,

@@ -65,7 +65,7 @@ class _SpanStore:
 @dataclass
 class _Job:
     kind: str  # "store" | "load"
-    num_bytes: int
+    num_bytes: int = 0  # what the copy moves (set by ``_submit``)
     stores: list[_SpanStore] = field(default_factory=list)
     request_id: str | None = None  # load: the request waiting for it
     host_spans: list[list[int]] = field(default_factory=list)  # load: per group, referenced spans
@@ -182,8 +182,7 @@ class HostKVTier:
         for st in self._pending:
             src.setdefault(st.group, []).extend(st.device_blocks)
             dst.setdefault(st.group, []).extend(range(st.span * self.factor, (st.span + 1) * self.factor))
-        num_bytes = sum(len(ids) * self._block_bytes[g] for g, ids in src.items())
-        self._submit(_Job("store", num_bytes, stores=self._pending), src, dst, to_host=True)
+        self._submit(_Job("store", stores=self._pending), src, dst, to_host=True)
         self._pending = []
 
     # ---- lookup and load ---------------------------------------------------------------------
@@ -218,12 +217,12 @@ class HostKVTier:
             spans.append(sorted(used))
             self.spans.pool(g).touch(spans[-1])
             self.device_kv.pool(g).touch(dst.get(g, []))
-        num_bytes = sum(len(ids) * self._block_bytes[g] for g, ids in src.items())
-        job = _Job("load", num_bytes, request_id=request.request_id, host_spans=spans,
+        job = _Job("load", request_id=request.request_id, host_spans=spans,
                    device_blocks=[dst.get(g, []) for g in range(len(spans))])
         self._loading[request.request_id] = self._submit(job, src, dst, to_host=False)
 
     def _submit(self, job: _Job, src: dict[int, list[int]], dst: dict[int, list[int]], to_host: bool) -> int:
+        job.num_bytes = sum(len(ids) * self._block_bytes[g] for g, ids in src.items())
         runs = {g: block_runs(src[g], dst[g]) for g in src}
         copies: list[PlaneCopy] = [
             (host, device, runs[g]) if not to_host else (device, host, runs[g])
