@@ -1,7 +1,10 @@
-"""SamplingParams to and from the worker proto (the one place the two shapes meet)."""
+"""SamplingParams to and from the worker proto, and logprob entries to it (where the two shapes meet)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from services.engine.sampler import TopLogprobs
 from services.engine.sampling_params import SamplingParams
 from services.proto_gen.pdserve.v1 import worker_pb2
 
@@ -24,6 +27,8 @@ def sampling_from_proto(m: worker_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=m.repetition_penalty or 1.0,  # proto3's 0 is "unset": off
         logit_bias=tuple(sorted(m.logit_bias.items())),
         min_p=m.min_p,
+        top_logprobs=m.top_logprobs,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
     )
 
 
@@ -33,7 +38,16 @@ def sampling_to_proto(p: SamplingParams) -> worker_pb2.SamplingParams:
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, logprobs=p.logprobs,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias), min_p=p.min_p,
+        top_logprobs=p.top_logprobs,
     )
     if p.seed is not None:
         m.seed = p.seed
+    if p.prompt_logprobs is not None:
+        m.prompt_logprobs = p.prompt_logprobs
     return m
+
+
+def top_logprobs_to_proto(entries: Sequence[TopLogprobs | None]) -> list[worker_pb2.TopLogprobs]:
+    """Logprob entries as the wire has them; None (the prompt's first token) is an empty entry."""
+    return [worker_pb2.TopLogprobs(token_ids=e.token_ids, logprobs=e.logprobs) if e is not None
+            else worker_pb2.TopLogprobs() for e in entries]

@@ -24,7 +24,7 @@ from services.common.addresses import advertised_host, join_host_port
 from services.common.engine_ranks import close_kv_ranks, go_down_with_tp_group, open_kv_ranks
 from services.common.grpc_server import WorkerServer
 from services.common.metrics import PULL_STAGES, WorkerMetrics
-from services.common.sampling import sampling_from_proto
+from services.common.sampling import sampling_from_proto, top_logprobs_to_proto
 from services.common.worker_info import worker_info
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine, RequestOutput
@@ -76,8 +76,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     self.metrics.ttft.labels("decode").observe(now - started)
                 else:
                     self.metrics.itl.labels("decode").observe(now - last)
+                chunk = _chunk(out, len(prompt), recomputed)
+                if last is None and out.prompt_logprobs is not None:
+                    chunk.prompt_logprobs.extend(top_logprobs_to_proto(out.prompt_logprobs))
                 last = now
-                yield _chunk(out, len(prompt), recomputed)
+                yield chunk
             self.metrics.e2e.labels("decode").observe(time.monotonic() - started)
             self.metrics.requests.labels("decode", "finished").inc()
 
@@ -160,6 +163,7 @@ def _chunk(out: RequestOutput, num_prompt_tokens: int, recomputed: bool) -> work
     return worker_pb2.TokenChunk(
         token_ids=out.new_token_ids,
         logprobs=out.logprobs[-n:] if out.logprobs and n else [],
+        top_logprobs=top_logprobs_to_proto(out.top_logprobs[-n:]) if out.top_logprobs and n else [],
         text=out.new_text,
         finished=out.finished,
         finish_reason=out.finish_reason or "",

@@ -632,6 +632,8 @@ class KVCacheManager:
         empty: list[list[int]] = [[] for _ in self.managers]
         if not self.enable_prefix_caching or request.num_tokens < 2:
             return empty, 0
+        if request.sampling_params.prompt_logprobs is not None:
+            return empty, 0  # the cache holds no logits: every prompt position is computed
         limit, lookups = self._lookup_all(request.all_token_ids)
         for num_tokens in range(limit - limit % self._block_size_lcm, 0, -self._block_size_lcm):
             if all(m.is_hit(lk, num_tokens) for m, lk in zip(self.managers, lookups, strict=True)):

@@ -27,12 +27,20 @@ from services.engine.request import Request, RequestStatus
 from services.engine.sampler import (
     PendingSample,
     TokenHistory,
+    TopLogprobs,
     make_generator,
     min_tokens_banned_ids,
     sample_async,
+    top_logprobs_of,
 )
 from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerConfig, SchedulerOutput
+from services.engine.scheduler import (
+    PLACEHOLDER_TOKEN,
+    ScheduledChunk,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from services.engine.stopping import StopStringMatcher, check_token_stop
 from services.engine.tokenizer import Tokenizer
 
@@ -58,6 +66,12 @@ class RequestOutput:
     # (first position, logits [n, vocab]) for every chunk computed so far, in order; positions
     # may repeat after a preemption (only with SamplingParams.return_logits).
     logits: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # With SamplingParams.top_logprobs: one entry per output token (empty for a first token that came
+    # with pulled KV: the prefill worker reported its alternatives).
+    top_logprobs: list[TopLogprobs] | None = None
+    # With SamplingParams.prompt_logprobs, once the prompt is computed: one entry per prompt token, the
+    # first None; each entry's first pair is the prompt token itself, then the alternatives.
+    prompt_logprobs: list[TopLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,9 @@ class _RequestState:
     text: str = ""
     emitted_tokens: int = 0
     logits: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # Prompt position -> its entry (see RequestOutput.prompt_logprobs); kept across a preemption.
+    prompt_logprobs: dict[int, TopLogprobs] = field(default_factory=dict)
 
 
 def _needs_history(output: SchedulerOutput) -> bool:
@@ -95,6 +112,34 @@ def _history(request: Request) -> TokenHistory | None:
     if PLACEHOLDER_TOKEN in request.output_token_ids:
         raise RuntimeError(f"request {request.request_id}: penalties with an unresolved output token")
     return TokenHistory(request.prompt_token_ids, request.output_token_ids)
+
+
+def prompt_logprobs_of(chunk: ScheduledChunk, logits: torch.Tensor) -> dict[int, TopLogprobs]:
+    """Position -> entry for the prompt tokens this chunk's logits predict (position ``p``'s logits
+    predict token ``p + 1``): the token's own logprob first, then ``prompt_logprobs`` alternatives."""
+    request, k = chunk.request, chunk.request.sampling_params.prompt_logprobs or 0
+    num_prompt = request.num_prompt_tokens
+    n = min(chunk.num_tokens, num_prompt - 1 - chunk.start)  # positions whose next token is in the prompt
+    if n <= 0:
+        return {}
+    rows = logits[:n].float()
+    targets = torch.as_tensor(request.prompt_token_ids[chunk.start + 1: chunk.start + 1 + n], device=rows.device)
+    log_normalizer = torch.logsumexp(rows, dim=-1, keepdim=True)
+    own = (rows.gather(1, targets.unsqueeze(1)) - log_normalizer).squeeze(1).tolist()
+    top_ids, top_values = top_logprobs_of(rows, k, log_normalizer) if k else (None, None)
+    top_ids = top_ids.tolist() if k else [[]] * n
+    top_values = top_values.tolist() if k else [[]] * n
+    token_ids = targets.tolist()
+    return {chunk.start + 1 + i: TopLogprobs((token_ids[i], *top_ids[i]), (own[i], *top_values[i])) for i in range(n)}
+
+
+def _prompt_logprobs_list(state: _RequestState, request: Request) -> list[TopLogprobs | None] | None:
+    """The prompt's entries in order once every prompt position is computed, else None."""
+    entries = state.prompt_logprobs
+    num_prompt = request.num_prompt_tokens
+    if len(entries) < num_prompt - 1:
+        return None
+    return [None] + [entries[p] for p in range(1, num_prompt)]
 
 
 class LLMEngine:
@@ -287,6 +332,8 @@ class LLMEngine:
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise ValueError(f"first token id {first_token_id} is outside the vocabulary")
         request = self.scheduler.complete_external(request_id, first_token_id, first_logprob)
+        if request.sampling_params.top_logprobs:
+            self._states[request_id].top_logprobs.append(TopLogprobs((), ()))
         return self._finish_step(request)
 
     def fail_external_kv(self, request_id: str) -> None:
@@ -376,7 +423,11 @@ class LLMEngine:
             logits = self.runner.execute(output.chunks, tokens)
         for i, chunk_logits in logits.all_logits.items():
             chunk = output.chunks[i]
-            self._states[chunk.request.request_id].logits.append((chunk.start, chunk_logits.cpu()))
+            state = self._states[chunk.request.request_id]
+            if chunk.request.sampling_params.return_logits:
+                state.logits.append((chunk.start, chunk_logits.cpu()))
+            if chunk.request.sampling_params.prompt_logprobs is not None:
+                state.prompt_logprobs.update(prompt_logprobs_of(chunk, chunk_logits))
         rows = [output.chunks[i].request for i in logits.sample_rows]
         pending = None
         if rows:
@@ -392,11 +443,17 @@ class LLMEngine:
     def _resolve(self, step: _LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched (and advanced) step's tokens, put them in place, check stops."""
         sampled: dict[str, tuple[int, float | None]] = {}
+        top: dict[str, TopLogprobs] = {}
         if step.pending is not None:
             result = step.pending.result()
             for j, r in enumerate(step.rows):
                 sampled[r.request_id] = (result.token_ids[j], result.logprobs[j] if result.logprobs else None)
+                if r.sampling_params.top_logprobs:
+                    top[r.request_id] = result.top_logprobs[j].head(r.sampling_params.top_logprobs)
         updated = self.scheduler.resolve(step.output, sampled)
+        for r in updated:
+            if r.request_id in top:
+                self._states[r.request_id].top_logprobs.append(top[r.request_id])
         return [self._finish_step(r) for r in updated]
 
     def _finish_step(self, request: Request) -> RequestOutput:
@@ -434,6 +491,8 @@ class LLMEngine:
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
             logits=state.logits if p.return_logits else [],
+            top_logprobs=list(state.top_logprobs) if p.top_logprobs else None,
+            prompt_logprobs=_prompt_logprobs_list(state, request) if p.prompt_logprobs is not None else None,
         )
 
     # ---- convenience ---------------------------------------------------------------------------

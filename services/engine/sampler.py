@@ -30,11 +30,37 @@ class SamplerOutput:
 
     ``logprobs[i]`` is log-softmax of row ``i``'s raw logits (before temperature, top-k/top-p and
     min-tokens bans) at ``token_ids[i]``; it is computed for every row when any row asked for it,
-    and is None when none did.
+    and is None when none did. ``top_logprobs`` likewise, over the same raw logits.
     """
 
     token_ids: list[int]
     logprobs: list[float] | None
+    # Per row, the ``k`` most likely (token ids, logprobs), best first, where ``k`` is the largest
+    # ``top_logprobs`` of the batch (callers cut each row to its own); None when no row asked.
+    top_logprobs: list[TopLogprobs] | None = None
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """The most likely tokens at one position, best first: log-softmax of the raw logits."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+    def head(self, k: int) -> TopLogprobs:
+        return TopLogprobs(self.token_ids[:k], self.logprobs[:k])
+
+
+def top_logprobs_of(logits: torch.Tensor, k: int, log_normalizer: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, logprobs) [rows, k] of each row's ``k`` most likely tokens, best first.
+
+    ``log_normalizer`` [rows, 1] is ``logsumexp(logits)`` when the caller has it already.
+    """
+    if log_normalizer is None:
+        log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+    values, ids = logits.topk(k, dim=-1)
+    return ids, values - log_normalizer
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -76,16 +102,25 @@ class PendingSample:
     """
 
     token_ids: torch.Tensor
-    host: torch.Tensor  # int64 [rows], or float64 [2, rows] with the logprobs: the copy's target
+    # The copy's target: int64 [rows]; or float64 [2 + 2k, rows]: ids, logprobs, then k rows of top ids
+    # and k rows of top logprobs.
+    host: torch.Tensor
     ready: torch.cuda.Event | None
+    num_top: int = 0  # k
 
     def result(self) -> SamplerOutput:
         if self.ready is not None:
             self.ready.synchronize()
         if self.host.dim() == 1:
             return SamplerOutput(token_ids=self.host.tolist(), logprobs=None)
-        ids, logprobs = self.host.tolist()
-        return SamplerOutput(token_ids=[int(t) for t in ids], logprobs=logprobs)
+        rows = self.host.tolist()
+        ids, logprobs, k = rows[0], rows[1], self.num_top
+        top = None
+        if k:
+            top_ids, top_values = rows[2:2 + k], rows[2 + k:]
+            top = [TopLogprobs(tuple(int(top_ids[j][i]) for j in range(k)), tuple(top_values[j][i] for j in range(k)))
+                   for i in range(len(ids))]
+        return SamplerOutput(token_ids=[int(t) for t in ids], logprobs=logprobs, top_logprobs=top)
 
 
 def sample(
@@ -133,18 +168,23 @@ def sample_async(
             )
             token_ids.index_copy_(0, index, drawn)
 
-    out = token_ids
+    out, num_top = token_ids, max((p.top_logprobs for p in params), default=0)
     if any(p.logprobs for p in params):
-        logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)
-        # Pack both into one float64 tensor (exact for ids below 2**53) so the host waits once.
-        out = torch.stack((token_ids.double(), logprobs.double()))
+        log_normalizer = torch.logsumexp(raw, dim=-1, keepdim=True)
+        logprobs = raw.gather(1, token_ids.unsqueeze(1)) - log_normalizer
+        # Pack everything into one float64 tensor (exact for ids below 2**53) so the host waits once.
+        parts = [token_ids.double().unsqueeze(0), logprobs.double().T]
+        if num_top:
+            top_ids, top_values = top_logprobs_of(raw, num_top, log_normalizer)
+            parts += [top_ids.double().T, top_values.double().T]
+        out = torch.cat(parts)
     if out.device.type != "cuda":
-        return PendingSample(token_ids, out, None)
+        return PendingSample(token_ids, out, None, num_top)
     host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
     host.copy_(out, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(out.device))
-    return PendingSample(token_ids, host, ready)
+    return PendingSample(token_ids, host, ready, num_top)
 
 
 def _check_inputs(

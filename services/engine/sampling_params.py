@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 # OpenAI's limit on logit_bias entries.
 MAX_LOGIT_BIAS = 300
+# OpenAI's limit on top_logprobs (alternatives per position).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,11 @@ class SamplingParams:
     ids in the output so far (OpenAI). Greedy rows see all of them. Sampled rows then apply
     temperature, ``min_p`` (drop ids whose probability is below ``min_p`` times the top one; 0 = off),
     top-k and top-p. The defaults change nothing.
+
+    ``logprobs`` reports the chosen token's log-softmax over the raw logits; ``top_logprobs`` (needs
+    ``logprobs``) adds that many most likely alternatives per output token. ``prompt_logprobs`` (None =
+    off) reports each prompt token's logprob given the tokens before it, with that many alternatives;
+    such a request computes its whole prompt (the prefix cache holds no logits).
     """
 
     max_tokens: int = 16
@@ -40,6 +47,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
     # Keep the logits of every computed position (tests compare them with a reference model).
     return_logits: bool = False
 
@@ -88,6 +97,14 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
         self._validate_logit_bias()
 
     def _validate_logit_bias(self) -> None:

@@ -93,7 +93,9 @@ class ScheduledChunk:
 
     @property
     def return_logits(self) -> bool:
-        return self.request.sampling_params.return_logits
+        """Whether every position's logits are kept: asked for, or they hold prompt logprobs."""
+        p = self.request.sampling_params
+        return p.return_logits or (p.prompt_logprobs is not None and self.start < self.request.num_prompt_tokens - 1)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from services.common.addresses import advertised_host, join_host_port
 from services.common.engine_ranks import close_kv_ranks, go_down_with_tp_group, open_kv_ranks
 from services.common.grpc_server import WorkerServer
 from services.common.metrics import WorkerMetrics
-from services.common.sampling import sampling_from_proto
+from services.common.sampling import sampling_from_proto, top_logprobs_to_proto
 from services.common.worker_info import worker_info
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
@@ -69,6 +69,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             first_token_id=first, first_logprob=logprob, num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=final.num_cached_tokens,
         )
+        if final.top_logprobs:
+            response.first_top_logprobs.CopyFrom(top_logprobs_to_proto(final.top_logprobs[:1])[0])
+        if final.prompt_logprobs is not None:
+            response.prompt_logprobs.extend(top_logprobs_to_proto(final.prompt_logprobs))
         if stopped or params.max_tokens == 1:  # the first token is also the last: nothing to pull
             await self.engine.release_held_kv(rid)
             response.finished, response.finish_reason = True, "stop" if stopped else "length"

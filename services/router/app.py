@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.engine.tokenizer import Tokenizer
 from services.router.answers import ChatAnswer, CompletionAnswer, answer_for
+from services.router.choices import Choice, stream_choices
 from services.router.config import RouterConfig
 from services.router.discovery import Discovery, EndpointSource, Probe, Resolver, resolve
 from services.router.errors import ModelNotFound, WorkerFailure, install_error_handlers, to_router_error
@@ -40,11 +41,12 @@ from services.router.protocol import (
     decode_request,
     to_sampling_params,
 )
-from services.router.responses import ModelCard, ModelList, join_deltas
+from services.router.responses import ModelCard, ModelList, Usage, join_deltas, usage_of
 from services.router.streaming import DONE_EVENT, SSEResponse, run_until_disconnect, sse_event
 from services.router.tokenize_api import DetokenizeRequest, TokenizeRequest, decode_body, detokenize, tokenize
 from services.router.tokenizing import (
     check_text_features,
+    echo_texts,
     load_tokenizer,
     model_name,
     prompt_token_ids,
@@ -238,34 +240,55 @@ def _json(payload: object, status_code: int = 200) -> Response:
 
 
 async def _generate(request: Request, kind: type[RequestT]) -> Response:
-    """Validate, tokenize, then run the request over a worker pair, streamed or collected."""
+    """Validate, tokenize, then run the request's choices over worker pairs, streamed or collected."""
     arrival_s = time.monotonic()
     rt = _runtime(request)
     body = decode_request(await read_body(request, rt.config.max_request_bytes), kind)
     _check_model(body.model, rt)
     check_text_features(body, rt.tokenizer)
-    token_ids = prompt_token_ids(body, rt.tokenizer, rt.vocab_size)
+    prompts = prompt_token_ids(body, rt.tokenizer, rt.vocab_size)
     if rt.vocab_size is not None:  # else the workers check it (a 400 from INVALID_ARGUMENT)
         body.check_vocab(rt.vocab_size)
-    max_tokens = resolve_max_tokens(body, len(token_ids), rt.max_model_len())
+    max_tokens = [resolve_max_tokens(body, len(ids), rt.max_model_len()) for ids in prompts]
     prefix = "chatcmpl" if kind is ChatCompletionRequest else "cmpl"
     request_id = worker_request_id(request, prefix)
-    generation = GenerationRequest(request_id, token_ids, to_sampling_params(body, max_tokens), arrival_s)
-    outcome = Outcome(num_prompt_tokens=len(token_ids))
-    answer = answer_for(request_id, rt.model_name, body, rt.tokenizer)
-    deltas = rt.dispatcher.stream(generation, outcome)
+    prompt_outcomes = [Outcome(num_prompt_tokens=len(ids)) for ids in prompts]
+    choices = []
+    for p, ids in enumerate(prompts):
+        for i in range(body.n):
+            index = p * body.n + i
+            choice_id = request_id if len(prompts) * body.n == 1 else f"{request_id}-{index}"
+            generation = GenerationRequest(choice_id, ids, to_sampling_params(body, max_tokens[p], index), arrival_s)
+            outcome = prompt_outcomes[p] if i == 0 else Outcome(num_prompt_tokens=len(ids))
+            choices.append(Choice(index, p, generation, outcome))
+    echo = echo_texts(body, prompts, rt.tokenizer) if isinstance(body, CompletionRequest) and body.echo else None
+    answer = answer_for(request_id, rt.model_name, body, rt.tokenizer, prompts, echo)
+    usage = _Usage(prompt_outcomes, [c.outcome for c in choices])
+    deltas = stream_choices(rt.dispatcher, choices)
     if body.stream:
         # Wait for the first token before answering, so failures up to there get their HTTP status.
         first, gone = await run_until_disconnect(request.receive, _first(deltas))
         if gone:
             rt.metrics.client_disconnects.inc()
             return Response(status_code=_CLIENT_CLOSED)
-        return SSEResponse(_events(first, deltas, answer, outcome, rt))
+        return SSEResponse(_events(first, deltas, answer, usage, len(choices), rt))
     collected, gone = await run_until_disconnect(request.receive, _collect(deltas))
     if gone:
         rt.metrics.client_disconnects.inc()
         return Response(status_code=_CLIENT_CLOSED)
-    return _json(answer.full(join_deltas(collected), outcome))
+    joined = {index: join_deltas(parts) for index, parts in collected.items()}
+    return _json(answer.full(joined, usage.now()))
+
+
+@dataclass(frozen=True)
+class _Usage:
+    """Where a request's usage is read from once its choices are done."""
+
+    prompts: list[Outcome]
+    choices: list[Outcome]
+
+    def now(self) -> Usage:
+        return usage_of(self.prompts, self.choices)
 
 
 def _check_model(model: str | None, rt: RouterRuntime) -> None:
@@ -273,30 +296,37 @@ def _check_model(model: str | None, rt: RouterRuntime) -> None:
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
 
 
-async def _first(deltas: AsyncIterator[Delta]) -> Delta:
+async def _first(deltas: AsyncIterator[tuple[int, Delta]]) -> tuple[int, Delta]:
     try:
         return await anext(deltas)
     except StopAsyncIteration:
         raise WorkerFailure("the request ended without a token") from None
 
 
-async def _collect(deltas: AsyncIterator[Delta]) -> list[Delta]:
-    return [delta async for delta in deltas]
+async def _collect(deltas: AsyncIterator[tuple[int, Delta]]) -> dict[int, list[Delta]]:
+    collected: dict[int, list[Delta]] = {}
+    async for index, delta in deltas:
+        collected.setdefault(index, []).append(delta)
+    return collected
 
 
-async def _events(first: Delta, deltas: AsyncIterator[Delta], answer: CompletionAnswer | ChatAnswer,
-                  outcome: Outcome, rt: RouterRuntime) -> AsyncIterator[bytes]:
+async def _events(first: tuple[int, Delta], deltas: AsyncIterator[tuple[int, Delta]],
+                  answer: CompletionAnswer | ChatAnswer, usage: _Usage, num_choices: int,
+                  rt: RouterRuntime) -> AsyncIterator[bytes]:
     """SSE: chunks, the usage chunk if asked for, [DONE]; a failure mid-stream is an error event."""
     try:
-        delta = first
+        index, delta = first
+        unfinished = num_choices
         while True:
-            for chunk in answer.chunks(delta):
+            for chunk in answer.chunks(index, delta):
                 yield sse_event(chunk)
             if delta.finish_reason is not None:
-                break
-            delta = await anext(deltas)
+                unfinished -= 1
+                if not unfinished:
+                    break
+            index, delta = await anext(deltas)
         if answer.include_usage:
-            yield sse_event(answer.usage_chunk(outcome))
+            yield sse_event(answer.usage_chunk(usage.now()))
     except StopAsyncIteration:
         yield sse_event(WorkerFailure("the stream ended before the request finished").body())
     except Exception as exc:  # the headers are out: report it in the stream, in the same error format
@@ -305,7 +335,7 @@ async def _events(first: Delta, deltas: AsyncIterator[Delta], answer: Completion
         rt.metrics.client_disconnects.inc()
         raise
     finally:
-        await deltas.aclose()  # runs the flow's clean-up now if it did not finish
+        await deltas.aclose()  # runs the flows' clean-up now if they did not finish
     yield DONE_EVENT
 
 

@@ -56,14 +56,29 @@ class GenerationRequest:
     arrival_s: float  # time.monotonic() when the HTTP request arrived
 
 
+# The most likely tokens at one position, best first: (token id, logprob) pairs.
+Alternatives = tuple[tuple[int, float], ...]
+
+
+def alternatives_of(entry: worker_pb2.TopLogprobs) -> Alternatives:
+    return tuple(zip(entry.token_ids, entry.logprobs, strict=True))
+
+
 @dataclass(frozen=True)
 class Delta:
-    """What one step adds to the answer; ``finish_reason`` is set on the last one."""
+    """What one step adds to the answer; ``finish_reason`` is set on the last one.
+
+    ``top_logprobs`` has one entry per token when alternatives were asked for. ``prompt_logprobs``
+    (on the first delta, when asked for) has one entry per prompt token, the first None; each
+    entry's first pair is the prompt token itself.
+    """
 
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str | None = None
+    top_logprobs: tuple[Alternatives, ...] = ()
+    prompt_logprobs: tuple[Alternatives | None, ...] | None = None
 
 
 @dataclass
@@ -76,6 +91,15 @@ class Outcome:
     route: str = ""
     recomputed_locally: bool = False
     finish_reason: str | None = None
+    workers: Workers | None = None  # the pair that served it (once one was picked)
+
+
+@dataclass(frozen=True)
+class Workers:
+    """A (prefill, decode) pair by address; prefill is None on the direct route."""
+
+    prefill: str | None
+    decode: str
 
 
 class Dispatcher:
@@ -90,18 +114,25 @@ class Dispatcher:
         self.metrics = metrics
         self.num_in_flight = 0
 
-    async def stream(self, request: GenerationRequest, outcome: Outcome) -> AsyncIterator[Delta]:
-        """The request's deltas. Raises a RouterError before the first delta, or between two."""
+    async def stream(self, request: GenerationRequest, outcome: Outcome,
+                     affinity: Workers | None = None) -> AsyncIterator[Delta]:
+        """The request's deltas. Raises a RouterError before the first delta, or between two.
+
+        ``affinity``: the pair to use if both are still available (a sibling choice of the same
+        prompt, whose blocks their prefix caches hold).
+        """
         limit = self.config.max_inflight_requests
         if limit is not None and self.num_in_flight >= limit:
             raise Overloaded(f"{self.num_in_flight} requests in flight (limit {limit})",
                              retry_after_s=self.config.retry_after_s)
-        assignment = self.policy.acquire(len(request.prompt_token_ids))
+        assignment = self.policy.acquire(len(request.prompt_token_ids), affinity and (affinity.prefill,
+                                                                                      affinity.decode))
         if assignment is None:
             known = len(self.policy.workers(Role.DECODE))
             raise NoHealthyWorkers(f"no healthy decode worker ({known} known)",
                                    retry_after_s=self.config.retry_after_s)
         run = _Run(self, request, assignment, outcome)
+        outcome.workers = Workers(assignment.prefill, assignment.decode)
         self.num_in_flight += 1
         self.metrics.in_flight.inc()
         ending = "cancelled"  # unless it finished or failed: the consumer stopped listening
@@ -230,26 +261,38 @@ class _Run:
         if not finished and finish_reason is None and not response.HasField("ticket"):
             raise WorkerFailure(f"prefill worker {self.assignment.prefill} answered an unfinished request "
                                 "without a transfer ticket")
-        logprobs = (response.first_logprob,) if self.request.params.logprobs else ()
-        return Delta(text, (response.first_token_id,), logprobs, finish_reason)
+        params = self.request.params
+        logprobs = (response.first_logprob,) if params.logprobs else ()
+        top = (alternatives_of(response.first_top_logprobs),) if params.top_logprobs else ()
+        prompt = tuple(alternatives_of(e) or None for e in response.prompt_logprobs) \
+            if params.HasField("prompt_logprobs") else None
+        return Delta(text, (response.first_token_id,), logprobs, finish_reason, top, prompt)
 
     # ---- decode ----------------------------------------------------------------------------------
 
     async def _decode(self, address: str, ticket: kv_pb2.TransferTicket | None) -> AsyncIterator[Delta]:
+        params = self.request.params
+        if ticket is not None and params.HasField("prompt_logprobs"):
+            # The prefill worker reported them; the decode worker never computes this prompt (or, if its
+            # pull fails, recomputes it only to go on).
+            params = worker_pb2.SamplingParams()
+            params.CopyFrom(self.request.params)
+            params.ClearField("prompt_logprobs")
         call = self.owner.pool.generate(address, self.request.request_id, self.request.prompt_token_ids,
-                                        self.request.params, ticket, timeout_s=self._remaining_s())
+                                        params, ticket, timeout_s=self._remaining_s())
         self.decode_call = call
         skip_first = ticket is not None
         try:
             async for chunk in call:
                 token_ids, logprobs = list(chunk.token_ids), list(chunk.logprobs)
+                top = [alternatives_of(e) for e in chunk.top_logprobs]
                 if skip_first and token_ids:
                     skip_first = False
                     if token_ids[0] != ticket.first_token_id:
                         log.warning("request %s: decode stream starts with token %d, not the ticket's %d",
                                     self.request.request_id, token_ids[0], ticket.first_token_id)
-                    token_ids, logprobs = token_ids[1:], logprobs[1:]
-                delta = self._decode_delta(chunk, token_ids, logprobs)
+                    token_ids, logprobs, top = token_ids[1:], logprobs[1:], top[1:]
+                delta = self._decode_delta(chunk, token_ids, logprobs, top)
                 if delta.token_ids or delta.finish_reason is not None:
                     yield delta
                 if delta.finish_reason is not None:
@@ -261,7 +304,8 @@ class _Run:
         self._worker_failed(Role.DECODE, address, "stream ended before the request finished")
         raise WorkerFailure(f"decode worker {address} ended the stream before the request finished")
 
-    def _decode_delta(self, chunk: worker_pb2.TokenChunk, token_ids: list[int], logprobs: list[float]) -> Delta:
+    def _decode_delta(self, chunk: worker_pb2.TokenChunk, token_ids: list[int], logprobs: list[float],
+                      top: list[Alternatives]) -> Delta:
         outcome = self.outcome
         outcome.num_generated_tokens += len(token_ids)
         outcome.recomputed_locally |= chunk.recomputed_locally
@@ -272,8 +316,13 @@ class _Run:
         if self.text.stopped:
             finish_reason = "stop"
         self.decode_finished = chunk.finished
-        logprobs_out = tuple(logprobs) if self.request.params.logprobs else ()
-        return Delta(text, tuple(token_ids), logprobs_out, finish_reason)
+        params = self.request.params
+        logprobs_out = tuple(logprobs) if params.logprobs else ()
+        top_out = tuple(top) if params.top_logprobs else ()
+        prompt = None
+        if params.HasField("prompt_logprobs") and chunk.prompt_logprobs:
+            prompt = tuple(alternatives_of(e) or None for e in chunk.prompt_logprobs)
+        return Delta(text, tuple(token_ids), logprobs_out, finish_reason, top_out, prompt)
 
     def _worker_failed(self, role: Role, address: str, reason: str) -> None:
         self.failed.add(role)

@@ -222,8 +222,13 @@ class PairingPolicy:
 
     # ---- pairing ---------------------------------------------------------------------------------
 
-    def acquire(self, num_prompt_tokens: int) -> Assignment | None:
-        """Pick workers for a request and count it on them; None when no decode worker is up."""
+    def acquire(self, num_prompt_tokens: int,
+                affinity: tuple[str | None, str] | None = None) -> Assignment | None:
+        """Pick workers for a request and count it on them; None when no decode worker is up.
+
+        ``affinity`` (prefill, decode): the pair to prefer while both are available and still pair (a
+        sibling choice of the same prompt: their prefix caches hold its blocks).
+        """
         decodes = self._available(Role.DECODE)
         if not decodes:
             return None
@@ -233,11 +238,15 @@ class PairingPolicy:
             if paired:
                 decodes = paired
         decode = min(decodes, key=lambda w: (w.outstanding_requests, w.num_picks, w.address))
+        if affinity is not None:
+            decode = next((d for d in decodes if d.address == affinity[1]), decode)
         if num_prompt_tokens >= self.direct_decode_threshold:
             partners = self._partners(decode)
             if partners:
                 prefill = min(partners, key=lambda w: (w.outstanding_tokens, w.outstanding_requests,
                                                         w.num_picks, w.address))
+                if affinity is not None:
+                    prefill = next((p for p in partners if p.address == affinity[0]), prefill)
         for worker in (decode, prefill):
             if worker is not None:
                 worker.outstanding_requests += 1

@@ -2,16 +2,17 @@
 
 Types and ranges are declared on the Structs, so msgspec rejects a wrong type or an out-of-range
 number with the JSON path of the field; what needs more than one field, or is an OpenAI feature
-pdserve does not have, is checked in ``check()``. Unknown fields are ignored, as OpenAI does; known
-ones we cannot honour (``n`` > 1, ``echo``, alternatives in ``logprobs``) are a 400 rather
-than a silently different answer. Nothing here talks to a worker.
+pdserve does not have, is checked in ``check()``. Unknown fields are ignored, as OpenAI does; every
+field OpenAI documents that pdserve cannot honour (``suffix``, ``tools``, ``audio``, ...) is declared
+here only so that setting it is a 400 naming it rather than a silently different answer. Nothing
+here talks to a worker.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -34,6 +35,12 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 LogitBias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 # OpenAI's limit on logit_bias entries (the engine's too).
 MAX_LOGIT_BIAS = 300
+# OpenAI's limit on alternatives per token (chat top_logprobs); completions' logprobs get the same.
+MAX_TOP_LOGPROBS = 20
+TopLogprobCount = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+# Choices per request (n, times the prompts of a batched completion): each is a sequence on the workers.
+MAX_CHOICES = 64
+ChoiceCount = Annotated[int, Meta(ge=1, le=MAX_CHOICES)]
 
 # Completions default to 16 tokens, as OpenAI's legacy endpoint does.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -55,7 +62,7 @@ class _Common(msgspec.Struct, kw_only=True):
     seed: Seed | None = None
     stop: Stop | None = None
     stop_token_ids: list[TokenId] | None = None
-    n: int = 1
+    n: ChoiceCount = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -82,9 +89,18 @@ class _Common(msgspec.Struct, kw_only=True):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def num_top_logprobs(self) -> int:
+        """Alternatives per output token (0: only the chosen token's logprob, if any)."""
+        raise NotImplementedError
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice ``index``: ``seed + index`` (wrapped to int64), so seeded choices differ."""
+        if self.seed is None:
+            return None
+        return (self.seed + index + 2**63) % 2**64 - 2**63
+
     def _check_common(self) -> None:
-        if self.n != 1:
-            raise InvalidRequest(f"n={self.n} is not supported: pdserve returns exactly one choice", param="n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options can only be given with stream=true", param="stream_options")
         if not math.isfinite(self.repetition_penalty):
@@ -108,11 +124,12 @@ class _Common(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_Common, kw_only=True):
-    """``POST /v1/completions``: one prompt, as text or token ids."""
+    """``POST /v1/completions``: one prompt (text or token ids) or a batch of them."""
 
-    prompt: str | list[TokenId]
-    # Only 0 (the chosen token's logprob) is supported; alternatives are not computed.
-    logprobs: NonNegativeInt | None = None
+    # A text, a list of token ids, or a batch: a list of texts or a list of token-id lists.
+    prompt: str | list[str | TokenId | list[TokenId]]
+    # Alternatives per token, as OpenAI's legacy endpoint has it (the chosen token's logprob is always there).
+    logprobs: TopLogprobCount | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -122,24 +139,50 @@ class CompletionRequest(_Common, kw_only=True):
         return self.logprobs is not None
 
     @property
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
+
+    @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request, each a text or a list of token ids (``check()`` has validated them)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
     def check(self) -> None:
         self._check_common()
-        if not self.prompt:
-            raise InvalidRequest("prompt must not be empty", param="prompt")
-        if self.logprobs:
-            raise InvalidRequest(
-                f"logprobs={self.logprobs} is not supported: only logprobs=0 (the chosen token's logprob)",
-                param="logprobs")
-        if self.echo:
-            raise InvalidRequest("echo is not supported", param="echo")
+        self._check_prompt()
+        if self.n * len(self.prompts) > MAX_CHOICES:
+            raise InvalidRequest(f"n={self.n} over {len(self.prompts)} prompts makes {self.n * len(self.prompts)} "
+                                 f"choices; at most {MAX_CHOICES} are allowed per request", param="n")
         if self.suffix:
-            raise InvalidRequest("suffix is not supported", param="suffix")
-        if self.best_of not in (None, 1):
-            raise InvalidRequest(f"best_of={self.best_of} is not supported (only 1)", param="best_of")
+            raise InvalidRequest("suffix is not supported (no model served here does fill-in-the-middle)",
+                                 param="suffix")
+        if self.best_of not in (None, self.n):
+            raise InvalidRequest(f"best_of={self.best_of} is not supported (only best_of equal to n={self.n})",
+                                 param="best_of")
         _check_min_tokens(self.min_tokens, self.max_tokens, "max_tokens")
+
+    def _check_prompt(self) -> None:
+        prompt = self.prompt
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        if isinstance(prompt, str):
+            return
+        kinds = {type(p) for p in prompt}
+        if len(kinds) != 1:
+            raise InvalidRequest("prompt must be a text, a list of token ids, a list of texts or a list of "
+                                 "token-id lists, not a mix", param="prompt")
+        for i, p in enumerate(prompt):
+            if isinstance(p, (str, list)) and not p:
+                raise InvalidRequest(f"prompt[{i}] must not be empty", param="prompt")
 
 
 class ContentPart(msgspec.Struct):
@@ -165,21 +208,45 @@ class ResponseFormat(msgspec.Struct):
     type: str
 
 
+# Chat fields OpenAI documents that pdserve has no use for at all; each may be sent with its "off" value.
+_INERT_IF_OFF = ("audio", "prediction", "web_search_options", "functions", "reasoning_effort", "verbosity")
+
+
 class ChatCompletionRequest(_Common, kw_only=True):
     """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
 
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    # Only 0 is supported: alternatives are not computed.
-    top_logprobs: NonNegativeInt | None = None
+    top_logprobs: TopLogprobCount | None = None
     tools: list[msgspec.Raw] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
+    # Documented by OpenAI, accepted without effect: pdserve stores nothing and has one service tier.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    modalities: list[str] | None = None
+    # Documented by OpenAI, not available here: a 400 naming the field when it is set.
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.top_logprobs or 0
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -192,12 +259,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
     def check(self) -> None:
         self._check_common()
-        if self.top_logprobs:
-            raise InvalidRequest(
-                f"top_logprobs={self.top_logprobs} is not supported: only the chosen token's logprob",
-                param="top_logprobs")
-        if self.tools:
-            raise InvalidRequest("tools are not supported", param="tools")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+        self._check_unsupported()
         if self.response_format is not None and self.response_format.type != "text":
             raise InvalidRequest(f"response_format {self.response_format.type!r} is not supported (only 'text')",
                                  param="response_format")
@@ -208,6 +272,26 @@ class ChatCompletionRequest(_Common, kw_only=True):
                                          param=f"messages[{i}].content[{j}].type")
         name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         _check_min_tokens(self.min_tokens, self.requested_max_tokens, name)
+
+
+    def _check_unsupported(self) -> None:
+        """A 400 naming the first documented OpenAI feature that is asked for and not available here."""
+        for name in _INERT_IF_OFF:
+            if getattr(self, name) not in (None, []):
+                raise InvalidRequest(f"{name} is not supported", param=name)
+        if self.tools:
+            raise InvalidRequest("tools are not supported (no tool calling)", param="tools")
+        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
+            raise InvalidRequest("tool_choice is not supported (no tool calling)", param="tool_choice")
+        if self.function_call is not None and self.function_call not in ("none", "auto"):
+            raise InvalidRequest("function_call is not supported (no function calling)", param="function_call")
+        if self.store:
+            raise InvalidRequest("store=true is not supported: pdserve keeps no completions", param="store")
+        if self.service_tier not in (None, "auto", "default"):
+            raise InvalidRequest(f"service_tier {self.service_tier!r} is not supported (only 'auto' or 'default')",
+                                 param="service_tier")
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            raise InvalidRequest("modalities other than 'text' are not supported", param="modalities")
 
 
 def _check_min_tokens(min_tokens: int, max_tokens: int | None, max_name: str) -> None:
@@ -232,8 +316,9 @@ def decode_request(body: bytes, kind: type[RequestT]) -> RequestT:
     return request
 
 
-def to_sampling_params(request: AnyRequest, max_tokens: int) -> worker_pb2.SamplingParams:
-    """The worker's SamplingParams; ``max_tokens`` is the router's final figure (context-checked)."""
+def to_sampling_params(request: AnyRequest, max_tokens: int, choice: int = 0) -> worker_pb2.SamplingParams:
+    """The worker's SamplingParams for choice ``choice``; ``max_tokens`` is the router's final figure
+    (context-checked). A completion's ``echo`` with logprobs asks for the prompt's logprobs too."""
     params = worker_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=request.temperature,
@@ -249,7 +334,11 @@ def to_sampling_params(request: AnyRequest, max_tokens: int) -> worker_pb2.Sampl
         repetition_penalty=request.repetition_penalty,
         logit_bias=dict(request.logit_bias_pairs),
         min_p=request.min_p,
+        top_logprobs=request.num_top_logprobs if request.wants_logprobs else 0,
     )
-    if request.seed is not None:
-        params.seed = request.seed
+    seed = request.choice_seed(choice)
+    if seed is not None:
+        params.seed = seed
+    if isinstance(request, CompletionRequest) and request.echo and request.wants_logprobs:
+        params.prompt_logprobs = request.num_top_logprobs
     return params

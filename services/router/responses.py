@@ -13,7 +13,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from services.engine.tokenizer import Tokenizer
-from services.router.flow import Delta, Outcome
+from services.router.flow import Alternatives, Delta, Outcome
 from services.router.text import token_label
 
 
@@ -28,29 +28,41 @@ class Usage(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
 
 
-def usage_of(outcome: Outcome) -> Usage:
-    details = UNSET if outcome.num_cached_tokens is None else PromptTokensDetails(outcome.num_cached_tokens)
-    return Usage(outcome.num_prompt_tokens, outcome.num_generated_tokens,
-                 outcome.num_prompt_tokens + outcome.num_generated_tokens, details)
+def usage_of(prompt_outcomes: Sequence[Outcome], choice_outcomes: Sequence[Outcome]) -> Usage:
+    """Usage over a request's prompts (each counted once, whatever ``n``; cached tokens as its first
+    choice found them) and all its choices' completion tokens."""
+    prompt_tokens = sum(o.num_prompt_tokens for o in prompt_outcomes)
+    completion_tokens = sum(o.num_generated_tokens for o in choice_outcomes)
+    cached = [o.num_cached_tokens for o in prompt_outcomes if o.num_cached_tokens is not None]
+    details = PromptTokensDetails(sum(cached)) if cached else UNSET
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, details)
 
 
 # ---- logprobs ------------------------------------------------------------------------------------
 
 
 class CompletionLogprobs(msgspec.Struct):
-    """Legacy completions logprobs; ``top_logprobs`` holds only the chosen token (logprobs=0)."""
+    """Legacy completions logprobs: per token its text, logprob, and a dict of the ``logprobs`` most
+    likely tokens plus the chosen one. With ``echo`` the prompt's tokens come first, the very first
+    with null (nothing precedes it)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class ChatTopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
 
 
 class ChatTokenLogprob(msgspec.Struct):
     token: str
     logprob: float
     bytes: list[int] | None
-    top_logprobs: list[dict] = msgspec.field(default_factory=list)
+    top_logprobs: list[ChatTopLogprob] = msgspec.field(default_factory=list)
 
 
 class ChatLogprobs(msgspec.Struct):
@@ -58,27 +70,42 @@ class ChatLogprobs(msgspec.Struct):
 
 
 class LogprobFormatter:
-    """Names tokens for logprobs the same way across a request (text, or ``token_id:<id>``)."""
+    """One choice's logprobs, its tokens named the same way throughout (text, or ``token_id:<id>``)."""
 
     def __init__(self, tokenizer: Tokenizer | None, as_token_ids: bool) -> None:
         self._tokenizer = tokenizer
         self._as_token_ids = as_token_ids
         self._text_offset = 0
 
-    def completion(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> CompletionLogprobs:
-        tokens = [token_label(self._tokenizer, t, self._as_token_ids) for t in token_ids]
+    def _label(self, token_id: int) -> str:
+        return token_label(self._tokenizer, token_id, self._as_token_ids)
+
+    def completion(self, token_ids: Sequence[int], logprobs: Sequence[float | None],
+                   top: Sequence[Alternatives | None] = ()) -> CompletionLogprobs:
+        """``top[i]`` (when given): the alternatives at token ``i``; None for an echoed first token."""
+        tokens = [self._label(t) for t in token_ids]
         offsets = []
         for token in tokens:
             offsets.append(self._text_offset)
             self._text_offset += len(token)
-        return CompletionLogprobs(tokens, list(logprobs), [{t: lp} for t, lp in zip(tokens, logprobs, strict=True)],
-                                  offsets)
+        dicts: list[dict[str, float] | None] = []
+        for i, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
+            if logprob is None:
+                dicts.append(None)
+                continue
+            entry = {self._label(t): lp for t, lp in top[i]} if top else {}
+            entry.setdefault(token, logprob)  # OpenAI: the chosen token is always there
+            dicts.append(entry)
+        return CompletionLogprobs(tokens, list(logprobs), dicts, offsets)
 
-    def chat(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> ChatLogprobs:
+    def chat(self, token_ids: Sequence[int], logprobs: Sequence[float],
+             top: Sequence[Alternatives] = ()) -> ChatLogprobs:
         content = []
-        for token_id, logprob in zip(token_ids, logprobs, strict=True):
-            token = token_label(self._tokenizer, token_id, self._as_token_ids)
-            content.append(ChatTokenLogprob(token, logprob, list(token.encode("utf-8"))))
+        for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+            token = self._label(token_id)
+            alternatives = [ChatTopLogprob(label, lp, list(label.encode("utf-8")))
+                            for label, lp in ((self._label(t), lp) for t, lp in top[i])] if top else []
+            content.append(ChatTokenLogprob(token, logprob, list(token.encode("utf-8")), alternatives))
         return ChatLogprobs(content)
 
 
@@ -150,12 +177,14 @@ class CompletionChunk(msgspec.Struct, tag_field="object", tag="text_completion")
 
 
 def join_deltas(deltas: Sequence[Delta]) -> Delta:
-    """The whole answer as one delta (non-streaming responses)."""
+    """One choice's whole answer as one delta (non-streaming responses)."""
     return Delta(
         text="".join(d.text for d in deltas),
         token_ids=tuple(t for d in deltas for t in d.token_ids),
         logprobs=tuple(lp for d in deltas for lp in d.logprobs),
         finish_reason=deltas[-1].finish_reason if deltas else None,
+        top_logprobs=tuple(a for d in deltas for a in d.top_logprobs),
+        prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
     )
 
 

@@ -34,16 +34,12 @@ def load_tokenizer(model: str | None) -> Tokenizer | None:
     return load_model_tokenizer(parse_model(model))
 
 
-def prompt_token_ids(request: AnyRequest, tokenizer: Tokenizer | None, vocab_size: int | None = None) -> list[int]:
-    """Tokenize once: a text prompt, token ids (checked against ``vocab_size`` when known), or chat messages."""
+def prompt_token_ids(request: AnyRequest, tokenizer: Tokenizer | None, vocab_size: int | None = None
+                     ) -> list[list[int]]:
+    """Tokenize once, per prompt: texts, token ids (checked against ``vocab_size`` when known), or chat
+    messages (one prompt)."""
     if isinstance(request, CompletionRequest):
-        if isinstance(request.prompt, list):
-            if vocab_size is not None and max(request.prompt) >= vocab_size:
-                raise InvalidRequest(
-                    f"prompt token id {max(request.prompt)} is outside the vocabulary [0, {vocab_size})",
-                    param="prompt")
-            return list(request.prompt)
-        return _require(tokenizer, "prompt").encode(request.prompt)
+        return [_completion_prompt(prompt, tokenizer, vocab_size) for prompt in request.prompts]
     tokenizer = _require(tokenizer, "messages")
     try:
         text = tokenizer.apply_chat_template(request.template_messages(),
@@ -51,13 +47,30 @@ def prompt_token_ids(request: AnyRequest, tokenizer: Tokenizer | None, vocab_siz
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="messages") from None
     # The template writes its own BOS where it wants one.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return [tokenizer.encode(text, add_special_tokens=False)]
+
+
+def _completion_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_size: int | None) -> list[int]:
+    if isinstance(prompt, str):
+        return _require(tokenizer, "prompt").encode(prompt)
+    if vocab_size is not None and max(prompt) >= vocab_size:
+        raise InvalidRequest(f"prompt token id {max(prompt)} is outside the vocabulary [0, {vocab_size})",
+                             param="prompt")
+    return list(prompt)
+
+
+def echo_texts(request: CompletionRequest, token_ids: list[list[int]], tokenizer: Tokenizer | None) -> list[str]:
+    """Each prompt as ``echo`` writes it back: the text as sent, or the token ids decoded."""
+    return [p if isinstance(p, str) else _require(tokenizer, "echo").decode(ids, skip_special_tokens=False)
+            for p, ids in zip(request.prompts, token_ids, strict=True)]
 
 
 def check_text_features(request: AnyRequest, tokenizer: Tokenizer | None) -> None:
-    """Stop strings need text; without a tokenizer the router has none."""
+    """Stop strings and echo need text; without a tokenizer the router has none."""
     if tokenizer is None and request.stop_strings:
         raise InvalidRequest("stop strings need a tokenizer, and this model has none", param="stop")
+    if tokenizer is None and isinstance(request, CompletionRequest) and request.echo:
+        raise InvalidRequest("echo needs a tokenizer, and this model has none", param="echo")
 
 
 def _require(tokenizer: Tokenizer | None, param: str) -> Tokenizer:

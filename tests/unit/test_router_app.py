@@ -155,9 +155,10 @@ async def test_unknown_model_is_404(healthy: Router) -> None:
     ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({"max_tokens": 5}, "prompt"),
-    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "n": 65}, "n"),
     ({"prompt": "hi", "stop": 7}, "stop"),
-    ({"prompt": "hi", "logprobs": 20}, "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": ["hi", "x" * 64]}, "prompt"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": [1, 2, 100000]}, "prompt"),
     ({"prompt": "x" * 64}, "prompt"),
@@ -186,7 +187,7 @@ async def test_context_length_message(healthy: Router) -> None:
 
 async def test_bad_chat_bodies_are_400(healthy: Router) -> None:
     cases = [({"messages": []}, "messages"),
-             ({"messages": [{"role": "user"}], "top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+             ({"messages": [{"role": "user"}], "top_logprobs": 3}, "top_logprobs"),
              ({"messages": [{"content": "hi"}]}, "messages[0].role")]
     for body, param in cases:
         assert _error(await healthy.post("/v1/chat/completions", json=body), 400)["param"] == param

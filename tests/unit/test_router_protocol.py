@@ -17,6 +17,7 @@ from services.router.protocol import (
     decode_request,
     to_sampling_params,
 )
+from services.router.responses import usage_of
 from services.router.tokenizing import UNTIL_CONTEXT_ENDS, resolve_max_tokens
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -52,17 +53,21 @@ def _rejected(body: bytes, kind=CompletionRequest) -> InvalidRequest:
     (_completion(top_p=1.5), "top_p"),
     (_completion(top_k=-2), "top_k"),
     (_completion(seed=2**64), "seed"),
-    (_completion(n=2), "n"),
+    (_completion(n=0), "n"),
+    (_completion(n=65), "n"),
+    (_completion(n=33, prompt=["a", "b"]), "n"),
     (_completion(stop=5), "stop"),
     (_completion(stop=[""]), "stop[0]"),
     (_completion(stop=["x"] * 17), "stop"),
-    (_completion(logprobs=5), "logprobs"),
+    (_completion(logprobs=21), "logprobs"),
     (_completion(logprobs=-1), "logprobs"),
     (_completion(prompt=""), "prompt"),
     (_completion(prompt=[]), "prompt"),
     (_completion(prompt=[1, -3]), "prompt[1]"),
-    (_completion(prompt=["a", "b"]), "prompt[0]"),
-    (_completion(echo=True), "echo"),
+    (_completion(prompt=["a", 1]), "prompt"),
+    (_completion(prompt=[[1], []]), "prompt"),
+    (_completion(prompt=[[1], [-1]]), "prompt[1][0]"),
+    (_completion(suffix="end"), "suffix"),
     (_completion(best_of=3), "best_of"),
     (_completion(presence_penalty=2.5), "presence_penalty"),
     (_completion(presence_penalty="high"), "presence_penalty"),
@@ -98,9 +103,21 @@ def test_completion_bodies_rejected_with_the_param_named(body: bytes, param: str
     (_chat(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
     (_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      "messages[0].content[0].type"),
-    (_chat(top_logprobs=5, logprobs=True), "top_logprobs"),
+    (_chat(top_logprobs=5), "top_logprobs"),
+    (_chat(top_logprobs=21, logprobs=True), "top_logprobs"),
     (_chat(logprobs=3), "logprobs"),
-    (_chat(n=3), "n"),
+    (_chat(n=0), "n"),
+    (_chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
+    (_chat(modalities=["text", "audio"]), "modalities"),
+    (_chat(prediction={"type": "content", "content": "x"}), "prediction"),
+    (_chat(web_search_options={}), "web_search_options"),
+    (_chat(functions=[{"name": "f"}]), "functions"),
+    (_chat(function_call={"name": "f"}), "function_call"),
+    (_chat(tool_choice="required"), "tool_choice"),
+    (_chat(reasoning_effort="high"), "reasoning_effort"),
+    (_chat(verbosity="low"), "verbosity"),
+    (_chat(store=True), "store"),
+    (_chat(service_tier="flex"), "service_tier"),
     (_chat(tools=[{"type": "function"}]), "tools"),
     (_chat(response_format={"type": "json_object"}), "response_format"),
     (_chat(max_completion_tokens=-5), "max_completion_tokens"),
@@ -119,6 +136,22 @@ def test_error_body_is_openai_format() -> None:
     assert body["error"]["type"] == "invalid_request_error"
     assert body["error"]["param"] == "max_tokens"
     assert ">= 1" in body["error"]["message"]
+
+
+def test_documented_fields_without_effect_are_accepted() -> None:
+    chat = decode_request(_chat(store=False, metadata={"k": "v"}, service_tier="auto", modalities=["text"],
+                                tool_choice="none", parallel_tool_calls=True, prompt_cache_key="c",
+                                safety_identifier="s", user="u", audio=None, functions=[]), ChatCompletionRequest)
+    assert chat.tool_choice == "none"
+
+
+def test_batched_prompts_and_choice_seeds() -> None:
+    texts = decode_request(_completion(prompt=["a", "b"], n=3, seed=7), CompletionRequest)
+    assert texts.prompts == ["a", "b"] and [texts.choice_seed(i) for i in range(3)] == [7, 8, 9]
+    ids = decode_request(_completion(prompt=[[1, 2], [3]]), CompletionRequest)
+    assert ids.prompts == [[1, 2], [3]]
+    assert decode_request(_completion(prompt=[4, 5]), CompletionRequest).prompts == [[4, 5]]
+    assert decode_request(_completion(seed=2**63 - 1), CompletionRequest).choice_seed(1) == -(2**63)
 
 
 def test_unknown_fields_are_ignored_and_defaults_apply() -> None:
@@ -201,6 +234,7 @@ def test_max_tokens_against_the_context_length() -> None:
 # ---- response shapes -----------------------------------------------------------------------------
 
 _OUTCOME = Outcome(num_prompt_tokens=4, num_generated_tokens=3, num_cached_tokens=0)
+_USAGE = usage_of([_OUTCOME], [_OUTCOME])
 
 
 def _encode(value) -> dict:
@@ -210,7 +244,7 @@ def _encode(value) -> dict:
 def test_completion_response_shape() -> None:
     request = decode_request(_completion(logprobs=0), CompletionRequest)
     answer = CompletionAnswer("cmpl-1", "m", request, tokenizer=None)
-    body = _encode(answer.full(Delta("abc", (1, 2, 3), (-0.1, -0.2, -0.3), "length"), _OUTCOME))
+    body = _encode(answer.full({0: Delta("abc", (1, 2, 3), (-0.1, -0.2, -0.3), "length")}, _USAGE))
     assert body["object"] == "text_completion" and body["id"] == "cmpl-1" and body["model"] == "m"
     assert isinstance(body["created"], int)
     (choice,) = body["choices"]
@@ -225,7 +259,7 @@ def test_completion_response_shape() -> None:
 
 def test_chat_response_shape() -> None:
     request = decode_request(_chat(), ChatCompletionRequest)
-    body = _encode(ChatAnswer("chatcmpl-1", "m", request, None).full(Delta("Paris", (9,), (), "stop"), _OUTCOME))
+    body = _encode(ChatAnswer("chatcmpl-1", "m", request, None).full({0: Delta("Paris", (9,), (), "stop")}, _USAGE))
     assert body["object"] == "chat.completion"
     (choice,) = body["choices"]
     assert choice == {"index": 0, "message": {"role": "assistant", "content": "Paris"}, "logprobs": None,
@@ -236,22 +270,59 @@ def test_chat_response_shape() -> None:
 def test_chat_stream_chunks() -> None:
     request = decode_request(_chat(stream=True, stream_options={"include_usage": True}), ChatCompletionRequest)
     answer = ChatAnswer("chatcmpl-2", "m", request, None)
-    first = [_encode(c) for c in answer.chunks(Delta("Pa", (1,), ()))]
-    last = [_encode(c) for c in answer.chunks(Delta("ris", (2,), (), "stop"))]
+    first = [_encode(c) for c in answer.chunks(0, Delta("Pa", (1,), ()))]
+    last = [_encode(c) for c in answer.chunks(0, Delta("ris", (2,), (), "stop"))]
     assert [c["choices"][0]["delta"] for c in first] == [{"role": "assistant", "content": ""}, {"content": "Pa"}]
     assert [c["choices"][0]["delta"] for c in last] == [{"content": "ris"}, {}]
     assert last[-1]["choices"][0]["finish_reason"] == "stop"
     for chunk in first + last:
         assert chunk["object"] == "chat.completion.chunk" and chunk["id"] == "chatcmpl-2"
         assert chunk["usage"] is None  # include_usage: null until the usage chunk
-    usage = _encode(answer.usage_chunk(_OUTCOME))
+    usage = _encode(answer.usage_chunk(_USAGE))
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
 
 
 def test_completion_stream_chunks_without_usage_field() -> None:
     request = decode_request(_completion(stream=True), CompletionRequest)
     answer = CompletionAnswer("cmpl-3", "m", request, None)
-    assert answer.chunks(Delta("", (5,), ())) == []  # text held back: nothing to send yet
-    (chunk,) = [_encode(c) for c in answer.chunks(Delta("x", (6,), (), "stop"))]
+    assert answer.chunks(0, Delta("", (5,), ())) == []  # text held back: nothing to send yet
+    (chunk,) = [_encode(c) for c in answer.chunks(0, Delta("x", (6,), (), "stop"))]
     assert "usage" not in chunk and chunk["object"] == "text_completion"
     assert chunk["choices"] == [{"index": 0, "text": "x", "logprobs": None, "finish_reason": "stop"}]
+
+
+def test_usage_counts_each_prompt_once_and_every_choice() -> None:
+    prompts = [Outcome(num_prompt_tokens=4, num_generated_tokens=2, num_cached_tokens=0),
+               Outcome(num_prompt_tokens=6, num_generated_tokens=1, num_cached_tokens=None)]
+    siblings = [Outcome(num_prompt_tokens=4, num_generated_tokens=5, num_cached_tokens=4)]
+    usage = _encode(usage_of(prompts, prompts + siblings))
+    assert usage == {"prompt_tokens": 10, "completion_tokens": 8, "total_tokens": 18,
+                     "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_completion_logprobs_with_alternatives_and_echo() -> None:
+    request = decode_request(_completion(logprobs=2, echo=True, n=2), CompletionRequest)
+    answer = CompletionAnswer("cmpl-4", "m", request, None, prompts=[[7, 8]], echo_texts=["<p>"])
+    prompt_entries = (None, ((8, -1.5), (3, -0.5), (8, -1.5)))
+    first = Delta("a", (4,), (-0.25,), None, (((4, -0.25), (5, -2.0)),), prompt_entries)
+    (chunk,) = [_encode(c) for c in answer.chunks(1, first)]
+    (choice,) = chunk["choices"]
+    assert choice["index"] == 1 and choice["text"] == "<p>a"
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == ["token_id:7", "token_id:8", "token_id:4"]
+    assert logprobs["token_logprobs"] == [None, -1.5, -0.25]
+    assert logprobs["top_logprobs"] == [None, {"token_id:3": -0.5, "token_id:8": -1.5},
+                                        {"token_id:4": -0.25, "token_id:5": -2.0}]
+    (again,) = [_encode(c) for c in answer.chunks(1, Delta("b", (6,), (-3.0,), "stop", (((5, -1.0), (6, -3.0)),)))]
+    assert again["choices"][0]["text"] == "b"  # the echo went out once per choice
+    assert again["choices"][0]["logprobs"]["top_logprobs"] == [{"token_id:5": -1.0, "token_id:6": -3.0}]
+
+
+def test_chat_top_logprobs_shape() -> None:
+    request = decode_request(_chat(logprobs=True, top_logprobs=2), ChatCompletionRequest)
+    answer = ChatAnswer("chatcmpl-5", "m", request, None)
+    body = _encode(answer.full({0: Delta("x", (3,), (-0.1,), "stop", (((3, -0.1), (9, -2.5)),))}, _USAGE))
+    (token,) = body["choices"][0]["logprobs"]["content"]
+    assert token["token"] == "token_id:3" and token["logprob"] == pytest.approx(-0.1)
+    assert [t["token"] for t in token["top_logprobs"]] == ["token_id:3", "token_id:9"]
+    assert set(token["top_logprobs"][1]) == {"token", "logprob", "bytes"}
