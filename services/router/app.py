@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -254,10 +255,11 @@ async def _generate(request: Request, kind: type[RequestT]) -> Response:
     request_id = worker_request_id(request, prefix)
     prompt_outcomes = [Outcome(num_prompt_tokens=len(ids)) for ids in prompts]
     choices = []
+    per_prompt = body.num_candidates
     for p, ids in enumerate(prompts):
-        for i in range(body.n):
-            index = p * body.n + i
-            choice_id = request_id if len(prompts) * body.n == 1 else f"{request_id}-{index}"
+        for i in range(per_prompt):
+            index = p * per_prompt + i
+            choice_id = request_id if len(prompts) * per_prompt == 1 else f"{request_id}-{index}"
             generation = GenerationRequest(choice_id, ids, to_sampling_params(body, max_tokens[p], index), arrival_s)
             outcome = prompt_outcomes[p] if i == 0 else Outcome(num_prompt_tokens=len(ids))
             choices.append(Choice(index, p, generation, outcome))
@@ -277,7 +279,23 @@ async def _generate(request: Request, kind: type[RequestT]) -> Response:
         rt.metrics.client_disconnects.inc()
         return Response(status_code=_CLIENT_CLOSED)
     joined = {index: join_deltas(parts) for index, parts in collected.items()}
+    if per_prompt > body.n:
+        joined = best_of(joined, len(prompts), per_prompt, body.n)
     return _json(answer.full(joined, usage.now()))
+
+
+def best_of(candidates: dict[int, Delta], num_prompts: int, per_prompt: int, n: int) -> dict[int, Delta]:
+    """Per prompt, the ``n`` candidates with the highest mean token logprob (OpenAI's "best"), numbered
+    ``prompt * n + rank``; ties keep the earlier candidate."""
+    def score(delta: Delta) -> float:
+        return sum(delta.logprobs) / len(delta.logprobs) if delta.logprobs else -math.inf
+
+    chosen: dict[int, Delta] = {}
+    for p in range(num_prompts):
+        ranked = sorted(range(p * per_prompt, (p + 1) * per_prompt), key=lambda i: -score(candidates[i]))
+        for rank, i in enumerate(ranked[:n]):
+            chosen[p * n + rank] = candidates[i]
+    return chosen
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,8 @@ class CompletionRequest(_Common, kw_only=True):
     logprobs: TopLogprobCount | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    # Candidates per prompt, of which the n with the highest mean token logprob are returned (not streamed).
+    best_of: ChoiceCount | None = None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -147,6 +148,11 @@ class CompletionRequest(_Common, kw_only=True):
         return self.max_tokens
 
     @property
+    def num_candidates(self) -> int:
+        """Sequences generated per prompt: ``best_of`` when given, else ``n``."""
+        return self.best_of or self.n
+
+    @property
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request, each a text or a list of token ids (``check()`` has validated them)."""
         prompt = self.prompt
@@ -159,14 +165,18 @@ class CompletionRequest(_Common, kw_only=True):
     def check(self) -> None:
         self._check_common()
         self._check_prompt()
-        if self.n * len(self.prompts) > MAX_CHOICES:
-            raise InvalidRequest(f"n={self.n} over {len(self.prompts)} prompts makes {self.n * len(self.prompts)} "
-                                 f"choices; at most {MAX_CHOICES} are allowed per request", param="n")
+        num = self.num_candidates * len(self.prompts)
+        if num > MAX_CHOICES:
+            name = "best_of" if self.best_of else "n"
+            raise InvalidRequest(f"{name}={self.num_candidates} over {len(self.prompts)} prompts makes {num} "
+                                 f"sequences; at most {MAX_CHOICES} are allowed per request", param=name)
         if self.suffix:
             raise InvalidRequest("suffix is not supported (no model served here does fill-in-the-middle)",
                                  param="suffix")
-        if self.best_of not in (None, self.n):
-            raise InvalidRequest(f"best_of={self.best_of} is not supported (only best_of equal to n={self.n})",
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequest(f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
+        if self.num_candidates > self.n and self.stream:
+            raise InvalidRequest("best_of greater than n cannot be streamed (the best are known only at the end)",
                                  param="best_of")
         _check_min_tokens(self.min_tokens, self.max_tokens, "max_tokens")
 
@@ -249,6 +259,10 @@ class ChatCompletionRequest(_Common, kw_only=True):
         return self.top_logprobs or 0
 
     @property
+    def num_candidates(self) -> int:
+        return self.n
+
+    @property
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (current OpenAI) wins over ``max_tokens`` (deprecated)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -328,7 +342,8 @@ def to_sampling_params(request: AnyRequest, max_tokens: int, choice: int = 0) ->
         stop_token_ids=list(request.stop_token_ids or ()),
         ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens,
-        logprobs=request.wants_logprobs,
+        # best_of ranks candidates by their tokens' logprobs.
+        logprobs=request.wants_logprobs or request.num_candidates > request.n,
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
         repetition_penalty=request.repetition_penalty,

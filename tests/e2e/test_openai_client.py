@@ -128,6 +128,22 @@ def test_echo_token_prompts_and_batches(served, engine: LLMEngine) -> None:
     assert batch.usage.prompt_tokens == len(prompt_ids) + 5 and batch.usage.completion_tokens == 16
 
 
+def test_best_of_returns_the_candidates_with_the_highest_mean_logprob(served) -> None:
+    _, client = served
+    model = _model(client)
+    best = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=3, best_of=4,
+                                     n=2, logprobs=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in best.choices] == [0, 1]
+    assert best.usage.completion_tokens == 4 * 5  # every candidate was generated
+    means = [sum(c.logprobs.token_logprobs) / 5 for c in best.choices]
+    assert means[0] >= means[1]
+    # The candidates are choices 0..3 of the same request with n=4: the best two are among them.
+    every = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=3, n=4,
+                                      logprobs=0, extra_body={"ignore_eos": True})
+    ranked = sorted(every.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+
+
 def test_penalties_and_logit_bias(served, engine: LLMEngine) -> None:
     _, client = served
     model = _model(client)
