@@ -110,13 +110,14 @@ def test_external_first_token_gets_an_empty_entry(engine: LLMEngine) -> None:
         engine.step()
 
 
-def test_sampler_top_logprobs_match_log_softmax_for_sampled_rows() -> None:
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_sampler_top_logprobs_match_log_softmax_for_sampled_rows(device: str) -> None:
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
     params = [SamplingParams(temperature=0.7, logprobs=True, top_logprobs=4),
               SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
               SamplingParams(temperature=0.0, logprobs=True)]
-    out = sample(logits, params, [None] * 3)
+    out = sample(logits.to(device), params, [None] * 3)
     reference = logits.log_softmax(dim=-1)
     for row in range(3):
         values, ids = reference[row].topk(4)
