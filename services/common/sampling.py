@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.engine.sampler import TopLogprobs
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_params import SamplingParams, StructuredSpec
 from services.proto_gen.pdserve.v1 import worker_pb2
 
 
@@ -29,6 +29,8 @@ def sampling_from_proto(m: worker_pb2.SamplingParams) -> SamplingParams:
         min_p=m.min_p,
         top_logprobs=m.top_logprobs,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        structured=StructuredSpec(m.structured_output.kind, m.structured_output.schema)
+        if m.HasField("structured_output") else None,
     )
 
 
@@ -44,6 +46,8 @@ def sampling_to_proto(p: SamplingParams) -> worker_pb2.SamplingParams:
         m.seed = p.seed
     if p.prompt_logprobs is not None:
         m.prompt_logprobs = p.prompt_logprobs
+    if p.structured is not None:
+        m.structured_output.kind, m.structured_output.schema = p.structured.kind, p.structured.schema
     return m
 
 

@@ -121,7 +121,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # Recompute: the prompt plus the first token the client already has, one token fewer to go.
         self.metrics.local_recomputes.labels("decode").inc()
         rest = dataclasses.replace(params, max_tokens=params.max_tokens - 1, min_tokens=max(params.min_tokens - 1, 0))
-        await self.engine.add_request(rid, [*prompt, ticket.first_token_id], rest)
+        await self.engine.add_request(rid, [*prompt, ticket.first_token_id], rest,
+                                      grammar_prefix=[ticket.first_token_id])
         return [ticket.first_token_id], True
 
     def _observe_stages(self, rid: str, result: PullResult, reserve_s: float, resume_s: float) -> None:

@@ -23,6 +23,8 @@ from services.engine.rank_setup import use_device
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import PrefixCacheStats
+from services.engine.structured.backend import GrammarMatcher
+from services.engine.structured.spec import StructuredOutputError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,13 +92,28 @@ class AsyncEngine:
         self._commands.put(run)
         return await future
 
+    async def _grammar(self, params: SamplingParams, prefix: Sequence[int] = ()) -> GrammarMatcher | None:
+        """The request's grammar matcher, made on the compiler's threads (not this loop, not the engine's)."""
+        if params.structured is None:
+            return None
+        try:
+            return await self.engine.grammars.matcher_async(params.structured, prefix)
+        except StructuredOutputError as exc:
+            raise ValueError(str(exc)) from None
+
     async def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                          hold_kv_on_finish: bool = False) -> Request:
-        """Queue a request; read its outputs with :meth:`outputs`. ValueError for bad input."""
+                          hold_kv_on_finish: bool = False, grammar_prefix: Sequence[int] = ()) -> Request:
+        """Queue a request; read its outputs with :meth:`outputs`. ValueError for bad input.
+
+        ``grammar_prefix``: output tokens that are part of the prompt here (a first token sampled by the
+        prefill worker, recomputed locally) and already part of the structured output's document.
+        """
+        grammar = await self._grammar(params, grammar_prefix)
         self._open_stream(request_id)
         try:
             return await self.call(
-                lambda e: e.add_request(request_id, prompt_token_ids, params, hold_kv_on_finish=hold_kv_on_finish))
+                lambda e: e.add_request(request_id, prompt_token_ids, params, hold_kv_on_finish=hold_kv_on_finish,
+                                        grammar=grammar))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -104,9 +121,11 @@ class AsyncEngine:
     async def add_request_with_external_kv(self, request_id: str, prompt_token_ids: Sequence[int],
                                            params: SamplingParams) -> Request | None:
         """Reserve blocks for KV that will be pulled; None when there is no room now."""
+        grammar = await self._grammar(params)
         self._open_stream(request_id)
         try:
-            request = await self.call(lambda e: e.add_request_with_external_kv(request_id, prompt_token_ids, params))
+            request = await self.call(
+                lambda e: e.add_request_with_external_kv(request_id, prompt_token_ids, params, grammar))
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -25,6 +25,7 @@ from services.engine.offload import HostKVTier, num_spans_for
 from services.engine.rank_setup import kv_layout, load_model, num_blocks_for, use_device
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import (
+    GrammarMasks,
     PendingSample,
     TokenHistory,
     TopLogprobs,
@@ -42,6 +43,10 @@ from services.engine.scheduler import (
     SchedulerOutput,
 )
 from services.engine.stopping import StopStringMatcher, check_token_stop
+from services.engine.structured.backend import GrammarMatcher
+from services.engine.structured.bitmask import allocate_bitmask
+from services.engine.structured.compiler import GrammarCompiler
+from services.engine.structured.spec import StructuredOutputError
 from services.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -95,14 +100,16 @@ class _RequestState:
     text: str = ""
     emitted_tokens: int = 0
     logits: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    grammar: GrammarMatcher | None = None  # with SamplingParams.structured: where the output is in its grammar
+    grammar_failed: bool = False
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     # Prompt position -> its entry (see RequestOutput.prompt_logprobs); kept across a preemption.
     prompt_logprobs: dict[int, TopLogprobs] = field(default_factory=dict)
 
 
-def _needs_history(output: SchedulerOutput) -> bool:
-    """Whether a chunk's request has penalties, which need every output token on the host."""
-    return any(c.request.sampling_params.needs_history for c in output.chunks)
+def _needs_resolved_tokens(output: SchedulerOutput) -> bool:
+    """Whether a chunk's request needs its newest token on the host first (penalties, a grammar)."""
+    return any(c.request.sampling_params.needs_resolved_tokens for c in output.chunks)
 
 
 def _history(request: Request) -> TokenHistory | None:
@@ -192,6 +199,7 @@ class LLMEngine:
             self.host_tier,
         )
         self._states: dict[str, _RequestState] = {}
+        self._grammars: GrammarCompiler | None = None
         self._generate_ids = itertools.count()
         self.last_step_ran = False  # whether the last step() scheduled any work
         self._in_flight: _LaunchedStep | None = None  # a decode step launched, not yet resolved
@@ -259,17 +267,42 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         hold_kv_on_finish: bool = False,
+        grammar: GrammarMatcher | None = None,
     ) -> Request:
-        """Queue a request. Raises ValueError (and changes nothing) for bad input."""
+        """Queue a request. Raises ValueError (and changes nothing) for bad input.
+
+        ``grammar``: the request's matcher when ``params.structured`` is set, made beforehand off this
+        thread (``GrammarCompiler.matcher_async``); made here when not given.
+        """
         params = params or SamplingParams()
         token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids, params)
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = self._grammar_for(params, grammar)
         request = Request(request_id, token_ids, params, hold_kv_on_finish=hold_kv_on_finish)
         self.scheduler.add_request(request)
-        self._states[request_id] = self._new_state(request)
+        self._states[request_id] = self._new_state(request, grammar)
         return request
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Matchers for structured output (made on first use); ValueError when the model has no tokenizer."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer, and this model has none")
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self._grammars
+
+    def _grammar_for(self, params: SamplingParams, grammar: GrammarMatcher | None) -> GrammarMatcher | None:
+        if params.structured is None:
+            return None
+        if grammar is not None:
+            return grammar
+        try:
+            return self.grammars.matcher(params.structured)
+        except StructuredOutputError as exc:
+            raise ValueError(str(exc)) from None
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -293,16 +326,17 @@ class LLMEngine:
         params.validate()
         params.check_vocab(vocab)
 
-    def _new_state(self, request: Request) -> _RequestState:
+    def _new_state(self, request: Request, grammar: GrammarMatcher | None = None) -> _RequestState:
         p = request.sampling_params
         generator = make_generator(p.seed, self.device) if p.seed is not None and not p.greedy else None
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids) if self.tokenizer else None
         matcher = StopStringMatcher(p.stop) if p.stop and detok is not None else None
-        return _RequestState(request, generator, detok, matcher)
+        return _RequestState(request, generator, detok, matcher, grammar=grammar)
 
     # ---- KV computed elsewhere (disaggregation) ---------------------------------------------------
     def add_request_with_external_kv(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+        grammar: GrammarMatcher | None = None,
     ) -> Request | None:
         """Decode side: reserve blocks for a prompt whose KV another worker computed.
 
@@ -318,11 +352,12 @@ class LLMEngine:
         self._check_prompt(token_ids, params)
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = self._grammar_for(params, grammar)
         request = Request(request_id, token_ids, params)
         if self.scheduler.allocate_external(request) is None:
             return None
         self.wait_for_step_in_flight()  # the blocks may have been a stopped request's: a READ fills them next
-        self._states[request_id] = self._new_state(request)
+        self._states[request_id] = self._new_state(request, grammar)
         return request
 
     def complete_external_kv(
@@ -331,6 +366,9 @@ class LLMEngine:
         """The blocks are filled: the request joins the batch, its first token already known."""
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise ValueError(f"first token id {first_token_id} is outside the vocabulary")
+        state = self._states.get(request_id)
+        if state is not None and state.grammar is not None:
+            state.grammar.accept(first_token_id)  # StructuredOutputError (a ValueError) before anything changes
         request = self.scheduler.complete_external(request_id, first_token_id, first_logprob)
         if request.sampling_params.top_logprobs:
             self._states[request_id].top_logprobs.append(TopLogprobs((), ()))
@@ -367,14 +405,14 @@ class LLMEngine:
 
         A request that stopped at N has its chunk of N+1 computed for nothing and dropped. Any step
         the graphs cannot run (a prefill chunk) waits for N's tokens first, as without pipelining, and
-        so does a step with a row whose penalties need its whole output (``needs_history``): N's
-        token is only on the device until then.
+        so does a step with a row whose penalties need its whole output, or whose grammar must take N's
+        token before it can mask N+1 (``needs_resolved_tokens``): N's token is only on the device until then.
         """
         prev, self._in_flight = self._in_flight, None
         output = self.scheduler.schedule()
         launched = None
         if (output.chunks and prev is not None and prev.graph and self.runner.runs_as_graph(output.chunks)
-                and not _needs_history(output)):
+                and not _needs_resolved_tokens(output)):
             launched = self._launch(output, prev)
         outputs = self._resolve(prev) if prev is not None else []
         if launched is None and output.chunks:
@@ -431,14 +469,38 @@ class LLMEngine:
         rows = [output.chunks[i].request for i in logits.sample_rows]
         pending = None
         if rows:
+            # The model runs on the device meanwhile: the grammars' masks are made on the host now.
             pending = sample_async(
                 logits.sample_logits,
                 [r.sampling_params for r in rows],
                 [self._states[r.request_id].generator for r in rows],
                 [min_tokens_banned_ids(r.sampling_params, r.num_output_tokens, self.eos_token_ids) for r in rows],
                 [_history(r) for r in rows],
+                self._grammar_masks(rows, logits.sample_logits.shape[1]),
             )
         return _LaunchedStep(output, rows, pending, graph)
+
+    def _grammar_masks(self, rows: list[Request], vocab_size: int) -> GrammarMasks | None:
+        """Packed masks of the rows with a grammar (their newest tokens are resolved: no pipelining)."""
+        with_grammar = [i for i, r in enumerate(rows) if self._states[r.request_id].grammar is not None]
+        if not with_grammar:
+            return None
+        bitmask = allocate_bitmask(len(with_grammar), vocab_size)
+        for j, i in enumerate(with_grammar):
+            self._states[rows[i].request_id].grammar.fill_bitmask(bitmask, j)
+        return GrammarMasks(bitmask, with_grammar)
+
+    def _accept_grammar_tokens(self, requests: list[Request]) -> None:
+        """Advance each grammar past its request's new token; a token it refuses (a bug) aborts the request."""
+        for request in requests:
+            grammar = self._states[request.request_id].grammar
+            if grammar is None:
+                continue
+            try:
+                grammar.accept(request.output_token_ids[-1])
+            except StructuredOutputError:
+                log.exception("request %s: sampled a token its grammar refuses; aborting it", request.request_id)
+                self._states[request.request_id].grammar_failed = True
 
     def _resolve(self, step: _LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched (and advanced) step's tokens, put them in place, check stops."""
@@ -451,6 +513,7 @@ class LLMEngine:
                 if r.sampling_params.top_logprobs:
                     top[r.request_id] = result.top_logprobs[j].head(r.sampling_params.top_logprobs)
         updated = self.scheduler.resolve(step.output, sampled)
+        self._accept_grammar_tokens(updated)
         for r in updated:
             if r.request_id in top:
                 self._states[r.request_id].top_logprobs.append(top[r.request_id])
@@ -461,6 +524,10 @@ class LLMEngine:
         new_tokens = request.output_token_ids[state.emitted_tokens:]
         state.emitted_tokens = request.num_output_tokens
         status = check_token_stop(request, self.eos_token_ids, self.max_model_len)
+        if state.grammar_failed:
+            status = RequestStatus.FINISHED_ABORTED
+        elif status is None and state.grammar is not None and state.grammar.is_finished():
+            status = RequestStatus.FINISHED_STOPPED  # the document is complete
         new_text = ""
         if state.detokenizer is not None:
             new_text = state.detokenizer.step(new_tokens)

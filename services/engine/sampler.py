@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured.bitmask import apply_bitmask
 
 # Exp(1) draws can be exactly 0; dividing 0-probability tokens by 0 would give NaN, which argmax
 # prefers over every number. Clamping keeps filtered tokens at probability 0.
@@ -94,6 +95,14 @@ class TokenHistory:
 
 
 @dataclass(frozen=True)
+class GrammarMasks:
+    """Packed allowed-token masks (host int32 [len(rows), words]) for the batch rows ``rows``."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+
+
+@dataclass(frozen=True)
 class PendingSample:
     """Sampled tokens still on the device, their copy to the host under way.
 
@@ -129,15 +138,17 @@ def sample(
     generators: Sequence[torch.Generator | None],
     banned_token_ids: Sequence[Collection[int]] | None = None,
     histories: Sequence[TokenHistory | None] | None = None,
+    grammar_masks: GrammarMasks | None = None,
 ) -> SamplerOutput:
     """Choose the next token for each row of ``logits`` [num_rows, vocab].
 
     ``generators[i]`` is row ``i``'s own generator (from ``make_generator``) or None for the
     device's default RNG; ``banned_token_ids[i]`` are ids row ``i`` must not get (see
     ``min_tokens_banned_ids``); ``histories[i]`` is required where ``params[i].needs_history``
-    (the penalties). Returns after a single device-to-host copy.
+    (the penalties); ``grammar_masks`` restrict their rows to what their grammars allow (after the bans,
+    logit_bias and penalties). Returns after a single device-to-host copy.
     """
-    return sample_async(logits, params, generators, banned_token_ids, histories).result()
+    return sample_async(logits, params, generators, banned_token_ids, histories, grammar_masks).result()
 
 
 def sample_async(
@@ -146,6 +157,7 @@ def sample_async(
     generators: Sequence[torch.Generator | None],
     banned_token_ids: Sequence[Collection[int]] | None = None,
     histories: Sequence[TokenHistory | None] | None = None,
+    grammar_masks: GrammarMasks | None = None,
 ) -> PendingSample:
     """``sample`` without waiting: the tokens stay on the device and their host copy is started."""
     _check_inputs(logits, params, generators, banned_token_ids, histories)
@@ -153,6 +165,8 @@ def sample_async(
     masked = _ban(raw, banned_token_ids) if banned_token_ids is not None else raw
     if any(p.processes_logits for p in params):
         masked = process_logits(masked if masked is not raw else raw.clone(), params, histories)
+    if grammar_masks is not None:
+        masked = apply_bitmask(masked if masked is not raw else raw.clone(), grammar_masks.bitmask, grammar_masks.rows)
 
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(sampled_rows) == len(params):

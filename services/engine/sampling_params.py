@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -9,6 +10,29 @@ from dataclasses import dataclass
 MAX_LOGIT_BIAS = 300
 # OpenAI's limit on top_logprobs (alternatives per position).
 MAX_TOP_LOGPROBS = 20
+
+
+STRUCTURED_KINDS = ("json_object", "json_schema")
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A document every output must be a prefix of (``response_format``): any JSON object, or a JSON
+    schema's instances (``schema`` is the schema's JSON text)."""
+
+    kind: str
+    schema: str = ""
+
+    def validate(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.schema)
+            except (ValueError, TypeError):
+                raise ValueError("a json_schema structured output needs the schema as JSON text") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("a JSON schema must be an object (or a boolean)")
 
 
 @dataclass(frozen=True)
@@ -30,6 +54,9 @@ class SamplingParams:
     ``logprobs``) adds that many most likely alternatives per output token. ``prompt_logprobs`` (None =
     off) reports each prompt token's logprob given the tokens before it, with that many alternatives;
     such a request computes its whole prompt (the prefix cache holds no logits).
+
+    ``structured`` constrains every token to keep the output a prefix of a document of its kind; the
+    request finishes ("stop") when the document is complete.
     """
 
     max_tokens: int = 16
@@ -49,6 +76,7 @@ class SamplingParams:
     min_p: float = 0.0
     top_logprobs: int = 0
     prompt_logprobs: int | None = None
+    structured: StructuredSpec | None = None
     # Keep the logits of every computed position (tests compare them with a reference model).
     return_logits: bool = False
 
@@ -63,6 +91,12 @@ class SamplingParams:
     def needs_history(self) -> bool:
         """Whether the logits depend on the tokens so far (the penalties): the engine must have them on the host."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_resolved_tokens(self) -> bool:
+        """Whether the next token's logits depend on this one on the host (penalties, a grammar): such a
+        request's steps are not pipelined."""
+        return self.needs_history or self.structured is not None
 
     @property
     def processes_logits(self) -> bool:
@@ -105,6 +139,10 @@ class SamplingParams:
                 not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
                              f"got {self.prompt_logprobs!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredSpec):
+                raise ValueError(f"structured must be a StructuredSpec, got {self.structured!r}")
+            self.structured.validate()
         self._validate_logit_bias()
 
     def _validate_logit_bias(self) -> None:

@@ -178,6 +178,10 @@ class Tokenizer:
             return [self._bos_token_id, *ids]
         return ids
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` JSON of the vocabulary and its pre/post-processing (grammar libraries read it)."""
+        return self._backend.to_str()
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; invalid UTF-8 byte runs become U+FFFD. Ids past the vocabulary are dropped."""
         ids = list(ids)

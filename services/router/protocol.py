@@ -17,6 +17,8 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta
 
+from services.engine.sampling_params import StructuredSpec
+from services.engine.structured.spec import StructuredOutputError, check_spec
 from services.proto_gen.pdserve.v1 import worker_pb2
 from services.router.errors import InvalidRequest, from_decode_error
 
@@ -78,6 +80,8 @@ class _Common(msgspec.Struct, kw_only=True):
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     # vLLM's extension: logprobs name tokens as "token_id:<id>" (exact, and needs no tokenizer).
     return_tokens_as_token_ids: bool = False
+    # OpenAI (chat), and vLLM's extension on completions: constrained decoding to JSON.
+    response_format: ResponseFormat | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -101,6 +105,7 @@ class _Common(msgspec.Struct, kw_only=True):
         return (self.seed + index + 2**63) % 2**64 - 2**63
 
     def _check_common(self) -> None:
+        self._check_response_format()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options can only be given with stream=true", param="stream_options")
         if not math.isfinite(self.repetition_penalty):
@@ -114,6 +119,10 @@ class _Common(msgspec.Struct, kw_only=True):
     def logit_bias_pairs(self) -> list[tuple[int, float]]:
         """``logit_bias`` as (token id, bias) pairs in id order; ``check()`` has validated the keys."""
         return sorted((int(key), bias) for key, bias in (self.logit_bias or {}).items())
+
+    def _check_response_format(self) -> None:
+        if self.response_format is not None:
+            self.response_format.check()
 
     def check_vocab(self, vocab_size: int) -> None:
         """400 naming ``logit_bias`` when one of its ids is outside the vocabulary."""
@@ -214,8 +223,42 @@ class ChatMessage(msgspec.Struct):
         return "".join(part.text or "" for part in self.content)
 
 
+class JsonSchemaFormat(msgspec.Struct):
+    """OpenAI's ``response_format.json_schema``: the schema and its name (``strict`` is always honoured)."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(msgspec.Struct):
+    """``text`` (free), ``json_object`` (any JSON object) or ``json_schema`` (instances of a schema)."""
+
     type: str
+    json_schema: JsonSchemaFormat | None = None
+
+    def check(self) -> None:
+        if self.type not in ("text", "json_object", "json_schema"):
+            raise InvalidRequest(f"response_format type {self.type!r} is not supported "
+                                 "(one of 'text', 'json_object', 'json_schema')", param="response_format")
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise InvalidRequest("response_format json_schema is needed with, and only with, type 'json_schema'",
+                                 param="response_format")
+        spec = self.spec()
+        if spec is not None:
+            try:
+                check_spec(spec)
+            except StructuredOutputError as exc:
+                raise InvalidRequest(str(exc), param="response_format") from None
+
+    def spec(self) -> StructuredSpec | None:
+        if self.type == "json_object":
+            return StructuredSpec("json_object")
+        if self.type == "json_schema":
+            schema = self.json_schema.schema if self.json_schema and self.json_schema.schema is not None else {}
+            return StructuredSpec("json_schema", msgspec.json.encode(schema).decode())
+        return None
 
 
 # Chat fields OpenAI documents that pdserve has no use for at all; each may be sent with its "off" value.
@@ -232,7 +275,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
     tools: list[msgspec.Raw] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     # Documented by OpenAI, accepted without effect: pdserve stores nothing and has one service tier.
     store: bool | None = None
@@ -276,9 +318,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
         self._check_unsupported()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequest(f"response_format {self.response_format.type!r} is not supported (only 'text')",
-                                 param="response_format")
         for i, message in enumerate(self.messages):
             for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
                 if part.type != "text":
@@ -356,4 +395,7 @@ def to_sampling_params(request: AnyRequest, max_tokens: int, choice: int = 0) ->
         params.seed = seed
     if isinstance(request, CompletionRequest) and request.echo and request.wants_logprobs:
         params.prompt_logprobs = request.num_top_logprobs
+    spec = request.response_format.spec() if request.response_format is not None else None
+    if spec is not None:
+        params.structured_output.kind, params.structured_output.schema = spec.kind, spec.schema
     return params

@@ -3,8 +3,10 @@ pdserve serves, checked against the colocated engine where the answer is determi
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
+import jsonschema
 import openai
 import pytest
 
@@ -158,6 +160,30 @@ def test_penalties_and_logit_bias(served, engine: LLMEngine) -> None:
     penalised = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=0,
                                           extra_body={"ignore_eos": True, **TOKEN_IDS}, **penalties)
     assert _ids(penalised.choices[0].logprobs.tokens) == reference.token_ids
+
+
+def test_json_schema_output_parses_and_validates(served) -> None:
+    _, client = served
+    model = _model(client)
+    schema = {"type": "object",
+              "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                             "capital": {"type": "boolean"}},
+              "required": ["city", "capital"], "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    for seed in (None, 1, 2):
+        answer = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40,
+                                                temperature=0 if seed is None else 1.0, seed=seed,
+                                                response_format=response_format)
+        assert answer.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+    stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40, temperature=0,
+                                            response_format=response_format, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objectx"}}})
+    assert info.value.body["param"] == "response_format"
 
 
 def test_unsupported_fields_are_400_naming_them(served) -> None:

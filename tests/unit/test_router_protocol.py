@@ -122,7 +122,7 @@ def test_completion_bodies_rejected_with_the_param_named(body: bytes, param: str
     (_chat(store=True), "store"),
     (_chat(service_tier="flex"), "service_tier"),
     (_chat(tools=[{"type": "function"}]), "tools"),
-    (_chat(response_format={"type": "json_object"}), "response_format"),
+    (_chat(response_format={"type": "xml"}), "response_format"),
     (_chat(max_completion_tokens=-5), "max_completion_tokens"),
     (_chat(min_tokens=8, max_completion_tokens=2), "min_tokens"),
 ])
