@@ -349,8 +349,15 @@ class _Run:
             calls.append(pool.release(prefill, rid, timeout_s))
         if not calls:
             return
-        with anyio.move_on_after(timeout_s, shield=True):
-            results = await asyncio.gather(*calls, return_exceptions=True)
-            for result in results:
-                if isinstance(result, BaseException):
-                    log.info("request %s: clean-up call failed: %s", rid, result)
+        tasks = [asyncio.ensure_future(call) for call in calls]
+        # Shielded from the cancellation that may have brought us here; bounded by asyncio.wait's own
+        # timeout, not by cancelling (a cancel scope's deadline cancelling a gather here escaped as a
+        # CancelledError and cut the client's stream before its error event).
+        with anyio.CancelScope(shield=True):
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+            log.info("request %s: clean-up call got no answer within %.1f s", rid, timeout_s)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                log.info("request %s: clean-up call failed: %s", rid, task.exception())
