@@ -72,6 +72,8 @@ CUDA_IPC_GET_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 _MEM_KINDS = ("DRAM", "VRAM")
 _MD_HEADER = b"nixlSerDes|Agent"  # nixl's metadata starts: header, u64-le name length, name
 _LOCK_TIMEOUT_S = 30.0
+# How long a cancelled read waits for a post in progress to return and be aborted (a frozen peer can hold it).
+_CANCEL_WAIT_S = 2.0
 # The worker polls a READ every _SPIN_POLL_S (the kernel makes it ~60-80 us) for its first _SPIN_S,
 # then every ~10% of its age, at most every _MAX_POLL_S: bounded error for a READ of any length.
 _SPIN_POLL_S, _SPIN_S, _MAX_POLL_S = 20e-6, 0.005, 0.001
@@ -515,7 +517,10 @@ class TransferAgent:
         try:
             woken_by = await job.future
         except asyncio.CancelledError:
-            self._give_up(job, cancelled=True)
+            if self._give_up(job, cancelled=True) == "posting":
+                # The agent's thread is inside NIXL's post and aborts the READ when it returns: wait for
+                # that (bounded, off the event loop), so a cancelled read has left nothing in flight.
+                await asyncio.get_running_loop().run_in_executor(None, job.post_returned.wait, _CANCEL_WAIT_S)
             raise
         finally:
             timer.cancel()
@@ -654,16 +659,16 @@ class TransferAgent:
         self._warm_peers.add(handle.peer)
         return handle.result()
 
-    def _give_up(self, job: _ReadJob, cancelled: bool = False) -> None:
+    def _give_up(self, job: _ReadJob, cancelled: bool = False) -> str:
         """The caller stops waiting (timeout or cancellation): abort or disown the READ.
 
-        Returns when the READ finished meanwhile (its outcome is the job's); else raises
-        TransferTimeout (not on cancellation, which the caller re-raises).
+        Returns the state the job was in when the READ finished meanwhile (its outcome is the job's) or
+        on cancellation; else raises TransferTimeout (not on cancellation, which the caller re-raises).
         """
         with job.lock:
             state = job.state
             if state == "finished":
-                return
+                return state
             job.state = "cancelled"
         if state == "in_flight":
             aborted, what = job.handle.abort(), f"READ not complete after {job.timeout_s:.3f}s"
@@ -671,6 +676,7 @@ class TransferAgent:
             aborted, what = state == "queued", f"posting READ took more than {job.timeout_s:.3f}s"
         if not cancelled:
             raise TransferTimeout(what, aborted=aborted, **job.ctx) from None
+        return state
 
     @contextlib.contextmanager
     def _locked(self, timeout_s: float = _LOCK_TIMEOUT_S) -> Iterator[None]:
@@ -743,6 +749,7 @@ class _ReadJob:
         self.loop, self.future = loop, loop.create_future()
         self.lock = threading.Lock()
         self.state = "queued"
+        self.post_returned = threading.Event()  # the worker's post returned (and aborted it if cancelled)
         self.handle: TransferHandle | None = None
         self.outcome: BaseException | None = None
         self.marks = {"entered": entered}
@@ -813,15 +820,19 @@ class _Reader:
         try:
             handle = self._agent._post(job, blocking=True)
         except Exception as exc:
+            job.post_returned.set()
             self._finish(job, exc)
             return
         with job.lock:
             cancelled = job.state == "cancelled"
             if not cancelled:
                 job.state, job.handle = "in_flight", handle
-        if cancelled:  # the caller timed out during the post (it said aborted=False)
+        if cancelled:  # the caller timed out or was cancelled during the post (it said aborted=False)
             handle.abort()
-        elif handle.done:
+        job.post_returned.set()
+        if cancelled:
+            return
+        if handle.done:
             self._finish(job, None)
             self._agent._notify_after(job, handle)  # after waking the caller: not on its path
         else:
