@@ -49,6 +49,9 @@ class WorkerMetrics:
         self.transfer_failures = Counter("pdserve_kv_transfer_failures", "KV pulls that failed", labels, registry=r)
         self.local_recomputes = Counter("pdserve_local_recompute_fallbacks",
                                         "Requests prefilled locally because the pull failed", labels, registry=r)
+        self.kv_refused = Counter("pdserve_kv_refused", "Transfer tickets (decode) and NIXL notifications (prefill) "
+                                  "refused: not signed by their owner, not fitting it, naming no pending ticket, "
+                                  "or repeated", ["role", "kind", "reason"], registry=r)
         self.lease_expiries = Counter("pdserve_kv_lease_expiries", "Pinned KV freed by lease expiry, never pulled",
                                       labels, registry=r)
         # Prefix cache and host KV tier (services/engine/offload/); the engine counts, these follow.

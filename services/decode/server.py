@@ -32,7 +32,7 @@ from services.engine.sampling_params import SamplingParams
 from services.kv.agent import TransferError
 from services.kv.compat import CompatInfo, compat_fields
 from services.kv.handshake import HandshakeError
-from services.kv.puller import KVPuller, PullResult
+from services.kv.puller import KVPuller, PullResult, TicketError
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 failure = self.metrics.handshake_failures if isinstance(e, HandshakeError) else \
                     self.metrics.transfer_failures
                 failure.labels("decode").inc()
+                if isinstance(e, TicketError):
+                    self.metrics.kv_refused.labels("decode", "ticket", e.reason).inc()
                 await self.engine.abort(rid)
             else:
                 pulled = time.perf_counter()

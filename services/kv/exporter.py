@@ -9,6 +9,7 @@ has heard from all of its readers, or when the lease expires.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 
@@ -18,7 +19,7 @@ from services.kv.handshake import EngineDescription, RankExport
 from services.kv.pair_support import group_heads_from_fields
 from services.kv.rank import KVRank
 from services.kv.topology import group_readers_per_remote_rank
-from services.kv.wire import HOST_TIER_NOTIFY_SUFFIX, notification_key
+from services.kv.wire import notification_key, notification_request, ticket_signature
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 
@@ -43,6 +44,8 @@ class KVExporter:
             raise ValueError("an engine has at least one TP rank")
         self.engine_id = engine_id
         self.epoch = epoch if epoch is not None else time.time_ns()
+        self._ticket_key = secrets.token_bytes(32)  # this epoch's; readers get it in the handshake
+        self._nonces: dict[str, str] = {}  # request id -> its ticket's notification nonce
         self._ranks = list(ranks)
         layout = ranks[0].layout
         self.compat = CompatInfo.of(compat_fields(
@@ -57,6 +60,7 @@ class KVExporter:
                 for i, r in enumerate(ranks)
             ),
             kv_sharing=dict(kv_sharing or {}),
+            ticket_key=self._ticket_key,
         )
         # The model's total KV heads per group: each group is sharded by its own (Gemma-4's differ).
         self._group_heads = group_heads_from_fields(self.compat.fields)
@@ -95,46 +99,59 @@ class KVExporter:
             raise ValueError("a ticket names host-tier blocks but this engine has no host tier")
         sources = (False, True) if num_host_tokens else (False,)
         readers = group_readers_per_remote_rank(reader_tp_size, self.tp_size, self._group_heads)
+        nonce = secrets.token_hex(8)
         waiting = set()
         for rank, n in enumerate(readers):
             for host in sources if n else ():
-                self._trackers[rank].expect(notification_key(request_id, host), n)
+                self._trackers[rank].expect(notification_key(request_id, host, nonce), n)
                 waiting.add((rank, host))
         self._waiting[request_id] = waiting
-        return kv_pb2.TransferTicket(
+        self._nonces[request_id] = nonce
+        ticket = kv_pb2.TransferTicket(
             engine_id=self.engine_id, epoch=self.epoch, request_id=request_id,
             groups=[kv_pb2.GroupBlocks(group_id=g, block_ids=list(ids)) for g, ids in enumerate(block_ids)],
             num_tokens=num_tokens, first_token_id=first_token_id, first_token_logprob=first_token_logprob,
             handshake_address=handshake_address, num_host_tokens=num_host_tokens,
             host_groups=[kv_pb2.GroupBlocks(group_id=g, block_ids=list(ids)) for g, ids in enumerate(host_block_ids)],
+            notify_nonce=nonce,
         )
+        ticket.signature = ticket_signature(ticket, self._ticket_key)
+        return ticket
 
     def poll_released(self) -> list[str]:
         """Request ids every reader has finished with: their blocks can be freed now."""
         for rank, r in enumerate(self._ranks):
             for key in self._trackers[rank].feed(r.poll_notifications()):
-                host = key.endswith(HOST_TIER_NOTIFY_SUFFIX)
-                rid = key.removesuffix(HOST_TIER_NOTIFY_SUFFIX) if host else key
-                self._waiting.get(rid.decode(), set()).discard((rank, host))
+                rid, host = notification_request(key)
+                self._waiting.get(rid, set()).discard((rank, host))
         done = [rid for rid, ranks in self._waiting.items() if not ranks]
         for rid in done:
             del self._waiting[rid]
+            self._nonces.pop(rid, None)
         return done
+
+    def refused_notifications(self) -> dict[str, int]:
+        """Notifications refused so far, by reason, never freeing anything: ``unknown`` (no pending ticket
+        has that key: a forged or guessed one, or one that came after its request was released) and
+        ``duplicate`` (a reader that had already notified)."""
+        stats = [t.stats() for t in self._trackers]
+        return {"unknown": sum(s.num_unknown for s in stats), "duplicate": sum(s.num_duplicate for s in stats)}
 
     def expire(self, lease_s: float) -> list[str]:
         """Request ids whose readers did not all finish within ``lease_s``: freed by the lease."""
         expired: set[str] = set()
         for tracker in self._trackers:
-            expired.update(k.removesuffix(HOST_TIER_NOTIFY_SUFFIX).decode() for k in tracker.expire(lease_s))
+            expired.update(notification_request(k)[0] for k in tracker.expire(lease_s))
         for rid in expired:
             self.abandon(rid)
         return sorted(expired)
 
     def abandon(self, request_id: str) -> bool:
         """Stop waiting for a request's readers (it was aborted or its lease ran out)."""
+        nonce = self._nonces.pop(request_id, "")
         for tracker in self._trackers:
             for host in (False, True):
-                tracker.discard(notification_key(request_id, host))
+                tracker.discard(notification_key(request_id, host, nonce))
         return self._waiting.pop(request_id, None) is not None
 
     @property

@@ -73,6 +73,7 @@ class EngineDescription:
     ranks: tuple[RankExport, ...]
     kv_sharing: Mapping[int, int] = field(default_factory=dict)
     protocol_version: int = PROTOCOL_VERSION
+    ticket_key: bytes = b""  # this epoch's ticket signing key (services/kv/wire.py ticket_signature)
 
     @property
     def tp_size(self) -> int:
@@ -102,6 +103,7 @@ def description_to_proto(d: EngineDescription) -> kv_pb2.HandshakeResponse:
             )
             for r in d.ranks
         ],
+        ticket_key=d.ticket_key,
     )
 
 
@@ -140,6 +142,7 @@ def description_from_proto(m: kv_pb2.HandshakeResponse) -> EngineDescription:
             ranks=ranks,
             kv_sharing={s.layer_id: s.source_layer_id for s in m.kv_sharing},
             protocol_version=m.protocol_version,
+            ticket_key=m.ticket_key,
         )
     except ValueError as e:
         raise HandshakeError(f"malformed handshake from engine {m.engine_id!r}: {e}") from None

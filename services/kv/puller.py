@@ -12,7 +12,8 @@ A sliding-window group's ticket may name a placeholder (any in-range id, e.g. th
 block, repeated) for blocks that fell out of the window: they are range-checked like every id and
 never read, since the pieces start at ``window_start_token``.
 
-A ticket is untrusted input: its groups, block ids and token count are checked against the
+A ticket is untrusted input: it must carry the owner's signature (HMAC under the key of the owner's
+epoch, from the handshake), and its groups, block ids and token count are checked against the
 owner's handshake before anything is planned, and descriptors are only ever computed from the
 layout specs, so a forged ticket cannot point a READ outside the owner's registered KV buffers
 or the reader's own blocks.
@@ -36,14 +37,21 @@ from services.kv.pair_support import group_heads_from_fields
 from services.kv.planner import TransferPlan, plan_groups
 from services.kv.rank import KVRank
 from services.kv.topology import RankRead, group_rank_reads, kv_head_range, map_block_arrays, window_start_token
-from services.kv.wire import notification_key
+from services.kv.wire import notification_key, ticket_is_signed_by
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
 
 
 class TicketError(ValueError):
-    """The ticket does not fit the owner's engine (forged, truncated or from another model)."""
+    """The ticket does not fit the owner's engine (forged, truncated or from another model).
+
+    ``reason`` names the check that refused it, for the refusal counter.
+    """
+
+    def __init__(self, message: str, reason: str = "mismatch") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -164,17 +172,23 @@ class KVPuller:
         remote = self.peers.cached(ticket.engine_id, ticket.epoch) or \
             await self.peers.get(ticket.handshake_address, ticket.engine_id, ticket.epoch)
         t_handshake = time.perf_counter()
+        if not ticket_is_signed_by(ticket, remote.ticket_key):
+            # Not issued by that engine as it is (forged, altered in transit, or from a peer too old to sign):
+            # the blocks it names need not be this request's.
+            raise TicketError(f"ticket for request {ticket.request_id!r} is not signed by engine "
+                              f"{ticket.engine_id} (epoch {ticket.epoch})", reason="signature")
         remote_ids, host_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
         t_check = time.perf_counter()
         pieces = self._source_pieces(ticket, remote, remote_ids, host_ids, local_ids, num_cached_tokens)
         t_pieces = time.perf_counter()
         reads = self._plan_reads(remote, pieces)
         t_plan = time.perf_counter()
+        nonce = ticket.notify_nonce
         try:
             if len(reads) == 1:  # no task to create and schedule for the one READ of a TP-1 pair
-                results = [await self._read(*reads[0], ticket.request_id)]
+                results = [await self._read(*reads[0], ticket.request_id, nonce)]
             else:
-                results = await asyncio.gather(*(self._read(*read, ticket.request_id) for read in reads))
+                results = await asyncio.gather(*(self._read(*read, ticket.request_id, nonce) for read in reads))
         except TransferError:
             # The owner may have restarted (its old agents are gone): handshake afresh next time, so
             # later tickets of the dead epoch fail fast as stale instead of timing out on reads.
@@ -266,10 +280,10 @@ class KVPuller:
         return entry[1]
 
     async def _read(self, rank: KVRank, owner: RankExport, local_rows: np.ndarray, remote_rows: np.ndarray,
-                    num_bytes: int, num_descriptors: int, host: bool, request_id: str
+                    num_bytes: int, num_descriptors: int, host: bool, request_id: str, nonce: str
                     ) -> tuple[int, int, dict[str, float]]:
         """One READ from one owner rank (or, when everything was local, only the notification)."""
-        notify = notification_key(request_id, host)
+        notify = notification_key(request_id, host, nonce)
         sub: dict[str, float] = {}
         token = read_stages.set(sub)  # the agent's READ adds its stages here
         kind = (owner.host_regions if host else owner.regions)[0].kind

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass
 
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
@@ -29,14 +31,36 @@ def _lookup(table: dict, value: int, what: str):
         raise ValueError(f"unknown {what} {value} on the wire") from None
 
 
-# A reading rank's notification is the request id after a READ of the owner's device blocks, and
-# the request id plus this suffix after a READ of its host KV tier (one of each for a ticket with
-# a host-tier part), so the owner counts both sources of every reader.
+# A reading rank's notification is the request id and the ticket's nonce after a READ of the owner's
+# device blocks, and the same plus this suffix after a READ of its host KV tier (one of each for a
+# ticket with a host-tier part), so the owner counts both sources of every reader. The nonce is only
+# in the ticket: a notification naming a request without it matches nothing and is refused (counted).
 HOST_TIER_NOTIFY_SUFFIX = b"/host"
+NONCE_SEPARATOR = b"#"
 
 
-def notification_key(request_id: str, host_tier: bool) -> bytes:
-    return request_id.encode() + (HOST_TIER_NOTIFY_SUFFIX if host_tier else b"")
+def notification_key(request_id: str, host_tier: bool, nonce: str = "") -> bytes:
+    key = request_id.encode() + (NONCE_SEPARATOR + nonce.encode() if nonce else b"")
+    return key + (HOST_TIER_NOTIFY_SUFFIX if host_tier else b"")
+
+
+def notification_request(key: bytes) -> tuple[str, bool]:
+    """(request id, host tier) of a notification key."""
+    host = key.endswith(HOST_TIER_NOTIFY_SUFFIX)
+    key = key.removesuffix(HOST_TIER_NOTIFY_SUFFIX) if host else key
+    return key.split(NONCE_SEPARATOR, 1)[0].decode(), host
+
+
+def ticket_signature(ticket: kv_pb2.TransferTicket, key: bytes) -> bytes:
+    """HMAC-SHA256 of the ticket without its signature, serialized deterministically."""
+    unsigned = kv_pb2.TransferTicket()
+    unsigned.CopyFrom(ticket)
+    unsigned.ClearField("signature")
+    return hmac.new(key, unsigned.SerializeToString(deterministic=True), hashlib.sha256).digest()
+
+
+def ticket_is_signed_by(ticket: kv_pb2.TransferTicket, key: bytes) -> bool:
+    return bool(key) and hmac.compare_digest(ticket.signature, ticket_signature(ticket, key))
 
 
 @dataclass(frozen=True)

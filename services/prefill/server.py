@@ -106,6 +106,7 @@ async def release_loop(engine: AsyncEngine, exporter: KVExporter, metrics: Worke
                        stop: asyncio.Event) -> None:
     """Free pinned blocks as readers finish (notifications) or leases run out."""
     last_expiry = time.monotonic()
+    refused = {reason: 0 for reason in exporter.refused_notifications()}
     while not stop.is_set():
         for rid in exporter.poll_released():
             await engine.release_held_kv(rid)
@@ -115,6 +116,12 @@ async def release_loop(engine: AsyncEngine, exporter: KVExporter, metrics: Worke
                 log.warning("request %s: KV lease of %.0fs expired before it was pulled", rid, lease_s)
                 metrics.lease_expiries.labels("prefill").inc()
                 await engine.release_held_kv(rid)
+            for reason, total in exporter.refused_notifications().items():
+                if total > refused[reason]:
+                    log.info("refused %d NIXL notifications (%s): they name no ticket held here",
+                                total - refused[reason], reason)
+                    metrics.kv_refused.labels("prefill", "notification", reason).inc(total - refused[reason])
+                    refused[reason] = total
         metrics.set_engine_stats(engine.stats)
         await asyncio.sleep(0.005)
 

@@ -30,6 +30,7 @@ from services.kv.handshake import HandshakeError, StaleTicketError
 from services.kv.puller import KVPuller, TicketError
 from services.kv.rank import LocalKVRank
 from services.kv.synthetic import compat_for, group_shapes, layout_for, pattern
+from services.kv.wire import ticket_signature
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 SENTINEL = -7.5
@@ -280,24 +281,36 @@ def test_agent_metadata_needs_the_shared_token() -> None:
             check_received(owner_cfg, r, owner.tickets["t"], [[0, 1]], [0])
 
 
+def _resigned(r: Reader, ticket: kv_pb2.TransferTicket) -> kv_pb2.TransferTicket:
+    """The ticket signed again with its owner's key (from the handshake): what a buggy owner could issue."""
+    ticket.signature = ticket_signature(ticket, r.puller.peers.cached(ticket.engine_id, ticket.epoch).ticket_key)
+    return ticket
+
+
 def test_forged_ticket_cannot_read_outside_the_owner_blocks() -> None:
     owner_cfg = {**BASE, "engine_id": "owner-forged", "tp": 1, "reader_tp": 1,
                  "requests": [_request("f", 8, 4, 0, shuffle=False)]}
     with owner_process(owner_cfg) as owner, reader(BASE, 1) as r:
         forged = kv_pb2.TransferTicket()
         forged.CopyFrom(owner.tickets["f"])
+        forged.groups[0].block_ids[0] = 2  # another request's block, inside the owner's pool
+        with pytest.raises(TicketError, match="not signed") as refused:
+            asyncio.run(r.puller.pull(forged, [[0, 1]]))
+        assert refused.value.reason == "signature"
+        assert all(bool((b == SENTINEL).all()) for b in r.caches[0].buffers)  # nothing was read
+        # Behind the signature, the checks still hold for a ticket its owner got wrong.
         forged.groups[0].block_ids[1] = 10_000  # beyond the owner's 24 blocks
         with pytest.raises(TicketError, match="outside"):
-            asyncio.run(r.puller.pull(forged, [[0, 1]]))
+            asyncio.run(r.puller.pull(_resigned(r, forged), [[0, 1]]))
         forged.CopyFrom(owner.tickets["f"])
         forged.num_tokens = 4096  # more tokens than its blocks hold
         with pytest.raises(TicketError):
-            asyncio.run(r.puller.pull(forged, [[0, 1]]))
+            asyncio.run(r.puller.pull(_resigned(r, forged), [[0, 1]]))
         forged.CopyFrom(owner.tickets["f"])  # a host-tier part from an owner that has no host tier
         forged.num_host_tokens = 4
         forged.host_groups.add(group_id=0, block_ids=[0])
         with pytest.raises(TicketError, match="no host tier"):
-            asyncio.run(r.puller.pull(forged, [[0, 1]]))
+            asyncio.run(r.puller.pull(_resigned(r, forged), [[0, 1]]))
         assert all(bool((b == SENTINEL).all()) for b in r.caches[0].buffers)
 
 
@@ -426,6 +439,8 @@ def test_hybrid_refusals_group_mismatch_at_handshake_and_forged_placeholders() -
             forged = kv_pb2.TransferTicket()
             forged.CopyFrom(owner.tickets["f"])
             forged.groups[0].block_ids[0] = 10_000
-            with pytest.raises(TicketError, match=r"KV group 0 \(sliding_window 10\).*outside"):
+            with pytest.raises(TicketError, match="not signed"):
                 asyncio.run(r.puller.pull(forged, local_ids))
+            with pytest.raises(TicketError, match=r"KV group 0 \(sliding_window 10\).*outside"):
+                asyncio.run(r.puller.pull(_resigned(r, forged), local_ids))
             assert all(bool((b == SENTINEL).all()) for b in r.caches[0].buffers)

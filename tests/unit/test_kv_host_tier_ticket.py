@@ -13,7 +13,7 @@ import pytest
 from services.kv.handshake import EngineDescription, RankExport
 from services.kv.puller import KVPuller, TicketError
 from services.kv.synthetic import compat_for, layout_for
-from services.kv.wire import MemoryRegion, notification_key
+from services.kv.wire import MemoryRegion, notification_key, notification_request
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 CFG = dict(kind="cross_layer", order="NHD", num_blocks=24, num_kv_heads=2, head_dim=8, dtype="float16",
@@ -62,6 +62,8 @@ def test_a_host_tier_part_is_read_from_the_host_layout_and_the_rest_from_device_
     assert device_read[3].tolist() == [[owner.regions[0].address + 14 * page, 2 * page, 0]]
     # Each source notifies under its own key, so the owner counts both of every reader.
     assert {notification_key("r", True), notification_key("r", False)} == {b"r/host", b"r"}
+    assert notification_key("r", True, "ab12") == b"r#ab12/host"
+    assert notification_request(b"r#ab12/host") == ("r", True) and notification_request(b"r#ab12") == ("r", False)
 
 
 def test_a_reader_already_holding_the_host_part_still_sends_its_notification() -> None:
