@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 import services  # noqa: F401  (sets the oneDNN ISA cap before torch loads)
+from services.common.tls import add_tls_arguments
 
 if TYPE_CHECKING:
     from services.engine.engine_config import EngineConfig
@@ -170,6 +171,7 @@ def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--kv-auth-token", default=os.environ.get("PDSERVE_KV_AUTH_TOKEN") or None,
                    help="shared token: KV agent metadata is only exchanged with peers presenting it (default: "
                         "$PDSERVE_KV_AUTH_TOKEN, which keeps it out of the process list)")
+    add_tls_arguments(p)
     p.add_argument("--drain-timeout-s", type=float, default=30.0, help="SIGTERM: how long in-flight work may finish")
     if role == "prefill":
         p.add_argument("--kv-lease-s", type=float, default=30.0,

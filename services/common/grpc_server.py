@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common.grpc_auth import TokenAuthInterceptor
+from services.common.tls import TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,10 @@ class InFlight:
 class WorkerServer:
     """A grpc.aio server with grpc.health.v1 and a drain that SIGTERM triggers."""
 
-    def __init__(self, service_names: list[str], auth_token: str | None = None) -> None:
-        """``auth_token``: the cluster token every call but health and handshake must carry (grpc_auth.py)."""
+    def __init__(self, service_names: list[str], auth_token: str | None = None, tls: TLSConfig | None = None) -> None:
+        """``auth_token``: the cluster token every call but health and handshake must carry (grpc_auth.py);
+        ``tls``: serve TLS only, to clients with a certificate the cluster CA signed (tls.py)."""
+        self.tls = tls
         interceptors = [TokenAuthInterceptor(auth_token)] if auth_token else None
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
                                       interceptors=interceptors)
@@ -71,7 +74,11 @@ class WorkerServer:
         self.failure: str | None = None  # why the worker went down on its own (see fail)
 
     def bind(self, host: str, port: int) -> int:
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        if self.tls is not None:
+            bound = self.server.add_secure_port(address, self.tls.server_credentials())
+        else:
+            bound = self.server.add_insecure_port(address)
         if bound == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         return bound

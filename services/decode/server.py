@@ -25,6 +25,7 @@ from services.common.engine_ranks import close_kv_ranks, go_down_with_tp_group, 
 from services.common.grpc_server import WorkerServer
 from services.common.metrics import PULL_STAGES, WorkerMetrics
 from services.common.sampling import sampling_from_proto, top_logprobs_to_proto
+from services.common.tls import tls_from_args
 from services.common.worker_info import worker_info
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine, RequestOutput
@@ -179,7 +180,8 @@ def _chunk(out: RequestOutput, num_prompt_tokens: int, recomputed: bool) -> work
 async def serve(args: argparse.Namespace, engine: LLMEngine) -> str | None:
     """Run the decode daemon until drained (SIGTERM/SIGINT); the failure that stopped it, if one did."""
     metrics = WorkerMetrics("decode")
-    server = WorkerServer(["pdserve.v1.DecodeWorker"], args.kv_auth_token)
+    tls = tls_from_args(args)
+    server = WorkerServer(["pdserve.v1.DecodeWorker"], args.kv_auth_token, tls)
     port = server.bind(args.host, args.port)
     address = join_host_port(args.advertise_host or advertised_host(args.host), port)
     epoch = time.time_ns()
@@ -190,7 +192,8 @@ async def serve(args: argparse.Namespace, engine: LLMEngine) -> str | None:
                                          kv_sharing=mc.kv_sharing, group_kv_heads=engine.group_kv_heads))
     ranks = open_kv_ranks(engine, engine_id, epoch)
     puller = KVPuller(engine_id=engine_id, compat=compat, ranks=ranks,
-                      auth_token=args.kv_auth_token, transfer_timeout_s=args.kv_transfer_timeout_s)
+                      auth_token=args.kv_auth_token, transfer_timeout_s=args.kv_transfer_timeout_s,
+                      tls=tls)
     aengine = AsyncEngine(engine)
     aengine.start()
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(

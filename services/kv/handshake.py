@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.tls import TLSConfig, open_channel
 from services.kv.compat import PROTOCOL_VERSION, CompatInfo, check_compatible
 from services.kv.groups import KVCacheGroupSpec
 from services.kv.layout import KVLayoutSpec
@@ -178,13 +179,14 @@ def add_handshake_service(server: grpc.aio.Server, servicer: HandshakeServicer) 
 
 
 async def fetch_description(
-    address: str, *, reader_engine_id: str, auth_token: str | None = None, timeout_s: float = 5.0
+    address: str, *, reader_engine_id: str, auth_token: str | None = None, timeout_s: float = 5.0,
+    tls: TLSConfig | None = None,
 ) -> EngineDescription:
     """One Handshake call to ``address`` (host:port)."""
     request = kv_pb2.HandshakeRequest(
         protocol_version=PROTOCOL_VERSION, reader_engine_id=reader_engine_id, auth_token=auth_token or ""
     )
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address, tls) as channel:
         try:
             response = await kv_pb2_grpc.KVHandshakeStub(channel).Handshake(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
@@ -210,8 +212,10 @@ class PeerCache:
         timeout_s: float = 5.0,
         validate: Callable[[EngineDescription], None] | None = None,
         on_evict: Callable[[EngineDescription], None] | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         self._local = local
+        self._tls = tls
         self._reader_engine_id = reader_engine_id
         self._token = auth_token
         self._timeout_s = timeout_s
@@ -243,7 +247,8 @@ class PeerCache:
     async def _handshake(self, address: str, engine_id: str) -> EngineDescription | Exception:
         self.num_handshakes += 1
         description = await fetch_description(
-            address, reader_engine_id=self._reader_engine_id, auth_token=self._token, timeout_s=self._timeout_s
+            address, reader_engine_id=self._reader_engine_id, auth_token=self._token, timeout_s=self._timeout_s,
+            tls=self._tls,
         )
         if description.engine_id != engine_id:
             raise HandshakeError(f"{address} serves engine {description.engine_id!r}, not {engine_id!r}")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.common.tls import TLSConfig
 from services.kv.agent import TransferError, read_stages
 from services.kv.compat import CompatInfo
 from services.kv.handshake import EngineDescription, PeerCache, RankExport
@@ -91,6 +92,7 @@ class KVPuller:
         auth_token: str | None = None,
         handshake_timeout_s: float = 5.0,
         transfer_timeout_s: float = 30.0,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.engine_id = engine_id
         self._ranks = list(ranks)
@@ -98,7 +100,7 @@ class KVPuller:
         self._reads_of: dict[str, tuple[EngineDescription, list]] = {}  # engine id -> (its description, reads)
         self.peers = PeerCache(
             compat, reader_engine_id=engine_id, auth_token=auth_token, timeout_s=handshake_timeout_s,
-            validate=self._check_topology, on_evict=self._drop_peers,
+            validate=self._check_topology, on_evict=self._drop_peers, tls=tls,
         )
 
     @property

@@ -20,6 +20,7 @@ from services.common.engine_ranks import close_kv_ranks, go_down_with_tp_group, 
 from services.common.grpc_server import WorkerServer
 from services.common.metrics import WorkerMetrics
 from services.common.sampling import sampling_from_proto, top_logprobs_to_proto
+from services.common.tls import tls_from_args
 from services.common.worker_info import worker_info
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
@@ -129,7 +130,8 @@ async def release_loop(engine: AsyncEngine, exporter: KVExporter, metrics: Worke
 async def serve(args: argparse.Namespace, engine: LLMEngine) -> str | None:
     """Run the prefill daemon until drained (SIGTERM/SIGINT); the failure that stopped it, if one did."""
     metrics = WorkerMetrics("prefill")
-    server = WorkerServer(["pdserve.v1.PrefillWorker", "pdserve.v1.KVHandshake"], args.kv_auth_token)
+    server = WorkerServer(["pdserve.v1.PrefillWorker", "pdserve.v1.KVHandshake"], args.kv_auth_token,
+                          tls_from_args(args))
     port = server.bind(args.host, args.port)
     address = join_host_port(args.advertise_host or advertised_host(args.host), port)
     epoch = time.time_ns()

@@ -99,7 +99,7 @@ def create_app(
     """
     tokenizer = tokenizer_loader(config.model)
     policy = PairingPolicy(config.direct_decode_threshold)
-    pool = WorkerPool(config.kv_auth_token)
+    pool = WorkerPool(config.kv_auth_token, config.tls)
     served_name = model_name(config.model, config.served_model_name)
     metrics = RouterMetrics(policy, served_name, decode_only=config.decode_only)
 

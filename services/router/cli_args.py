@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 
+from services.common.tls import add_tls_arguments, tls_from_args
 from services.router.config import DEFAULT_MAX_REQUEST_BYTES, RouterConfig
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--kv-auth-token", default=os.environ.get("PDSERVE_KV_AUTH_TOKEN") or None,
                    help="the workers' cluster token, sent with every call to them (default: "
                         "$PDSERVE_KV_AUTH_TOKEN; workers started with one refuse calls without it)")
+    add_tls_arguments(p)
     p.set_defaults(func=run_router)
     return p
 
@@ -78,6 +80,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_request_bytes=args.max_request_bytes,
         api_key=args.api_key,
         kv_auth_token=args.kv_auth_token,
+        tls=tls_from_args(args),
     )
     if not (config.decode or config.decode_dns):
         raise ValueError("the router needs decode workers: give --decode or --decode-dns")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.tls import TLSConfig
+
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
@@ -41,6 +43,8 @@ class RouterConfig:
     api_key: str | None = field(default=None, repr=False)
     # The workers' cluster token (services/common/grpc_auth.py), sent with every call to them.
     kv_auth_token: str | None = field(default=None, repr=False)
+    # mTLS to the workers (services/common/tls.py): the router's certificate and the cluster CA.
+    tls: TLSConfig | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("dns_refresh_s", "health_interval_s", "health_timeout_s", "request_timeout_s",

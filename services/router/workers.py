@@ -12,6 +12,7 @@ from __future__ import annotations
 import grpc
 
 from services.common.grpc_auth import token_interceptors
+from services.common.tls import TLSConfig, open_channel
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from services.router.pairing import Role, WorkerIdentity
 
@@ -42,8 +43,10 @@ def identity_from_info(info: worker_pb2.WorkerInfo) -> WorkerIdentity:
 class WorkerPool:
     """Channels and stubs keyed by address, and one method per RPC the router makes."""
 
-    def __init__(self, auth_token: str | None = None) -> None:
-        """``auth_token``: the workers' cluster token, added to every call (``grpc_auth.token_interceptors``)."""
+    def __init__(self, auth_token: str | None = None, tls: TLSConfig | None = None) -> None:
+        """``auth_token``: the workers' cluster token, added to every call (``grpc_auth.token_interceptors``);
+        ``tls``: dial the workers over mTLS with the router's certificate."""
+        self._tls = tls
         self._interceptors = token_interceptors(auth_token) if auth_token else None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._prefill_stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
@@ -57,7 +60,7 @@ class WorkerPool:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS, interceptors=self._interceptors)
+            channel = open_channel(address, self._tls, options=_CHANNEL_OPTIONS, interceptors=self._interceptors)
             self._channels[address] = channel
         return channel
 

@@ -1,0 +1,80 @@
+"""mTLS on worker gRPC, with real daemons: workers started with a certificate, key and CA serve TLS only and
+require a client certificate the CA signed; the router and the decode worker's handshake dial with theirs,
+so a disaggregated completion works end to end, while a plaintext client, or one whose certificate
+another CA signed, is refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.tls import TLSConfig
+from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from tests.e2e.stack import completion_tokens, metric_total, stack
+
+pytestmark = pytest.mark.slow
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _make_ca_and_cert(directory: Path, name: str) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a certificate it signed for 127.0.0.1 / localhost: (cert, key, ca)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", f"/CN={name}-ca",
+             cwd=directory)
+    _openssl("req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", f"/CN={name}-node", cwd=directory)
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", "node.pem", "-days", "1", "-extfile", "san.ext", cwd=directory)
+    return directory / "node.pem", directory / "node.key", directory / "ca.pem"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, tuple[Path, Path, Path]]:
+    root = tmp_path_factory.mktemp("pki")
+    return {"cluster": _make_ca_and_cert(root / "cluster", "cluster"),
+            "rogue": _make_ca_and_cert(root / "rogue", "rogue")}
+
+
+def _info(address: str, credentials: grpc.ChannelCredentials | None) -> worker_pb2.WorkerInfo:
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel:
+        return worker_pb2_grpc.PrefillWorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=5)
+
+
+def test_mtls_end_to_end_and_refusals(pki, monkeypatch: pytest.MonkeyPatch) -> None:
+    cert, key, ca = pki["cluster"]
+    for name, path in (("CERT", cert), ("KEY", key), ("CA", ca)):
+        monkeypatch.setenv(f"PDSERVE_TLS_{name}", str(path))  # the daemons and the router inherit them
+    args = ("--block-size", "16", "--num-kv-blocks", "64")
+    with stack("dummy:tiny", prefill_args=args, decode_args=args) as s:
+        prompt = list(range(100, 140))
+        assert len(completion_tokens(s.url, prompt, 4, stream=True)) == 4
+        # Disaggregated: the decode worker handshook with the prefill worker over TLS and pulled.
+        assert metric_total(s.decode[0], "pdserve_kv_transfer_bytes_total") > 0
+        prefill = s.prefill[0].address
+        assert _info(prefill, TLSConfig.from_files(str(cert), str(key), str(ca)).channel_credentials()).role
+        rogue_cert, rogue_key, _ = pki["rogue"]
+        # A client whose certificate another CA signed (it trusts the cluster CA, so the server is fine).
+        rogue = grpc.ssl_channel_credentials(ca.read_bytes(), rogue_key.read_bytes(), rogue_cert.read_bytes())
+        no_cert = grpc.ssl_channel_credentials(ca.read_bytes())
+        for credentials in (None, rogue, no_cert):
+            with pytest.raises(grpc.RpcError) as refused:
+                _info(prefill, credentials)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+def test_partial_tls_flags_stop_the_worker_with_a_clear_error(pki) -> None:
+    cert, _, _ = pki["cluster"]
+    done = subprocess.run([sys.executable, "-m", "services.cli", "prefill", "--model", "dummy:tiny",
+                           "--host", "127.0.0.1", "--port", "0", "--tls-cert", str(cert)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "--tls-key" in done.stdout + done.stderr and "--tls-ca" in done.stdout + done.stderr
