@@ -136,7 +136,9 @@ def test_penalised_requests_give_the_same_tokens_and_are_not_pipelined(injection
     expected = [o.token_ids for o in sync.generate(prompts, penalised)]
     plain = [o.token_ids for o in sync.generate(
         prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
-    assert expected[0] != plain[0] and expected[1] != plain[1]  # the penalties bite (random weights repeat)
+    # The frequency penalty bites (random weights repeat one token); on some weights (CUDA's) the repetition
+    # penalty alone does not move row 1's argmax, so only row 0 is required to change.
+    assert expected[0] != plain[0]
     assert [o.token_ids for o in pipelined.generate(prompts, penalised)] == expected
     assert not injections  # every step had a penalised row: none was pipelined
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -12,6 +14,8 @@ from services.engine.sampling_params import SamplingParams
 from tests.checkpoints import make_checkpoint
 
 PROMPT = [(5 * i + 11) % 250 + 3 for i in range(29)]
+# The GPU machine runs this file with PDSERVE_TEST_DEVICE=cuda: CUDA graphs and pipelined decode.
+DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +26,7 @@ def checkpoint(tmp_path_factory) -> str:
 
 def _engine(checkpoint: str, prefix_caching: bool) -> LLMEngine:
     # Small step budget: the prompt is prefilled in chunks, so prompt logprobs cross chunk boundaries.
-    return LLMEngine(EngineConfig(model=checkpoint, device="cpu", dtype="float32", block_size=4, num_kv_blocks=128,
+    return LLMEngine(EngineConfig(model=checkpoint, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=128,
                                   max_num_batched_tokens=8, enable_prefix_caching=prefix_caching))
 
 

@@ -8,6 +8,7 @@ import torch
 
 from services.engine import sampler
 from services.engine.sampler import (
+    GrammarMasks,
     SamplerOutput,
     TokenHistory,
     make_generator,
@@ -16,6 +17,7 @@ from services.engine.sampler import (
     sample,
 )
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured.bitmask import allocate_bitmask, apply_bitmask
 
 GREEDY = SamplingParams(temperature=0.0)
 PLAIN = SamplingParams(temperature=1.0)
@@ -439,3 +441,19 @@ def test_sampling_params_defaults_and_vocab_check() -> None:
     biased.check_vocab(10)
     with pytest.raises(ValueError, match="logit_bias"):
         biased.check_vocab(9)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grammar_bitmask_keeps_exactly_the_allowed_tokens_of_its_rows(device: str) -> None:
+    logits = torch.zeros(3, 70, device=device)
+    bitmask = allocate_bitmask(1, 70)
+    bitmask.zero_()
+    for token in (0, 31, 32, 69):  # bit 31 is the int32 sign bit
+        bitmask[0, token // 32] |= 1 << (token % 32) if token % 32 != 31 else -(2**31)
+    apply_bitmask(logits, bitmask, [1])
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0, 31, 32, 69]
+    assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
+    # Through the sampler: the masked row can only draw an allowed token, greedy or sampled.
+    out = sample(torch.randn(2, 70, device=device), [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)],
+                 [None, None], grammar_masks=GrammarMasks(bitmask.expand(2, -1).clone(), [0, 1]))
+    assert set(out.token_ids) <= {0, 31, 32, 69}

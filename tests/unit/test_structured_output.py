@@ -6,12 +6,10 @@ import json
 
 import jsonschema
 import pytest
-import torch
 
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams, StructuredSpec
-from services.engine.structured.bitmask import allocate_bitmask, apply_bitmask
 from services.engine.structured.spec import StructuredOutputError, check_spec
 from services.router.errors import InvalidRequest
 from services.router.protocol import ChatCompletionRequest, CompletionRequest, decode_request, to_sampling_params
@@ -36,17 +34,6 @@ def prompt(engine: LLMEngine) -> list[int]:
 
 def _schema_spec(schema: dict = SCHEMA) -> StructuredSpec:
     return StructuredSpec("json_schema", json.dumps(schema))
-
-
-def test_bitmask_keeps_exactly_the_allowed_tokens() -> None:
-    logits = torch.zeros(3, 70)
-    bitmask = allocate_bitmask(1, 70)
-    bitmask.zero_()
-    for token in (0, 31, 32, 69):
-        bitmask[0, token // 32] |= 1 << (token % 32) if token % 32 != 31 else -(2**31)
-    apply_bitmask(logits, bitmask, [1])
-    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0, 31, 32, 69]
-    assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
 
 
 def test_invalid_schemas_are_refused_by_name() -> None:
