@@ -99,6 +99,10 @@ class WorkerMetrics:
         if self.role == "decode":
             for stage in PULL_STAGES:
                 self.pull_stage_seconds.labels(self.role, stage)
+        kind, reasons = ("ticket", ("signature", "mismatch")) if self.role == "decode" else \
+            ("notification", ("unknown", "duplicate"))
+        for reason in reasons:
+            self.kv_refused.labels(self.role, kind, reason)
 
     def set_info(self, model: str, engine_id: str, tp_size: int, block_size: int) -> None:
         self.info.labels(self.role, model, engine_id, str(tp_size), str(block_size)).set(1)
