@@ -94,6 +94,28 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if list(ticket.groups) and ticket.num_tokens != len(prompt):
             raise ValueError(f"ticket covers {ticket.num_tokens} tokens, the prompt has {len(prompt)}")
         started = time.perf_counter()
+        try:
+            pulled = await self._reserve_and_pull(rid, prompt, params, ticket, started)
+        except ValueError:
+            raise  # bad input (a duplicate id among them): nothing was reserved under this call
+        except BaseException:
+            # Cancelled (the router gave up, or its deadline passed while this worker was stalled) between
+            # reserving blocks and streaming: nobody will read this request, so it must not keep them.
+            await asyncio.shield(self.engine.abort(rid))
+            raise
+        if pulled:
+            return [], False
+        # Recompute: the prompt plus the first token the client already has, one token fewer to go.
+        self.metrics.local_recomputes.labels("decode").inc()
+        rest = dataclasses.replace(params, max_tokens=params.max_tokens - 1, min_tokens=max(params.min_tokens - 1, 0))
+        await self.engine.add_request(rid, [*prompt, ticket.first_token_id], rest,
+                                      grammar_prefix=[ticket.first_token_id])
+        return [ticket.first_token_id], True
+
+    async def _reserve_and_pull(self, rid: str, prompt: list[int], params: SamplingParams,
+                                ticket: kv_pb2.TransferTicket, started: float) -> bool:
+        """Reserve local blocks and pull the ticket's KV into them; False when the prompt must be
+        prefilled here instead (no room in time, or the pull failed: the reservation is dropped)."""
         request = await self._reserve(rid, prompt, params)
         reserved = time.perf_counter()
         if request is None:
@@ -112,7 +134,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 await self.engine.abort(rid)
             else:
                 pulled = time.perf_counter()
-                await self.engine.complete_external_kv(rid, ticket.first_token_id, ticket.first_token_logprob)
+                try:
+                    await self.engine.complete_external_kv(rid, ticket.first_token_id, ticket.first_token_logprob)
+                except ValueError as e:  # the ticket's first token does not fit (e.g. not in the grammar)
+                    log.warning("request %s: the ticket's first token is refused (%s); prefilling locally", rid, e)
+                    await self.engine.abort(rid)
+                    return False
                 resumed = time.perf_counter()
                 self.metrics.transfer_bytes.labels("decode").inc(result.num_bytes)
                 self.metrics.transfer_source_bytes.labels("decode", "host").inc(result.host_bytes)
@@ -120,13 +147,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 self.metrics.transfer_descriptors.labels("decode").inc(result.num_descriptors)
                 self.metrics.transfer_seconds.labels("decode").observe(result.seconds)
                 self._observe_stages(rid, result, reserved - started, resumed - pulled)
-                return [], False
-        # Recompute: the prompt plus the first token the client already has, one token fewer to go.
-        self.metrics.local_recomputes.labels("decode").inc()
-        rest = dataclasses.replace(params, max_tokens=params.max_tokens - 1, min_tokens=max(params.min_tokens - 1, 0))
-        await self.engine.add_request(rid, [*prompt, ticket.first_token_id], rest,
-                                      grammar_prefix=[ticket.first_token_id])
-        return [ticket.first_token_id], True
+                return True
+        return False
 
     def _observe_stages(self, rid: str, result: PullResult, reserve_s: float, resume_s: float) -> None:
         """pdserve_kv_pull_stage_seconds, and one debug line with every stage (the READ's own included)."""

@@ -7,7 +7,6 @@ free-form JSON, and masks in tens of microseconds on the SmolLM2 vocabulary.
 from __future__ import annotations
 
 import llguidance
-import llguidance.torch as lltorch
 import torch
 
 from services.engine.sampling_params import StructuredSpec
@@ -20,7 +19,12 @@ class LLGuidanceMatcher:
         self._matcher = matcher
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        lltorch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        # Straight into the row's memory. Not through llguidance.torch: importing it runs torch.compile,
+        # which imports triton (and would fix triton's interpreter mode off for the whole process).
+        words = bitmask[row]
+        if bitmask.dtype != torch.int32 or not bitmask.is_cpu or not words.is_contiguous():
+            raise ValueError("a grammar bitmask is a contiguous int32 tensor on the host")
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
     def accept(self, token_id: int) -> None:
         """Checked first, so a refused token leaves the matcher where it was."""
