@@ -107,7 +107,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace, device, dtype) -> None:
         import torch
 
-        from services.engine.kv_cache import DTYPE_NAMES, KVCache
+        from services.engine.kv_cache.buffers import DTYPE_NAMES, KVCache
         from services.kv.groups import AttentionKind, KVCacheGroupSpec
         from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 

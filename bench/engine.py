@@ -29,9 +29,9 @@ import torch  # noqa: E402
 
 from bench._common import GPU_PEAKS, emit_json  # noqa: E402
 from services.engine.engine_config import EngineConfig  # noqa: E402
-from services.engine.kv_cache import TORCH_DTYPES  # noqa: E402
+from services.engine.kv_cache.buffers import TORCH_DTYPES  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
+from services.contract.sampling_params import SamplingParams  # noqa: E402
 from services.kv.layout import LayoutKind  # noqa: E402
 
 
@@ -220,7 +220,7 @@ def main() -> None:
     )
     hf_seconds = {}
     if args.hf:
-        from services.engine.config import PRESETS
+        from services.engine.model_config.hf import PRESETS
 
         dev = config.resolve_device()
         hf_seconds = hf_rows(args, PRESETS[args.model.removeprefix("dummy:")], dev,

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from services.engine.default_model import default_model_path
-from services.engine.tokenizer import Tokenizer
+from services.text.default_model import default_model_path
+from services.text.tokenizer import Tokenizer
 
 SCHEMAS = {
     "json_object": None,

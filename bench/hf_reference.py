@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from services.engine.config import ModelConfig
-from services.engine.weights import dummy_tensor
+from services.engine.loading.weights import dummy_tensor
+from services.engine.model_config.hf import ModelConfig
 
 
 def hf_model(mc: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0):

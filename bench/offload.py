@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench._common import emit_json  # noqa: E402
+from services.contract.sampling_params import SamplingParams  # noqa: E402
 from services.engine.engine_config import EngineConfig  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 

@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import services  # noqa: E402,F401
+from services.contract.sampling_params import SamplingParams  # noqa: E402
 from services.engine.engine_config import EngineConfig  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -45,9 +45,9 @@ def reference(model: str, dtype: str, device: str, prompts: list[list[int]], max
     """Greedy tokens of a colocated TP1 engine (freed before the setups start)."""
     import torch
 
+    from services.contract.sampling_params import SamplingParams
     from services.engine.engine_config import EngineConfig
     from services.engine.llm_engine import LLMEngine
-    from services.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, num_kv_blocks=1024))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

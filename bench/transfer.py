@@ -62,7 +62,7 @@ import torch  # noqa: E402
 
 import services  # noqa: E402,F401,I001
 from bench._common import emit_json  # noqa: E402
-from services.engine.kv_cache import KVCache  # noqa: E402
+from services.engine.kv_cache.buffers import KVCache  # noqa: E402
 from services.kv.agent import CUDA_IPC_GET_ENV, TransferAgent, TransferError  # noqa: E402
 from services.kv.compat import CompatInfo, compat_fields  # noqa: E402
 from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402

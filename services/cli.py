@@ -12,9 +12,9 @@ import services  # noqa: F401  (sets the oneDNN ISA cap before torch loads)
 from services.common.tls import add_tls_arguments
 
 if TYPE_CHECKING:
+    from services.contract.sampling_params import SamplingParams
     from services.engine.engine_config import EngineConfig
     from services.engine.llm_engine import LLMEngine
-    from services.engine.sampling_params import SamplingParams
 
 
 def _positive_int(text: str) -> int:
@@ -95,7 +95,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from services.engine.engine_config import EngineConfig
-    from services.engine.parallel import ParallelConfig
+    from services.engine.tp.parallel import ParallelConfig
     from services.kv.layout import BlockOrder, LayoutKind
 
     return EngineConfig(
@@ -131,7 +131,7 @@ def start_engine_from_args(args: argparse.Namespace) -> LLMEngine:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Offline, one process: print the completion text and nothing else on stdout."""
-    from services.engine.sampling_params import SamplingParams
+    from services.contract.sampling_params import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from services.contract.sampling_params import SamplingParams
 from services.engine.llm_engine import LLMEngine, RequestOutput
-from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
+from services.engine.sched.request import Request
 from tests.checkpoints import make_checkpoint
 
 

@@ -24,12 +24,12 @@ from services.common.addresses import advertised_host, join_host_port
 from services.common.engine_ranks import close_kv_ranks, go_down_with_tp_group, open_kv_ranks
 from services.common.grpc_server import WorkerServer
 from services.common.metrics import PULL_STAGES, WorkerMetrics
-from services.common.sampling import sampling_from_proto, top_logprobs_to_proto
 from services.common.tls import tls_from_args
 from services.common.worker_info import worker_info
+from services.contract.sampling_params import SamplingParams
+from services.contract.wire import sampling_from_proto, top_logprobs_to_proto
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine, RequestOutput
-from services.engine.sampling_params import SamplingParams
 from services.kv.agent import TransferError
 from services.kv.compat import CompatInfo, compat_fields
 from services.kv.handshake import HandshakeError

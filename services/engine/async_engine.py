@@ -17,14 +17,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from services.contract.sampling_params import SamplingParams
+from services.contract.structured import StructuredOutputError
 from services.engine.llm_engine import LLMEngine, RequestOutput
 from services.engine.offload import HostTierStats
-from services.engine.rank_setup import use_device
-from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import PrefixCacheStats
+from services.engine.runner.rank_setup import use_device
+from services.engine.sched.request import Request
+from services.engine.sched.scheduler import PrefixCacheStats
 from services.engine.structured.backend import GrammarMatcher
-from services.engine.structured.spec import StructuredOutputError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.parallel import ParallelConfig
+from services.engine.tp.parallel import ParallelConfig
 from services.kv.layout import BlockOrder, LayoutKind
 
 # services.engine.attention.BACKEND_CHOICES, spelled out so the config (and the CLI) need not import it.

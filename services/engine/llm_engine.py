@@ -14,40 +14,40 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.block_manager import KVCacheManager
-from services.engine.cuda_graphs import DecodeGraphRunner, DeviceTokens
-from services.engine.detokenizer import IncrementalDetokenizer
+from services.contract.outputs import TopLogprobs
+from services.contract.sampling_params import SamplingParams
+from services.contract.structured import StructuredOutputError
 from services.engine.engine_config import EngineConfig
-from services.engine.kv_cache import KVCache
-from services.engine.loader import ModelSource, resolve_model
-from services.engine.model_runner import ModelRunner
+from services.engine.kv_cache.block_manager import KVCacheManager
+from services.engine.kv_cache.buffers import KVCache
+from services.engine.loading.source import ModelSource, resolve_model
 from services.engine.offload import HostKVTier, num_spans_for
-from services.engine.rank_setup import kv_layout, load_model, num_blocks_for, use_device
-from services.engine.request import Request, RequestStatus
-from services.engine.sampler import (
+from services.engine.runner.cuda_graphs import DecodeGraphRunner, DeviceTokens
+from services.engine.runner.model_runner import ModelRunner
+from services.engine.runner.rank_setup import kv_layout, load_model, num_blocks_for, use_device
+from services.engine.runner.sampler import (
     GrammarMasks,
     PendingSample,
     TokenHistory,
-    TopLogprobs,
     make_generator,
     min_tokens_banned_ids,
     sample_async,
     top_logprobs_of,
 )
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import (
+from services.engine.sched.request import Request, RequestStatus
+from services.engine.sched.scheduler import (
     PLACEHOLDER_TOKEN,
     ScheduledChunk,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
-from services.engine.stopping import StopStringMatcher, check_token_stop
+from services.engine.sched.stopping import check_token_stop
 from services.engine.structured.backend import GrammarMatcher
 from services.engine.structured.bitmask import allocate_bitmask
 from services.engine.structured.compiler import GrammarCompiler
-from services.engine.structured.spec import StructuredOutputError
-from services.engine.tokenizer import Tokenizer
+from services.text.stream import TextStream
+from services.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from services.engine.tp.group import TPGroup
@@ -91,12 +91,11 @@ class _LaunchedStep:
 
 @dataclass
 class _RequestState:
-    """Engine-side companions of a Request: RNG, detokenizer, stop-string matcher, text."""
+    """Engine-side companions of a Request: RNG, text stream (detokenizer and stop strings), text."""
 
     request: Request
     generator: torch.Generator | None
-    detokenizer: IncrementalDetokenizer | None
-    stop_matcher: StopStringMatcher | None
+    text_stream: TextStream | None  # None without a tokenizer: no text, stop strings ignored
     text: str = ""
     emitted_tokens: int = 0
     logits: list[tuple[int, torch.Tensor]] = field(default_factory=list)
@@ -329,9 +328,8 @@ class LLMEngine:
     def _new_state(self, request: Request, grammar: GrammarMatcher | None = None) -> _RequestState:
         p = request.sampling_params
         generator = make_generator(p.seed, self.device) if p.seed is not None and not p.greedy else None
-        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids) if self.tokenizer else None
-        matcher = StopStringMatcher(p.stop) if p.stop and detok is not None else None
-        return _RequestState(request, generator, detok, matcher, grammar=grammar)
+        stream = TextStream(self.tokenizer, request.prompt_token_ids, p.stop) if self.tokenizer else None
+        return _RequestState(request, generator, stream, grammar=grammar)
 
     # ---- KV computed elsewhere (disaggregation) ---------------------------------------------------
     def add_request_with_external_kv(
@@ -529,18 +527,10 @@ class LLMEngine:
         elif status is None and state.grammar is not None and state.grammar.is_finished():
             status = RequestStatus.FINISHED_STOPPED  # the document is complete
         new_text = ""
-        if state.detokenizer is not None:
-            new_text = state.detokenizer.step(new_tokens)
-            if status is not None:
-                new_text += state.detokenizer.flush()
-            if state.stop_matcher is not None:
-                new_text, matched = state.stop_matcher.feed(new_text)
-                if matched is not None:
-                    status, request.stop_reason = RequestStatus.FINISHED_STOPPED, matched
-                elif status is not None:
-                    new_text += state.stop_matcher.flush()
-                    if state.stop_matcher.matched is not None:  # a match that waited for the text's end
-                        status, request.stop_reason = RequestStatus.FINISHED_STOPPED, state.stop_matcher.matched
+        if state.text_stream is not None:
+            new_text = state.text_stream.feed(new_tokens, final=status is not None)
+            if state.text_stream.stopped:  # a stop string, possibly one that waited for the text's end
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, state.text_stream.matched
         state.text += new_text
         if status is not None:
             self.scheduler.finish_request(request.request_id, status)

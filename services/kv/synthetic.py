@@ -38,8 +38,8 @@ import grpc
 import torch
 
 import services  # noqa: F401  (package init caps oneDNN; tests pass the env var too)
-from services.engine.kv_cache import TORCH_DTYPES, KVCache, kv_groups_for
-from services.engine.parallel import ParallelConfig
+from services.engine.kv_cache.buffers import TORCH_DTYPES, KVCache, kv_groups_for
+from services.engine.tp.parallel import ParallelConfig
 from services.kv.agent import TransferAgent
 from services.kv.compat import CompatInfo, compat_fields
 from services.kv.exporter import KVExporter

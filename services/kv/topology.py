@@ -11,7 +11,7 @@ compatibility hash, both are reconciled here into plain values the descriptor pl
 * :func:`map_blocks` -- runs of tokens that sit in one remote block and one local block.
 * :func:`window_start_token` -- the first token a sliding-window group still needs.
 
-Head arithmetic follows ``services.engine.parallel``: KV heads split evenly when
+Head arithmetic follows ``services.engine.tp.parallel``: KV heads split evenly when
 ``tp <= num_kv_heads``, otherwise each head is replicated on ``tp // num_kv_heads`` consecutive
 ranks. It is restated here (no torch import) and a test checks the two agree.
 """

@@ -19,12 +19,12 @@ from services.common.addresses import advertised_host, join_host_port
 from services.common.engine_ranks import close_kv_ranks, go_down_with_tp_group, open_kv_ranks
 from services.common.grpc_server import WorkerServer
 from services.common.metrics import WorkerMetrics
-from services.common.sampling import sampling_from_proto, top_logprobs_to_proto
 from services.common.tls import tls_from_args
 from services.common.worker_info import worker_info
+from services.contract.wire import sampling_from_proto, top_logprobs_to_proto
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
-from services.engine.request import RequestStatus
+from services.engine.sched.request import RequestStatus
 from services.kv.exporter import KVExporter
 from services.kv.handshake import HandshakeServicer, add_handshake_service
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc

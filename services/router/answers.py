@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from services.engine.tokenizer import Tokenizer
 from services.router.flow import Delta
 from services.router.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest
 from services.router.responses import (
@@ -31,6 +30,7 @@ from services.router.responses import (
     LogprobFormatter,
     Usage,
 )
+from services.text.tokenizer import Tokenizer
 
 
 class _Answer:

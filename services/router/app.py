@@ -24,7 +24,6 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.engine.tokenizer import Tokenizer
 from services.router.answers import ChatAnswer, CompletionAnswer, answer_for
 from services.router.choices import Choice, stream_choices
 from services.router.config import RouterConfig
@@ -54,6 +53,7 @@ from services.router.tokenizing import (
     resolve_max_tokens,
 )
 from services.router.workers import WorkerPool
+from services.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import anyio
 import grpc
 
-from services.engine.tokenizer import Tokenizer
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2
 from services.router.config import RouterConfig
 from services.router.errors import (
@@ -40,8 +39,9 @@ from services.router.errors import (
 )
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Assignment, PairingPolicy, Role
-from services.router.text import TextStream
 from services.router.workers import WorkerPool
+from services.text.stream import TextStream
+from services.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,16 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta
 
-from services.engine.sampling_params import StructuredSpec
-from services.engine.structured.spec import StructuredOutputError, check_spec
+from services.contract.sampling_params import (
+    LOGIT_BIAS_BOUNDS,
+    MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
+    PENALTY_BOUNDS,
+    SamplingParams,
+    StructuredSpec,
+)
+from services.contract.structured import StructuredOutputError, check_spec
+from services.contract.wire import sampling_to_proto
 from services.proto_gen.pdserve.v1 import worker_pb2
 from services.router.errors import InvalidRequest, from_decode_error
 
@@ -33,12 +41,9 @@ StopString = Annotated[str, Meta(min_length=1)]
 MAX_STOP_STRINGS = 16
 Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
 
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-LogitBias = Annotated[float, Meta(ge=-100.0, le=100.0)]
-# OpenAI's limit on logit_bias entries (the engine's too).
-MAX_LOGIT_BIAS = 300
-# OpenAI's limit on alternatives per token (chat top_logprobs); completions' logprobs get the same.
-MAX_TOP_LOGPROBS = 20
+Penalty = Annotated[float, Meta(ge=PENALTY_BOUNDS[0], le=PENALTY_BOUNDS[1])]
+LogitBias = Annotated[float, Meta(ge=LOGIT_BIAS_BOUNDS[0], le=LOGIT_BIAS_BOUNDS[1])]
+# The limits on logit_bias entries and alternatives per token are the contract's (OpenAI's).
 TopLogprobCount = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 # Choices per request (n, times the prompts of a batched completion): each is a sequence on the workers.
 MAX_CHOICES = 64
@@ -371,31 +376,34 @@ def decode_request(body: bytes, kind: type[RequestT]) -> RequestT:
 
 def to_sampling_params(request: AnyRequest, max_tokens: int, choice: int = 0) -> worker_pb2.SamplingParams:
     """The worker's SamplingParams for choice ``choice``; ``max_tokens`` is the router's final figure
-    (context-checked). A completion's ``echo`` with logprobs asks for the prompt's logprobs too."""
-    params = worker_pb2.SamplingParams(
-        max_tokens=max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=max(request.top_k or 0, 0),
-        stop=list(request.stop_strings),
-        stop_token_ids=list(request.stop_token_ids or ()),
-        ignore_eos=request.ignore_eos,
-        min_tokens=request.min_tokens,
-        # best_of ranks candidates by their tokens' logprobs.
-        logprobs=request.wants_logprobs or request.num_candidates > request.n,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        repetition_penalty=request.repetition_penalty,
-        logit_bias=dict(request.logit_bias_pairs),
-        min_p=request.min_p,
-        top_logprobs=request.num_top_logprobs if request.wants_logprobs else 0,
-    )
-    seed = request.choice_seed(choice)
-    if seed is not None:
-        params.seed = seed
-    if isinstance(request, CompletionRequest) and request.echo and request.wants_logprobs:
-        params.prompt_logprobs = request.num_top_logprobs
-    spec = request.response_format.spec() if request.response_format is not None else None
-    if spec is not None:
-        params.structured_output.kind, params.structured_output.schema = spec.kind, spec.schema
-    return params
+    (context-checked). A completion's ``echo`` with logprobs asks for the prompt's logprobs too.
+
+    Built as the contract's ``SamplingParams`` (the one set of rules the workers apply too) and
+    converted by the one proto conversion; a combination it refuses is a 400 here.
+    """
+    echo_logprobs = isinstance(request, CompletionRequest) and request.echo and request.wants_logprobs
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k if request.top_k is not None and request.top_k > 0 else None,
+            seed=request.choice_seed(choice),
+            stop=request.stop_strings,
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens,
+            # best_of ranks candidates by their tokens' logprobs.
+            logprobs=request.wants_logprobs or request.num_candidates > request.n,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            logit_bias=tuple(request.logit_bias_pairs),
+            min_p=request.min_p,
+            top_logprobs=request.num_top_logprobs if request.wants_logprobs else 0,
+            prompt_logprobs=request.num_top_logprobs if echo_logprobs else None,
+            structured=request.response_format.spec() if request.response_format is not None else None,
+        )
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    return sampling_to_proto(params)

@@ -12,9 +12,8 @@ from collections.abc import Sequence
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from services.engine.tokenizer import Tokenizer
 from services.router.flow import Alternatives, Delta, Outcome
-from services.router.text import token_label
+from services.text.tokenizer import Tokenizer
 
 
 class PromptTokensDetails(msgspec.Struct):
@@ -78,7 +77,9 @@ class LogprobFormatter:
         self._text_offset = 0
 
     def _label(self, token_id: int) -> str:
-        return token_label(self._tokenizer, token_id, self._as_token_ids)
+        if self._as_token_ids or self._tokenizer is None:  # asked for, or no tokenizer
+            return f"token_id:{token_id}"
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def completion(self, token_ids: Sequence[int], logprobs: Sequence[float | None],
                    top: Sequence[Alternatives | None] = ()) -> CompletionLogprobs:

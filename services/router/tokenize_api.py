@@ -12,9 +12,9 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from services.engine.tokenizer import Tokenizer
 from services.router.errors import InvalidRequest, from_decode_error
 from services.router.protocol import ChatMessage, TokenId
+from services.text.tokenizer import Tokenizer
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -1,14 +1,11 @@
 """The router's tokenizer and model name, read from the same ``--model`` argument the workers get.
 
-``services.engine.model_ref`` reads the argument exactly as the workers' loader does, without
+``services.text.model_ref`` reads the argument exactly as the workers' loader does, without
 importing torch or model code the router never uses.
 """
 
 from __future__ import annotations
 
-from services.engine.model_ref import load_tokenizer as load_model_tokenizer
-from services.engine.model_ref import model_display_name, parse_model
-from services.engine.tokenizer import Tokenizer
 from services.router.errors import ContextLengthExceeded, InvalidRequest
 from services.router.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -16,6 +13,9 @@ from services.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from services.text.model_ref import load_tokenizer as load_model_tokenizer
+from services.text.model_ref import model_display_name, parse_model
+from services.text.tokenizer import Tokenizer
 
 # Chat without max_tokens and no known context length: ask for "everything", the worker stops at its limit.
 UNTIL_CONTEXT_ENDS = 2**31 - 1

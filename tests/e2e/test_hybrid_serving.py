@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 from tests.checkpoints import make_checkpoint
 from tests.e2e.stack import completion_tokens, info, metric_total, stack
 

@@ -10,9 +10,9 @@ import jsonschema
 import openai
 import pytest
 
+from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 from tests.e2e.stack import Stack, metric_total, stack
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 from tests.checkpoints import make_checkpoint
 from tests.e2e.stack import completion_tokens, finished_requests, info, stack
 

@@ -28,9 +28,9 @@ import grpc
 import httpx
 import pytest
 
+from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 from services.launcher import Daemon, daemons, start_router, stop_router
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.checkpoints import hf_config

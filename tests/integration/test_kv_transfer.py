@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.engine.kv_cache import KVCache
-from services.engine.parallel import ParallelConfig
+from services.engine.kv_cache.buffers import KVCache
+from services.engine.tp.parallel import ParallelConfig
 from services.kv.agent import TransferAgent, TransferError
 from services.kv.compat import KVCompatibilityError
 from services.kv.handshake import HandshakeError, StaleTicketError

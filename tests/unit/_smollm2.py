@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.default_model import default_model_path
-from services.engine.gguf_loader import GGUFCheckpoint, load_gguf
-from services.engine.tokenizer import Tokenizer
+from services.engine.loading.gguf import GGUFCheckpoint, load_gguf
+from services.text.default_model import default_model_path
+from services.text.tokenizer import Tokenizer
 
 
 def smollm2_path() -> Path:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+from services.contract.sampling_params import SamplingParams
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

@@ -10,12 +10,12 @@ import random
 
 import pytest
 
-from services.engine import cuda_graphs
-from services.engine.cuda_graphs import DecodeGraphRunner
+from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import PLACEHOLDER_TOKEN
+from services.engine.runner import cuda_graphs
+from services.engine.runner.cuda_graphs import DecodeGraphRunner
+from services.engine.sched.scheduler import PLACEHOLDER_TOKEN
 
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
 PROMPTS = [[random.Random(i).randrange(100, 3000) for _ in range(20 + 7 * i)] for i in range(6)]

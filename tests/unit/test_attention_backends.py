@@ -33,6 +33,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see the module docstring)
 pytest.importorskip("triton")
 
+from services.contract.sampling_params import SamplingParams  # noqa: E402
 from services.engine.attention import (  # noqa: E402
     AttentionBatch,
     group_backends,
@@ -47,11 +48,10 @@ from services.engine.attention.triton_paged import (  # noqa: E402
     choose_num_splits,
     kernel_config,
 )
-from services.engine.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from services.engine.engine_config import EngineConfig  # noqa: E402
-from services.engine.kv_cache import KVCache  # noqa: E402
+from services.engine.kv_cache.buffers import KVCache  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
+from services.engine.runner.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402

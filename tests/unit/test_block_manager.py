@@ -12,15 +12,15 @@ import time
 
 import pytest
 
-from services.engine.block_manager import (
+from services.contract.sampling_params import SamplingParams
+from services.engine.kv_cache.block_manager import (
     BlockPool,
     KVCacheManager,
     SlidingWindowManager,
     hash_block_tokens,
     hash_request_blocks,
 )
-from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
+from services.engine.sched.request import Request
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 
 BS = 4
@@ -84,7 +84,7 @@ def test_block_hash_rejects_bad_input():
 
 
 def test_block_hash_is_stable_across_processes():
-    code = ("from services.engine.block_manager import hash_request_blocks;"
+    code = ("from services.engine.kv_cache.block_manager import hash_request_blocks;"
             "print(hash_request_blocks(list(range(64)), 16, b'x')[-1].hex())")
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=os.getcwd())
     other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

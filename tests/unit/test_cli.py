@@ -17,7 +17,7 @@ import pytest
 
 from services import launcher
 from services.cli import build_parser, engine_argv, main
-from services.engine.default_model import default_model_path
+from services.text.default_model import default_model_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300  # generous: a loaded 2-core CI machine is several times slower than idle

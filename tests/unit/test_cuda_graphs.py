@@ -16,12 +16,12 @@ import random
 import pytest
 import torch
 
-from services.engine.cuda_graphs import DecodeGraphRunner, batch_buckets, context_buckets
+from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
-from services.engine.kv_cache import kv_bytes_per_block
+from services.engine.kv_cache.buffers import kv_bytes_per_block
 from services.engine.llm_engine import LLMEngine
-from services.engine.model_runner import StepLogits
-from services.engine.sampling_params import SamplingParams
+from services.engine.runner.cuda_graphs import DecodeGraphRunner, batch_buckets, context_buckets
+from services.engine.runner.model_runner import StepLogits
 from services.kv.layout import BlockOrder, LayoutKind
 from tests.checkpoints import make_checkpoint
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.tokenizer import Tokenizer
+from services.text.detokenizer import IncrementalDetokenizer
+from services.text.tokenizer import Tokenizer
 from tests.unit._smollm2 import smollm2_tokenizer
 
 REPLACEMENT = "\ufffd"

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
-from services.engine.kv_cache import TORCH_DTYPES
+from services.engine.kv_cache.buffers import TORCH_DTYPES
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 from services.kv.layout import LayoutKind
 from tests.checkpoints import make_checkpoint
 

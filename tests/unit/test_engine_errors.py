@@ -23,9 +23,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 from tests.checkpoints import make_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

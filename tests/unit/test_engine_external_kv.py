@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 from services.kv.layout import BlockOrder, LayoutKind
 from services.kv.planner import apply_plan, plan_transfer
 from services.kv.topology import RankRead, map_blocks

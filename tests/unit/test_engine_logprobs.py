@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
+from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampler import sample
-from services.engine.sampling_params import SamplingParams
+from services.engine.runner.sampler import sample
 from tests.checkpoints import make_checkpoint
 
 PROMPT = [(5 * i + 11) % 250 + 3 for i in range(29)]

@@ -26,13 +26,13 @@ if ON_CPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see the module docstring)
 pytest.importorskip("triton")
 
+from services.contract.sampling_params import SamplingParams  # noqa: E402
 from services.engine import ops  # noqa: E402
-from services.engine.config import RopeSpec  # noqa: E402
 from services.engine.engine_config import EngineConfig  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
+from services.engine.model_config.hf import RopeSpec  # noqa: E402
 from services.engine.models.layers import RopeAngles, RotaryEmbedding  # noqa: E402
 from services.engine.ops import reference, triton_ops  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.parity import run_to_completion  # noqa: E402
 from tests.sm90_compile import compile_script_lines  # noqa: E402

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from services.engine.config import PRESETS, ModelConfig, RopeSpec
+from services.engine.model_config.hf import PRESETS, ModelConfig, RopeSpec
 from services.kv.groups import AttentionKind
 
 S, F = AttentionKind.SLIDING_WINDOW, AttentionKind.FULL

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from services.engine.gguf_loader import _unpermute_rope_rows, load_gguf
+from services.engine.loading.gguf import _unpermute_rope_rows, load_gguf
 from tests.gguf_files import decoder_shapes, finish
 from tests.unit._smollm2 import smollm2_checkpoint, smollm2_path, smollm2_tokenizer, transformers_model
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 import transformers
 
-from services.engine.config import ModelConfig
+from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
-from services.engine.gguf_loader import load_gguf
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
+from services.engine.loading.gguf import load_gguf
+from services.engine.model_config.hf import ModelConfig
 from tests.gguf_files import decoder_shapes, finish
 from tests.parity import assert_matches, hf_greedy, run_to_completion
 
@@ -60,7 +60,7 @@ def _write_gemma(path: Path, arch: str, *, layers: int, head_dim: int, tied: boo
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1e6 if arch == "gemma3" else 1e4)
     writer.add_vocab_size(VOCAB)
-    # Real Gemma files carry a SentencePiece ("llama") tokenizer, which services/engine/tokenizer.py
+    # Real Gemma files carry a SentencePiece ("llama") tokenizer, which services/text/tokenizer.py
     # cannot build and LLMEngine loads eagerly: a small byte-level BPE one stands in.
     tokens = [chr(c) for c in range(33, 33 + VOCAB - 2)] + ['!"', "#$"]
     writer.add_tokenizer_model("gpt2")

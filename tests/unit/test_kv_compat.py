@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from services.engine.kv_cache import kv_groups_for
+from services.engine.kv_cache.buffers import kv_groups_for
 from services.kv.compat import CompatInfo, KVCompatibilityError, check_compatible, compat_fields, compat_hash
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.handshake import (

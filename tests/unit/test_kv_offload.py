@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from services.common.metrics import WorkerMetrics
+from services.contract.sampling_params import SamplingParams
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.offload.copier import block_planes, block_runs
-from services.engine.sampling_params import SamplingParams
 from services.kv.layout import LayoutKind
 
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")

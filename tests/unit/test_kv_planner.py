@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.engine.parallel import ParallelConfig
+from services.engine.tp.parallel import ParallelConfig
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.layout import DTYPE_SIZES, BlockOrder, KVLayoutSpec, LayoutKind
 from services.kv.planner import Descriptor, TransferPlan, apply_plan, plan_groups, plan_transfer

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.engine.parallel import ParallelConfig
+from services.engine.tp.parallel import ParallelConfig
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.topology import (
     BlockPiece,

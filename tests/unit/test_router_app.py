@@ -19,7 +19,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.engine.tokenizer import Tokenizer
 from services.kv.compat import CompatInfo, compat_fields
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
@@ -28,6 +27,7 @@ from services.router.cli_args import add_router_parser, router_config_from_args,
 from services.router.config import RouterConfig
 from services.router.pairing import Role, WorkerIdentity
 from services.router.tokenizing import load_tokenizer, model_name
+from services.text.tokenizer import Tokenizer
 from tests.unit._router_model import write_tiny_model_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -19,12 +19,12 @@ import grpc
 import httpx
 import pytest
 
-from services.engine.tokenizer import Tokenizer
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from services.router.app import RouterRuntime, create_app
 from services.router.config import RouterConfig
 from services.router.pairing import Role
 from services.router.tokenizing import load_tokenizer
+from services.text.tokenizer import Tokenizer
 from tests.unit._router_model import write_tiny_model_dir
 
 pytestmark = pytest.mark.anyio

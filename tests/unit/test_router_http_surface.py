@@ -24,7 +24,6 @@ import msgspec
 import pytest
 import uvicorn
 
-from services.engine.tokenizer import Tokenizer
 from services.router.app import create_app
 from services.router.cli_args import add_router_parser, router_config_from_args
 from services.router.config import DEFAULT_MAX_REQUEST_BYTES, RouterConfig
@@ -32,6 +31,7 @@ from services.router.http_guards import MAX_REQUEST_ID_LENGTH
 from services.router.pairing import Role, WorkerIdentity
 from services.router.protocol import ChatCompletionRequest, CompletionRequest
 from services.router.tokenizing import load_tokenizer
+from services.text.tokenizer import Tokenizer
 from tests.unit._router_model import write_tiny_model_dir
 
 NOWHERE = "127.0.0.1:1"  # nothing listens on port 1: an RPC there fails at once

@@ -7,7 +7,7 @@ import json
 import msgspec
 import pytest
 
-from services.common.sampling import sampling_from_proto
+from services.contract.wire import sampling_from_proto
 from services.router.answers import ChatAnswer, CompletionAnswer
 from services.router.errors import ContextLengthExceeded, InvalidRequest, error_response
 from services.router.flow import Delta, Outcome

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import sampler
-from services.engine.sampler import (
+from services.contract.sampling_params import SamplingParams
+from services.engine.runner import sampler
+from services.engine.runner.sampler import (
     GrammarMasks,
     SamplerOutput,
     TokenHistory,
@@ -16,7 +17,6 @@ from services.engine.sampler import (
     process_logits,
     sample,
 )
-from services.engine.sampling_params import SamplingParams
 from services.engine.structured.bitmask import allocate_bitmask, apply_bitmask
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
-from services.engine.weights import safetensors_files
+from services.engine.loading.weights import safetensors_files
 from tests.checkpoints import make_checkpoint
 
 

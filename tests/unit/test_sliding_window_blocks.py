@@ -13,19 +13,19 @@ import dataclasses
 import pytest
 import torch
 
-from services.engine.block_manager import (
+from services.contract.sampling_params import SamplingParams
+from services.engine.engine_config import EngineConfig
+from services.engine.kv_cache.block_manager import (
     FullAttentionManager,
     KVCacheManager,
     SlidingWindowManager,
     hash_request_blocks,
 )
-from services.engine.config import LayerSpec, preset
-from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.loader import ModelSource
-from services.engine.request import Request, RequestStatus
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler
+from services.engine.loading.source import ModelSource
+from services.engine.model_config.hf import LayerSpec, preset
+from services.engine.sched.request import Request, RequestStatus
+from services.engine.sched.scheduler import Scheduler
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.layout import LayoutKind
 from services.kv.planner import apply_plan, plan_transfer

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 from tests.unit._smollm2 import smollm2_path, smollm2_tokenizer, transformers_model
 
 NUM_TOKENS = 24

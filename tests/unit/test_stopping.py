@@ -6,9 +6,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from services.engine.request import Request, RequestStatus
-from services.engine.sampling_params import SamplingParams
-from services.engine.stopping import StopStringMatcher, check_token_stop
+from services.contract.sampling_params import SamplingParams
+from services.engine.sched.request import Request, RequestStatus
+from services.engine.sched.stopping import check_token_stop
+from services.text.stop_strings import StopStringMatcher
 
 EOS = frozenset({2})
 

@@ -7,10 +7,10 @@ import json
 import jsonschema
 import pytest
 
+from services.contract.sampling_params import SamplingParams, StructuredSpec
+from services.contract.structured import StructuredOutputError, check_spec
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams, StructuredSpec
-from services.engine.structured.spec import StructuredOutputError, check_spec
 from services.router.errors import InvalidRequest
 from services.router.protocol import ChatCompletionRequest, CompletionRequest, decode_request, to_sampling_params
 

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import pre_tokenizers
 
-from services.engine.tokenizer import GGUFMetadata, Tokenizer
+from services.text.tokenizer import GGUFMetadata, Tokenizer
 from tests.gguf_files import finish
 from tests.unit._smollm2 import smollm2_checkpoint, smollm2_tokenizer, transformers_tokenizer
 

@@ -26,7 +26,7 @@ from services.engine.attention.torch_sdpa import TorchSDPABackend
 from services.engine.attention.triton_paged import TritonPagedBackend, triton_import_error
 
 if TYPE_CHECKING:
-    from services.engine.kv_cache import KVCache
+    from services.engine.kv_cache.buffers import KVCache
 
 log = logging.getLogger(__name__)
 

@@ -1,19 +1,19 @@
 """Model architectures, one module per family over the shared layers in ``layers.py``.
 
 Every model implements :class:`services.engine.models.base.DecoderModel`. Adding an architecture
-is a new module, its config parsing in ``services/engine/config.py``, and one line here.
+is a new module, its config parsing in ``services/engine/model_config/hf.py``, and one line here.
 """
 
 from __future__ import annotations
 
 import torch
 
-from services.engine.config import ModelConfig
+from services.engine.model_config.hf import ModelConfig
 from services.engine.models.base import DecoderModel
 from services.engine.models.gemma import GemmaForCausalLM
 from services.engine.models.gemma4 import Gemma4ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
-from services.engine.parallel import ParallelConfig
+from services.engine.tp.parallel import ParallelConfig
 
 MODEL_CLASSES: dict[str, type[DecoderModel]] = {
     "llama": LlamaForCausalLM,

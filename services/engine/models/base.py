@@ -8,14 +8,14 @@ import torch
 from torch import nn
 
 from services.engine.attention import AttentionBatch, TailBatch
-from services.engine.config import ModelConfig
+from services.engine.model_config.hf import ModelConfig
 from services.engine.models.layers import (
     copy_weight,
     load_attention_projection,
     load_mlp_projection,
     projection_shape,
 )
-from services.engine.parallel import ParallelConfig
+from services.engine.tp.parallel import ParallelConfig
 
 
 class DecoderModel(nn.Module):

@@ -32,10 +32,10 @@ import torch
 
 from services.engine import ops
 from services.engine.attention import AttentionBatch, TailBatch
-from services.engine.config import ModelConfig
+from services.engine.model_config.hf import ModelConfig
 from services.engine.models.gemma import Angles, GemmaDecoderLayer, GemmaForCausalLM
 from services.engine.models.layers import Linear, OffsetRMSNorm, check_activation, copy_weight, param
-from services.engine.parallel import ParallelConfig
+from services.engine.tp.parallel import ParallelConfig
 
 
 class Gemma4DecoderLayer(GemmaDecoderLayer):

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from services.engine import ops
-from services.engine.config import RopeSpec
-from services.engine.parallel import ParallelConfig
+from services.engine.model_config.hf import RopeSpec
+from services.engine.tp.parallel import ParallelConfig
 
 
 def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

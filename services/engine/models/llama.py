@@ -17,7 +17,7 @@ from torch import nn
 
 from services.engine import ops
 from services.engine.attention import AttentionBatch, TailBatch, paged_attention
-from services.engine.config import ModelConfig
+from services.engine.model_config.hf import ModelConfig
 from services.engine.models.base import DecoderModel
 from services.engine.models.layers import (
     Linear,
@@ -25,7 +25,7 @@ from services.engine.models.layers import (
     RotaryEmbedding,
     param,
 )
-from services.engine.parallel import ParallelConfig, all_reduce
+from services.engine.tp.parallel import ParallelConfig, all_reduce
 
 
 class Attention(nn.Module):

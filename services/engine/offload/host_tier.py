@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.block_manager import KVCacheManager, hash_block_tokens
-from services.engine.kv_cache import KVCache
+from services.engine.kv_cache.block_manager import KVCacheManager, hash_block_tokens
+from services.engine.kv_cache.buffers import KVCache
 from services.engine.offload.copier import BlockCopier, PlaneCopy, block_planes, block_runs
-from services.engine.request import Request
+from services.engine.sched.request import Request
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from services.engine.sampling_params import StructuredSpec
+from services.contract.sampling_params import StructuredSpec
 
 if TYPE_CHECKING:
     import torch

@@ -6,10 +6,10 @@ import asyncio
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from services.engine.sampling_params import StructuredSpec
+from services.contract.sampling_params import StructuredSpec
 from services.engine.structured.backend import GrammarBackend, GrammarMatcher
 from services.engine.structured.llguidance_backend import LLGuidanceBackend
-from services.engine.tokenizer import Tokenizer
+from services.text.tokenizer import Tokenizer
 
 # name -> backend class (tokenizer, vocab size); a new library is a new file and a line here.
 BACKENDS: dict[str, Callable[[Tokenizer, int], GrammarBackend]] = {"llguidance": LLGuidanceBackend}

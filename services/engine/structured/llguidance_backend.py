@@ -9,9 +9,9 @@ from __future__ import annotations
 import llguidance
 import torch
 
-from services.engine.sampling_params import StructuredSpec
-from services.engine.structured.spec import StructuredOutputError, grammar_of
-from services.engine.tokenizer import Tokenizer
+from services.contract.sampling_params import StructuredSpec
+from services.contract.structured import StructuredOutputError, grammar_of
+from services.text.tokenizer import Tokenizer
 
 
 class LLGuidanceMatcher:

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from services.engine.engine_config import EngineConfig
-from services.engine.kv_cache import KVCache
-from services.engine.loader import resolve_model
-from services.engine.model_runner import ModelRunner
-from services.engine.rank_setup import kv_layout, load_model, num_blocks_for
+from services.engine.kv_cache.buffers import KVCache
+from services.engine.loading.source import resolve_model
+from services.engine.runner.model_runner import ModelRunner
+from services.engine.runner.rank_setup import kv_layout, load_model, num_blocks_for
 from services.engine.tp import messages as m
 from services.engine.tp.distributed import join_group, leave_group
 from services.kv.agent import TransferAgent, TransferTimeout

@@ -30,11 +30,11 @@ from multiprocessing.connection import Connection
 import torch
 
 from services.engine.engine_config import EngineConfig
-from services.engine.model_runner import Chunk, ModelRunner, StepLogits
-from services.engine.parallel import ParallelConfig
+from services.engine.runner.model_runner import Chunk, ModelRunner, StepLogits
 from services.engine.tp import messages as m
 from services.engine.tp.distributed import free_init_method, join_group, leave_group
 from services.engine.tp.follower import follower_main
+from services.engine.tp.parallel import ParallelConfig
 from services.engine.tp.remote_rank import FollowerKVRank
 from services.kv.layout import KVLayoutSpec
 

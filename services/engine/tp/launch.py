@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.loader import resolve_model
+from services.engine.loading.source import resolve_model
 from services.engine.tp.group import TPGroup
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.sampling_params import SamplingParams
+from services.contract.outputs import TopLogprobs
+from services.contract.sampling_params import SamplingParams
 from services.engine.structured.bitmask import apply_bitmask
 
 # Exp(1) draws can be exactly 0; dividing 0-probability tokens by 0 would give NaN, which argmax
@@ -39,17 +40,6 @@ class SamplerOutput:
     # Per row, the ``k`` most likely (token ids, logprobs), best first, where ``k`` is the largest
     # ``top_logprobs`` of the batch (callers cut each row to its own); None when no row asked.
     top_logprobs: list[TopLogprobs] | None = None
-
-
-@dataclass(frozen=True)
-class TopLogprobs:
-    """The most likely tokens at one position, best first: log-softmax of the raw logits."""
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-
-    def head(self, k: int) -> TopLogprobs:
-        return TopLogprobs(self.token_ids[:k], self.logprobs[:k])
 
 
 def top_logprobs_of(logits: torch.Tensor, k: int, log_normalizer: torch.Tensor | None = None

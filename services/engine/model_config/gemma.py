@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.engine.layer_config import (
+from services.engine.model_config.layers import (
     SUPPORTED_ACTIVATIONS,
     LayerSpec,
     RopeSpec,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from services.engine.config import ModelConfig
+    from services.engine.model_config.hf import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from services.engine.sampling_params import SamplingParams
+from services.contract.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 import torch
 
-from services.engine.tokenizer import GGUFMetadata, Tokenizer, open_gguf_reader
+from services.text.tokenizer import GGUFMetadata, Tokenizer, open_gguf_reader
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.engine.block_manager import KVCacheManager
-from services.engine.request import Request, RequestStatus
+from services.engine.kv_cache.block_manager import KVCacheManager
+from services.engine.sched.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from services.engine.offload import HostKVTier

@@ -8,8 +8,11 @@ from dataclasses import dataclass
 
 # OpenAI's limit on logit_bias entries.
 MAX_LOGIT_BIAS = 300
-# OpenAI's limit on top_logprobs (alternatives per position).
+# OpenAI's limit on top_logprobs (alternatives per position); completions' logprobs get the same.
 MAX_TOP_LOGPROBS = 20
+# OpenAI's ranges of presence/frequency penalties and of one logit_bias value.
+PENALTY_BOUNDS = (-2.0, 2.0)
+LOGIT_BIAS_BOUNDS = (-100.0, 100.0)
 
 
 STRUCTURED_KINDS = ("json_object", "json_schema")
@@ -125,7 +128,7 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -2.0 <= value <= 2.0:
+            if not _is_number(value) or not PENALTY_BOUNDS[0] <= value <= PENALTY_BOUNDS[1]:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
@@ -154,7 +157,7 @@ class SamplingParams:
         for token_id, value in bias:
             if not _is_int(token_id) or token_id < 0:
                 raise ValueError(f"logit_bias token ids must be integers >= 0, got {token_id!r}")
-            if not _is_number(value) or not -100.0 <= value <= 100.0:
+            if not _is_number(value) or not LOGIT_BIAS_BOUNDS[0] <= value <= LOGIT_BIAS_BOUNDS[1]:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for token {token_id}")
         if len({token_id for token_id, _ in bias}) != len(bias):
             raise ValueError("logit_bias names a token id more than once")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.engine.default_model import default_model_path
-from services.engine.tokenizer import Tokenizer
+from services.text.default_model import default_model_path
+from services.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

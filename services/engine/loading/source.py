@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.config import ModelConfig, preset
-from services.engine.gguf_loader import load_gguf
-from services.engine.model_ref import ModelRef, load_tokenizer, parse_model
-from services.engine.tokenizer import Tokenizer
-from services.engine.weights import iter_safetensors
+from services.engine.loading.gguf import load_gguf
+from services.engine.loading.weights import iter_safetensors
+from services.engine.model_config.hf import ModelConfig, preset
+from services.text.model_ref import ModelRef, load_tokenizer, parse_model
+from services.text.tokenizer import Tokenizer
 
 WeightSource = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 

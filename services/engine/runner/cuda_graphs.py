@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.engine.attention import AttentionBatch, cache_group_backends
-from services.engine.kv_cache import KVCache
+from services.engine.kv_cache.buffers import KVCache
 from services.engine.models import DecoderModel
 
 if TYPE_CHECKING:
-    from services.engine.model_runner import Chunk
+    from services.engine.runner.model_runner import Chunk
 
 # Smallest context bucket (tokens). Buckets are powers of two and the midpoints between them, so
 # a step's bound is at most a third above its longest context (what torch_sdpa gathers and masks).

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.engine.sampler import TopLogprobs
-from services.engine.sampling_params import SamplingParams, StructuredSpec
+from services.contract.outputs import TopLogprobs
+from services.contract.sampling_params import SamplingParams, StructuredSpec
 from services.proto_gen.pdserve.v1 import worker_pb2
 
 

@@ -10,8 +10,8 @@ from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.layout import DTYPE_SIZES, KVLayoutSpec
 
 if TYPE_CHECKING:
-    from services.engine.config import ModelConfig
-    from services.engine.parallel import ParallelConfig
+    from services.engine.model_config.hf import ModelConfig
+    from services.engine.tp.parallel import ParallelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}

@@ -20,9 +20,9 @@ from services.engine.attention import (
     cache_group_backends,
     step_batch,
 )
-from services.engine.cuda_graphs import DecodeGraphRunner, DeviceTokens
-from services.engine.kv_cache import KVCache
+from services.engine.kv_cache.buffers import KVCache
 from services.engine.models import DecoderModel
+from services.engine.runner.cuda_graphs import DecodeGraphRunner, DeviceTokens
 
 
 class Chunk(Protocol):

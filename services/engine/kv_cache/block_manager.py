@@ -39,7 +39,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from services.engine.request import Request
+from services.engine.sched.request import Request
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 
 BLOCK_HASH_BYTES = 16

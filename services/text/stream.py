@@ -1,19 +1,18 @@
-"""Client-facing text of one request's output, made by the router from token ids.
+"""Token ids in, client-facing text out: incremental detokenizing, then stop strings.
 
-Tokens reach the router from two workers: the first from the prefill worker (a bare id, sent to the
-client before the decode worker has started) and the rest from the decode worker. Detokenizing
-all of them here, with the engine's own incremental detokenizer and stop-string matcher, gives
-one consistent text whichever worker a token came from; the workers apply the same stop strings,
-so they finish on the same token the router cuts at.
+Both places that turn tokens into text use this one stream, so they cut at the same place: the
+engine (a worker's ``RequestOutput.text``) and the router, which detokenizes every token of a
+request itself whichever worker it came from (the first from the prefill worker, the rest from the
+decode worker), so the client sees one consistent text.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.stopping import StopStringMatcher
-from services.engine.tokenizer import Tokenizer
+from services.text.detokenizer import IncrementalDetokenizer
+from services.text.stop_strings import StopStringMatcher
+from services.text.tokenizer import Tokenizer
 
 
 class TextStream:
@@ -32,6 +31,11 @@ class TextStream:
         """A stop string was found: the text ended and no further token may add to it."""
         return self._stopped
 
+    @property
+    def matched(self) -> str | None:
+        """The stop string the text was cut at, once one was found."""
+        return self._matcher.matched if self._matcher is not None else None
+
     def feed(self, token_ids: Sequence[int], final: bool) -> str:
         """Text the new tokens complete; ``final`` flushes what was held back (the request ended)."""
         if self._detokenizer is None or self._stopped:
@@ -47,10 +51,3 @@ class TextStream:
             matched = self._matcher.matched
         self._stopped = matched is not None
         return text
-
-
-def token_label(tokenizer: Tokenizer | None, token_id: int, as_token_id: bool) -> str:
-    """How logprobs name a token: its text, or ``token_id:<id>`` (asked for, or no tokenizer)."""
-    if as_token_id or tokenizer is None:
-        return f"token_id:{token_id}"
-    return tokenizer.decode([token_id], skip_special_tokens=False)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from services.engine.engine_config import EngineConfig
-from services.engine.kv_cache import TORCH_DTYPES, kv_cache_groups
-from services.engine.loader import ModelSource
+from services.engine.kv_cache.buffers import TORCH_DTYPES, kv_cache_groups
+from services.engine.loading.source import ModelSource
+from services.engine.loading.weights import dummy_weights
 from services.engine.models import DecoderModel, build_model
-from services.engine.weights import dummy_weights
 from services.kv.layout import KVLayoutSpec
 
 CPU_KV_CACHE_BYTES = 1 << 30

@@ -7,7 +7,7 @@ import json
 
 import llguidance
 
-from services.engine.sampling_params import StructuredSpec
+from services.contract.sampling_params import StructuredSpec
 
 # Compact JSON (no free whitespace): the model cannot pad the document with endless blanks.
 _JSON_OPTIONS = {"whitespace_flexible": False}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.engine.tokenizer import Tokenizer
+from services.text.tokenizer import Tokenizer
 
 # Prompt tokens decoded ahead of the first output token, for context.
 _NUM_CONTEXT_TOKENS = 5

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.engine.gemma_config import gemma_fields
-from services.engine.layer_config import (
+from services.engine.model_config.gemma import gemma_fields
+from services.engine.model_config.layers import (
     SUPPORTED_ACTIVATIONS,
     SUPPORTED_ROPE_TYPES,
     LayerSpec,
