@@ -1,6 +1,6 @@
 """Where a KV pull's time goes: the in-service pull stage by stage, side by side with raw NIXL READs.
 
-Two processes: a synthetic owner (``services.kv.synthetic``: Llama-3.1-8B KV shape, cross-layer
+Two processes: a synthetic owner (``bench.kv_synthetic``: Llama-3.1-8B KV shape, cross-layer
 layout, bf16, block 16, handshake over gRPC, its own NIXL agent) and this process as the reader.
 For each placement, prompt length and pool, the same bytes move four ways, interleaved repeat by
 repeat so that all four see the same machine:
@@ -50,10 +50,10 @@ import torch  # noqa: E402
 
 import services  # noqa: E402,F401,I001
 from bench._common import emit_json  # noqa: E402
+from bench.kv_synthetic import identity_for, layout_for  # noqa: E402
 from bench.transfer import SHAPE, Owner, block_ids, device_list, make_ranks, stop_all  # noqa: E402
-from services.kv.agent import CUDA_IPC_GET_ENV, TransferAgent, read_stages  # noqa: E402
+from services.kv.nixl.agent import CUDA_IPC_GET_ENV, TransferAgent, read_stages  # noqa: E402
 from services.kv.puller import KVPuller  # noqa: E402
-from services.kv.synthetic import compat_for, layout_for  # noqa: E402
 from services.proto_gen.pdserve.v1 import kv_pb2  # noqa: E402
 
 POOLS = {"contiguous": 1, "fragmented": 2}
@@ -216,7 +216,7 @@ def run_placement(owner_device: str, reader_device: str, tokens: list[int], pool
         hello = owner.hello()
         layout = layout_for(cfg, 1)
         (rank,) = make_ranks(layout, [reader_device], "pull-path-reader")
-        puller = KVPuller(engine_id="pull-path-reader", compat=compat_for(cfg, layout), ranks=[rank],
+        puller = KVPuller(engine_id="pull-path-reader", identity=identity_for(cfg, layout), ranks=[rank],
                           transfer_timeout_s=TIMEOUT_S)
         base = dict(scenario="pull_path", owner_device=owner_device, reader_device=reader_device, load=load)
         prepared: list = []  # the prepared descriptor lists, released under the agent's lock at the end

@@ -1,6 +1,6 @@
 """KV transfer throughput: per-layer vs cross-layer vs run merging, and KV-cache groups (windows).
 
-Two processes: a synthetic owner (``services.kv.synthetic``: pattern-free KV of a real model
+Two processes: a synthetic owner (``bench.kv_synthetic``: pattern-free KV of a real model
 shape, handshake over gRPC, NIXL agent) and this process as the reader (``KVPuller``: handshake,
 plan, READ). Three scenarios (``--scenario``, default all):
 
@@ -55,20 +55,22 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent  # the repository: ``python -m bench.kv_synthetic`` runs there
+sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import services  # noqa: E402,F401,I001
 from bench._common import emit_json  # noqa: E402
+from bench.kv_synthetic import group_shapes, identity_for, layout_for  # noqa: E402
 from services.engine.kv_cache.buffers import KVCache  # noqa: E402
-from services.kv.agent import CUDA_IPC_GET_ENV, TransferAgent, TransferError  # noqa: E402
-from services.kv.compat import CompatInfo, compat_fields  # noqa: E402
+from services.kv.compat import KVIdentity  # noqa: E402
 from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
+from services.kv.nixl.agent import CUDA_IPC_GET_ENV, TransferAgent  # noqa: E402
+from services.kv.nixl.errors import TransferError  # noqa: E402
 from services.kv.puller import KVPuller  # noqa: E402
 from services.kv.rank import LocalKVRank  # noqa: E402
-from services.kv.synthetic import compat_for, group_shapes, layout_for  # noqa: E402
 from services.proto_gen.pdserve.v1 import kv_pb2  # noqa: E402
 
 # Llama-3.1-8B KV shape: one 16-token block is 32 KiB per layer and K/V, 2 MiB across layers.
@@ -129,9 +131,9 @@ class Owner:
     started before the first is waited for, so their start-ups (imports, NIXL) overlap."""
 
     def __init__(self, cfg: dict) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.kv.synthetic", json.dumps(cfg)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.kv_synthetic", json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [self._lines.put(line) for line in self.proc.stdout], daemon=True).start()
         self._hello: dict | None = None
@@ -160,9 +162,9 @@ def make_reader(kind: str, num_blocks: int, devices: list[str]) -> tuple[KVPulle
     layout = layout_for(cfg, 1)
     (rank,) = make_ranks(layout, rank_devices(devices, 1), "bench-reader")
     agent = rank.agent
-    compat = CompatInfo.of(compat_fields(architecture="llama", num_layers=SHAPE["num_layers"],
-                                         num_kv_heads=SHAPE["num_kv_heads"], head_dim=SHAPE["head_dim"], layout=layout))
-    puller = KVPuller(engine_id="bench-reader", compat=compat, ranks=[rank], transfer_timeout_s=120)
+    identity = KVIdentity.of(architecture="llama", num_layers=SHAPE["num_layers"], num_kv_heads=SHAPE["num_kv_heads"],
+                             head_dim=SHAPE["head_dim"], layout=layout)
+    puller = KVPuller(engine_id="bench-reader", identity=identity, ranks=[rank], transfer_timeout_s=120)
     return puller, agent
 
 
@@ -243,7 +245,7 @@ def run_groups(shapes: dict[str, dict], num_tokens: int, repeats: int, device: s
                 hello = owners[variant].hello()
                 layout = layout_for(cfg, 1)
                 ranks = make_ranks(layout, rank_devices(reader_devices, 1), "bench-reader")
-                puller = KVPuller(engine_id="bench-reader", compat=compat_for(cfg, layout),
+                puller = KVPuller(engine_id="bench-reader", identity=identity_for(cfg, layout),
                                   ranks=ranks, transfer_timeout_s=120)
                 ticket = kv_pb2.TransferTicket.FromString(bytes.fromhex(hello["tickets"]["g"]))
                 local = block_ids(num_blocks, 1)
@@ -341,7 +343,7 @@ def run_tp(pairs: list[tuple[int, int]], orders: list[str], num_tokens: int, rep
                 layout = layout_for(cfg, d_tp)
                 ranks = make_ranks(layout, rank_devices(reader_devices, d_tp), f"bench-reader-tp{d_tp}")
                 agents += [rank.agent for rank in ranks]
-                readers[d_tp] = KVPuller(engine_id=f"bench-reader-tp{d_tp}", compat=compat_for(cfg, layout),
+                readers[d_tp] = KVPuller(engine_id=f"bench-reader-tp{d_tp}", identity=identity_for(cfg, layout),
                                          ranks=ranks, transfer_timeout_s=120)
             base = None
             for p_tp, d_tp in pairs:

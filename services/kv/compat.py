@@ -17,6 +17,9 @@ without it they are derived from the layout, which is exact when the layout is n
 (``layout.num_kv_heads == num_kv_heads``) or the group has the layout's own heads, and refused
 otherwise rather than guessed.
 
+An engine's values are gathered once into a :class:`KVIdentity` (``KVIdentity.of``, from the
+model's shape and the engine's layout) that the hash, the exporter and the puller all take.
+
 Not hashed, because they are reconciled rather than required equal: block size (per group, one
 must divide the other; see topology.py and the puller's handshake check), TP size (head slices are
 mapped), and block placement (per-layer or cross-layer buffers: the planner addresses either
@@ -30,7 +33,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.kv.layout import KVLayoutSpec
+from services.kv.groups import AttentionKind
+from services.kv.layout import BlockOrder, KVLayoutSpec
 
 PROTOCOL_VERSION = 1
 
@@ -73,34 +77,101 @@ class CompatInfo:
     def of(cls, fields: Mapping[str, str]) -> CompatInfo:
         return cls(dict(fields), compat_hash(fields))
 
+    @classmethod
+    def of_identity(cls, identity: KVIdentity) -> CompatInfo:
+        """The fields and hash an engine of this identity presents."""
+        return cls.of(compat_fields(identity))
 
-def compat_fields(
-    *,
-    architecture: str,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    layout: KVLayoutSpec,
-    kv_sharing: Mapping[int, int] | None = None,
-    protocol_version: int = PROTOCOL_VERSION,
-    group_kv_heads: Mapping[int, int] | None = None,
-) -> dict[str, str]:
-    """Canonical string form of everything that must match.
 
-    ``num_kv_heads``/``head_dim`` are the model's (total heads, before TP); ``group_kv_heads`` maps
-    group id -> the model's total KV heads of that group's layers (see the module docstring for
-    what happens without it). ``kv_sharing`` maps a layer to the layer whose KV it reads.
+@dataclass(frozen=True)
+class GroupIdentity:
+    """One KV-cache group as the hash covers it: how its layers attend and the MODEL's KV shape
+    (total heads, never a rank's), so every TP rank of an engine has the same identity."""
+
+    kind: AttentionKind
+    sliding_window: int | None
+    layer_ids: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class KVIdentity:
+    """What makes two engines' KV bytes mean the same, built once per engine (:meth:`of`) and
+    handed to the compatibility hash (:func:`compat_fields`), the exporter and the puller.
+
+    ``num_kv_heads``/``head_dim`` are the model's (total heads, before TP); ``kv_sharing`` holds
+    (layer, the layer whose KV it reads) pairs, sorted.
     """
+
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_order: BlockOrder
+    groups: tuple[GroupIdentity, ...]
+    kv_sharing: tuple[tuple[int, int], ...] = ()
+    protocol_version: int = PROTOCOL_VERSION
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        architecture: str,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layout: KVLayoutSpec,
+        kv_sharing: Mapping[int, int] | None = None,
+        protocol_version: int = PROTOCOL_VERSION,
+        group_kv_heads: Mapping[int, int] | None = None,
+    ) -> KVIdentity:
+        """The identity of an engine with this model shape and (rank-local) layout.
+
+        ``group_kv_heads`` maps group id -> the model's total KV heads of that group's layers (see
+        the module docstring for what happens without it); ``kv_sharing`` maps a layer to the layer
+        whose KV it reads. Block size, pool size, placement and TP are not part of it.
+        """
+        groups = tuple(
+            GroupIdentity(g.kind, g.sliding_window, tuple(g.layer_ids),
+                          group_total_heads(layout, g.group_id, num_kv_heads, group_kv_heads),
+                          layout.group_head_dim(g.group_id))
+            for g in layout.groups
+        )
+        return cls(architecture, num_layers, num_kv_heads, head_dim, layout.dtype, layout.order, groups,
+                   tuple(sorted((kv_sharing or {}).items())), protocol_version)
+
+    @property
+    def sharing(self) -> dict[int, int]:
+        """``kv_sharing`` as layer -> source layer."""
+        return dict(self.kv_sharing)
+
+    def check_layout(self, layout: KVLayoutSpec) -> None:
+        """Refuse a layout this identity was not built from (dtype, block order, groups' attention,
+        layers and head dim): the hash would describe other bytes than the ones registered."""
+        local = [(g.kind, g.sliding_window, tuple(g.layer_ids), layout.group_head_dim(g.group_id))
+                 for g in layout.groups]
+        own = [(g.kind, g.sliding_window, g.layer_ids, g.head_dim) for g in self.groups]
+        if (layout.dtype, layout.order, local) != (self.dtype, self.block_order, own):
+            raise ValueError(
+                f"KV layout ({layout.dtype}, {layout.order.value}, {len(layout.groups)} groups) does not match the "
+                f"KV identity ({self.dtype}, {self.block_order.value}, {len(self.groups)} groups)"
+            )
+
+
+def compat_fields(identity: KVIdentity) -> dict[str, str]:
+    """Canonical string form of everything that must match (what the hash covers, and the wire carries)."""
     return {
-        "protocol_version": str(protocol_version),
-        "architecture": architecture,
-        "num_layers": str(num_layers),
-        "num_kv_heads": str(num_kv_heads),
-        "head_dim": str(head_dim),
-        "dtype": layout.dtype,
-        "kv_layout": layout.order.value,
-        "kv_groups": _groups_field(layout, num_kv_heads, head_dim, group_kv_heads),
-        "kv_sharing": json.dumps(sorted((kv_sharing or {}).items())),
+        "protocol_version": str(identity.protocol_version),
+        "architecture": identity.architecture,
+        "num_layers": str(identity.num_layers),
+        "num_kv_heads": str(identity.num_kv_heads),
+        "head_dim": str(identity.head_dim),
+        "dtype": identity.dtype,
+        "kv_layout": identity.block_order.value,
+        "kv_groups": _groups_field(identity),
+        "kv_sharing": json.dumps([list(pair) for pair in identity.kv_sharing]),
     }
 
 
@@ -127,14 +198,13 @@ def group_total_heads(layout: KVLayoutSpec, group_id: int, num_kv_heads: int,
     )
 
 
-def _groups_field(layout: KVLayoutSpec, num_kv_heads: int, head_dim: int,
-                  group_kv_heads: Mapping[int, int] | None) -> str:
+def _groups_field(identity: KVIdentity) -> str:
     # Block size is deliberately left out: it is reconciled by the block-size ratio, per group.
     out = []
-    for g in layout.groups:
+    for g in identity.groups:
         entry: list = [g.kind.value, g.sliding_window, list(g.layer_ids)]
-        shape = (group_total_heads(layout, g.group_id, num_kv_heads, group_kv_heads), layout.group_head_dim(g.group_id))
-        if shape != (num_kv_heads, head_dim):
+        shape = (g.num_kv_heads, g.head_dim)
+        if shape != (identity.num_kv_heads, identity.head_dim):
             entry += list(shape)
         out.append(entry)
     return json.dumps(out)

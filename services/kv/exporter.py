@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from services.kv.agent import NotificationTracker
-from services.kv.compat import CompatInfo, compat_fields
+from services.kv.compat import CompatInfo, KVIdentity
 from services.kv.handshake import EngineDescription, RankExport
+from services.kv.notifications import NotificationTracker
 from services.kv.pair_support import group_heads_from_fields
 from services.kv.rank import KVRank
 from services.kv.topology import group_readers_per_remote_rank
@@ -29,37 +29,31 @@ class KVExporter:
         *,
         engine_id: str,
         model_name: str,
-        architecture: str,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
+        identity: KVIdentity,
         ranks: Sequence[KVRank],
-        kv_sharing: Mapping[int, int] | None = None,
         epoch: int | None = None,
-        group_kv_heads: Mapping[int, int] | None = None,
     ) -> None:
-        """``num_kv_heads``/``head_dim`` are the model's; ``group_kv_heads`` maps KV group id -> the
-        model's total KV heads of that group (hybrids whose groups differ in heads; see compat.py)."""
+        """``identity`` is the engine's (``KVIdentity.of``: the model's shape, its layout); it must
+        describe the ranks' layout."""
         if not ranks:
             raise ValueError("an engine has at least one TP rank")
+        layout = ranks[0].layout
+        identity.check_layout(layout)
         self.engine_id = engine_id
+        self.identity = identity
         self.epoch = epoch if epoch is not None else time.time_ns()
         self._ticket_key = secrets.token_bytes(32)  # this epoch's; readers get it in the handshake
         self._nonces: dict[str, str] = {}  # request id -> its ticket's notification nonce
         self._ranks = list(ranks)
-        layout = ranks[0].layout
-        self.compat = CompatInfo.of(compat_fields(
-            architecture=architecture, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            layout=layout, kv_sharing=kv_sharing, group_kv_heads=group_kv_heads,
-        ))
+        self.compat = CompatInfo.of_identity(identity)
         self._description = EngineDescription(
-            engine_id=engine_id, epoch=self.epoch, model_name=model_name, num_layers=num_layers,
-            num_kv_heads=num_kv_heads, head_dim=head_dim, compat=self.compat, groups=layout.groups,
+            engine_id=engine_id, epoch=self.epoch, model_name=model_name, num_layers=identity.num_layers,
+            num_kv_heads=identity.num_kv_heads, head_dim=identity.head_dim, compat=self.compat, groups=layout.groups,
             ranks=tuple(
                 RankExport(i, r.name, r.metadata(), r.regions, r.layout, r.host_layout, r.host_regions)
                 for i, r in enumerate(ranks)
             ),
-            kv_sharing=dict(kv_sharing or {}),
+            kv_sharing=identity.sharing,
             ticket_key=self._ticket_key,
         )
         # The model's total KV heads per group: each group is sharded by its own (Gemma-4's differ).

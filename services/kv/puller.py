@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.common.tls import TLSConfig
-from services.kv.agent import TransferError, read_stages
-from services.kv.compat import CompatInfo
+from services.kv.compat import CompatInfo, KVIdentity
 from services.kv.handshake import EngineDescription, PeerCache, RankExport
 from services.kv.layout import BlockOrder, KVLayoutSpec
+from services.kv.nixl.agent import read_stages
+from services.kv.nixl.errors import TransferError
 from services.kv.pair_support import group_heads_from_fields
 from services.kv.planner import TransferPlan, plan_groups
 from services.kv.rank import KVRank
@@ -87,19 +88,24 @@ class KVPuller:
         self,
         *,
         engine_id: str,
-        compat: CompatInfo,
+        identity: KVIdentity,
         ranks: Sequence[KVRank],
         auth_token: str | None = None,
         handshake_timeout_s: float = 5.0,
         transfer_timeout_s: float = 30.0,
         tls: TLSConfig | None = None,
     ) -> None:
+        """``identity`` is the reading engine's (``KVIdentity.of``); an owner must hash the same to be read."""
+        if ranks:
+            identity.check_layout(ranks[0].layout)
         self.engine_id = engine_id
+        self.identity = identity
+        self.compat = CompatInfo.of_identity(identity)
         self._ranks = list(ranks)
         self.transfer_timeout_s = transfer_timeout_s
         self._reads_of: dict[str, tuple[EngineDescription, list]] = {}  # engine id -> (its description, reads)
         self.peers = PeerCache(
-            compat, reader_engine_id=engine_id, auth_token=auth_token, timeout_s=handshake_timeout_s,
+            self.compat, reader_engine_id=engine_id, auth_token=auth_token, timeout_s=handshake_timeout_s,
             validate=self._check_topology, on_evict=self._drop_peers, tls=tls,
         )
 
@@ -188,9 +194,9 @@ class KVPuller:
         nonce = ticket.notify_nonce
         try:
             if len(reads) == 1:  # no task to create and schedule for the one READ of a TP-1 pair
-                results = [await self._read(*reads[0], ticket.request_id, nonce)]
+                results = [await self._read(reads[0], ticket.request_id, nonce)]
             else:
-                results = await asyncio.gather(*(self._read(*read, ticket.request_id, nonce) for read in reads))
+                results = await asyncio.gather(*(self._read(read, ticket.request_id, nonce) for read in reads))
         except TransferError:
             # The owner may have restarted (its old agents are gone): handshake afresh next time, so
             # later tickets of the dead epoch fail fast as stale instead of timing out on reads.
@@ -205,7 +211,7 @@ class KVPuller:
         return PullResult(
             num_bytes=sum(r[0] for r in results), num_descriptors=sum(r[1] for r in results), num_reads=len(results),
             seconds=done - started, stages=stages,
-            host_bytes=sum(r[0] for r, read in zip(results, reads, strict=True) if read[-1]),
+            host_bytes=sum(r[0] for r, read in zip(results, reads, strict=True) if read.host_tier),
         )
 
     def planned_reads(self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]],
@@ -217,7 +223,7 @@ class KVPuller:
             raise ValueError(f"engine {ticket.engine_id} epoch {ticket.epoch} is not handshaken")
         remote_ids, host_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
         pieces = self._source_pieces(ticket, remote, remote_ids, host_ids, local_ids, num_cached_tokens)
-        return [PlannedRead(*read) for read in self._plan_reads(remote, pieces)]
+        return self._plan_reads(remote, pieces)
 
     def _source_pieces(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription, remote_ids: list[np.ndarray],
                        host_ids: list[np.ndarray] | None, local_ids: list[np.ndarray], num_cached_tokens: int
@@ -235,9 +241,8 @@ class KVPuller:
                                     begin=split)}
 
     def _plan_reads(self, remote: EngineDescription, pieces: dict[bool, dict[int, np.ndarray]]
-                    ) -> list[tuple[KVRank, RankExport, np.ndarray, np.ndarray, int, int, bool]]:
-        """One READ per (local rank, remote rank, source): (rank, owner rank, local rows, remote rows,
-        bytes, descriptors, from the host tier).
+                    ) -> list[PlannedRead]:
+        """One READ per (local rank, remote rank, source: device blocks or the owner's host tier).
 
         Ranks whose layouts and head slices match (equal TP sizes: rank r reads rank r) share one
         plan; only the addresses differ. A ticket with a host-tier part gets a READ from each
@@ -245,7 +250,7 @@ class KVPuller:
         """
         plans: dict[tuple, TransferPlan] = {}
         src_tables: dict[tuple[int, bool], list[tuple[int, int]]] = {}
-        reads = []
+        reads: list[PlannedRead] = []
         for local_rank, rank in enumerate(self._ranks):
             dst = [(r.address, r.device_id) for r in rank.regions]
             for remote_rank, group_reads in self._rank_reads(remote)[local_rank].items():
@@ -269,7 +274,8 @@ class KVPuller:
                         src = src_tables[remote_rank, host] = [
                             (r.address, r.device_id) for r in sorted(owner_regions, key=lambda r: r.buffer_index)]
                     remote_rows, local_rows = plan.address_rows(src, dst)
-                    reads.append((rank, owner, local_rows, remote_rows, plan.total_bytes, plan.num_descriptors, host))
+                    reads.append(PlannedRead(rank, owner, local_rows, remote_rows, plan.total_bytes,
+                                             plan.num_descriptors, host_tier=host))
         return reads
 
     def _rank_reads(self, remote: EngineDescription) -> list[dict[int, dict[int, RankRead]]]:
@@ -281,17 +287,17 @@ class KVPuller:
                 group_rank_reads(self.tp_size, r, remote.tp_size, heads) for r in range(self.tp_size)])
         return entry[1]
 
-    async def _read(self, rank: KVRank, owner: RankExport, local_rows: np.ndarray, remote_rows: np.ndarray,
-                    num_bytes: int, num_descriptors: int, host: bool, request_id: str, nonce: str
-                    ) -> tuple[int, int, dict[str, float]]:
-        """One READ from one owner rank (or, when everything was local, only the notification)."""
-        notify = notification_key(request_id, host, nonce)
+    async def _read(self, read: PlannedRead, request_id: str, nonce: str) -> tuple[int, int, dict[str, float]]:
+        """One READ from one owner rank (or, when everything was local, only the notification):
+        (bytes, descriptors, the READ's stages)."""
+        owner = read.owner
+        notify = notification_key(request_id, read.host_tier, nonce)
         sub: dict[str, float] = {}
         token = read_stages.set(sub)  # the agent's READ adds its stages here
-        kind = (owner.host_regions if host else owner.regions)[0].kind
+        kind = (owner.host_regions if read.host_tier else owner.regions)[0].kind
         try:
-            got = await rank.read(owner.agent_metadata, local_rows, remote_rows, notify, kind,
-                                  self.transfer_timeout_s)
+            got = await read.rank.read(owner.agent_metadata, read.local_rows, read.remote_rows, notify, kind,
+                                       self.transfer_timeout_s)
         finally:
             read_stages.reset(token)
         return got[0], got[1], sub

@@ -4,7 +4,7 @@ Every TP rank owns its KV shard and its own NIXL agent, and only the process tha
 buffer can register it. Rank 0 runs the daemon; ranks 1.. run in follower processes. The exporter
 and puller therefore talk to each rank through this small interface: :class:`LocalKVRank` for a
 rank in this process, and a proxy that forwards the same calls to a follower process
-(``services.engine.tp.remote_rank``) for the others.
+(``services.worker.follower_kv_rank``) for the others.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from services.kv.agent import MemKind, TransferAgent
 from services.kv.layout import KVLayoutSpec
+from services.kv.nixl.agent import TransferAgent
+from services.kv.nixl.descriptors import MemKind
 from services.kv.wire import MemoryRegion
 
 

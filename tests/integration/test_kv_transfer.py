@@ -18,22 +18,25 @@ import threading
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
+from bench.kv_synthetic import group_shapes, identity_for, layout_for, pattern
 from services.engine.kv_cache.buffers import KVCache
 from services.engine.tp.parallel import ParallelConfig
-from services.kv.agent import TransferAgent, TransferError
 from services.kv.compat import KVCompatibilityError
 from services.kv.handshake import HandshakeError, StaleTicketError
+from services.kv.nixl.agent import TransferAgent
+from services.kv.nixl.errors import TransferError
 from services.kv.puller import KVPuller, TicketError
 from services.kv.rank import LocalKVRank
-from services.kv.synthetic import compat_for, group_shapes, layout_for, pattern
 from services.kv.wire import ticket_signature
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 SENTINEL = -7.5
+REPO_ROOT = Path(__file__).resolve().parents[2]  # where ``python -m bench.kv_synthetic`` resolves
 BASE = dict(kind="per_layer", order="NHD", num_blocks=24, num_kv_heads=4, head_dim=8, dtype="float16",
             num_layers=3, block_size=4, seed=11)
 
@@ -56,8 +59,8 @@ class Owner:
 @contextmanager
 def owner_process(cfg: dict):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "services.kv.synthetic", json.dumps(cfg)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.kv_synthetic", json.dumps(cfg)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
     lines: queue.Queue = queue.Queue()
 
     def pump() -> None:
@@ -106,7 +109,7 @@ def reader(cfg: dict, tp: int, token: str | None = None):
         caches.append(cache)
         agents.append(agent)
         ranks.append(LocalKVRank(agent, layout, cache.buffers))
-    puller = KVPuller(engine_id="reader", compat=compat_for(cfg, layout), ranks=ranks,
+    puller = KVPuller(engine_id="reader", identity=identity_for(cfg, layout), ranks=ranks,
                       auth_token=token, handshake_timeout_s=10, transfer_timeout_s=20)
     r = Reader(puller, caches, agents, cfg, tp)
     try:

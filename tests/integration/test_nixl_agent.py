@@ -26,19 +26,11 @@ import numpy as np
 import pytest
 import torch  # noqa: E402
 
-from services.kv.agent import (  # noqa: E402
-    CUDA_IPC_GET_ENV,
-    NotificationTracker,
-    RegisteredRegion,
-    TrackerStats,
-    TransferAgent,
-    TransferError,
-    TransferHandle,
-    TransferTimeout,
-    UnknownPeerError,
-    as_descriptor_array,
-    read_stages,
-)
+from services.kv.nixl.agent import CUDA_IPC_GET_ENV, TransferAgent, read_stages  # noqa: E402
+from services.kv.nixl.descriptors import RegisteredRegion  # noqa: E402
+from services.kv.nixl.errors import TransferError, TransferTimeout, UnknownPeerError  # noqa: E402
+from services.kv.nixl.handle import TransferHandle  # noqa: E402
+from services.kv.notifications import NotificationTracker, TrackerStats  # noqa: E402
 
 BUF_BYTES = 32 << 20
 WAIT_S = 30.0  # the longest any single wait on another process may take
@@ -384,25 +376,6 @@ def test_key_completes_only_after_every_reader(owner: Owner, readers: list[Reade
     assert completed.count(key) == 1
 
 
-def test_tracker_expires_and_ignores_unknown_keys() -> None:
-    now = [100.0]
-    tracker = NotificationTracker(clock=lambda: now[0])
-    tracker.expect(b"a", 1)
-    tracker.expect(b"b", 2)
-    now[0] += 10
-    tracker.expect(b"c", 1)
-    assert tracker.feed({"r0": [b"b"]}) == []
-    assert sorted(tracker.expire(older_than_s=5)) == [b"a", b"b"]
-    assert tracker.feed({"r1": [b"b", b"zzz"], "r0": [b"c"]}) == [b"c"]
-    assert tracker.stats() == TrackerStats(num_pending=0, num_completed=1, num_expired=2, num_unknown=2,
-                                           num_duplicate=0)
-    with pytest.raises(ValueError, match="num_readers"):
-        tracker.expect(b"d", 0)
-    tracker.expect(b"d", 1)
-    with pytest.raises(ValueError, match="already expected"):
-        tracker.expect(b"d", 1)
-
-
 # ---- errors --------------------------------------------------------------------------------------
 
 
@@ -418,8 +391,6 @@ def test_bad_requests_raise_clear_errors(owner: Owner, readers: list[Reader]) ->
         rd.agent.start_read(owner.name, np.array([loc, loc]), np.array([rem, (owner.region.addr, 32, 0)]))
     with pytest.raises(ValueError, match=r"\[n, 3\]"):
         rd.agent.start_read(owner.name, np.zeros((2, 2), np.int64), np.zeros((2, 2), np.int64))
-    with pytest.raises(ValueError, match="negative"):
-        as_descriptor_array(np.array([[1, -5, 0]]), "local")
     with pytest.raises(TransferError, match="preparing READ failed") as info:
         rd.agent.start_read(owner.name, [loc], [(owner.region.addr + BUF_BYTES, 64, 0)])
     assert "NIXL_ERR" in str(info.value) and owner.name in str(info.value)
@@ -429,16 +400,6 @@ def test_bad_requests_raise_clear_errors(owner: Owner, readers: list[Reader]) ->
         rd.agent.register([(rd.region.addr, 64, 0, "VRAM")])
     with pytest.raises(ValueError, match="notify must be bytes"):
         rd.agent.start_read(owner.name, [loc], [rem], notify="key")  # type: ignore[arg-type]
-
-
-def test_descriptor_lists_convert_without_copying_rows() -> None:
-    rows = [(4096 * i + 1, 16, 0) for i in range(40_000)]
-    arr = as_descriptor_array(rows, "local")
-    assert arr.dtype == np.uint64 and arr.flags.c_contiguous and arr.shape == (40_000, 3)
-    already = np.ascontiguousarray(arr)
-    assert as_descriptor_array(already, "local") is already  # no copy for the fast path
-    with pytest.raises(ValueError, match="length 0"):
-        as_descriptor_array([(1, 0, 0)], "remote")
 
 
 def test_read_from_an_exited_peer_fails_in_bounded_time(readers: list[Reader]) -> None:

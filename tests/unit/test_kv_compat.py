@@ -9,7 +9,7 @@ import json
 import pytest
 
 from services.engine.kv_cache.buffers import kv_groups_for
-from services.kv.compat import CompatInfo, KVCompatibilityError, check_compatible, compat_fields, compat_hash
+from services.kv.compat import CompatInfo, KVCompatibilityError, KVIdentity, check_compatible, compat_hash
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.handshake import (
     EngineDescription,
@@ -31,7 +31,7 @@ def _layout(**overrides) -> KVLayoutSpec:
 
 def _info(layout: KVLayoutSpec | None = None, **overrides) -> CompatInfo:
     args = dict(architecture="llama", num_layers=4, num_kv_heads=4, head_dim=16, layout=layout or _layout())
-    return CompatInfo.of(compat_fields(**{**args, **overrides}))
+    return CompatInfo.of_identity(KVIdentity.of(**{**args, **overrides}))
 
 
 def test_equal_engines_pass() -> None:
@@ -101,7 +101,7 @@ def _hybrid_layout(full_heads: int = 2, full_head_dim: int = 32, tp: int = 1, wi
 def _hybrid_info(layout: KVLayoutSpec | None = None, **overrides) -> CompatInfo:
     args = dict(architecture="gemma4", num_layers=7, num_kv_heads=8, head_dim=16, layout=layout or _hybrid_layout(),
                 kv_sharing={6: 5})
-    return CompatInfo.of(compat_fields(**{**args, **overrides}))
+    return CompatInfo.of_identity(KVIdentity.of(**{**args, **overrides}))
 
 
 def test_homogeneous_models_hash_as_before_per_group_shapes() -> None:

@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from bench.kv_synthetic import identity_for, layout_for
+from services.kv.compat import CompatInfo
 from services.kv.handshake import EngineDescription, RankExport
 from services.kv.puller import KVPuller, TicketError
-from services.kv.synthetic import compat_for, layout_for
 from services.kv.wire import MemoryRegion, notification_key, notification_request
 from services.proto_gen.pdserve.v1 import kv_pb2
 
@@ -30,10 +31,10 @@ def _engine(host: bool) -> tuple[KVPuller, EngineDescription]:
     host_layout = dataclasses.replace(layout, num_blocks=10 * FACTOR) if host else None
     owner = RankExport(0, "owner-tp0", b"", _regions(layout, 1 << 40, "DRAM"), layout, host_layout,
                        _regions(host_layout, 1 << 44, "DRAM") if host else ())
-    compat = compat_for(CFG, layout)
-    remote = EngineDescription("owner", 1, "m", 2, 2, 8, compat, layout.groups, (owner,))
+    identity = identity_for(CFG, layout)
+    remote = EngineDescription("owner", 1, "m", 2, 2, 8, CompatInfo.of_identity(identity), layout.groups, (owner,))
     local = SimpleNamespace(layout=layout, regions=_regions(layout, 1 << 48, "DRAM"))
-    return KVPuller(engine_id="reader", compat=compat, ranks=[local]), remote
+    return KVPuller(engine_id="reader", identity=identity, ranks=[local]), remote
 
 
 def _ticket(num_tokens: int, num_host_tokens: int) -> kv_pb2.TransferTicket:
@@ -51,15 +52,15 @@ def test_a_host_tier_part_is_read_from_the_host_layout_and_the_rest_from_device_
     device_ids, host_ids, local_ids = puller._check_ticket(ticket, remote, [list(range(6))])
     pieces = puller._source_pieces(ticket, remote, device_ids, host_ids, local_ids, num_cached_tokens=4)
     reads = puller._plan_reads(remote, pieces)
-    assert [read[-1] for read in reads] == [True, False]  # one READ per source, host first
+    assert [read.host_tier for read in reads] == [True, False]  # one READ per source, host first
     host_read, device_read = reads
     owner = remote.ranks[0]
     page = owner.layout.block_bytes(0)
     # Host: tokens 4..15 (the reader held 0..3) = host blocks 5, 6, 7 -> local blocks 1, 2, 3, one run.
-    assert host_read[3].tolist() == [[owner.host_regions[0].address + 5 * page, 3 * page, 0]]
-    assert host_read[4:6] == (3 * page, 1)
+    assert host_read.remote_rows.tolist() == [[owner.host_regions[0].address + 5 * page, 3 * page, 0]]
+    assert (host_read.num_bytes, host_read.num_descriptors) == (3 * page, 1)
     # Device: tokens 16..21 = owner blocks 14, 15 (the last padded) -> local 4, 5.
-    assert device_read[3].tolist() == [[owner.regions[0].address + 14 * page, 2 * page, 0]]
+    assert device_read.remote_rows.tolist() == [[owner.regions[0].address + 14 * page, 2 * page, 0]]
     # Each source notifies under its own key, so the owner counts both of every reader.
     assert {notification_key("r", True), notification_key("r", False)} == {b"r/host", b"r"}
     assert notification_key("r", True, "ab12") == b"r#ab12/host"
@@ -72,8 +73,8 @@ def test_a_reader_already_holding_the_host_part_still_sends_its_notification() -
     device_ids, host_ids, local_ids = puller._check_ticket(ticket, remote, [list(range(6))])
     pieces = puller._source_pieces(ticket, remote, device_ids, host_ids, local_ids, num_cached_tokens=20)
     host_read, device_read = puller._plan_reads(remote, pieces)
-    assert host_read[-1] and len(host_read[2]) == 0 and host_read[4] == 0  # an empty READ: notification only
-    assert device_read[4] > 0
+    assert host_read.host_tier and len(host_read.local_rows) == 0 and host_read.num_bytes == 0  # notification only
+    assert device_read.num_bytes > 0
 
 
 @pytest.mark.parametrize(("mutate", "message"), [

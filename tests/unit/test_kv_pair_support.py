@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.kv.compat import CompatInfo, compat_fields
+from services.kv.compat import CompatInfo, KVIdentity
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.kv.pair_support import PairSide, group_heads_from_fields, pair_refusal
@@ -24,17 +24,17 @@ def _layout(heads: int = 4, dtype: str = "bfloat16", groups: tuple[KVCacheGroupS
 
 def _dense(heads: int = 4, dtype: str = "bfloat16") -> CompatInfo:
     """A llama-like model: one full-attention group with the model's heads."""
-    return CompatInfo.of(compat_fields(architecture="llama", num_layers=4, num_kv_heads=heads, head_dim=16,
-                                       layout=_layout(heads, dtype)))
+    return CompatInfo.of_identity(KVIdentity.of(architecture="llama", num_layers=4, num_kv_heads=heads, head_dim=16,
+                                                layout=_layout(heads, dtype)))
 
 
 def _hybrid(sliding_heads: int = 8, full_heads: int = 2, full_head_dim: int = 32) -> CompatInfo:
     """Gemma-4-like: 5 sliding layers with the model's heads, one full layer with its own heads and dim."""
     groups = (KVCacheGroupSpec(0, AttentionKind.SLIDING_WINDOW, (0, 1, 2, 3, 4), 16, 512, sliding_heads, 16),
               KVCacheGroupSpec(1, AttentionKind.FULL, (5,), 16, None, full_heads, full_head_dim))
-    fields = compat_fields(architecture="gemma4", num_layers=7, num_kv_heads=sliding_heads, head_dim=16,
-                           layout=_layout(sliding_heads, groups=groups), kv_sharing={6: 5})
-    return CompatInfo.of(fields)
+    identity = KVIdentity.of(architecture="gemma4", num_layers=7, num_kv_heads=sliding_heads, head_dim=16,
+                             layout=_layout(sliding_heads, groups=groups), kv_sharing={6: 5})
+    return CompatInfo.of_identity(identity)
 
 
 def _side(info: CompatInfo, tp: int = 1, block_size: int | None = 16, **kw) -> PairSide:

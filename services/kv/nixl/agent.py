@@ -2,14 +2,14 @@
 
 It knows nothing of layouts, blocks or models; the planner turns those into descriptors. The decode
 side reads (``read``/``start_read``), the prefill side owns the memory and learns from NIXL
-notifications when a reader is done (``poll_notifications`` + :class:`NotificationTracker`).
+notifications when a reader is done (``poll_notifications`` + ``services.kv.notifications``).
 
 Threading: a NIXL agent is created in its no-locking mode, so every NIXL call here goes through one
 lock. On DRAM, UCX performs the whole copy inside ``postXferReq`` (CMA/shared memory is synchronous;
 64 MB take ~10-60 ms on the CI machine; the call drops the GIL). ``read`` therefore hands a READ to
-the agent's one worker thread, which prepares and posts it and then polls every READ in flight:
-tightly for the first milliseconds (a GPU READ of a prompt takes 0.2-5 ms), then backing off, and
-wakes the waiting coroutine once, when it finishes. A READ whose post cannot block for long (a few
+the agent's one worker thread (``reader.ReadWorker``), which prepares and posts it and then polls
+every READ in flight: tightly for the first milliseconds (a GPU READ of a prompt takes 0.2-5 ms),
+then backing off, and wakes the waiting coroutine once, when it finishes. A READ whose post cannot block for long (a few
 descriptors of device memory, where the post only queues the copies, or a small host copy) to a
 peer already read from is posted on the caller's thread instead, if the lock is free at that
 moment, and completes there when the post finishes it. The event loop never waits on the lock
@@ -50,33 +50,38 @@ import contextlib
 import contextvars
 import logging
 import os
-import queue
 import threading
 import time
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
+from services.kv.nixl.descriptors import (
+    MEM_KINDS,
+    DescriptorsLike,
+    MemKind,
+    RegionLike,
+    RegisteredRegion,
+    as_descriptor_array,
+    check_pairing,
+    peer_name_from_metadata,
+    region_of,
+)
+from services.kv.nixl.errors import TransferError, TransferTimeout, UnknownPeerError, describe
+from services.kv.nixl.handle import TransferHandle, TransferResult
+from services.kv.nixl.reader import TIMED_OUT, ReadJob, ReadWorker, expire
+
 log = logging.getLogger(__name__)
 
-MemKind = Literal["DRAM", "VRAM"]
 Device = Literal["cpu", "cuda"]
-DescriptorsLike = Sequence[tuple[int, int, int]] | np.ndarray
-RegionLike = Any  # a torch.Tensor, a RegisteredRegion, or an (addr, length, device_id, kind) tuple
 
 #: UCX disables cuda_ipc GET without NVLink, so a READ of VRAM silently falls back to TCP (~0.7 GB/s).
 CUDA_IPC_GET_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
-_MEM_KINDS = ("DRAM", "VRAM")
-_MD_HEADER = b"nixlSerDes|Agent"  # nixl's metadata starts: header, u64-le name length, name
 _LOCK_TIMEOUT_S = 30.0
 # How long a cancelled read waits for a post in progress to return and be aborted (a frozen peer can hold it).
 _CANCEL_WAIT_S = 2.0
-# The worker polls a READ every _SPIN_POLL_S (the kernel makes it ~60-80 us) for its first _SPIN_S,
-# then every ~10% of its age, at most every _MAX_POLL_S: bounded error for a READ of any length.
-_SPIN_POLL_S, _SPIN_S, _MAX_POLL_S = 20e-6, 0.005, 0.001
 # A post that may run on the caller's thread: at most this many descriptors, and on host memory (where
 # the post is the copy: ~0.1 ms per MiB here) at most this many bytes.
 _INLINE_MAX_DESCRIPTORS, _INLINE_MAX_HOST_BYTES = 64, 256 << 10
@@ -85,211 +90,11 @@ _INLINE_MAX_DESCRIPTORS, _INLINE_MAX_HOST_BYTES = 64, 256 << 10
 read_stages: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("read_stages", default=None)
 
 
-class TransferError(RuntimeError):
-    """A NIXL operation failed; the message names the peer, the descriptors and NIXL's state."""
-
-    def __init__(
-        self, message: str, *, peer: str | None = None, num_descriptors: int = 0, num_bytes: int = 0,
-        nixl_state: str | None = None,
-    ) -> None:
-        details = [f"peer={peer!r}"] if peer is not None else []
-        if num_descriptors:
-            details.append(f"{num_descriptors} descriptors, {num_bytes} bytes")
-        if nixl_state is not None:
-            details.append(f"nixl: {nixl_state}")
-        super().__init__(f"{message} ({'; '.join(details)})" if details else message)
-        self.peer, self.nixl_state = peer, nixl_state
-        self.num_descriptors, self.num_bytes = num_descriptors, num_bytes
-
-
-class UnknownPeerError(TransferError):
-    """The peer was never added (or was removed): handshake again before reading."""
-
-
-class TransferTimeout(TransferError):
-    """A read did not finish in time. ``aborted`` is False when NIXL could not cancel it, so the
-    destination may still be written: do not hand those local blocks to another request."""
-
-    def __init__(self, message: str, *, aborted: bool, **kwargs: Any) -> None:
-        super().__init__(message, **kwargs)
-        self.aborted = aborted
-
-
-@dataclass(frozen=True)
-class RegisteredRegion:
-    """A registered buffer as a peer needs to see it (goes on the wire in the handshake)."""
-
-    addr: int
-    length: int
-    device_id: int
-    mem_kind: MemKind
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    num_bytes: int
-    num_descriptors: int
-    seconds: float
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
-
 @dataclass(frozen=True)
 class _Registration:
     regions: tuple[RegisteredRegion, ...]
     nixl_dlists: tuple[Any, ...]
     keepalive: tuple[Any, ...]  # tensors whose memory must outlive the registration
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-# ---- descriptors ---------------------------------------------------------------------------------
-
-
-def as_descriptor_array(descs: DescriptorsLike, side: str) -> np.ndarray:
-    """(addr, len, dev) rows as the C-contiguous uint64 [n, 3] array NIXL copies without a Python loop."""
-    try:
-        arr = descs if isinstance(descs, np.ndarray) else np.asarray(descs, dtype=np.int64)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{side} descriptors must be (addr, len, dev) integer triples: {exc}") from None
-    if arr.ndim != 2 or arr.shape[1] != 3 or arr.shape[0] == 0:
-        raise ValueError(f"{side} descriptors must be a non-empty [n, 3] (addr, len, dev) list, got shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{side} descriptors must be integers, got dtype {arr.dtype}")
-    if np.issubdtype(arr.dtype, np.signedinteger) and arr.min() < 0:
-        row = int(np.argmin(arr.min(axis=1)))
-        raise ValueError(f"{side} descriptor {row} has a negative field: {arr[row].tolist()}")
-    if (arr[:, 1] == 0).any():
-        raise ValueError(f"{side} descriptor {int(np.argmin(arr[:, 1]))} has length 0")
-    return np.ascontiguousarray(arr, dtype=np.uint64)
-
-
-def check_pairing(local: np.ndarray, remote: np.ndarray) -> None:
-    """A READ copies remote row i into local row i, so counts and lengths must match row by row."""
-    if local.shape[0] != remote.shape[0]:
-        raise ValueError(f"{local.shape[0]} local descriptors but {remote.shape[0]} remote descriptors")
-    bad = np.flatnonzero(local[:, 1] != remote[:, 1])
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(
-            f"descriptor {i} length mismatch: local {int(local[i, 1])} bytes, remote {int(remote[i, 1])} bytes "
-            f"({bad.size} mismatched rows)"
-        )
-
-
-def peer_name_from_metadata(metadata: bytes) -> str | None:
-    """The agent name at the head of nixl's serialized metadata, or None if the format is unexpected."""
-    start = len(_MD_HEADER)
-    if not metadata.startswith(_MD_HEADER) or len(metadata) < start + 8:
-        return None
-    size = int.from_bytes(metadata[start : start + 8], "little")
-    raw = metadata[start + 8 : start + 8 + size]
-    if len(raw) != size:
-        return None
-    try:
-        return raw.decode()
-    except UnicodeDecodeError:
-        return None
-
-
-# ---- regions -------------------------------------------------------------------------------------
-
-
-def _region_of(item: RegionLike) -> tuple[RegisteredRegion, Any]:
-    """(region, object to keep alive) for a tensor, a RegisteredRegion or a raw 4-tuple."""
-    if isinstance(item, RegisteredRegion):
-        region, keep = item, None
-    elif hasattr(item, "data_ptr") and hasattr(item, "is_contiguous"):
-        region, keep = _tensor_region(item), item
-    elif isinstance(item, tuple) and len(item) == 4:
-        region, keep = RegisteredRegion(int(item[0]), int(item[1]), int(item[2]), item[3]), None
-    else:
-        raise ValueError(f"cannot register {type(item).__name__}: expected a tensor or (addr, length, device_id, kind)")
-    if region.mem_kind not in _MEM_KINDS:
-        raise ValueError(f"memory kind must be one of {_MEM_KINDS}, got {region.mem_kind!r}")
-    if region.addr <= 0 or region.length <= 0 or region.device_id < 0:
-        raise ValueError(f"invalid region {region}: address and length must be > 0, device_id >= 0")
-    return region, keep
-
-
-def _tensor_region(tensor: Any) -> RegisteredRegion:
-    if not tensor.is_contiguous():
-        raise ValueError(
-            f"cannot register a non-contiguous tensor (shape {tuple(tensor.shape)}, stride {tensor.stride()}): "
-            "NIXL registers one address range"
-        )
-    if tensor.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"cannot register a tensor on {tensor.device}: only cpu (DRAM) and cuda (VRAM)")
-    if tensor.numel() == 0:
-        raise ValueError("cannot register an empty tensor")
-    if tensor.device.type == "cuda":
-        kind: MemKind = "VRAM"
-        device_id = tensor.device.index if tensor.device.index is not None else 0
-    else:
-        kind, device_id = "DRAM", 0
-    return RegisteredRegion(tensor.data_ptr(), tensor.numel() * tensor.element_size(), device_id, kind)
-
-
-# ---- transfers -----------------------------------------------------------------------------------
-
-
-class TransferHandle:
-    """One posted READ. ``poll()`` until "DONE"; NIXL resources are released on every outcome."""
-
-    def __init__(self, agent: TransferAgent, xfer: Any, peer: str, num_descriptors: int, num_bytes: int,
-                 started_at: float) -> None:
-        self._agent, self._xfer = agent, xfer
-        self.peer, self.num_descriptors, self.num_bytes = peer, num_descriptors, num_bytes
-        self.started_at = started_at
-        self._state = "PROC"  # PROC -> DONE | ERR | ABORTED
-        self._error: TransferError | None = None
-        self._finished_at: float | None = None
-
-    @property
-    def done(self) -> bool:
-        return self._state != "PROC"
-
-    def poll(self) -> Literal["PROC", "DONE"]:
-        """"PROC" while in flight, "DONE" once complete; raises TransferError if NIXL reports a failure."""
-        if self._state == "PROC":
-            self._agent._poll_xfer(self)
-        if self._state == "DONE":
-            return "DONE"
-        if self._state == "PROC":
-            return "PROC"
-        if self._error is None:
-            self._error = self._make_error(f"transfer was {self._state.lower()}", self._state)
-        raise self._error
-
-    def result(self) -> TransferResult:
-        if self._state != "DONE" or self._finished_at is None:
-            raise TransferError(f"transfer not complete (state {self._state})", peer=self.peer)
-        return TransferResult(self.num_bytes, self.num_descriptors, self._finished_at - self.started_at)
-
-    def abort(self) -> bool:
-        """Cancel if still in flight; True when nothing is left in flight (see TransferTimeout)."""
-        if self._state != "PROC":
-            return True
-        return self._agent._abort(self)
-
-    def _settle(self, state: str | None, failure: str) -> None:
-        """Record NIXL's answer (under the agent lock); the agent has already released the request if it
-        is terminal."""
-        if state is None or state == "PROC":
-            return
-        if state == "DONE":
-            self._state, self._finished_at = "DONE", time.monotonic()
-            return
-        self._state = "ERR"
-        self._error = self._make_error(failure, state)
-
-    def _make_error(self, message: str, nixl_state: str) -> TransferError:
-        return TransferError(message, peer=self.peer, num_descriptors=self.num_descriptors,
-                             num_bytes=self.num_bytes, nixl_state=nixl_state)
 
 
 class TransferAgent:
@@ -323,7 +128,7 @@ class TransferAgent:
             config = nixl_agent_config(enable_prog_thread=use_thread, backends=list(backends))
             self._nixl = nixl_agent(name, config)
         except Exception as exc:
-            raise TransferError(f"creating NIXL agent {name!r} failed: {_describe(exc)}") from exc
+            raise TransferError(f"creating NIXL agent {name!r} failed: {describe(exc)}") from exc
         missing = [b for b in backends if b not in self._nixl.backends]
         if missing:
             raise TransferError(f"NIXL backend(s) {missing} unavailable; plugins: {self._nixl.get_plugin_list()}")
@@ -333,7 +138,7 @@ class TransferAgent:
         self._active: set[TransferHandle] = set()
         self._unreleased: list[Any] = []
         self._warm_peers: set[str] = set()  # peers a READ has completed from (connection and mappings set up)
-        self._reader: _Reader | None = None
+        self._reader: ReadWorker | None = None
         self._closed = False
 
     # -- lifecycle --
@@ -386,7 +191,7 @@ class TransferAgent:
         Call before ``metadata()``: a peer only sees memory registered when it took the metadata.
         """
         self._check_open()
-        pairs = [_region_of(item) for item in items]
+        pairs = [region_of(item) for item in items]
         if not pairs:
             raise ValueError("nothing to register")
         regions = tuple(r for r, _ in pairs)
@@ -394,7 +199,7 @@ class TransferAgent:
             raise ValueError(f"agent {self.name!r} was created with device='cpu' and cannot register VRAM")
         dlists = []
         try:
-            for kind in _MEM_KINDS:
+            for kind in MEM_KINDS:
                 rows = [(r.addr, r.length, r.device_id, "") for r in regions if r.mem_kind == kind]
                 if rows:
                     with self._locked():
@@ -402,7 +207,7 @@ class TransferAgent:
         except Exception as exc:
             self._deregister_dlists(dlists)
             raise TransferError(f"agent {self.name!r}: registering {len(regions)} regions failed: "
-                                f"{_describe(exc)}") from exc
+                                f"{describe(exc)}") from exc
         keep = tuple(k for _, k in pairs if k is not None)
         self._registrations.append(_Registration(regions, tuple(dlists), keep))
         return regions
@@ -418,7 +223,7 @@ class TransferAgent:
                 with self._locked():
                     self._nixl.deregister_memory(dlist)
             except Exception as exc:
-                log.error("agent %s: deregistering memory failed: %s", self.name, _describe(exc))
+                log.error("agent %s: deregistering memory failed: %s", self.name, describe(exc))
 
     # -- peers --
 
@@ -444,7 +249,7 @@ class TransferAgent:
         except Exception as exc:
             hint = "; a peer of that name is loaded with other metadata" if "NOT_ALLOWED" in str(exc) else ""
             raise TransferError(f"agent {self.name!r}: adding peer {name or '<unparsed name>'} failed{hint}",
-                                nixl_state=_describe(exc)) from exc
+                                nixl_state=describe(exc)) from exc
         loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         self._peers[loaded_name] = bytes(metadata)
         return loaded_name
@@ -463,7 +268,7 @@ class TransferAgent:
             with self._locked():
                 self._nixl.remove_remote_agent(name)
         except Exception as exc:
-            log.warning("agent %s: removing peer %s: %s", self.name, name, _describe(exc))
+            log.warning("agent %s: removing peer %s: %s", self.name, name, describe(exc))
 
     # -- reading --
 
@@ -499,7 +304,7 @@ class TransferAgent:
         self._check_open()
         # Validate here so bad input raises at once, in the caller's thread.
         local_arr, remote_arr = self._prepare(peer, local, remote, notify, mem_kind, remote_mem_kind)
-        job = _ReadJob(peer, local_arr, remote_arr, notify, mem_kind, remote_mem_kind or mem_kind, timeout_s,
+        job = ReadJob(peer, local_arr, remote_arr, notify, mem_kind, remote_mem_kind or mem_kind, timeout_s,
                        asyncio.get_running_loop(), entered)
         if notify and "DRAM" in (job.mem_kind, job.remote_mem_kind):  # see the module docstring
             job.notify, job.notify_after = b"", notify
@@ -513,7 +318,7 @@ class TransferAgent:
                 job.state, job.handle = "in_flight", handle
         self._reader_thread().submit(job)
         loop = job.loop  # a timer on the future itself: fewer loop iterations than wait_for(shield(...))
-        timer = loop.call_at(loop.time() + max(job.deadline - time.monotonic(), 0.0), _expire, job.future)
+        timer = loop.call_at(loop.time() + max(job.deadline - time.monotonic(), 0.0), expire, job.future)
         try:
             woken_by = await job.future
         except asyncio.CancelledError:
@@ -524,7 +329,7 @@ class TransferAgent:
             raise
         finally:
             timer.cancel()
-        if woken_by is _TIMED_OUT:
+        if woken_by is TIMED_OUT:
             self._give_up(job)  # raises TransferTimeout unless the READ finished meanwhile
         job.marks["resumed"] = time.perf_counter()
         if isinstance(job.outcome, BaseException):
@@ -539,7 +344,7 @@ class TransferAgent:
             with self._locked():
                 self._nixl.send_notif(peer, message)
         except Exception as exc:
-            raise TransferError("sending notification failed", peer=peer, nixl_state=_describe(exc)) from exc
+            raise TransferError("sending notification failed", peer=peer, nixl_state=describe(exc)) from exc
 
     # -- owner side --
 
@@ -558,8 +363,8 @@ class TransferAgent:
         remote_mem_kind: str | None,
     ) -> tuple[np.ndarray, np.ndarray]:
         for kind in (mem_kind, remote_mem_kind or mem_kind):
-            if kind not in _MEM_KINDS:
-                raise ValueError(f"memory kind must be one of {_MEM_KINDS}, got {kind!r}")
+            if kind not in MEM_KINDS:
+                raise ValueError(f"memory kind must be one of {MEM_KINDS}, got {kind!r}")
         if not isinstance(notify, bytes):
             raise ValueError(f"notify must be bytes, got {type(notify).__name__}")
         self._check_peer(peer)
@@ -576,12 +381,12 @@ class TransferAgent:
             raise UnknownPeerError(f"agent {self.name!r} has no peer {peer!r} (known: {sorted(self._peers)}); "
                                    "add_peer() its metadata first", peer=peer)
 
-    def _reader_thread(self) -> _Reader:
+    def _reader_thread(self) -> ReadWorker:
         if self._reader is None:
-            self._reader = _Reader(self)
+            self._reader = ReadWorker(self)
         return self._reader
 
-    def _may_post_inline(self, job: _ReadJob) -> bool:
+    def _may_post_inline(self, job: ReadJob) -> bool:
         """Whether the post is short enough for the caller's thread (see module docstring)."""
         n = job.local.shape[0]
         if n > _INLINE_MAX_DESCRIPTORS or job.peer not in self._warm_peers:
@@ -589,7 +394,7 @@ class TransferAgent:
         on_device = job.mem_kind == "VRAM" and job.remote_mem_kind == "VRAM"
         return on_device or job.num_bytes <= _INLINE_MAX_HOST_BYTES
 
-    def _post(self, job: _ReadJob, blocking: bool) -> TransferHandle | None:
+    def _post(self, job: ReadJob, blocking: bool) -> TransferHandle | None:
         """Prepare and post ``job``'s READ; None when not ``blocking`` and another call holds the agent."""
         if not self._lock.acquire(blocking=blocking, timeout=_LOCK_TIMEOUT_S if blocking else -1):
             if blocking:
@@ -617,14 +422,14 @@ class TransferAgent:
             xfer = self._nixl.initialize_xfer("READ", local_dl, remote_dl, peer, notify)
         except Exception as exc:
             raise TransferError("preparing READ failed (are the ranges inside registered memory?)",
-                                nixl_state=_describe(exc), **ctx) from exc
+                                nixl_state=describe(exc), **ctx) from exc
         handle = TransferHandle(self, xfer, peer, n, num_bytes, started_at)
         self._active.add(handle)
         marks["prepared"] = time.perf_counter()
         try:
             state = self._nixl.transfer(xfer)
         except Exception as exc:
-            state = _describe(exc)
+            state = describe(exc)
         marks["posted"] = time.perf_counter()
         if state != "PROC":
             self._release_locked(handle)
@@ -633,7 +438,7 @@ class TransferAgent:
             self._warm_peers.add(peer)
         return handle
 
-    def _notify_after(self, job: _ReadJob, handle: TransferHandle) -> None:
+    def _notify_after(self, job: ReadJob, handle: TransferHandle) -> None:
         """Send a completed READ's deferred notification. The data arrived whatever happens here: a failure
         is logged, and the peer's lease frees what the notification would have."""
         if not job.notify_after or handle._state != "DONE":
@@ -644,9 +449,9 @@ class TransferAgent:
                 self._nixl.send_notif(job.peer, job.notify_after)
         except Exception as exc:
             log.warning("agent %s: READ from %s done, but its notification failed: %s", self.name, job.peer,
-                        _describe(exc))
+                        describe(exc))
 
-    def _outcome(self, job: _ReadJob, handle: TransferHandle) -> TransferResult:
+    def _outcome(self, job: ReadJob, handle: TransferHandle) -> TransferResult:
         """The finished READ's result (or its error, raised), its stages recorded for the caller."""
         stages = read_stages.get()
         if stages is not None:
@@ -659,7 +464,7 @@ class TransferAgent:
         self._warm_peers.add(handle.peer)
         return handle.result()
 
-    def _give_up(self, job: _ReadJob, cancelled: bool = False) -> str:
+    def _give_up(self, job: ReadJob, cancelled: bool = False) -> str:
         """The caller stops waiting (timeout or cancellation): abort or disown the READ.
 
         Returns the state the job was in when the READ finished meanwhile (its outcome is the job's) or
@@ -696,7 +501,7 @@ class TransferAgent:
             try:
                 state = self._nixl.check_xfer_state(handle._xfer)
             except Exception as exc:  # e.g. nixlRemoteDisconnectError
-                state = _describe(exc)
+                state = describe(exc)
             if state != "PROC":
                 self._release_locked(handle)
             handle._settle(state, "READ failed")
@@ -716,7 +521,7 @@ class TransferAgent:
             return True
         except Exception as exc:
             log.warning("agent %s: releasing a READ from %s failed (%s); will retry", self.name, handle.peer,
-                        _describe(exc))
+                        describe(exc))
             self._unreleased.append(handle._xfer)
             return False
 
@@ -729,250 +534,3 @@ class TransferAgent:
             except Exception:
                 still.append(xfer)
         self._unreleased = still
-
-
-class _ReadJob:
-    """One ``read`` between the caller and the worker thread.
-
-    ``state`` (under ``lock``): queued -> posting -> in_flight -> finished, or cancelled when the
-    caller stopped waiting first; whoever moves it to finished or cancelled owns the outcome.
-    """
-
-    def __init__(self, peer: str, local: np.ndarray, remote: np.ndarray, notify: bytes, mem_kind: str,
-                 remote_mem_kind: str, timeout_s: float, loop: asyncio.AbstractEventLoop, entered: float) -> None:
-        self.peer, self.local, self.remote, self.notify = peer, local, remote, notify
-        self.notify_after = b""  # sent once the READ completed, instead of with it
-        self.mem_kind, self.remote_mem_kind = mem_kind, remote_mem_kind
-        self.num_bytes = int(local[:, 1].sum())
-        self.ctx = {"peer": peer, "num_descriptors": int(local.shape[0]), "num_bytes": self.num_bytes}
-        self.timeout_s, self.deadline = timeout_s, time.monotonic() + timeout_s
-        self.loop, self.future = loop, loop.create_future()
-        self.lock = threading.Lock()
-        self.state = "queued"
-        self.post_returned = threading.Event()  # the worker's post returned (and aborted it if cancelled)
-        self.handle: TransferHandle | None = None
-        self.outcome: BaseException | None = None
-        self.marks = {"entered": entered}
-
-
-class _Reader:
-    """The agent's worker thread: posts READs handed to it and polls every READ in flight until it ends.
-
-    One thread serves all of an agent's READs, so concurrent pulls stay concurrent on the device
-    (their posts are short there) and each completion wakes its coroutine exactly once.
-    """
-
-    _STOP: Any = object()
-
-    def __init__(self, agent: TransferAgent) -> None:
-        self._agent = weakref.proxy(agent)  # the thread must not keep an agent nobody closed alive
-        self._name = agent.name
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._in_flight: list[_ReadJob] = []
-        self._thread = threading.Thread(target=self._run, name=f"nixl-{agent.name}", daemon=True)
-        self._thread.start()
-        weakref.finalize(agent, self.stop)
-
-    def submit(self, job: _ReadJob) -> None:
-        """Post ``job`` (queued) or watch it (in flight already)."""
-        self._jobs.put(job)
-
-    def stop(self) -> None:
-        self._jobs.put(self._STOP)
-
-    def _run(self) -> None:
-        try:
-            while True:
-                try:
-                    job = self._jobs.get(timeout=self._delay()) if self._in_flight else self._jobs.get()
-                except queue.Empty:
-                    job = None
-                while job is not None:
-                    if job is self._STOP:
-                        self._fail_all()
-                        return
-                    self._take(job)
-                    try:
-                        job = self._jobs.get_nowait()
-                    except queue.Empty:
-                        job = None
-                self._sweep()
-        except ReferenceError:  # the agent was collected without close(): nothing can be waiting on it
-            return
-        except BaseException:  # never expected; callers still time out
-            log.exception("agent %s: the READ thread stopped", self._name)
-
-    def _delay(self) -> float:
-        """Poll fresh READs every ~_SPIN_POLL_S, older ones every ~10% of their age (<= _MAX_POLL_S)."""
-        age = time.perf_counter() - max(j.marks.get("posted", 0.0) for j in self._in_flight)
-        return _SPIN_POLL_S if age < _SPIN_S else min(_MAX_POLL_S, 0.1 * age)
-
-    def _take(self, job: _ReadJob) -> None:
-        with job.lock:
-            state = job.state
-            if state == "queued":
-                job.state = "posting"
-        if state == "in_flight":  # posted by the caller; watch it
-            self._in_flight.append(job)
-            return
-        if state != "queued":  # the caller gave up before it started
-            return
-        try:
-            handle = self._agent._post(job, blocking=True)
-        except Exception as exc:
-            job.post_returned.set()
-            self._finish(job, exc)
-            return
-        with job.lock:
-            cancelled = job.state == "cancelled"
-            if not cancelled:
-                job.state, job.handle = "in_flight", handle
-        if cancelled:  # the caller timed out or was cancelled during the post (it said aborted=False)
-            handle.abort()
-        job.post_returned.set()
-        if cancelled:
-            return
-        if handle.done:
-            self._finish(job, None)
-            self._agent._notify_after(job, handle)  # after waking the caller: not on its path
-        else:
-            self._in_flight.append(job)
-
-    def _sweep(self) -> None:
-        still = []
-        for job in self._in_flight:
-            if job.state != "in_flight":  # cancelled: the caller aborted it
-                continue
-            try:
-                state = job.handle.poll()
-            except TransferError as exc:
-                self._finish(job, exc)
-                continue
-            if state == "DONE":
-                self._finish(job, None)
-                self._agent._notify_after(job, job.handle)  # after waking the caller: not on its path
-            elif time.monotonic() >= job.deadline:
-                aborted = job.handle.abort()
-                self._finish(job, TransferTimeout(f"READ not complete after {job.timeout_s:.3f}s", aborted=aborted,
-                                                  **job.ctx))
-            else:
-                still.append(job)
-        self._in_flight = still
-
-    def _finish(self, job: _ReadJob, error: BaseException | None) -> None:
-        job.marks["done"] = time.perf_counter()
-        with job.lock:
-            if job.state == "cancelled":
-                return
-            job.state, job.outcome = "finished", error
-        with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody is waiting
-            job.loop.call_soon_threadsafe(_wake, job.future)
-
-    def _fail_all(self) -> None:
-        """The agent closed: end every READ this thread still has (closing aborted the posted ones)."""
-        jobs = self._in_flight
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not self._STOP:
-                jobs.append(job)
-        for job in jobs:
-            if job.handle is not None:
-                job.handle.abort()
-            self._finish(job, TransferError(f"agent {self._name!r} closed", **job.ctx))
-
-
-_TIMED_OUT: Any = object()
-
-
-def _wake(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def _expire(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(_TIMED_OUT)
-
-
-# ---- owner-side bookkeeping ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TrackerStats:
-    num_pending: int
-    num_completed: int
-    num_expired: int
-    num_unknown: int
-    num_duplicate: int
-
-
-@dataclass
-class _Expected:
-    num_readers: int
-    created_at: float
-    readers: set[str] = field(default_factory=set)
-
-
-class NotificationTracker:
-    """Which handed-out requests have been read by all their readers, so blocks are freed exactly once.
-
-    With TP mismatch several reading ranks pull from one owner rank; each sends one notification
-    (the request key) when its READ completes. Call ``expect`` before handing out the ticket.
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._expected: dict[bytes, _Expected] = {}
-        self._completed = self._expired = self._unknown = self._duplicate = 0
-
-    def expect(self, key: bytes, num_readers: int) -> None:
-        if num_readers < 1:
-            raise ValueError(f"num_readers must be >= 1, got {num_readers}")
-        if key in self._expected:
-            raise ValueError(f"key {key!r} is already expected")
-        self._expected[key] = _Expected(num_readers, self._clock())
-
-    def feed(self, notifications: Mapping[str, Iterable[bytes]]) -> list[bytes]:
-        """Count notifications (peer -> messages); return keys that just reached their reader count."""
-        done = []
-        for peer, messages in notifications.items():
-            for key in messages:
-                if self._count(peer, bytes(key)):
-                    done.append(bytes(key))
-        return done
-
-    def _count(self, peer: str, key: bytes) -> bool:
-        entry = self._expected.get(key)
-        if entry is None:
-            self._unknown += 1
-            log.debug("notification %r from %s matches no pending request", key, peer)
-            return False
-        if peer in entry.readers:
-            self._duplicate += 1
-            log.debug("duplicate notification %r from %s", key, peer)
-            return False
-        entry.readers.add(peer)
-        if len(entry.readers) < entry.num_readers:
-            return False
-        del self._expected[key]
-        self._completed += 1
-        return True
-
-    def expire(self, older_than_s: float) -> list[bytes]:
-        """Forget and return keys expected more than ``older_than_s`` ago and never completed."""
-        cutoff = self._clock() - older_than_s
-        old = [k for k, e in self._expected.items() if e.created_at <= cutoff]
-        for key in old:
-            del self._expected[key]
-        self._expired += len(old)
-        return old
-
-    def discard(self, key: bytes) -> bool:
-        """Stop tracking a key (its request was aborted); later notifications count as unknown."""
-        return self._expected.pop(key, None) is not None
-
-    def stats(self) -> TrackerStats:
-        return TrackerStats(len(self._expected), self._completed, self._expired, self._unknown, self._duplicate)

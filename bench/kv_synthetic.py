@@ -1,6 +1,8 @@
 """A synthetic KV owner: the prefill side of a transfer without a model, for tests and benchmarks.
 
-Run as ``python -m services.kv.synthetic '<json config>'``. It allocates one KV cache per
+A test and bench helper, not library code: it allocates through the engine, which ``services.kv``
+must not import. Run from the repository root as ``python -m bench.kv_synthetic '<json config>'``.
+It allocates one KV cache per
 TP rank from the configured layout, fills it with a seeded pattern that depends only on
 (layer, K/V, block, token, global head, element) — so replicated heads agree across ranks —
 registers each rank with its own NIXL agent, serves Handshake over gRPC on 127.0.0.1, hands
@@ -40,12 +42,12 @@ import torch
 import services  # noqa: F401  (package init caps oneDNN; tests pass the env var too)
 from services.engine.kv_cache.buffers import TORCH_DTYPES, KVCache, kv_groups_for
 from services.engine.tp.parallel import ParallelConfig
-from services.kv.agent import TransferAgent
-from services.kv.compat import CompatInfo, compat_fields
+from services.kv.compat import KVIdentity
 from services.kv.exporter import KVExporter
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.handshake import HandshakeServicer, add_handshake_service
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.nixl.agent import TransferAgent
 from services.kv.rank import LocalKVRank
 
 ARCHITECTURE = "llama"
@@ -72,7 +74,7 @@ def group_shapes(cfg: dict) -> list[dict]:
 
 
 def group_total_heads(cfg: dict) -> dict[int, int]:
-    """The model's total KV heads per group id (what compat_fields takes as ``group_kv_heads``)."""
+    """The model's total KV heads per group id (what ``KVIdentity.of`` takes as ``group_kv_heads``)."""
     return {gid: g["num_kv_heads"] for gid, g in enumerate(group_shapes(cfg))}
 
 
@@ -101,12 +103,12 @@ def layout_for(cfg: dict, tp_size: int) -> KVLayoutSpec:
     )
 
 
-def compat_for(cfg: dict, layout: KVLayoutSpec) -> CompatInfo:
-    """The compatibility info an engine of this config (owner or reader) presents."""
-    return CompatInfo.of(compat_fields(
+def identity_for(cfg: dict, layout: KVLayoutSpec) -> KVIdentity:
+    """The KV identity an engine of this config (owner or reader) has; ``layout`` is one of its ranks'."""
+    return KVIdentity.of(
         architecture=ARCHITECTURE, num_layers=cfg["num_layers"], num_kv_heads=cfg["num_kv_heads"],
         head_dim=cfg["head_dim"], layout=layout, kv_sharing=kv_sharing(cfg), group_kv_heads=group_total_heads(cfg),
-    ))
+    )
 
 
 def pattern(cfg: dict) -> dict[int, torch.Tensor]:
@@ -152,11 +154,8 @@ async def serve(cfg: dict) -> None:
         # Agent names are unique per life of the engine, so a reader never confuses a restarted peer.
         agent = TransferAgent(f"{cfg['engine_id']}-{epoch}-tp{rank}", device=device.type)
         ranks.append(LocalKVRank(agent, layout, cache.buffers))
-    exporter = KVExporter(
-        engine_id=cfg["engine_id"], model_name="pattern", architecture=ARCHITECTURE, num_layers=cfg["num_layers"],
-        num_kv_heads=cfg["num_kv_heads"], head_dim=cfg["head_dim"], ranks=ranks, epoch=epoch,
-        kv_sharing=kv_sharing(cfg), group_kv_heads=group_total_heads(cfg),
-    )
+    exporter = KVExporter(engine_id=cfg["engine_id"], model_name="pattern", identity=identity_for(cfg, layout),
+                          ranks=ranks, epoch=epoch)
     server = grpc.aio.server()
     add_handshake_service(server, HandshakeServicer(exporter.describe, cfg.get("token")))
     port = server.add_insecure_port(f"127.0.0.1:{cfg.get('port', 0)}")
