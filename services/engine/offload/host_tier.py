@@ -10,7 +10,9 @@ tokens of one KV group; spans are what is hashed, stored, evicted and looked up:
 The span bookkeeping reuses the device prefix cache: ``spans`` is a ``KVCacheManager`` whose
 groups have the span as block size and whose pools count spans, so a host lookup follows the
 device lookup's rules (full attention: every span from token 0; a sliding window: only the spans
-the first computed query can see) and eviction is its LRU over spans nobody references.
+the first computed query can see) and eviction is its LRU over spans nobody references. It reads
+the device manager's ``block_hashes``, so a request's span hashes (its chain at block size
+``factor * block_size``) are computed once, whether a store or a lookup asks first.
 
 Every block reference below is taken and dropped on the engine's thread; copies run on the
 copier's thread (``copier.py``). What keeps a block from being freed or overwritten under a copy:
@@ -38,20 +40,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.kv_cache.block_manager import KVCacheManager, hash_block_tokens
 from services.engine.kv_cache.buffers import KVCache
+from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.offload.copier import BlockCopier, PlaneCopy, block_planes, block_runs
 from services.engine.sched.request import Request
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _StoreCursor:
-    """Spans of one group already considered for a request, and the last one's hash (the chain's parent)."""
-
-    num_spans: int = 0
-    last_hash: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -110,7 +104,8 @@ class HostKVTier:
                         for b in self.layout.buffers()]
         span_groups = tuple(dataclasses.replace(g, block_size=g.block_size * factor) for g in spec.groups)
         self.spans = KVCacheManager(span_groups, [num_spans] * len(span_groups), enable_prefix_caching=True,
-                                    cache_salt=device_kv.cache_salt, free_out_of_window=device_kv.free_out_of_window)
+                                    cache_salt=device_kv.cache_salt, free_out_of_window=device_kv.free_out_of_window,
+                                    block_hashes=device_kv.block_hashes)
         self.device_kv = device_kv
         self._planes = list(zip(block_planes(spec, device_cache.buffers), block_planes(self.layout, self.buffers),
                                 [b.group_id for b in spec.buffers()], strict=True))
@@ -119,7 +114,7 @@ class HostKVTier:
         self._job_ids = itertools.count()
         self._jobs: dict[int, _Job] = {}
         self._loading: dict[str, int] = {}  # request id -> its load job
-        self._cursors: dict[str, list[_StoreCursor]] = {}
+        self._num_spans_seen: dict[str, list[int]] = {}  # request id -> spans per group already considered
         self._pinned: dict[str, list[list[int]]] = {}  # request id -> spans per group a peer reads
         self._storing: list[set[bytes]] = [set() for _ in spec.groups]  # hashes queued or copying
         self._pending: list[_SpanStore] = []  # found this step, submitted by flush()
@@ -141,19 +136,15 @@ class HostKVTier:
         """Queue a store of every span the request has newly computed in full (sent by ``flush``)."""
         if not request.block_ids:
             return
-        cursors = self._cursors.setdefault(request.request_id, [_StoreCursor() for _ in self.spans.managers])
-        tokens: list[int] | None = None
-        for g, (m, cursor) in enumerate(zip(self.spans.managers, cursors, strict=True)):
+        seen = self._num_spans_seen.setdefault(request.request_id, [0] * len(self.spans.managers))
+        hashes = self.spans.block_hashes.of(request)
+        for g, m in enumerate(self.spans.managers):
             span_tokens, table = m.block_size, request.block_ids[g]
             block_size = self.device_kv.groups[g].block_size
-            computed = min(request.num_computed_tokens, request.num_tokens, len(table) * block_size)
-            while cursor.num_spans < computed // span_tokens:
-                i = cursor.num_spans
-                tokens = request.all_token_ids if tokens is None else tokens
-                cursor.last_hash = hash_block_tokens(cursor.last_hash, tokens[i * span_tokens:(i + 1) * span_tokens],
-                                                     self.spans.cache_salt)
-                cursor.num_spans += 1
-                self._queue_store(g, cursor.last_hash, table[i * self.factor:(i + 1) * self.factor])
+            num_full = min(request.num_computed_tokens, request.num_tokens, len(table) * block_size) // span_tokens
+            for i in range(seen[g], num_full):
+                self._queue_store(g, hashes.at(span_tokens, i), table[i * self.factor:(i + 1) * self.factor])
+            seen[g] = max(seen[g], num_full)
 
     def _queue_store(self, group: int, block_hash: bytes, blocks: list[int]) -> None:
         if self.device_kv.placeholder_block_id(group) in blocks:
@@ -304,7 +295,7 @@ class HostKVTier:
     def forget(self, request_id: str) -> None:
         """The request left (finished, aborted, preempted): stop following it. Copies in flight
         keep their own references and finish; a load's result is then dropped."""
-        self._cursors.pop(request_id, None)
+        self._num_spans_seen.pop(request_id, None)
         self._loading.pop(request_id, None)
 
     def stats(self) -> HostTierStats:
