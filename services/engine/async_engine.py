@@ -19,9 +19,10 @@ from typing import Any, TypeVar
 
 from services.contract.sampling_params import SamplingParams
 from services.contract.structured import StructuredOutputError
-from services.engine.llm_engine import LLMEngine, RequestOutput
+from services.engine.llm_engine import LLMEngine
 from services.engine.offload import HostTierStats
-from services.engine.runner.rank_setup import use_device
+from services.engine.output_processor import RequestOutput
+from services.engine.runner.rank_runtime import use_device
 from services.engine.sched.request import Request
 from services.engine.sched.scheduler import PrefixCacheStats
 from services.engine.structured.backend import GrammarMatcher
@@ -57,8 +58,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self.stats = self._read_stats()
-        if engine.host_tier is not None:  # a finished copy wakes the engine thread to take it in
-            engine.host_tier.set_wakeup(lambda: self._commands.put(_wake_up))
+        # A finished host-tier copy wakes the engine thread to take it in.
+        engine.external_kv.on_load_finished(lambda: self._commands.put(_wake_up))
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:

@@ -1,16 +1,25 @@
-"""Engine-level settings: where the model runs, how big the KV cache is, how batches are formed."""
+"""Engine-level settings: where the model runs, how big the KV cache is, how batches are formed.
+
+The fields that are command-line flags carry them (``services.common.config_flags``): this class is the
+one place the engine's flags are written. Torch-free, so a parser can be built without torch.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from services.common.config_flags import flag, positive_int
 from services.engine.tp.parallel import ParallelConfig
 from services.kv.layout import BlockOrder, LayoutKind
 
+if TYPE_CHECKING:
+    import torch
+
 # services.engine.attention.BACKEND_CHOICES, spelled out so the config (and the CLI) need not import it.
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "triton_paged")
+# services.engine.ops.BACKENDS, likewise.
+FUSED_OPS_BACKENDS = ("auto", "torch", "triton")
 
 DTYPE_ALIASES = {
     "float32": "float32", "fp32": "float32", "float": "float32",
@@ -19,37 +28,67 @@ DTYPE_ALIASES = {
 }
 
 
+def _gib_to_bytes(gib: float) -> int | None:
+    return int(gib * 2**30) if gib else None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF dir, .gguf file, dummy:<preset>; None = bundled SmolLM2
-    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's 16-bit type (else bfloat16) on CUDA
-    device: str = "auto"  # auto: cuda when available
-    seed: int = 0
-    block_size: int = 16
-    kv_layout: LayoutKind = LayoutKind.CROSS_LAYER
-    kv_block_order: BlockOrder = BlockOrder.NHD
-    num_kv_blocks: int | None = None  # explicit pool size; else sized from the memory budget below
+    model: str | None = flag(None, "HF model directory, .gguf file or dummy:<preset> (default: bundled "
+                                   "SmolLM2-135M-Instruct)")
+    # auto: float32 on CPU, the checkpoint's 16-bit type (else bfloat16) on CUDA
+    dtype: str = flag("auto", "auto, float32, float16 or bfloat16")
+    device: str = flag("auto", "auto, cpu, cuda[:N] (rank r on cuda:N+r) or a comma list with one entry per TP rank")
+    seed: int = flag(0, "seed for dummy weights", parse=int)
+    block_size: int = flag(16, "KV block size in tokens", parse=int)
+    parallel: ParallelConfig = flag(help="tensor-parallel size: ranks, one process each", name="--tp",
+                                    default_factory=ParallelConfig, parse=positive_int, cli_default=1,
+                                    to_field=lambda tp: ParallelConfig(tp, 0))
+    kv_layout: LayoutKind = flag(LayoutKind.CROSS_LAYER, "", cli_default="cross_layer", to_field=LayoutKind,
+                                 choices=tuple(k.value for k in LayoutKind))
+    kv_block_order: BlockOrder = flag(
+        BlockOrder.NHD, "token-major (NHD, default) or head-major (HND) KV blocks; HND keeps a head's slice of a "
+        "block contiguous, which pairs of different TP sizes read far faster (pdserve up picks it for them)",
+        cli_default=None, to_field=lambda order: BlockOrder(order or "NHD"), choices=tuple(o.value for o in BlockOrder))
+    # explicit pool size; else sized from the memory budget below
+    num_kv_blocks: int | None = flag(None, "KV pool size in blocks (default: from memory)", parse=int)
     kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, a share of free memory on CUDA
     gpu_memory_utilization: float = 0.85
-    max_model_len: int | None = None  # default: the model's max positions, capped by the KV pool
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
+    # default: the model's max positions, capped by the KV pool
+    max_model_len: int | None = flag(None, "", parse=int)
+    max_num_seqs: int = flag(64, "", parse=int)
+    max_num_batched_tokens: int = flag(2048, "", parse=int)
+    enable_prefix_caching: bool = flag(True, "", name="--no-prefix-caching", negated=True)
     enable_chunked_prefill: bool = True
-    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (every step runs eagerly)
+    # True: no CUDA graphs for decode steps (every step runs eagerly)
+    enforce_eager: bool = flag(False, "run decode steps eagerly (no CUDA graphs)")
     # Pipeline decode-graph steps: launch the next before this one's tokens reach the host (LLMEngine.step).
-    async_scheduling: bool = True
+    async_scheduling: bool = flag(True, "wait for each decode step's tokens before launching the next (default: "
+                                        "pipelined)", name="--no-async-scheduling", negated=True)
     # Models with KV-shared layers (Gemma-4) run those layers only for the tokens whose output is
     # read (see TailBatch); False runs every token through every layer (same results, slower).
-    kv_shared_prefill_skip: bool = True
+    kv_shared_prefill_skip: bool = flag(True, "run every prompt token through KV-shared layers (Gemma-4) instead of "
+                                              "only the sampled ones", name="--no-kv-shared-prefill-skip",
+                                        negated=True)
     # Attention backend (services/engine/attention/): "torch_sdpa", "triton_paged", or "auto" =
     # triton_paged on CUDA when Triton imports, else torch_sdpa (registry.py says why).
-    attention_backend: str = "auto"
+    # Fused elementwise ops (services/engine/ops/): None leaves the process-wide setting
+    # (PDSERVE_FUSED_OPS, else auto); the variable, when set, overrides this field.
+    fused_ops: str | None = flag(None, "fused elementwise kernels: auto (Triton on CUDA when it imports), torch "
+                                       "(the unfused reference, for A/B runs) or triton; $PDSERVE_FUSED_OPS "
+                                       "overrides it", choices=FUSED_OPS_BACKENDS)
+    attention_backend: str = flag("auto", "attention kernels: triton_paged reads the paged KV cache in place (CUDA), "
+                                          "torch_sdpa gathers it and runs masked SDPA (any device); auto: "
+                                          "triton_paged on CUDA when Triton imports, else torch_sdpa",
+                                  choices=ATTENTION_BACKENDS)
     # Host KV tier (services/engine/offload/): bytes of host memory (None or 0: off), and how many
     # device blocks one host span holds (the unit stored, looked up and evicted).
-    kv_offload_bytes: int | None = None
-    kv_offload_block_factor: int = 1
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_offload_bytes: int | None = flag(
+        None, "host (CPU) KV tier size in GiB, pinned on CUDA: full blocks are copied there as they are computed, "
+        "and a later prompt with the same prefix loads them back instead of recomputing (default 0: off)",
+        name="--kv-offload-gib", parse=float, cli_default=0.0, to_field=_gib_to_bytes)
+    kv_offload_block_factor: int = flag(1, "device blocks per host-tier span, the unit the tier stores, looks up "
+                                           "and evicts", parse=positive_int)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
@@ -70,12 +109,16 @@ class EngineConfig:
             raise ValueError("the host KV tier needs prefix caching: it finds blocks by their hashes")
         if self.kv_offload_bytes and self.parallel.tp_size > 1:
             raise ValueError("the host KV tier runs at TP 1 only for now (each rank would need its own tier)")
+        if self.fused_ops is not None and self.fused_ops not in FUSED_OPS_BACKENDS:
+            raise ValueError(f"unknown fused_ops {self.fused_ops!r}; expected one of {', '.join(FUSED_OPS_BACKENDS)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; "
                              f"expected one of {', '.join(ATTENTION_BACKENDS)}")
 
     def resolve_device(self) -> torch.device:
         """The device, with an index for CUDA (``cuda`` is the current one), so it can be made current."""
+        import torch
+
         name = self.device if self.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(name)
         if device.type != "cuda":

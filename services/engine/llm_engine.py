@@ -7,77 +7,41 @@ loop. Requests come in as token ids or text and leave as ``RequestOutput`` delta
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-import torch
 
 from services.contract.outputs import TopLogprobs
 from services.contract.sampling_params import SamplingParams
 from services.contract.structured import StructuredOutputError
 from services.engine.engine_config import EngineConfig
-from services.engine.kv_cache.block_manager import KVCacheManager
-from services.engine.kv_cache.buffers import KVCache
+from services.engine.external_kv import ExternalKV, host_tier_for
+from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.loading.source import ModelSource, resolve_model
-from services.engine.offload import HostKVTier, num_spans_for
-from services.engine.runner.cuda_graphs import DecodeGraphRunner, DeviceTokens
-from services.engine.runner.model_runner import ModelRunner
-from services.engine.runner.rank_setup import kv_layout, load_model, num_blocks_for, use_device
+from services.engine.output_processor import OutputProcessor, RequestOutput
+from services.engine.runner.rank_runtime import RankRuntime
 from services.engine.runner.sampler import (
     GrammarMasks,
     PendingSample,
     TokenHistory,
-    make_generator,
     min_tokens_banned_ids,
     sample_async,
-    top_logprobs_of,
 )
-from services.engine.sched.request import Request, RequestStatus
+from services.engine.runner.step import DeviceTokens
+from services.engine.sched.request import Request
 from services.engine.sched.scheduler import (
     PLACEHOLDER_TOKEN,
-    ScheduledChunk,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
-from services.engine.sched.stopping import check_token_stop
 from services.engine.structured.backend import GrammarMatcher
 from services.engine.structured.bitmask import allocate_bitmask
 from services.engine.structured.compiler import GrammarCompiler
-from services.text.stream import TextStream
 from services.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from services.engine.tp.group import TPGroup
-
-log = logging.getLogger(__name__)
-
-@dataclass
-class RequestOutput:
-    """What a request produced in one step (``new_*``) and so far."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    new_token_ids: list[int]
-    text: str
-    new_text: str
-    logprobs: list[float] | None
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int
-    # (first position, logits [n, vocab]) for every chunk computed so far, in order; positions
-    # may repeat after a preemption (only with SamplingParams.return_logits).
-    logits: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    # With SamplingParams.top_logprobs: one entry per output token (empty for a first token that came
-    # with pulled KV: the prefill worker reported its alternatives).
-    top_logprobs: list[TopLogprobs] | None = None
-    # With SamplingParams.prompt_logprobs, once the prompt is computed: one entry per prompt token, the
-    # first None; each entry's first pair is the prompt token itself, then the alternatives.
-    prompt_logprobs: list[TopLogprobs | None] | None = None
-
 
 @dataclass(frozen=True)
 class _LaunchedStep:
@@ -87,23 +51,6 @@ class _LaunchedStep:
     rows: list[Request]  # the requests of the sampled rows, in row order
     pending: PendingSample | None  # None when no chunk samples
     graph: bool  # ran through the decode graphs: the next graph step can read its tokens on the device
-
-
-@dataclass
-class _RequestState:
-    """Engine-side companions of a Request: RNG, text stream (detokenizer and stop strings), text."""
-
-    request: Request
-    generator: torch.Generator | None
-    text_stream: TextStream | None  # None without a tokenizer: no text, stop strings ignored
-    text: str = ""
-    emitted_tokens: int = 0
-    logits: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    grammar: GrammarMatcher | None = None  # with SamplingParams.structured: where the output is in its grammar
-    grammar_failed: bool = False
-    top_logprobs: list[TopLogprobs] = field(default_factory=list)
-    # Prompt position -> its entry (see RequestOutput.prompt_logprobs); kept across a preemption.
-    prompt_logprobs: dict[int, TopLogprobs] = field(default_factory=dict)
 
 
 def _needs_resolved_tokens(output: SchedulerOutput) -> bool:
@@ -120,35 +67,15 @@ def _history(request: Request) -> TokenHistory | None:
     return TokenHistory(request.prompt_token_ids, request.output_token_ids)
 
 
-def prompt_logprobs_of(chunk: ScheduledChunk, logits: torch.Tensor) -> dict[int, TopLogprobs]:
-    """Position -> entry for the prompt tokens this chunk's logits predict (position ``p``'s logits
-    predict token ``p + 1``): the token's own logprob first, then ``prompt_logprobs`` alternatives."""
-    request, k = chunk.request, chunk.request.sampling_params.prompt_logprobs or 0
-    num_prompt = request.num_prompt_tokens
-    n = min(chunk.num_tokens, num_prompt - 1 - chunk.start)  # positions whose next token is in the prompt
-    if n <= 0:
-        return {}
-    rows = logits[:n].float()
-    targets = torch.as_tensor(request.prompt_token_ids[chunk.start + 1: chunk.start + 1 + n], device=rows.device)
-    log_normalizer = torch.logsumexp(rows, dim=-1, keepdim=True)
-    own = (rows.gather(1, targets.unsqueeze(1)) - log_normalizer).squeeze(1).tolist()
-    top_ids, top_values = top_logprobs_of(rows, k, log_normalizer) if k else (None, None)
-    top_ids = top_ids.tolist() if k else [[]] * n
-    top_values = top_values.tolist() if k else [[]] * n
-    token_ids = targets.tolist()
-    return {chunk.start + 1 + i: TopLogprobs((token_ids[i], *top_ids[i]), (own[i], *top_values[i])) for i in range(n)}
-
-
-def _prompt_logprobs_list(state: _RequestState, request: Request) -> list[TopLogprobs | None] | None:
-    """The prompt's entries in order once every prompt position is computed, else None."""
-    entries = state.prompt_logprobs
-    num_prompt = request.num_prompt_tokens
-    if len(entries) < num_prompt - 1:
-        return None
-    return [None] + [entries[p] for p in range(1, num_prompt)]
-
-
 class LLMEngine:
+    """One engine: the step loop over this rank's runtime, the scheduler and the outputs.
+
+    Components: ``runtime`` (model, KV cache, runner: ``RankRuntime``, built the same way on every
+    TP rank), ``scheduler`` (which requests run, and their blocks), ``outputs`` (states, stop
+    checks, ``RequestOutput``), ``external_kv`` (KV pulled in, loaded from the host tier, or held
+    for a pull). The step loop (``step``) is what this class keeps for itself.
+    """
+
     def __init__(self, config: EngineConfig, source: ModelSource | None = None,
                  tp_group: TPGroup | None = None) -> None:
         """``tp_group``: the follower ranks (1..tp-1) of a tensor-parallel engine; this is rank 0.
@@ -162,32 +89,22 @@ class LLMEngine:
         self.tp_group = tp_group
         self.source = source or resolve_model(config.model)
         self.model_config = self.source.config
-        self.device = config.resolve_device()
-        use_device(self.device)
-        self.dtype = config.resolve_dtype(self.device, self.source.checkpoint_dtype)
-        self.model = load_model(config, self.source, self.dtype, self.device)
+        self.runtime = RankRuntime(config, self.source, tp_group.agree_num_blocks if tp_group else None)
+        rt = self.runtime
+        self.device, self.dtype, self.model = rt.device, rt.dtype, rt.model
+        self.kv_layout, self.num_kv_blocks, self.kv_cache = rt.kv_layout, rt.num_kv_blocks, rt.kv_cache
+        self.max_model_len = rt.max_model_len
+        self.runner = rt.runner if tp_group is None else tp_group.leader_runner(rt.runner)
         self.tokenizer: Tokenizer | None = self.source.load_tokenizer()
         self.eos_token_ids = self._eos_ids()
-        num_blocks = num_blocks_for(config, self.source, self.dtype, self.device)
-        if tp_group is not None:
-            num_blocks = tp_group.agree_num_blocks(num_blocks)
-        self.kv_layout = kv_layout(config, self.source, self.dtype, num_blocks)
-        # The layout's last block is the scratch block: allocated, never given to the manager.
-        self.num_kv_blocks = self.kv_layout.num_blocks - 1
-        self.kv_cache = KVCache(self.kv_layout, self.device, scratch_block=self.num_kv_blocks)
-        self.max_model_len = self._max_model_len()
-        runner = ModelRunner(self.model, self.kv_cache, self.device, decode_graphs=self._decode_graphs(),
-                             kv_shared_prefill_skip=config.kv_shared_prefill_skip,
-                             attention_backend=config.attention_backend)
-        self.runner = runner if tp_group is None else tp_group.leader_runner(runner)
         # Pool ids are 0 .. num_kv_blocks - 1 in every group. A sliding-window table's entry for a
         # block freed out of the window is the placeholder num_kv_blocks: the scratch block.
         self.kv_manager = KVCacheManager(
             self.kv_layout.groups, [self.num_kv_blocks] * len(self.kv_layout.groups),
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        self.host_tier = self._host_tier()
-        self.scheduler = Scheduler(
+        self.host_tier = host_tier_for(config, self.kv_layout, self.kv_cache, self.kv_manager, self.device)
+        self._scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -197,7 +114,9 @@ class LLMEngine:
             self.kv_manager,
             self.host_tier,
         )
-        self._states: dict[str, _RequestState] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.device,
+                                       self._scheduler.finish_request)
+        self.external_kv = ExternalKV(self._scheduler, self.outputs, self.host_tier, self.wait_for_step_in_flight)
         self._grammars: GrammarCompiler | None = None
         self._generate_ids = itertools.count()
         self.last_step_ran = False  # whether the last step() scheduled any work
@@ -211,40 +130,16 @@ class LLMEngine:
             ids |= set(self.tokenizer.eos_token_ids)
         return frozenset(ids)
 
-    def _decode_graphs(self) -> DecodeGraphRunner | None:
-        """CUDA graphs for pure-decode steps, unless disabled or unsupported (CPU, TP > 1)."""
-        if self.config.enforce_eager or self.device.type != "cuda" or self.config.parallel.tp_size > 1:
-            return None
-        return DecodeGraphRunner(self.model, self.kv_cache, self.config.max_num_seqs, self.max_model_len,
-                                 attention_backend=self.config.attention_backend)
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._scheduler
 
-    def _host_tier(self) -> HostKVTier | None:
-        """The host KV tier of ``kv_offload_bytes`` (spans of ``kv_offload_block_factor`` blocks), if asked for."""
-        if not self.config.kv_offload_bytes:
-            return None
-        factor = self.config.kv_offload_block_factor
-        per_block = sum(self.kv_layout.block_bytes(g.group_id) for g in self.kv_layout.groups)
-        num_spans = num_spans_for(per_block, factor, self.config.kv_offload_bytes)
-        if num_spans < 1:
-            raise ValueError(f"a host KV tier of {self.config.kv_offload_bytes} bytes holds no span of {factor} "
-                             f"blocks ({per_block * factor} bytes)")
-        tier = HostKVTier(self.kv_cache, self.kv_manager, num_spans, factor)
-        log.info("host KV tier: %d spans of %d blocks (%.2f GiB%s)", num_spans, factor, tier.num_bytes / 2**30,
-                 ", pinned" if self.device.type == "cuda" else "")
-        return tier
-
-    def _max_model_len(self) -> int:
-        capacity = self.num_kv_blocks * self.config.block_size
-        limit = min(self.model_config.max_position_embeddings, capacity)
-        if self.config.max_model_len is None:
-            return limit
-        if self.config.max_model_len > limit:
-            positions = self.model_config.max_position_embeddings
-            raise ValueError(
-                f"max_model_len {self.config.max_model_len} exceeds what the model ({positions} positions)"
-                f" and the KV cache ({capacity} tokens) allow"
-            )
-        return self.config.max_model_len
+    @scheduler.setter
+    def scheduler(self, scheduler: Scheduler) -> None:
+        """Swap the scheduler (tests and benchmarks: another block manager); the components follow."""
+        self._scheduler = scheduler
+        self.outputs.finish_request = scheduler.finish_request
+        self.external_kv.scheduler = scheduler
 
     @property
     def group_kv_heads(self) -> dict[int, int]:
@@ -255,8 +150,7 @@ class LLMEngine:
         """Stop the follower ranks of a TP engine and the host tier's copier."""
         if self.tp_group is not None:
             self.tp_group.close()
-        if self.host_tier is not None:
-            self.host_tier.close()
+        self.external_kv.close()
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -271,18 +165,25 @@ class LLMEngine:
         """Queue a request. Raises ValueError (and changes nothing) for bad input.
 
         ``grammar``: the request's matcher when ``params.structured`` is set, made beforehand off this
-        thread (``GrammarCompiler.matcher_async``); made here when not given.
+        thread (``GrammarCompiler.matcher_async``); made here when not given. ``hold_kv_on_finish``
+        (prefill worker): keep the blocks after it finishes until ``release_held_kv``.
         """
+        request, grammar = self._new_request(request_id, prompt, params, grammar, hold_kv_on_finish)
+        self.scheduler.add_request(request)
+        self.outputs.add(request, grammar)
+        return request
+
+    def _new_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None,
+                     grammar: GrammarMatcher | None, hold_kv_on_finish: bool = False,
+                     ) -> tuple[Request, GrammarMatcher | None]:
+        """A checked new request and its grammar; ValueError (nothing changed) for bad input."""
         params = params or SamplingParams()
         token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids, params)
-        if request_id in self._states:
+        if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         grammar = self._grammar_for(params, grammar)
-        request = Request(request_id, token_ids, params, hold_kv_on_finish=hold_kv_on_finish)
-        self.scheduler.add_request(request)
-        self._states[request_id] = self._new_state(request, grammar)
-        return request
+        return Request(request_id, token_ids, params, hold_kv_on_finish=hold_kv_on_finish), grammar
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -325,13 +226,7 @@ class LLMEngine:
         params.validate()
         params.check_vocab(vocab)
 
-    def _new_state(self, request: Request, grammar: GrammarMatcher | None = None) -> _RequestState:
-        p = request.sampling_params
-        generator = make_generator(p.seed, self.device) if p.seed is not None and not p.greedy else None
-        stream = TextStream(self.tokenizer, request.prompt_token_ids, p.stop) if self.tokenizer else None
-        return _RequestState(request, generator, stream, grammar=grammar)
-
-    # ---- KV computed elsewhere (disaggregation) ---------------------------------------------------
+    # ---- KV computed elsewhere (disaggregation): see external_kv ------------------------------------
     def add_request_with_external_kv(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
         grammar: GrammarMatcher | None = None,
@@ -342,21 +237,11 @@ class LLMEngine:
         ``request.num_cached_tokens // block_size`` on (earlier blocks came from the local prefix
         cache), then calls :meth:`complete_external_kv`; or None when there is no room now. In a
         sliding-window group the entries before ``first_needed_block(num_prompt_tokens)`` are the
-        placeholder (the scratch block, see block_manager): not blocks, never to be filled; the
+        placeholder (the scratch block, see kv_cache.manager): not blocks, never to be filled; the
         transfer starts at ``window_start_token`` (services/kv/topology.py), past them.
         """
-        params = params or SamplingParams()
-        token_ids = self._tokenize(prompt)
-        self._check_prompt(token_ids, params)
-        if request_id in self._states:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        grammar = self._grammar_for(params, grammar)
-        request = Request(request_id, token_ids, params)
-        if self.scheduler.allocate_external(request) is None:
-            return None
-        self.wait_for_step_in_flight()  # the blocks may have been a stopped request's: a READ fills them next
-        self._states[request_id] = self._new_state(request, grammar)
-        return request
+        request, grammar = self._new_request(request_id, prompt, params, grammar)
+        return self.external_kv.reserve_pull(request, grammar)
 
     def complete_external_kv(
         self, request_id: str, first_token_id: int, first_logprob: float | None = None
@@ -364,26 +249,20 @@ class LLMEngine:
         """The blocks are filled: the request joins the batch, its first token already known."""
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise ValueError(f"first token id {first_token_id} is outside the vocabulary")
-        state = self._states.get(request_id)
-        if state is not None and state.grammar is not None:
-            state.grammar.accept(first_token_id)  # StructuredOutputError (a ValueError) before anything changes
-        request = self.scheduler.complete_external(request_id, first_token_id, first_logprob)
-        if request.sampling_params.top_logprobs:
-            self._states[request_id].top_logprobs.append(TopLogprobs((), ()))
-        return self._finish_step(request)
+        return self.external_kv.pull_arrived(request_id, first_token_id, first_logprob)
 
     def fail_external_kv(self, request_id: str) -> None:
         """The KV never arrived: prefill the prompt here instead (the request is not lost)."""
-        self.scheduler.fail_external(request_id)
+        self.external_kv.pull_failed(request_id)
 
     def release_held_kv(self, request_id: str) -> bool:
         """Prefill side: free the blocks a finished ``hold_kv_on_finish`` request kept for a pull."""
-        return self.scheduler.release_held(request_id)
+        return self.external_kv.release_held(request_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if it is unknown."""
         found = self.scheduler.abort_request(request_id)
-        self._states.pop(request_id, None)
+        self.outputs.discard(request_id)
         return found
 
     def has_unfinished_requests(self) -> bool:
@@ -458,12 +337,7 @@ class LLMEngine:
                 if rows else None
             logits = self.runner.execute(output.chunks, tokens)
         for i, chunk_logits in logits.all_logits.items():
-            chunk = output.chunks[i]
-            state = self._states[chunk.request.request_id]
-            if chunk.request.sampling_params.return_logits:
-                state.logits.append((chunk.start, chunk_logits.cpu()))
-            if chunk.request.sampling_params.prompt_logprobs is not None:
-                state.prompt_logprobs.update(prompt_logprobs_of(chunk, chunk_logits))
+            self.outputs.record_logits(output.chunks[i], chunk_logits)
         rows = [output.chunks[i].request for i in logits.sample_rows]
         pending = None
         if rows:
@@ -471,7 +345,7 @@ class LLMEngine:
             pending = sample_async(
                 logits.sample_logits,
                 [r.sampling_params for r in rows],
-                [self._states[r.request_id].generator for r in rows],
+                [self.outputs.state(r.request_id).generator for r in rows],
                 [min_tokens_banned_ids(r.sampling_params, r.num_output_tokens, self.eos_token_ids) for r in rows],
                 [_history(r) for r in rows],
                 self._grammar_masks(rows, logits.sample_logits.shape[1]),
@@ -480,25 +354,13 @@ class LLMEngine:
 
     def _grammar_masks(self, rows: list[Request], vocab_size: int) -> GrammarMasks | None:
         """Packed masks of the rows with a grammar (their newest tokens are resolved: no pipelining)."""
-        with_grammar = [i for i, r in enumerate(rows) if self._states[r.request_id].grammar is not None]
+        with_grammar = [i for i, r in enumerate(rows) if self.outputs.state(r.request_id).grammar is not None]
         if not with_grammar:
             return None
         bitmask = allocate_bitmask(len(with_grammar), vocab_size)
         for j, i in enumerate(with_grammar):
-            self._states[rows[i].request_id].grammar.fill_bitmask(bitmask, j)
+            self.outputs.state(rows[i].request_id).grammar.fill_bitmask(bitmask, j)
         return GrammarMasks(bitmask, with_grammar)
-
-    def _accept_grammar_tokens(self, requests: list[Request]) -> None:
-        """Advance each grammar past its request's new token; a token it refuses (a bug) aborts the request."""
-        for request in requests:
-            grammar = self._states[request.request_id].grammar
-            if grammar is None:
-                continue
-            try:
-                grammar.accept(request.output_token_ids[-1])
-            except StructuredOutputError:
-                log.exception("request %s: sampled a token its grammar refuses; aborting it", request.request_id)
-                self._states[request.request_id].grammar_failed = True
 
     def _resolve(self, step: _LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched (and advanced) step's tokens, put them in place, check stops."""
@@ -511,46 +373,11 @@ class LLMEngine:
                 if r.sampling_params.top_logprobs:
                     top[r.request_id] = result.top_logprobs[j].head(r.sampling_params.top_logprobs)
         updated = self.scheduler.resolve(step.output, sampled)
-        self._accept_grammar_tokens(updated)
+        self.outputs.accept_grammar_tokens(updated)
         for r in updated:
             if r.request_id in top:
-                self._states[r.request_id].top_logprobs.append(top[r.request_id])
-        return [self._finish_step(r) for r in updated]
-
-    def _finish_step(self, request: Request) -> RequestOutput:
-        state = self._states[request.request_id]
-        new_tokens = request.output_token_ids[state.emitted_tokens:]
-        state.emitted_tokens = request.num_output_tokens
-        status = check_token_stop(request, self.eos_token_ids, self.max_model_len)
-        if state.grammar_failed:
-            status = RequestStatus.FINISHED_ABORTED
-        elif status is None and state.grammar is not None and state.grammar.is_finished():
-            status = RequestStatus.FINISHED_STOPPED  # the document is complete
-        new_text = ""
-        if state.text_stream is not None:
-            new_text = state.text_stream.feed(new_tokens, final=status is not None)
-            if state.text_stream.stopped:  # a stop string, possibly one that waited for the text's end
-                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, state.text_stream.matched
-        state.text += new_text
-        if status is not None:
-            self.scheduler.finish_request(request.request_id, status)
-            del self._states[request.request_id]
-        p = request.sampling_params
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            new_token_ids=new_tokens,
-            text=state.text,
-            new_text=new_text,
-            logprobs=list(request.output_logprobs) if p.logprobs else None,
-            finished=request.finished,
-            finish_reason=request.finish_reason,
-            num_cached_tokens=request.num_cached_tokens,
-            logits=state.logits if p.return_logits else [],
-            top_logprobs=list(state.top_logprobs) if p.top_logprobs else None,
-            prompt_logprobs=_prompt_logprobs_list(state, request) if p.prompt_logprobs is not None else None,
-        )
+                self.outputs.record_top_logprobs(r.request_id, top[r.request_id])
+        return [self.outputs.output(r) for r in updated]
 
     # ---- convenience ---------------------------------------------------------------------------
     def generate(

@@ -13,8 +13,8 @@ import pytest
 from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.runner import cuda_graphs
 from services.engine.runner.cuda_graphs import DecodeGraphRunner
+from services.engine.runner.step import DeviceTokens
 from services.engine.sched.scheduler import PLACEHOLDER_TOKEN
 
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
@@ -56,13 +56,13 @@ def params() -> list[SamplingParams]:
 def injections(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts steps whose input tokens were taken on the device from the step before."""
     rows: list[int] = []
-    real = cuda_graphs.DeviceTokens.copy_into
+    real = DeviceTokens.copy_into
 
     def spy(self, input_ids):
         rows.append(len(self.rows))
         real(self, input_ids)
 
-    monkeypatch.setattr(cuda_graphs.DeviceTokens, "copy_into", spy)
+    monkeypatch.setattr(DeviceTokens, "copy_into", spy)
     return rows
 
 

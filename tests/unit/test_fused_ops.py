@@ -196,6 +196,24 @@ def test_backend_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ops.set_backend("cuda")
 
 
+def test_engine_setting_applies_unless_the_environment_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--fused-ops`` (EngineConfig.fused_ops) sets the backend; PDSERVE_FUSED_OPS overrides it."""
+    from services.engine.engine_config import FUSED_OPS_BACKENDS
+
+    assert FUSED_OPS_BACKENDS == ops.BACKENDS
+    with pytest.raises(ValueError, match="unknown fused_ops"):
+        EngineConfig(fused_ops="fast")
+    monkeypatch.delenv(ops.ENV_VAR, raising=False)
+    with ops.use_backend("auto"):
+        ops.configure(None)
+        assert ops.get_backend() == "auto"
+        ops.configure("torch")
+        assert ops.get_backend() == "torch"
+        monkeypatch.setenv(ops.ENV_VAR, "triton")
+        ops.configure("auto")
+        assert ops.get_backend() == "torch"
+
+
 def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """auto: Triton only for CUDA tensors; torch: never; triton: always, and inputs a kernel declines
     (float64 here) take the reference."""

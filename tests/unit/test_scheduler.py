@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from services.contract.sampling_params import SamplingParams
-from services.engine.kv_cache.block_manager import KVCacheManager
+from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.sched.request import Request, RequestStatus
 from services.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.kv.groups import AttentionKind, KVCacheGroupSpec

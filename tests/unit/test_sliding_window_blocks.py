@@ -15,12 +15,9 @@ import torch
 
 from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
-from services.engine.kv_cache.block_manager import (
-    FullAttentionManager,
-    KVCacheManager,
-    SlidingWindowManager,
-    hash_request_blocks,
-)
+from services.engine.kv_cache.block_hash import hash_request_blocks
+from services.engine.kv_cache.group_managers import FullAttentionManager, SlidingWindowManager
+from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.llm_engine import LLMEngine
 from services.engine.loading.source import ModelSource
 from services.engine.model_config.hf import LayerSpec, preset

@@ -14,7 +14,8 @@ each op is one launch:
 Two implementations sit behind each: ``reference.py`` (torch, today's layer math op for op: the
 CPU path and the tests' reference) and ``triton_ops.py`` (one Triton kernel per op, computing in
 fp32 and rounding where the reference rounds). Which runs is chosen per call from the tensor's
-device and the process-wide backend, set from ``PDSERVE_FUSED_OPS`` at import:
+device and the process-wide backend, set from ``PDSERVE_FUSED_OPS`` at import, else from the engine's
+``fused_ops`` setting (``--fused-ops``) when it starts:
 
 * unset / ``auto`` / ``1``: Triton on CUDA tensors when Triton imports, torch otherwise;
 * ``0`` / ``torch``: torch everywhere (the A/B switch: the unfused path);
@@ -68,6 +69,13 @@ def set_backend(name: str) -> str:
         raise ValueError(f"unknown fused-ops backend {name!r}; expected one of {', '.join(BACKENDS)}")
     previous, _backend = _backend, name
     return previous
+
+
+def configure(name: str | None) -> None:
+    """The engine's ``fused_ops`` setting (``EngineConfig``): None changes nothing, and
+    ``PDSERVE_FUSED_OPS``, when set, wins over it (the A/B switch of a running deployment)."""
+    if name is not None and ENV_VAR not in os.environ:
+        set_backend(name)
 
 
 @contextmanager
@@ -163,6 +171,7 @@ __all__ = [
     "act_and_mul",
     "apply_rope",
     "gelu_tanh_and_mul",
+    "configure",
     "get_backend",
     "rms_norm",
     "set_backend",

@@ -24,16 +24,13 @@ import bisect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.attention import AttentionBatch, cache_group_backends
 from services.engine.kv_cache.buffers import KVCache
 from services.engine.models import DecoderModel
-
-if TYPE_CHECKING:
-    from services.engine.runner.model_runner import Chunk
+from services.engine.runner.step import Chunk, DeviceTokens
 
 # Smallest context bucket (tokens). Buckets are powers of two and the midpoints between them, so
 # a step's bound is at most a third above its longest context (what torch_sdpa gathers and masks).
@@ -70,22 +67,6 @@ def context_buckets(max_context_len: int, granularity: int, min_bucket: int = MI
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-@dataclass(frozen=True)
-class DeviceTokens:
-    """Input tokens taken from a tensor on the device: row ``rows[i]`` gets ``tokens[source_rows[i]]``."""
-
-    tokens: torch.Tensor
-    rows: list[int]
-    source_rows: list[int]
-
-    def copy_into(self, input_ids: torch.Tensor) -> None:
-        device = input_ids.device
-        pin = device.type == "cuda"
-        index = torch.tensor([self.rows, self.source_rows], dtype=torch.int64, pin_memory=pin).to(
-            device, non_blocking=pin)
-        input_ids.index_copy_(0, index[0], self.tokens.index_select(0, index[1]))
 
 
 @dataclass

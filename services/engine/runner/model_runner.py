@@ -7,8 +7,6 @@ samples) and the request's block tables, and knows nothing of queues or preempti
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -22,41 +20,8 @@ from services.engine.attention import (
 )
 from services.engine.kv_cache.buffers import KVCache
 from services.engine.models import DecoderModel
-from services.engine.runner.cuda_graphs import DecodeGraphRunner, DeviceTokens
-
-
-class Chunk(Protocol):
-    """What the runner reads of a scheduled chunk (``ScheduledChunk``, or a TP follower's ``StepChunk``).
-
-    ``token_ids`` are the chunk's own tokens (positions ``start ..``); ``block_ids[g]`` is the
-    request's block table of KV group g from token 0.
-    """
-
-    start: int
-    num_tokens: int
-    samples: bool
-
-    @property
-    def token_ids(self) -> Sequence[int]: ...
-
-    @property
-    def block_ids(self) -> Sequence[Sequence[int]]: ...
-
-    @property
-    def return_logits(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class StepLogits:
-    """``sample_logits[i]`` belongs to ``sample_rows[i]`` (index into the step's chunks).
-
-    ``all_logits[chunk index]`` holds logits for every position of a chunk whose request asked
-    for them (``SamplingParams.return_logits``).
-    """
-
-    sample_rows: list[int]
-    sample_logits: torch.Tensor
-    all_logits: dict[int, torch.Tensor]
+from services.engine.runner.cuda_graphs import DecodeGraphRunner
+from services.engine.runner.step import Chunk, DeviceTokens, StepLogits
 
 
 class ModelRunner:

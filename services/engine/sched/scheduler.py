@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.engine.kv_cache.block_manager import KVCacheManager
+from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.sched.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool
 
-    # What the model runner reads (``model_runner.Chunk``); a TP follower rebuilds the same from a message.
+    # What the model runner reads (``runner.step.Chunk``); a TP follower rebuilds the same from a message.
     @property
     def token_ids(self) -> list[int]:
         """The chunk's tokens, sliced without building the request's whole token list."""
@@ -129,7 +129,27 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS continuous batching with chunked prefill, prefix caching and preemption by recompute."""
+    """FCFS continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+    Requests live in six containers; a request's status says which (``_requests`` holds every
+    live one besides)::
+
+        status                      container          how it gets there -> how it leaves
+        WAITING                     _waiting           add_request; a failed pull or host load (in
+                                                       arrival order) -> admitted: RUNNING
+        PREEMPTED                   _waiting (front)   preempted -> admitted again: RUNNING
+        WAITING_FOR_KV              _waiting_for_kv    allocate_external -> complete_external
+                                                       (RUNNING) or fail_external (WAITING)
+        LOADING_KV                  _loading           host-tier hit at admission -> the copy's
+                                                       end: RUNNING, or WAITING if it failed
+        RUNNING                     _running           admitted -> preempted, or finished
+        FINISHED_* (held)           _held only         finished with hold_kv_on_finish -> release_held
+        FINISHED_* (otherwise)      none               blocks freed at once
+
+    ``_requests`` (every live request) is the sixth; a held request is no longer in it, so its id
+    may not be reused until ``release_held``. Ids only: ``_arrival`` (FCFS order), ``_host_load_failed``
+    (never loaded again) and ``_finished_ids`` (reported by the next ``schedule``).
+    """
 
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
                  host_tier: HostKVTier | None = None) -> None:

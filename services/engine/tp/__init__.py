@@ -1,7 +1,9 @@
 """Tensor-parallel engines: rank 0 schedules and runs in the daemon; ranks 1.. are follower processes.
 
-``group.TPGroup`` (rank 0's side) spawns the followers, agrees on the KV block count, sends every
-step to them, and stands in for their KV ranks (``remote_rank.FollowerKVRank``) so the KV
-library can pull into, or publish, each rank's own shard. ``follower`` is a follower's main
-loop; ``messages`` is what travels between them.
+``group.TPGroup`` (rank 0's side) spawns the followers, agrees on the KV block count and sends
+every step to them; ``follower`` is a follower's main loop, which builds the same
+``runner.rank_runtime.RankRuntime`` as rank 0; ``messages`` is what travels between them. The KV
+transfers of a follower's shard are not the engine's: the worker layer installs a rank service in
+each follower (``rank_service``) and stands in for its KV rank on rank 0
+(``services.worker.follower_kv_rank``), so the engine imports no NIXL code.
 """

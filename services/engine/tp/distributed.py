@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.engine.runner.rank_setup import use_device
+from services.engine.runner.rank_runtime import use_device
 
 # How long ranks wait for each other: joining the group, and any one collective afterwards.
 GROUP_TIMEOUT = timedelta(minutes=10)

@@ -5,20 +5,23 @@
     daemon process (rank 0)                          follower processes (ranks 1..tp-1)
     LLMEngine: schedule -> Step ------- pipe ------>  run the same chunks
                run the step  <==== all-reduce ====>   (gloo on CPU, NCCL on CUDA)
-    KVPuller/KVExporter -> Read/OpenAgent -- pipe ->  NIXL agent of this rank's KV shard
-                        <- ReadDone/Notifications --
+    worker layer --------- OpenAgent/Read -- pipe ->  rank service (the worker layer's):
+      (on_message)    <- AgentOpened/ReadDone/...    NIXL agent of this rank's KV shard
 
 One pipe per follower carries everything but tensors; the collectives inside the model carry
-those. A follower that dies (its pipe closes) or reports ``Fatal`` fails the group: pending
-pulls fail at once, the next step raises, and the daemon's ``on_failure`` callback takes the
-worker down, since a TP engine with a missing rank can only hang or compute garbage.
+those. The group knows steps, start-up and failure; the KV-transfer messages are the worker
+layer's (``install_rank_service``, ``send``, ``on_message``), so the engine holds no transfer
+code. A follower that dies (its pipe closes) or reports ``Fatal`` fails the group: the
+``on_failure`` callbacks run (the worker layer fails its pending pulls at once, the daemon takes
+the worker down), and the next step raises, since a TP engine with a missing rank can only hang
+or compute garbage.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import multiprocessing
+import pickle
 import queue
 import threading
 import time
@@ -27,21 +30,21 @@ from concurrent.futures import Future
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
+import msgspec
 import torch
 
 from services.engine.engine_config import EngineConfig
-from services.engine.runner.model_runner import Chunk, ModelRunner, StepLogits
+from services.engine.runner.model_runner import ModelRunner
+from services.engine.runner.step import Chunk, StepLogits
 from services.engine.tp import messages as m
 from services.engine.tp.distributed import free_init_method, join_group, leave_group
 from services.engine.tp.follower import follower_main
 from services.engine.tp.parallel import ParallelConfig
-from services.engine.tp.remote_rank import FollowerKVRank
-from services.kv.layout import KVLayoutSpec
+from services.engine.tp.rank_service import RankServiceFactory
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # a follower loading a large checkpoint from a slow disk
-REPLY_TIMEOUT_S = 60.0
 
 
 class TPGroupError(RuntimeError):
@@ -56,8 +59,7 @@ class _Follower:
         self.process = process
         self.conn = conn
         self.send_lock = threading.Lock()
-        self.replies: queue.Queue[m.ToLeader] = queue.Queue()  # start-up answers (Hello, AgentOpened)
-        self.kv_rank: FollowerKVRank | None = None
+        self.replies: queue.Queue[m.Hello] = queue.Queue()  # start-up answers
 
 
 class TPGroup:
@@ -75,9 +77,8 @@ class TPGroup:
         self.tp_size = tp
         self.failure: str | None = None
         self._on_failure: list[Callable[[str], None]] = []
-        self._pending: dict[int, Future[m.ReadDone]] = {}
-        self._pending_lock = threading.Lock()
-        self._read_ids = itertools.count()
+        self._on_message: Callable[[int, m.FromService], None] | None = None
+        self._failure_lock = threading.Lock()
         self._closing = False
         init_method = free_init_method()
         ctx = multiprocessing.get_context("spawn")
@@ -126,17 +127,6 @@ class TPGroup:
             self._send(f, m.Allocate(agreed))
         return agreed
 
-    def open_kv_ranks(self, agent_name: Callable[[int], str], layout: KVLayoutSpec) -> list[FollowerKVRank]:
-        """Have every follower open its NIXL agent and register its KV shard; their KV ranks, 1..tp-1."""
-        for f in self._followers:
-            self._send(f, m.OpenAgent(agent_name(f.rank)))
-        ranks = []
-        for f in self._followers:
-            opened = self._expect(f, m.AgentOpened, REPLY_TIMEOUT_S)
-            f.kv_rank = FollowerKVRank(self, f.rank, opened, layout)
-            ranks.append(f.kv_rank)
-        return ranks
-
     def leader_runner(self, runner: ModelRunner) -> LeaderRunner:
         return LeaderRunner(runner, self)
 
@@ -148,26 +138,26 @@ class TPGroup:
         for f in self._followers:
             self._send_bytes(f, data)
 
-    def read(self, rank: int, message_fields: dict) -> Future[m.ReadDone]:
-        """Send a Read to ``rank``; the future resolves with its ReadDone (or TPGroupError)."""
-        future: Future[m.ReadDone] = Future()
-        read_id = next(self._read_ids)
-        with self._pending_lock:
-            if self.failure is not None:
-                future.set_exception(TPGroupError(self.failure))
-                return future
-            self._pending[read_id] = future
-        try:
-            self._send(self._followers[rank - 1], m.Read(id=read_id, **message_fields))
-        except TPGroupError as e:
-            with self._pending_lock:
-                self._pending.pop(read_id, None)
-            future.set_exception(e)
-        return future
+    # ---- the rank services (the worker layer's KV transfers) ---------------------------------------
+    @property
+    def follower_ranks(self) -> range:
+        return range(1, self.tp_size)
 
-    def remove_peer(self, rank: int, name: str) -> None:
-        if self.failure is None:
-            self._send(self._followers[rank - 1], m.RemovePeer(name))
+    def install_rank_service(self, factory: RankServiceFactory) -> None:
+        """Have every follower build ``factory``'s service for the messages that are not steps
+        (``messages.ToService``); a follower keeps the first service it was given."""
+        data = m.encode(m.InstallService(pickle.dumps(factory)))
+        for f in self._followers:
+            self._send_bytes(f, data)
+
+    def on_message(self, handler: Callable[[int, m.FromService], None]) -> None:
+        """``handler(rank, message)`` gets the rank services' messages, on that rank's pipe thread."""
+        self._on_message = handler
+
+    def send(self, rank: int, message: m.ToService) -> None:
+        """Send a message to follower ``rank``'s service; raises TPGroupError once the group failed."""
+        self._check()
+        self._send(self._followers[rank - 1], message)
 
     # ---- failure -------------------------------------------------------------------------------
     def on_failure(self, callback: Callable[[str], None]) -> None:
@@ -185,14 +175,11 @@ class TPGroup:
             raise TPGroupError(self.failure)
 
     def _fail(self, reason: str) -> None:
-        with self._pending_lock:
+        with self._failure_lock:
             if self.failure is not None or self._closing:
                 return
             self.failure = reason
-            pending, self._pending = list(self._pending.values()), {}
         log.error("tensor-parallel group failed: %s", reason)
-        for future in pending:
-            future.set_exception(TPGroupError(reason))
         for callback in self._on_failure:
             callback(reason)
 
@@ -206,14 +193,12 @@ class TPGroup:
                 f.process.join(2)
                 self._fail(f"TP rank {f.rank} exited (exit code {f.process.exitcode})")
                 return
-            if isinstance(message, m.ReadDone):
-                with self._pending_lock:
-                    future = self._pending.pop(message.id, None)
-                if future is not None:
-                    future.set_result(message)
-            elif isinstance(message, m.Notifications):
-                if f.kv_rank is not None:
-                    f.kv_rank.deliver(message.by_peer)
+            if isinstance(message, m.FromService):
+                handler = self._on_message
+                if handler is not None:
+                    handler(f.rank, message)
+                else:
+                    log.warning("TP rank %d sent %s, but no handler is registered", f.rank, type(message).__name__)
             elif isinstance(message, m.Fatal):
                 self._fail(f"TP rank {message.rank} failed: {message.error}")
             else:
@@ -233,7 +218,7 @@ class TPGroup:
                 raise TPGroupError(f"TP rank {f.rank} sent {type(message).__name__}, expected {kind.__name__}")
             return message
 
-    def _send(self, f: _Follower, message: m.msgspec.Struct) -> None:
+    def _send(self, f: _Follower, message: msgspec.Struct) -> None:
         self._send_bytes(f, m.encode(message))
 
     def _send_bytes(self, f: _Follower, data: bytes) -> None:

@@ -1,10 +1,15 @@
 """What rank 0 and a follower rank say to each other over their pipe (msgspec msgpack, tagged).
 
-Rank 0 -> follower: ``Allocate`` (the agreed block count), ``Step`` (run this batch), ``OpenAgent``
-(create the NIXL agent and register the KV shard), ``Read`` (pull KV into this rank),
-``RemovePeer``, ``Shutdown``. Follower -> rank 0: ``Hello`` (loaded; this many blocks fit),
-``AgentOpened``, ``ReadDone``, ``Notifications`` (NIXL notifications, pushed as they arrive),
-``Fatal`` (the follower is going down, with why).
+The follower itself handles: rank 0 -> follower ``Allocate`` (the agreed block count), ``Step``
+(run this batch), ``InstallService`` (the rank service for the messages below), ``Shutdown``;
+follower -> rank 0 ``Hello`` (loaded; this many blocks fit) and ``Fatal`` (the follower is going
+down, with why).
+
+The rank service the worker layer installs (``rank_service``) handles the KV-transfer messages
+(``ToService``): ``OpenAgent`` (create the NIXL agent and register the KV shard), ``Read`` (pull
+KV into this rank), ``RemovePeer``; its answers (``FromService``: ``AgentOpened``, ``ReadDone``,
+``Notifications``, NIXL notifications pushed as they arrive) go to the handler rank 0's worker
+layer registers with ``TPGroup.on_message``. These are plain values: no transfer code here.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import msgspec
 
 
 class StepChunk(msgspec.Struct, array_like=True, frozen=True):
-    """One chunk of a step as a follower runs it (``model_runner.Chunk``): the tokens, where they
+    """One chunk of a step as a follower runs it (``runner.step.Chunk``): the tokens, where they
     start, and the block tables up to the last block the chunk touches."""
 
     token_ids: list[int]
@@ -94,8 +99,17 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-ToFollower = Step | Allocate | OpenAgent | Read | RemovePeer | Shutdown
-ToLeader = Hello | AgentOpened | ReadDone | Notifications | Fatal
+class InstallService(msgspec.Struct, tag=True):
+    """``factory``: a pickled ``rank_service.RankServiceFactory`` (a module-level callable, which
+    pickles by name: the follower imports its module)."""
+
+    factory: bytes
+
+
+ToService = OpenAgent | Read | RemovePeer
+FromService = AgentOpened | ReadDone | Notifications
+ToFollower = Step | Allocate | InstallService | Shutdown | ToService
+ToLeader = Hello | Fatal | FromService
 
 _encoder = msgspec.msgpack.Encoder()
 to_follower = msgspec.msgpack.Decoder(ToFollower)

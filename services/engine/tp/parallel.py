@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from services.engine.model_config.hf import ModelConfig
 
 
@@ -66,5 +66,7 @@ class ParallelConfig:
 def all_reduce(x: torch.Tensor, parallel: ParallelConfig) -> torch.Tensor:
     """Sum partial results across TP ranks (no-op without TP)."""
     if parallel.tp_size > 1:
+        import torch.distributed  # here, not at the top: the config types are read without torch
+
         torch.distributed.all_reduce(x)
     return x

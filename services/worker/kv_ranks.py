@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from services.common.grpc_server import WorkerServer
 from services.engine.llm_engine import LLMEngine
-from services.kv.agent import TransferAgent
+from services.kv.compat import KVIdentity
+from services.kv.nixl.agent import TransferAgent
 from services.kv.rank import KVRank, LocalKVRank
+from services.worker.follower_kv_rank import FollowerKVRanks
+from services.worker.grpc_server import WorkerServer
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +29,17 @@ def open_kv_ranks(engine: LLMEngine, engine_id: str, epoch: int) -> list[KVRank]
                                        engine.kv_cache.buffers, tier.layout if tier else None,
                                        tier.buffers if tier else ())]
     if engine.tp_group is not None:
-        ranks += engine.tp_group.open_kv_ranks(name, engine.kv_layout)
+        ranks += FollowerKVRanks(engine.tp_group).open(name, engine.kv_layout)
     return ranks
+
+
+def kv_identity(engine: LLMEngine) -> KVIdentity:
+    """What makes this engine's KV bytes mean what they mean: built once per daemon, handed to the
+    exporter (prefill) or the puller (decode), which present and check it as the compatibility hash."""
+    mc = engine.model_config
+    return KVIdentity.of(architecture=mc.architecture, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                         head_dim=mc.head_dim, layout=engine.kv_layout, kv_sharing=mc.kv_sharing,
+                         group_kv_heads=engine.group_kv_heads)
 
 
 def close_kv_ranks(ranks: list[KVRank]) -> None:

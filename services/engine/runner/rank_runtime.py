@@ -1,0 +1,141 @@
+"""One rank's runtime: its model shard, the KV layout of its heads, its KV cache and the runner.
+
+Rank 0 (``LLMEngine``) and the follower ranks (``services.engine.tp.follower``) build the same
+``RankRuntime``, so every rank holds the same layers, groups and block count, differing only in
+which heads and weight rows it owns (one runtime per rank, as in nano-vllm).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from services.engine import ops
+from services.engine.engine_config import EngineConfig
+from services.engine.kv_cache.buffers import TORCH_DTYPES, KVCache, kv_cache_groups
+from services.engine.loading.source import ModelSource
+from services.engine.loading.weights import dummy_weights
+from services.engine.models import DecoderModel, build_model
+from services.engine.runner.cuda_graphs import DecodeGraphRunner
+from services.engine.runner.model_runner import ModelRunner
+from services.kv.layout import KVLayoutSpec
+
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` current before any CUDA work: kernels, NCCL and graph capture use the
+    current device's stream, so a worker on cuda:1 that never set it would capture on GPU 0's."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
+def load_model(config: EngineConfig, source: ModelSource, dtype: str, device: torch.device) -> DecoderModel:
+    """This rank's shard of the model, with the checkpoint's weights or seeded dummy ones."""
+    model = build_model(source.config, config.parallel, TORCH_DTYPES[dtype], device)
+    weights = source.weights() if source.weights is not None else dummy_weights(model, config.seed)
+    with torch.no_grad():
+        model.load_weights(weights)
+    return model.eval()
+
+
+def kv_layout(config: EngineConfig, source: ModelSource, dtype: str, num_blocks: int) -> KVLayoutSpec:
+    """This rank's KV layout: its heads of every group, ``num_blocks`` blocks (scratch included)."""
+    mc = source.config
+    return KVLayoutSpec(
+        kind=config.kv_layout,
+        order=config.kv_block_order,
+        num_blocks=num_blocks,
+        num_kv_heads=config.parallel.num_local_kv_heads(mc.num_kv_heads),
+        head_dim=mc.head_dim,
+        dtype=dtype,
+        groups=kv_cache_groups(mc, config.block_size, config.parallel),
+    )
+
+
+def num_blocks_for(config: EngineConfig, source: ModelSource, dtype: str, device: torch.device) -> int:
+    """Blocks the layout holds (scratch block included): ``num_kv_blocks + 1``, or what fits the budget.
+
+    Under TP every rank computes this from its own memory and the ranks agree on the smallest.
+    """
+    if config.num_kv_blocks:
+        return config.num_kv_blocks + 1
+    layout = kv_layout(config, source, dtype, 1)
+    # Every group has num_blocks blocks: one block id costs a block in each group.
+    per_block = sum(layout.block_bytes(g.group_id) for g in layout.groups)
+    budget = config.kv_cache_memory_bytes
+    if budget is None:
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(free - total * (1.0 - config.gpu_memory_utilization))
+        else:
+            budget = CPU_KV_CACHE_BYTES
+    num_blocks = budget // per_block
+    if num_blocks < 2:
+        raise ValueError(f"KV-cache budget of {budget} bytes holds no block of {per_block} bytes "
+                         "beside the scratch block")
+    return int(num_blocks)
+
+
+
+def max_model_len_for(config: EngineConfig, source: ModelSource, num_kv_blocks: int) -> int:
+    """The context length: ``config.max_model_len``, or what the model and the KV pool allow.
+
+    ValueError when ``config.max_model_len`` asks for more than that.
+    """
+    capacity = num_kv_blocks * config.block_size
+    positions = source.config.max_position_embeddings
+    limit = min(positions, capacity)
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds what the model ({positions} positions)"
+            f" and the KV cache ({capacity} tokens) allow"
+        )
+    return config.max_model_len
+
+
+class RankRuntime:
+    """What one rank runs a step with: model shard, KV layout and cache, and the model runner.
+
+    ``agree_num_blocks`` turns the block count this rank's memory allows into the one every rank
+    allocates (under TP the smallest; rank 0 asks the followers, a follower asks rank 0). The
+    layout's last block is the scratch block: allocated, never given to the block manager, so
+    pool ids are ``0 .. num_kv_blocks - 1`` and ``num_kv_blocks`` is the placeholder entry.
+    """
+
+    def __init__(self, config: EngineConfig, source: ModelSource,
+                 agree_num_blocks: Callable[[int], int] | None = None) -> None:
+        self.config = config
+        self.source = source
+        self.device = config.resolve_device()
+        use_device(self.device)
+        self.dtype = config.resolve_dtype(self.device, source.checkpoint_dtype)
+        ops.configure(config.fused_ops)
+        self.model = load_model(config, source, self.dtype, self.device)
+        num_blocks = num_blocks_for(config, source, self.dtype, self.device)
+        if agree_num_blocks is not None:
+            num_blocks = agree_num_blocks(num_blocks)
+        self.kv_layout = kv_layout(config, source, self.dtype, num_blocks)
+        self.num_kv_blocks = self.kv_layout.num_blocks - 1
+        self.kv_cache = KVCache(self.kv_layout, self.device, scratch_block=self.num_kv_blocks)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, decode_graphs=self._decode_graphs(),
+                                  kv_shared_prefill_skip=config.kv_shared_prefill_skip,
+                                  attention_backend=config.attention_backend)
+
+    @functools.cached_property
+    def max_model_len(self) -> int:
+        """The context length (computed on first use: only rank 0 schedules, so only it asks)."""
+        return max_model_len_for(self.config, self.source, self.num_kv_blocks)
+
+    def _decode_graphs(self) -> DecodeGraphRunner | None:
+        """CUDA graphs for pure-decode steps, unless disabled or unsupported (CPU, TP > 1: every
+        rank then runs every step eagerly)."""
+        config = self.config
+        if config.enforce_eager or self.device.type != "cuda" or config.parallel.tp_size > 1:
+            return None
+        return DecodeGraphRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len,
+                                 attention_backend=config.attention_backend)

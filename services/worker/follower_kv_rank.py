@@ -1,0 +1,171 @@
+"""Rank 0's view of the follower ranks' KV shards, as the KV library sees them (``KVRank``).
+
+Each shard and its NIXL agent live in a follower process, run by the service this module installs
+there (``follower_kv_service.FollowerKVService``). ``FollowerKVRanks`` opens their agents and routes
+their answers, which the TP group hands it from the pipes: a ``FollowerKVRank`` proxy per rank holds
+what its agent published when it opened (name, metadata, registered regions), forwards reads and
+peer removals over the group's pipe, and buffers the notifications the follower pushes until the
+exporter polls them, exactly as it polls rank 0's own agent. A failed group fails every pending
+read at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import msgspec
+import numpy as np
+
+from services.engine.tp import messages as m
+from services.engine.tp.group import TPGroup, TPGroupError
+from services.kv.layout import KVLayoutSpec
+from services.kv.nixl.descriptors import MemKind
+from services.kv.nixl.errors import TransferError, TransferTimeout
+from services.kv.wire import MemoryRegion
+from services.worker.follower_kv_service import FollowerKVService
+
+REPLY_TIMEOUT_S = 60.0
+# A follower enforces the read's own timeout; this margin only covers a follower that stopped answering.
+REPLY_MARGIN_S = 10.0
+
+
+class FollowerKVRanks:
+    """The followers' KV ranks (1..tp-1) of one TP group, and the routing of their answers."""
+
+    def __init__(self, group: TPGroup) -> None:
+        self._group = group
+        self._lock = threading.Lock()
+        self._opened: dict[int, Future[m.AgentOpened]] = {}
+        self._reads: dict[int, Future[m.ReadDone]] = {}
+        self._read_ids = itertools.count()
+        self._ranks: dict[int, FollowerKVRank] = {}
+        group.on_message(self._route)
+        group.on_failure(self._fail_pending)
+
+    def open(self, agent_name: Callable[[int], str], layout: KVLayoutSpec) -> list[FollowerKVRank]:
+        """Have every follower open its NIXL agent and register its KV shard; their KV ranks, 1..tp-1."""
+        group = self._group
+        group.install_rank_service(FollowerKVService)
+        for rank in group.follower_ranks:
+            with self._lock:
+                self._opened[rank] = Future()
+            group.send(rank, m.OpenAgent(agent_name(rank)))
+        ranks = []
+        for rank in group.follower_ranks:
+            try:
+                opened = self._opened[rank].result(timeout=REPLY_TIMEOUT_S)
+            except FutureTimeout:
+                raise TPGroupError(f"TP rank {rank} sent no AgentOpened within {REPLY_TIMEOUT_S:.0f} s") from None
+            self._ranks[rank] = FollowerKVRank(self, rank, opened, layout)
+            ranks.append(self._ranks[rank])
+        return ranks
+
+    def read(self, rank: int, message: m.Read) -> Future[m.ReadDone]:
+        """Send ``message`` to ``rank`` under a new read id; the future resolves with its ReadDone (or TPGroupError)."""
+        future: Future[m.ReadDone] = Future()
+        message = msgspec.structs.replace(message, id=next(self._read_ids))
+        with self._lock:
+            if self._group.failure is not None:
+                future.set_exception(TPGroupError(self._group.failure))
+                return future
+            self._reads[message.id] = future
+        try:
+            self._group.send(rank, message)
+        except TPGroupError as e:
+            with self._lock:
+                self._reads.pop(message.id, None)
+            future.set_exception(e)
+        return future
+
+    def remove_peer(self, rank: int, name: str) -> None:
+        if self._group.failure is None:
+            self._group.send(rank, m.RemovePeer(name))
+
+    def _route(self, rank: int, message: m.FromService) -> None:
+        """A follower's answer (on its pipe thread)."""
+        if isinstance(message, m.ReadDone):
+            with self._lock:
+                future = self._reads.pop(message.id, None)
+            if future is not None:
+                future.set_result(message)
+        elif isinstance(message, m.Notifications):
+            kv_rank = self._ranks.get(rank)
+            if kv_rank is not None:
+                kv_rank.deliver(message.by_peer)
+        elif isinstance(message, m.AgentOpened):
+            with self._lock:
+                future = self._opened.get(rank)
+            if future is not None and not future.done():
+                future.set_result(message)
+
+    def _fail_pending(self, reason: str) -> None:
+        """The group failed: every read and agent opening still waiting fails now."""
+        with self._lock:
+            pending = [*self._reads.values(), *self._opened.values()]
+            self._reads = {}
+        for future in pending:
+            if not future.done():
+                future.set_exception(TPGroupError(reason))
+
+
+class FollowerKVRank:
+    """One follower rank's KV shard (a ``services.kv.rank.KVRank``) behind the group's pipe."""
+
+    def __init__(self, link: FollowerKVRanks, tp_rank: int, opened: m.AgentOpened, layout: KVLayoutSpec) -> None:
+        expected = [b.num_bytes for b in layout.buffers()]
+        got = [r.length for r in opened.regions]
+        if got != expected:
+            raise ValueError(f"TP rank {tp_rank} registered KV buffers of {got} bytes, the layout has {expected}")
+        self._link = link
+        self.tp_rank = tp_rank
+        self.name = opened.name
+        self.layout = layout
+        self.host_layout = None  # host KV tiers run at TP 1 only (EngineConfig)
+        self.host_regions = ()
+        self.regions = tuple(MemoryRegion(i, r.address, r.length, r.device_id, r.kind)
+                             for i, r in enumerate(opened.regions))
+        self._metadata = opened.metadata
+        self._notes: dict[str, list[bytes]] = {}
+        self._notes_lock = threading.Lock()
+
+    def metadata(self) -> bytes:
+        return self._metadata
+
+    def deliver(self, by_peer: dict[str, list[bytes]]) -> None:
+        """Notifications the follower pushed (called on the group's pipe thread)."""
+        with self._notes_lock:
+            for peer, messages in by_peer.items():
+                self._notes.setdefault(peer, []).extend(messages)
+
+    def poll_notifications(self) -> dict[str, list[bytes]]:
+        with self._notes_lock:
+            notes, self._notes = self._notes, {}
+        return notes
+
+    def remove_peer(self, name: str) -> None:
+        self._link.remove_peer(self.tp_rank, name)
+
+    async def read(self, peer_metadata: bytes, local_rows: np.ndarray, remote_rows: np.ndarray, notify: bytes,
+                   remote_mem_kind: MemKind, timeout_s: float) -> tuple[int, int]:
+        future = self._link.read(self.tp_rank, m.Read(
+            id=0, peer_metadata=peer_metadata,
+            local_rows=np.ascontiguousarray(local_rows, dtype=np.uint64).tobytes(),
+            remote_rows=np.ascontiguousarray(remote_rows, dtype=np.uint64).tobytes(), notify=notify,
+            remote_mem_kind=remote_mem_kind, timeout_s=timeout_s))
+        try:
+            done = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s + REPLY_MARGIN_S)
+        except TimeoutError:
+            raise TransferTimeout(f"TP rank {self.tp_rank} did not answer a READ within {timeout_s:.1f} s",
+                                  aborted=False) from None
+        except RuntimeError as e:  # TPGroupError: the rank is gone
+            raise TransferError(f"TP rank {self.tp_rank}: {e}") from None
+        if done.timed_out:
+            raise TransferTimeout(f"TP rank {self.tp_rank}: {done.error}", aborted=done.aborted)
+        if done.error:
+            raise TransferError(f"TP rank {self.tp_rank}: {done.error}")
+        return done.num_bytes, done.num_descriptors
