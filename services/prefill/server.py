@@ -2,34 +2,31 @@
 
 ``Prefill`` runs the prompt (prefix cache on), samples the first token, keeps the request's
 blocks pinned and answers with a transfer ticket. The blocks are freed when every reading rank's
-NIXL notification has arrived, on ``Release``/``Abort``, or when the lease expires (counted).
+NIXL notification has arrived, on ``Release``/``Abort``, or when the lease expires (counted;
+release.py). The daemon's start-up, drain and shutdown are services/worker/daemon.py's.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import dataclasses
-import logging
 import time
 
 import grpc
 
-from services.common.addresses import advertised_host, join_host_port
-from services.common.engine_ranks import close_kv_ranks, go_down_with_tp_group, open_kv_ranks
-from services.common.grpc_server import WorkerServer
 from services.common.metrics import WorkerMetrics
-from services.common.tls import tls_from_args
-from services.common.worker_info import worker_info
 from services.contract.wire import sampling_from_proto, top_logprobs_to_proto
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
 from services.engine.sched.request import RequestStatus
 from services.kv.exporter import KVExporter
 from services.kv.handshake import HandshakeServicer, add_handshake_service
+from services.prefill.release import POLL_INTERVAL_S, ReleaseLoop
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
-
-log = logging.getLogger(__name__)
+from services.worker.config import PrefillConfig
+from services.worker.daemon import Background, Role, WorkerContext
+from services.worker.daemon import serve as serve_worker
+from services.worker.grpc_server import WorkerServer
+from services.worker.worker_info import worker_info
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -103,61 +100,23 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                            self.server.in_flight.draining, self.exporter.epoch)
 
 
-async def release_loop(engine: AsyncEngine, exporter: KVExporter, metrics: WorkerMetrics, lease_s: float,
-                       stop: asyncio.Event) -> None:
-    """Free pinned blocks as readers finish (notifications) or leases run out."""
-    last_expiry = time.monotonic()
-    refused = {reason: 0 for reason in exporter.refused_notifications()}
-    while not stop.is_set():
-        for rid in exporter.poll_released():
-            await engine.release_held_kv(rid)
-        if time.monotonic() - last_expiry > min(1.0, lease_s / 4):
-            last_expiry = time.monotonic()
-            for rid in exporter.expire(lease_s):
-                log.warning("request %s: KV lease of %.0fs expired before it was pulled", rid, lease_s)
-                metrics.lease_expiries.labels("prefill").inc()
-                await engine.release_held_kv(rid)
-            for reason, total in exporter.refused_notifications().items():
-                if total > refused[reason]:
-                    log.info("refused %d NIXL notifications (%s): they name no ticket held here",
-                                total - refused[reason], reason)
-                    metrics.kv_refused.labels("prefill", "notification", reason).inc(total - refused[reason])
-                    refused[reason] = total
-        metrics.set_engine_stats(engine.stats)
-        await asyncio.sleep(0.005)
-
-
-async def serve(args: argparse.Namespace, engine: LLMEngine) -> str | None:
-    """Run the prefill daemon until drained (SIGTERM/SIGINT); the failure that stopped it, if one did."""
-    metrics = WorkerMetrics("prefill")
-    server = WorkerServer(["pdserve.v1.PrefillWorker", "pdserve.v1.KVHandshake"], args.kv_auth_token,
-                          tls_from_args(args))
-    port = server.bind(args.host, args.port)
-    address = join_host_port(args.advertise_host or advertised_host(args.host), port)
-    epoch = time.time_ns()
-    engine_id = args.engine_id or f"prefill@{address}"
-    ranks = open_kv_ranks(engine, engine_id, epoch)
-    mc = engine.model_config
-    exporter = KVExporter(
-        engine_id=engine_id, model_name=engine.source.name, architecture=mc.architecture,
-        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, ranks=ranks,
-        kv_sharing=mc.kv_sharing, group_kv_heads=engine.group_kv_heads, epoch=epoch,
-    )
-    aengine = AsyncEngine(engine)
-    aengine.start()
+def _attach(context: WorkerContext) -> list[Background]:
+    """Publish the engine's KV (exporter and handshake), serve Prefill, and keep the leases."""
+    engine, config = context.engine, context.config
+    exporter = KVExporter(engine_id=context.engine_id, model_name=engine.source.name, ranks=context.ranks,
+                          epoch=context.epoch, identity=context.identity)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-        PrefillServicer(server, aengine, exporter, address, metrics), server.server)
-    add_handshake_service(server.server, HandshakeServicer(exporter.describe, args.kv_auth_token))
-    metrics.set_info(engine.source.name, engine_id, engine.config.parallel.tp_size, engine.config.block_size)
-    metrics_port = metrics.serve(args.host, args.metrics_port)
-    stop = asyncio.Event()
-    releaser = asyncio.create_task(release_loop(aengine, exporter, metrics, args.kv_lease_s, stop))
-    go_down_with_tp_group(engine, server)
-    await server.start({"role": "prefill", "port": port, "metrics_port": metrics_port, "engine_id": engine_id},
-                       args.drain_timeout_s)
-    await server.stopped.wait()
-    stop.set()
-    await releaser
-    await aengine.stop()
-    close_kv_ranks(ranks)
-    return server.failure
+        PrefillServicer(context.server, context.aengine, exporter, context.address, context.metrics),
+        context.server.server)
+    add_handshake_service(context.server.server, HandshakeServicer(exporter.describe, config.kv_auth_token))
+    return [ReleaseLoop(context.aengine, exporter, context.metrics, config.kv_lease_s).run]
+
+
+# Engine stats reach the gauges as often as the lease loop polls, so pinned blocks show at once.
+PREFILL = Role("prefill", ("pdserve.v1.PrefillWorker", "pdserve.v1.KVHandshake"), _attach,
+               stats_interval_s=POLL_INTERVAL_S)
+
+
+async def serve(config: PrefillConfig, engine: LLMEngine) -> str | None:
+    """Run the prefill daemon until drained (SIGTERM/SIGINT); the failure that stopped it, if one did."""
+    return await serve_worker(config, engine, PREFILL)

@@ -18,7 +18,7 @@ from services.contract.sampling_params import SamplingParams
 from services.contract.wire import sampling_to_proto
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.launcher import daemons, start_daemon, stop_daemon
+from services.launch.spawn import daemons, start_daemon, stop_daemon
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.checkpoints import make_checkpoint
 

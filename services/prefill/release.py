@@ -1,0 +1,77 @@
+"""When a prefill worker frees the KV it pinned for readers: all read, or the lease ran out.
+
+A prefill's blocks stay pinned after its ticket is handed out, until every reading rank's NIXL
+notification arrived (``KVExporter.poll_released``) or, if some never come (the decode worker died,
+the router gave up), until the lease expires: then they are freed anyway and counted in
+``pdserve_kv_lease_expiries_total``. Notifications that free nothing (forged, late or repeated)
+are counted in ``pdserve_kv_refused_total``. ``Release``/``Abort`` RPCs free blocks directly and
+are not this module's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from services.common.metrics import WorkerMetrics
+from services.kv.exporter import KVExporter
+
+log = logging.getLogger(__name__)
+
+#: How often the loop polls for notifications: a freed block is usable again within this.
+POLL_INTERVAL_S = 0.005
+
+
+class HeldKV(Protocol):
+    """The engine side of a release (``AsyncEngine`` has it)."""
+
+    async def release_held_kv(self, request_id: str) -> bool: ...
+
+
+class ReleaseLoop:
+    """Frees pinned blocks as readers finish (notifications) or leases run out.
+
+    :meth:`tick` is one pass; :meth:`run` repeats it until stopped. Leases are checked at most every
+    ``min(1 s, lease_s / 4)``: often enough that a block outlives its lease by a quarter at most.
+    """
+
+    def __init__(self, engine: HeldKV, exporter: KVExporter, metrics: WorkerMetrics, lease_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._engine = engine
+        self._exporter = exporter
+        self._metrics = metrics
+        self._lease_s = lease_s
+        self._clock = clock
+        self._last_expiry = clock()
+        self._refused = dict.fromkeys(exporter.refused_notifications(), 0)  # totals already counted
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.tick()
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+    async def tick(self) -> None:
+        """Free what every reader has read; every lease period, what was never read, and count refusals."""
+        for rid in self._exporter.poll_released():
+            await self._engine.release_held_kv(rid)
+        if self._clock() - self._last_expiry > min(1.0, self._lease_s / 4):
+            self._last_expiry = self._clock()
+            await self._expire()
+            self._count_refused()
+
+    async def _expire(self) -> None:
+        for rid in self._exporter.expire(self._lease_s):
+            log.warning("request %s: KV lease of %.0fs expired before it was pulled", rid, self._lease_s)
+            self._metrics.lease_expiries.labels("prefill").inc()
+            await self._engine.release_held_kv(rid)
+
+    def _count_refused(self) -> None:
+        for reason, total in self._exporter.refused_notifications().items():
+            if total > self._refused[reason]:
+                log.info("refused %d NIXL notifications (%s): they name no ticket held here",
+                         total - self._refused[reason], reason)
+                self._metrics.kv_refused.labels("prefill", "notification", reason).inc(total - self._refused[reason])
+                self._refused[reason] = total

@@ -1,0 +1,13 @@
+"""Daemon glue both worker daemons (services/prefill, services/decode) share; they never import each other.
+
+- ``daemon.py``: the skeleton of a worker daemon: bind the gRPC server (cluster token, mTLS), address,
+  engine id and epoch, KV ranks, the engine thread, /metrics and engine stats, the ready line, SIGTERM
+  drain, shutdown. Each daemon adds only its :class:`~services.worker.daemon.Role` (its servicers).
+- ``grpc_server.py``: the grpc.aio server with grpc.health.v1, in-flight counting and the drain.
+- ``worker_info.py``: the Info RPC's answer (identity, compatibility, load).
+- ``kv_ranks.py``: one KV rank (NIXL agent and KV shard) per TP rank, and going down with the TP group.
+- ``follower_kv_rank.py``: rank 0's proxies for the follower TP ranks' KV shards and NIXL agents.
+- ``follower_kv_service.py``: the service in each follower TP process that runs its shard's NIXL agent.
+
+Torch-free plumbing both daemons and the router use (addresses, TLS, auth, metrics) is services.common's.
+"""

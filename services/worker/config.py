@@ -1,0 +1,42 @@
+"""A worker daemon's settings, each one a command-line flag declared on its field (config_flags).
+
+``WorkerConfig`` is what both daemons take (where to listen, who may talk to them, how long to
+drain); ``PrefillConfig`` and ``DecodeConfig`` add their role's own. Torch-free: the command line is
+built without the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config_flags import flag
+from services.common.tls import TLSConfig
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    host: str = flag("127.0.0.1", "address to listen on")
+    port: int = flag(0, "gRPC port (0: pick a free one, printed on the ready line)", parse=int)
+    advertise_host: str | None = flag(
+        None, "host peers should dial (default: --host; for 0.0.0.0 or ::, the IP this machine's name resolves "
+        "to, i.e. the container's or pod's own address)")
+    engine_id: str | None = flag(None, "stable id of this engine (default: <role>@host:port)")
+    metrics_port: int = flag(0, "Prometheus /metrics port (0: a free one)", parse=int)
+    kv_auth_token: str | None = flag(
+        None, "shared token: KV agent metadata is only exchanged with peers presenting it (default: "
+        "$PDSERVE_KV_AUTH_TOKEN, which keeps it out of the process list)", env="PDSERVE_KV_AUTH_TOKEN", secret=True)
+    drain_timeout_s: float = flag(30.0, "SIGTERM: how long in-flight work may finish", parse=float)
+    tls: TLSConfig | None = None  # mTLS for gRPC: services.common.tls adds its flags (the router shares them)
+
+
+@dataclass(frozen=True)
+class PrefillConfig(WorkerConfig):
+    kv_lease_s: float = flag(30.0, "free pinned KV that no decode worker pulled within this time", parse=float)
+
+
+@dataclass(frozen=True)
+class DecodeConfig(WorkerConfig):
+    kv_transfer_timeout_s: float = flag(30.0, "give up on a KV pull after this", parse=float)
+
+
+CONFIG_OF_ROLE: dict[str, type[WorkerConfig]] = {"prefill": PrefillConfig, "decode": DecodeConfig}

@@ -1,0 +1,102 @@
+"""The life of a worker daemon, shared by prefill and decode: bind, serve, drain, shut down.
+
+Both daemons start the same way (a grpc.aio server with health and the cluster token or mTLS, an
+address peers can dial, an engine id and epoch, one KV rank per TP rank, the engine's thread, the
+/metrics server, the ready line) and stop the same way (SIGTERM drains, a dead TP rank fails the
+worker). Only what they serve differs: :class:`Role` says that, and :func:`serve` does the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from services.common.addresses import advertised_host, join_host_port
+from services.common.metrics import WorkerMetrics
+from services.common.tls import TLSConfig
+from services.engine.async_engine import AsyncEngine
+from services.engine.llm_engine import LLMEngine
+from services.kv.compat import KVIdentity
+from services.kv.rank import KVRank
+from services.worker.config import WorkerConfig
+from services.worker.grpc_server import WorkerServer
+from services.worker.kv_ranks import close_kv_ranks, go_down_with_tp_group, kv_identity, open_kv_ranks
+
+#: A background task a role runs while the daemon serves; it returns soon after ``stop`` is set.
+Background = Callable[[asyncio.Event], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a role's servicers are built from; ``aengine`` starts only after :attr:`Role.attach` returned."""
+
+    config: WorkerConfig  # the role's own (PrefillConfig, DecodeConfig)
+    engine: LLMEngine
+    aengine: AsyncEngine
+    server: WorkerServer
+    metrics: WorkerMetrics
+    tls: TLSConfig | None
+    address: str  # host:port peers dial (the handshake address of tickets)
+    engine_id: str
+    epoch: int  # this start's; names the KV agents and tells peers a restarted worker from the old one
+    ranks: list[KVRank]
+    identity: KVIdentity  # the engine's KV identity, for the exporter or the puller
+
+
+@dataclass(frozen=True)
+class Role:
+    """One daemon's part: its gRPC services and how it attaches them to the shared skeleton.
+
+    ``attach`` registers the role's servicers on ``context.server.server`` and returns the background
+    tasks it needs (the prefill worker's lease loop); ``stats_interval_s`` is how often the engine's
+    stats reach the metrics gauges.
+    """
+
+    name: str  # "prefill" or "decode": the metrics role label and the default engine id's prefix
+    service_names: tuple[str, ...]  # reported by grpc.health.v1 (the cluster token guards all but health)
+    attach: Callable[[WorkerContext], Sequence[Background]]
+    stats_interval_s: float
+
+
+async def serve(config: WorkerConfig, engine: LLMEngine, role: Role) -> str | None:
+    """Run the daemon until drained (SIGTERM/SIGINT); the failure that stopped it, if one did."""
+    metrics = WorkerMetrics(role.name)
+    tls = config.tls
+    server = WorkerServer(list(role.service_names), config.kv_auth_token, tls)
+    port = server.bind(config.host, config.port)
+    address = join_host_port(config.advertise_host or advertised_host(config.host), port)
+    epoch = time.time_ns()
+    engine_id = config.engine_id or f"{role.name}@{address}"
+    ranks = open_kv_ranks(engine, engine_id, epoch)
+    aengine = AsyncEngine(engine)
+    context = WorkerContext(config, engine, aengine, server, metrics, tls, address, engine_id, epoch, ranks,
+                            kv_identity(engine))
+    background = role.attach(context)
+    aengine.start()
+    metrics.set_info(engine.source.name, engine_id, engine.config.parallel.tp_size, engine.config.block_size)
+    metrics_port = metrics.serve(config.host, config.metrics_port)
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(run(stop)) for run in (*background, _stats_loop(aengine, metrics,
+                                                                                 role.stats_interval_s))]
+    go_down_with_tp_group(engine, server)
+    await server.start({"role": role.name, "port": port, "metrics_port": metrics_port, "engine_id": engine_id},
+                       config.drain_timeout_s)
+    await server.stopped.wait()
+    stop.set()
+    for task in tasks:
+        await task
+    await aengine.stop()
+    close_kv_ranks(ranks)
+    return server.failure
+
+
+def _stats_loop(aengine: AsyncEngine, metrics: WorkerMetrics, interval_s: float) -> Background:
+    """Copy the engine's stats (queue, running, KV blocks, prefix cache, host tier) into the gauges."""
+    async def run(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            metrics.set_engine_stats(aengine.stats)
+            await asyncio.sleep(interval_s)
+
+    return run

@@ -1,0 +1,203 @@
+"""The decode worker's pull-or-recompute policy, without gRPC or NIXL: a fake engine and puller.
+
+Whatever happens to the pull, the request starts exactly once on the engine, a reservation it made
+is never left behind, and a recomputed request carries the ticket's first token with its limits
+shifted by that token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import pytest
+
+from services.common.metrics import PULL_STAGES, WorkerMetrics
+from services.contract.sampling_params import SamplingParams
+from services.decode.pull_policy import PullPolicy, StartedRequest
+from services.kv.handshake import HandshakeError
+from services.kv.nixl.errors import TransferError
+from services.kv.puller import PullResult, TicketError
+from services.proto_gen.pdserve.v1 import kv_pb2
+
+PROMPT = [5, 6, 7, 8, 9]
+PARAMS = SamplingParams(max_tokens=10, min_tokens=3, temperature=0.0)
+FIRST = 42
+
+
+class FakeEngine:
+    """Records what the policy asked for; refuses the first ``refusals`` reservations (no room)."""
+
+    def __init__(self, refusals: int = 0, refuse_first_token: bool = False) -> None:
+        self.refusals = refusals
+        self.refuse_first_token = refuse_first_token
+        self.reservations: list[str] = []
+        self.added: list[tuple[str, list[int], SamplingParams, list[int]]] = []
+        self.completed: list[tuple[str, int, float | None]] = []
+        self.aborted: list[str] = []
+
+    async def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                          hold_kv_on_finish: bool = False, grammar_prefix: Sequence[int] = ()):
+        self.added.append((request_id, list(prompt_token_ids), params, list(grammar_prefix)))
+        return SimpleNamespace(request_id=request_id)
+
+    async def add_request_with_external_kv(self, request_id: str, prompt_token_ids: Sequence[int],
+                                           params: SamplingParams):
+        self.reservations.append(request_id)
+        if self.refusals > 0:
+            self.refusals -= 1
+            return None
+        return SimpleNamespace(request_id=request_id, block_ids=[[3, 4]], num_cached_tokens=4)
+
+    async def complete_external_kv(self, request_id: str, first_token_id: int,
+                                   first_logprob: float | None = None) -> None:
+        if self.refuse_first_token:
+            raise ValueError("token 42 does not fit the grammar")
+        self.completed.append((request_id, first_token_id, first_logprob))
+
+    async def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return True
+
+
+class FakePuller:
+    """Pulls successfully, raises ``error``, or (``gate`` set) waits until the gate opens."""
+
+    def __init__(self, error: Exception | None = None, gate: asyncio.Event | None = None) -> None:
+        self.error = error
+        self.gate = gate
+        self.pulls: list[tuple[str, list[list[int]], int]] = []
+        self.entered = asyncio.Event()
+
+    async def pull(self, ticket: kv_pb2.TransferTicket, local_block_ids, num_cached_tokens: int = 0) -> PullResult:
+        self.pulls.append((ticket.request_id, [list(ids) for ids in local_block_ids], num_cached_tokens))
+        self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.error is not None:
+            raise self.error
+        return PullResult(num_bytes=4096, num_descriptors=3, num_reads=1, seconds=0.01, host_bytes=1024,
+                          stages={"handshake": 0.001, "read": 0.002})
+
+
+def _ticket(num_tokens: int = len(PROMPT)) -> kv_pb2.TransferTicket:
+    ticket = kv_pb2.TransferTicket(engine_id="prefill@a", epoch=1, request_id="r", num_tokens=num_tokens,
+                                   first_token_id=FIRST, first_token_logprob=-0.5)
+    ticket.groups.add(group_id=0, block_ids=[10, 11])
+    return ticket
+
+
+def _policy(engine: FakeEngine, puller: FakePuller, reserve_timeout_s: float = 1.0) -> tuple[PullPolicy, WorkerMetrics]:
+    metrics = WorkerMetrics("decode")
+    return PullPolicy(engine, puller, metrics, reserve_timeout_s=reserve_timeout_s), metrics
+
+
+def _value(metrics: WorkerMetrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, {"role": "decode", **labels}) or 0.0
+
+
+def _assert_recomputed(started: StartedRequest, engine: FakeEngine, metrics: WorkerMetrics) -> None:
+    """Local prefill of the prompt plus the first token, one token fewer to go (and one fewer minimum)."""
+    assert started == StartedRequest((FIRST,), recomputed_locally=True)
+    assert engine.added == [("r", [*PROMPT, FIRST], dataclasses.replace(PARAMS, max_tokens=9, min_tokens=2), [FIRST])]
+    assert _value(metrics, "pdserve_local_recompute_fallbacks_total") == 1
+
+
+def test_a_successful_pull_completes_the_reservation_with_the_tickets_first_token() -> None:
+    engine, puller = FakeEngine(), FakePuller()
+    policy, metrics = _policy(engine, puller)
+    started = asyncio.run(policy.start("r", PROMPT, PARAMS, _ticket()))
+    assert started == StartedRequest() and not started.recomputed_locally
+    assert puller.pulls == [("r", [[3, 4]], 4)]  # into the reserved blocks, past the locally cached prefix
+    assert engine.completed == [("r", FIRST, -0.5)]
+    assert engine.added == [] and engine.aborted == []
+    assert _value(metrics, "pdserve_kv_transfer_bytes_total") == 4096
+    assert _value(metrics, "pdserve_kv_transfer_source_bytes_total", source="host") == 1024
+    assert _value(metrics, "pdserve_kv_transfer_source_bytes_total", source="device") == 3072
+    assert _value(metrics, "pdserve_kv_transfer_descriptors_total") == 3
+    assert _value(metrics, "pdserve_kv_transfer_seconds_count") == 1
+    for stage in PULL_STAGES:  # every stage observed once, those the pull did not report as 0
+        assert _value(metrics, "pdserve_kv_pull_stage_seconds_count", stage=stage) == 1
+    assert _value(metrics, "pdserve_local_recompute_fallbacks_total") == 0
+
+
+@pytest.mark.parametrize(("error", "failure_metric"), [
+    (TransferError("peer gone"), "pdserve_kv_transfer_failures_total"),
+    (HandshakeError("no handshake"), "pdserve_kv_handshake_failures_total"),
+    (OSError("connection refused"), "pdserve_kv_transfer_failures_total"),
+    (TicketError("bad signature", reason="signature"), "pdserve_kv_transfer_failures_total"),
+])
+def test_a_failed_pull_aborts_the_reservation_and_prefills_locally_with_shifted_limits(
+        error: Exception, failure_metric: str) -> None:
+    engine = FakeEngine()
+    policy, metrics = _policy(engine, FakePuller(error=error))
+    started = asyncio.run(policy.start("r", PROMPT, PARAMS, _ticket()))
+    assert engine.aborted == ["r"] and engine.completed == []
+    _assert_recomputed(started, engine, metrics)
+    assert _value(metrics, failure_metric) == 1
+    refused = _value(metrics, "pdserve_kv_refused_total", kind="ticket", reason="signature")
+    assert refused == (1 if isinstance(error, TicketError) else 0)
+    assert _value(metrics, "pdserve_kv_transfer_bytes_total") == 0
+
+
+def test_a_full_worker_backs_off_until_a_reservation_fits() -> None:
+    engine, puller = FakeEngine(refusals=3), FakePuller()
+    policy, metrics = _policy(engine, puller)
+    started = asyncio.run(policy.start("r", PROMPT, PARAMS, _ticket()))
+    assert engine.reservations == ["r"] * 4  # refused three times, then reserved
+    assert started == StartedRequest() and len(puller.pulls) == 1
+    assert _value(metrics, "pdserve_local_recompute_fallbacks_total") == 0
+
+
+def test_no_room_within_the_reserve_timeout_prefills_locally_without_pulling() -> None:
+    engine, puller = FakeEngine(refusals=10**6), FakePuller()
+    policy, metrics = _policy(engine, puller, reserve_timeout_s=0.1)
+    started = asyncio.run(policy.start("r", PROMPT, PARAMS, _ticket()))
+    # Backoff doubles from 5 ms to 50 ms: a handful of tries in 0.1 s, not a busy loop.
+    assert 3 <= len(engine.reservations) <= 10
+    assert puller.pulls == [] and engine.aborted == []  # nothing was reserved, so nothing to abort
+    _assert_recomputed(started, engine, metrics)
+
+
+def test_cancellation_between_reserving_and_streaming_aborts_the_reservation() -> None:
+    engine, puller = FakeEngine(), FakePuller(gate=asyncio.Event())
+
+    async def cancel_during_the_pull() -> None:
+        policy, _ = _policy(engine, puller)
+        task = asyncio.create_task(policy.start("r", PROMPT, PARAMS, _ticket()))
+        await puller.entered.wait()  # reserved, pulling
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_during_the_pull())
+    assert engine.reservations == ["r"] and engine.aborted == ["r"]
+    assert engine.completed == [] and engine.added == []
+
+
+def test_a_refused_first_token_falls_back_to_local_prefill() -> None:
+    engine = FakeEngine(refuse_first_token=True)
+    policy, metrics = _policy(engine, FakePuller())
+    started = asyncio.run(policy.start("r", PROMPT, PARAMS, _ticket()))
+    assert engine.aborted == ["r"]
+    _assert_recomputed(started, engine, metrics)
+    assert _value(metrics, "pdserve_kv_transfer_failures_total") == 0  # the pull itself worked
+
+
+def test_a_ticket_for_another_prompt_length_is_bad_input_and_reserves_nothing() -> None:
+    engine, puller = FakeEngine(), FakePuller()
+    policy, _ = _policy(engine, puller)
+    with pytest.raises(ValueError, match="ticket covers 4 tokens, the prompt has 5"):
+        asyncio.run(policy.start("r", PROMPT, PARAMS, _ticket(num_tokens=4)))
+    assert engine.reservations == [] and engine.added == [] and engine.aborted == []
+
+
+def test_without_a_ticket_the_prompt_is_prefilled_here_unshifted() -> None:
+    engine, puller = FakeEngine(), FakePuller()
+    policy, metrics = _policy(engine, puller)
+    started = asyncio.run(policy.start("r", PROMPT, PARAMS, None))
+    assert started == StartedRequest()
+    assert engine.added == [("r", PROMPT, PARAMS, [])] and engine.reservations == [] and puller.pulls == []
+    assert _value(metrics, "pdserve_local_recompute_fallbacks_total") == 0
