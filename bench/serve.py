@@ -7,7 +7,7 @@ GPU) at the same request rate, on the same requests, in one run; plus the router
     python bench/serve.py --device cuda --model dummy:llama-3.1-8b --mix 1024:256,4096:128 --request-rate 2 \\
         --slo-ttft-ms 1000 --slo-itl-ms 40 --json-out serve.jsonl
 
-Setups (each started fresh with ``services.launcher``: real daemons, a real router, then stopped):
+Setups (each started fresh with ``services.launch.spawn``: real daemons, a real router, then stopped):
 
 * ``1p1d``: one prefill worker on device A, one decode worker on device B, the router pairing them with
   ``--direct-decode-threshold 0``, so every request is disaggregated (prefill on A, KV pulled to B).
@@ -76,7 +76,7 @@ import grpc  # noqa: E402
 import httpx  # noqa: E402
 
 from bench._common import emit_json  # noqa: E402
-from services.launcher import Daemon, DaemonFailed, daemons, start_router, stop_router  # noqa: E402
+from services.launch.spawn import Daemon, DaemonFailed, daemons, start_router, stop_router  # noqa: E402
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
 GPU_MIX = "512:128,2048:256,8192:64"
@@ -399,7 +399,7 @@ def resolve_devices(args) -> tuple[tuple[str, str], int, str | None]:
         sys.exit(f"--device {device}: expected auto, cpu or cuda (pick GPUs with --gpus A,B)")
     visible = 0
     if device != "cpu":
-        from services.placement import detect_gpus
+        from services.launch.placement import detect_gpus
 
         visible = detect_gpus()
         if device == "cuda" and not visible:

@@ -1,7 +1,7 @@
 """Serving with TP workers placed on their own GPUs: greedy tokens, TTFT and in-service pull rate.
 
 Each setup is one prefill and one decode worker (``tp@devices`` per side) behind a router, started
-fresh from ``services.launcher`` (real daemons, real NIXL), driven with streaming completions of
+fresh from ``services.launch.spawn`` (real daemons, real NIXL), driven with streaming completions of
 random prompt token ids (greedy, ignore_eos), and stopped. Every completion is compared with a
 colocated TP1 engine run in this process first, on the first device named. The decode worker's
 own metrics give the bytes it pulled and the time its pulls took::
@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit_json  # noqa: E402
-from services.launcher import Daemon, daemons, start_router, stop_router  # noqa: E402
+from services.launch.spawn import Daemon, daemons, start_router, stop_router  # noqa: E402
 
 
 def parse_side(text: str) -> tuple[int, str]:

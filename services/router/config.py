@@ -4,9 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.config_flags import flag
 from services.common.tls import TLSConfig
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    """``a:1,b:2`` as a tuple; repeated flags are concatenated by ``action="extend"``."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _address_flag(help: str, metavar: str) -> tuple[str, ...]:
+    return flag((), help, parse=_addresses, action="extend", cli_default=[], to_field=tuple, metavar=metavar)
 
 
 @dataclass(frozen=True)
@@ -15,34 +25,47 @@ class RouterConfig:
 
     Worker endpoints come from ``prefill``/``decode`` (``host:port``) and from ``prefill_dns``/
     ``decode_dns`` (``name:port`` resolving to several addresses, e.g. a Kubernetes headless
-    Service). A router with no prefill source at all runs decode-only.
+    Service). A router with no prefill source at all runs decode-only. The fields that are flags of
+    ``pdserve router`` carry them (``services.common.config_flags``).
     """
 
-    model: str | None = None
-    served_model_name: str | None = None
-    prefill: tuple[str, ...] = ()
-    decode: tuple[str, ...] = ()
-    prefill_dns: tuple[str, ...] = ()
-    decode_dns: tuple[str, ...] = ()
-    dns_refresh_s: float = 10.0
-    health_interval_s: float = 2.0
-    health_timeout_s: float = 1.0
+    model: str | None = flag(None, "the workers' --model (HF directory, .gguf file or dummy:<preset>), for the "
+                                   "tokenizer and the model name (default: bundled SmolLM2-135M-Instruct)")
+    served_model_name: str | None = flag(None, "model id clients name in requests and /v1/models lists (default: "
+                                               "from --model)")
+    prefill: tuple[str, ...] = _address_flag("prefill worker addresses", "HOST:PORT,...")
+    decode: tuple[str, ...] = _address_flag("decode worker addresses", "HOST:PORT,...")
+    prefill_dns: tuple[str, ...] = _address_flag(
+        "DNS names whose addresses are prefill workers (e.g. a Kubernetes headless Service)", "NAME:PORT,...")
+    decode_dns: tuple[str, ...] = _address_flag("DNS names whose addresses are decode workers", "NAME:PORT,...")
+    dns_refresh_s: float = flag(10.0, "re-resolve DNS names this often", parse=float)
+    health_interval_s: float = flag(2.0, "probe each worker's Info this often", parse=float)
+    health_timeout_s: float = flag(1.0, "a probe slower than this fails", parse=float)
     # Prompts with fewer tokens than this skip the prefill worker (0: always disaggregate).
-    direct_decode_threshold: int = 0
+    direct_decode_threshold: int = flag(0, "prompts shorter than this go straight to a decode worker (default 0: "
+                                           "never)", parse=int, metavar="TOKENS")
     # None: the smallest max_model_len the workers report.
-    max_model_len: int | None = None
-    request_timeout_s: float = 600.0
+    max_model_len: int | None = flag(None, "context length to check prompts against (default: the smallest the "
+                                           "workers report)", parse=int)
+    request_timeout_s: float = flag(600.0, "deadline for a whole request", parse=float)
     # None: no limit; beyond it new requests get 429.
-    max_inflight_requests: int | None = None
+    max_inflight_requests: int | None = flag(None, "beyond this many requests in flight, answer 429 (default: no "
+                                                   "limit)", parse=int)
     retry_after_s: int = 1
     # How long the router waits for Abort/Release after a client goes away.
     cleanup_timeout_s: float = 5.0
     # Longer request bodies get 413.
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_request_bytes: int = flag(DEFAULT_MAX_REQUEST_BYTES, f"longer request bodies get 413 (default "
+                                                             f"{DEFAULT_MAX_REQUEST_BYTES})", parse=int,
+                                  metavar="BYTES")
     # None: open; else /v1/*, /tokenize and /detokenize need ``Authorization: Bearer <api_key>``.
-    api_key: str | None = field(default=None, repr=False)
+    api_key: str | None = flag(None, "require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize "
+                                     "(default: $PDSERVE_API_KEY, which keeps it out of the process list; unset: no "
+                                     "key needed)", env="PDSERVE_API_KEY", secret=True)
     # The workers' cluster token (services/common/grpc_auth.py), sent with every call to them.
-    kv_auth_token: str | None = field(default=None, repr=False)
+    kv_auth_token: str | None = flag(None, "the workers' cluster token, sent with every call to them (default: "
+                                           "$PDSERVE_KV_AUTH_TOKEN; workers started with one refuse calls without "
+                                           "it)", env="PDSERVE_KV_AUTH_TOKEN", secret=True)
     # mTLS to the workers (services/common/tls.py): the router's certificate and the cluster CA.
     tls: TLSConfig | None = field(default=None, repr=False)
 

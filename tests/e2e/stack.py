@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 import httpx
 
-from services.launcher import Daemon, Router, daemons, start_router, stop_router
+from services.launch.spawn import Daemon, Router, daemons, start_router, stop_router
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 # Small pools and blocks so prompts span several blocks; prefill and decode differ in layout and

@@ -27,7 +27,7 @@ import httpx
 import pytest
 import yaml
 
-from services.launcher import free_port
+from services.launch.spawn import free_port
 from tests.deploy import promql
 from tests.deploy.tools import tool
 

@@ -22,7 +22,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from services.launcher import daemons, start_router, stop_router
+from services.launch.spawn import daemons, start_router, stop_router
 
 MODEL = "dummy:tiny"
 WORKER_ARGS = ("--max-model-len", "64", "--num-kv-blocks", "64", "--block-size", "16", "--max-num-seqs", "16")

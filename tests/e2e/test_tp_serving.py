@@ -31,7 +31,7 @@ import pytest
 from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.launcher import Daemon, daemons, start_router, stop_router
+from services.launch.spawn import Daemon, daemons, start_router, stop_router
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.checkpoints import hf_config
 from tests.e2e.stack import info, metric_total

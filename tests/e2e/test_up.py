@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from services.launcher import free_port
+from services.launch.spawn import free_port
 
 
 def test_up_serves_the_default_model_and_stops_on_ctrl_c() -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from services.launcher import Daemon
+from services.launch.spawn import Daemon
 from tests.e2e.stack import info
 
 REPORTS: list[FaultReport] = []

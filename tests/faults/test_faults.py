@@ -17,7 +17,7 @@ import grpc
 import httpx
 import pytest
 
-from services.launcher import spawn_daemon, wait_ready
+from services.launch.spawn import spawn_daemon, wait_ready
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.checkpoints import make_checkpoint
 from tests.e2e.stack import PREFILL_ARGS, info, metric_total, stack

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from services import launcher
 from services.cli import build_parser, engine_argv, main
+from services.launch import up
 from services.text.default_model import default_model_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -65,8 +65,8 @@ def _flag(argv: tuple[str, ...], flag: str) -> str | None:
 def _up_specs(cmdline: str, num_gpus: int) -> tuple[list[tuple[str, None, tuple[str, ...]]], str]:
     """Parse ``pdserve up <cmdline>`` and build its worker specs as if ``num_gpus`` GPUs were visible."""
     args = build_parser().parse_args(["up", *cmdline.split()])
-    placement = launcher.up_placement(args, num_gpus)
-    return launcher.up_worker_specs(args, engine_argv(args), placement), placement.explanation
+    placement = up.up_placement(args, num_gpus)
+    return up.up_worker_specs(args, engine_argv(args), placement), placement.explanation
 
 
 def test_tp_flag_on_every_engine_command() -> None:
@@ -115,7 +115,7 @@ def test_up_rejects_bad_flags_before_starting(monkeypatch: pytest.MonkeyPatch,
         build_parser().parse_args(["up", "--prefill-gpus", "0,x"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--decode-tp", "0"])
-    monkeypatch.setattr(launcher, "detect_gpus", lambda: 2)
+    monkeypatch.setattr(up, "detect_gpus", lambda: 2)
     assert main(["up", "--prefill-tp", "4"]) == 2
     assert "tp 4 worker needs 4 distinct GPUs" in capsys.readouterr().err
     assert main(["up", "--tp", "2", "--prefill-gpus", "0"]) == 2
@@ -144,3 +144,41 @@ def test_host_kv_tier_flags_reach_every_worker_and_the_engine_config() -> None:
     assert engine_config_from_args(build_parser().parse_args(["decode"])).kv_offload_bytes is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["decode", "--kv-offload-block-factor", "0"])
+
+
+def test_engine_flags_are_the_config_fields_and_reach_a_child_whole() -> None:
+    """The engine's flags are declared once, on EngineConfig: a command line setting every one of them
+    builds that config, and the argv a launcher hands a child builds the same config there."""
+    import dataclasses
+
+    from services.cli import engine_config_from_args
+    from services.engine.engine_config import EngineConfig
+
+    cmd = ["prefill", "--model", "dummy:tiny", "--dtype", "float32", "--device", "cpu", "--seed", "3",
+           "--block-size", "32", "--tp", "2", "--kv-layout", "per_layer", "--kv-block-order", "HND",
+           "--num-kv-blocks", "64", "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens",
+           "256", "--no-prefix-caching", "--enforce-eager", "--no-async-scheduling", "--no-kv-shared-prefill-skip",
+           "--fused-ops", "torch", "--attention-backend", "torch_sdpa", "--kv-offload-block-factor", "2"]
+    parser = build_parser()
+    config = engine_config_from_args(parser.parse_args(cmd))
+    child = engine_config_from_args(parser.parse_args(["decode", *engine_argv(parser.parse_args(cmd))]))
+    assert child == config
+    flagged = {f.name for f in dataclasses.fields(EngineConfig) if f.metadata}
+    changed = {name for name in flagged if getattr(config, name) != getattr(EngineConfig(), name)}
+    # Every flag was set (the host tier's size needs prefix caching and TP 1: its own test sets it).
+    assert flagged - changed == {"kv_offload_bytes"}
+
+
+def test_worker_flags_are_the_role_config_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each role's flags come from its config type; the cluster token defaults to $PDSERVE_KV_AUTH_TOKEN."""
+    from services.common.config_flags import config_from_args
+    from services.worker.config import DecodeConfig, PrefillConfig
+
+    monkeypatch.setenv("PDSERVE_KV_AUTH_TOKEN", "s3cret")
+    args = build_parser().parse_args(["prefill", "--port", "7001", "--kv-lease-s", "5", "--engine-id", "p0"])
+    assert config_from_args(PrefillConfig, args) == PrefillConfig(port=7001, kv_lease_s=5.0, engine_id="p0",
+                                                                  kv_auth_token="s3cret")
+    args = build_parser().parse_args(["decode", "--kv-transfer-timeout-s", "2", "--kv-auth-token", "other"])
+    assert config_from_args(DecodeConfig, args) == DecodeConfig(kv_transfer_timeout_s=2.0, kv_auth_token="other")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["decode", "--kv-lease-s", "5"])  # a prefill flag

@@ -1,4 +1,4 @@
-"""services/placement.py: the device of each TP rank, and where ``pdserve up`` puts its workers.
+"""services/launch/placement.py: the device of each TP rank, and where ``pdserve up`` puts its workers.
 
 Pure functions of a GPU count, so every case (no GPU, enough, too few, hand-chosen) runs on CPU.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.placement import gpu_pool, parse_gpu_list, plan_placement, rank_devices
+from services.launch.placement import gpu_pool, parse_gpu_list, plan_placement, rank_devices
 
 
 @pytest.mark.parametrize("device,tp,num_gpus,expected", [

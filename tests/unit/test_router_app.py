@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.kv.compat import CompatInfo, compat_fields
+from services.kv.compat import CompatInfo, KVIdentity
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.router.app import RouterRuntime, create_app
@@ -314,7 +314,8 @@ def _three_head_model() -> CompatInfo:
     group = KVCacheGroupSpec(0, AttentionKind.FULL, (0, 1), 16)
     layout = KVLayoutSpec(kind=LayoutKind.CROSS_LAYER, order=BlockOrder.NHD, num_blocks=8, num_kv_heads=3,
                           head_dim=16, dtype="bfloat16", groups=(group,))
-    return CompatInfo.of(compat_fields(architecture="x", num_layers=2, num_kv_heads=3, head_dim=16, layout=layout))
+    return CompatInfo.of_identity(KVIdentity.of(architecture="x", num_layers=2, num_kv_heads=3, head_dim=16,
+                                                layout=layout))
 
 
 async def test_health_of_a_decode_only_router(model_dir: Path, tokenizer: Tokenizer) -> None:

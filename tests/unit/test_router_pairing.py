@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from services.kv.compat import CompatInfo, compat_fields
+from services.kv.compat import CompatInfo, KVIdentity
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.proto_gen.pdserve.v1 import worker_pb2
@@ -181,8 +181,8 @@ def _model(group_heads: tuple[int, ...]) -> CompatInfo:
                    for g, heads in enumerate(group_heads))
     layout = KVLayoutSpec(kind=LayoutKind.CROSS_LAYER, order=BlockOrder.NHD, num_blocks=8,
                           num_kv_heads=group_heads[0], head_dim=16, dtype="bfloat16", groups=groups)
-    return CompatInfo.of(compat_fields(architecture="x", num_layers=len(groups), num_kv_heads=group_heads[0],
-                                       head_dim=16, layout=layout))
+    return CompatInfo.of_identity(KVIdentity.of(architecture="x", num_layers=len(groups), num_kv_heads=group_heads[0],
+                                                head_dim=16, layout=layout))
 
 
 def _tp_identity(role: Role, info: CompatInfo, tp: int, block_size: int = 16) -> WorkerIdentity:

@@ -6,8 +6,9 @@ import subprocess
 import sys
 import time
 
-from services.launcher import Daemon, Router, last_words, prometheus_targets, up_ready_line
-from services.supervisor import Backoff, Child, Supervisor
+from services.launch.spawn import Daemon, Router, last_words
+from services.launch.supervisor import Backoff, Child, Supervisor
+from services.launch.up import prometheus_targets, up_ready_line
 
 
 def test_backoff_doubles_to_a_ceiling() -> None:

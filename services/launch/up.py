@@ -1,0 +1,168 @@
+"""``pdserve up``: place router, prefill and decode workers on this machine's GPUs, start them, keep them up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+from services.launch.placement import Placement, detect_gpus, gpu_pool, plan_placement
+from services.launch.spawn import (
+    Daemon,
+    DaemonFailed,
+    Router,
+    local_host,
+    spawn_daemon,
+    start_router,
+    terminate_all,
+    wait_all_ready,
+    wait_ready,
+)
+from services.launch.supervisor import Child, StartChild, Supervisor
+
+
+def visible_gpus(device: str) -> int:
+    """The GPUs ``pdserve up`` can see; ``--device cpu`` asks for none, so torch is not even imported."""
+    return 0 if device.strip() == "cpu" else detect_gpus()
+
+
+def up_placement(args, num_gpus: int) -> Placement:
+    """Where ``pdserve up`` puts each worker, from its flags and the visible GPU count (pure)."""
+    pool = gpu_pool(args.device, num_gpus)
+    return plan_placement(num_gpus, [_role_flag(args, "prefill", "tp")] * args.num_prefill,
+                          [_role_flag(args, "decode", "tp")] * args.num_decode, args.prefill_gpus, args.decode_gpus,
+                          gpus=None if args.device.strip() in ("auto", "cuda") else pool)
+
+
+def up_worker_specs(args, worker_argv: list[str], placement: Placement) -> list[tuple[str, None, tuple[str, ...]]]:
+    """The :func:`daemons` specs of ``pdserve up``: ``worker_argv`` with each role's tp and block size and
+    each worker's ``--device`` from ``placement`` (pure, so tests check it without starting processes)."""
+    specs = []
+    if getattr(args, "kv_block_order", None) is None and mixed_tp(args):
+        worker_argv = _set_flag(worker_argv, "--kv-block-order", "HND")
+    for role, devices in (("prefill", placement.prefill), ("decode", placement.decode)):
+        role_argv = _set_flag(worker_argv, "--tp", _role_flag(args, role, "tp"))
+        role_argv = _set_flag(role_argv, "--block-size", _role_flag(args, role, "block_size"))
+        specs += [(role, None, tuple(_set_flag(role_argv, "--device", device))) for device in devices]
+    return specs
+
+
+def mixed_tp(args) -> bool:
+    """Prefill and decode workers of different TP sizes: each reader rank reads a head slice of every
+    block, which is one descriptor per token and layer in NHD blocks but one per layer in HND ones."""
+    return _role_flag(args, "prefill", "tp") != _role_flag(args, "decode", "tp")
+
+
+def _role_flag(args, role: str, name: str) -> int:
+    """``--prefill-tp`` etc. when given, else the flag both roles share (``--tp``)."""
+    value = getattr(args, f"{role}_{name}")
+    return getattr(args, name) if value is None else value
+
+
+def _set_flag(argv: list[str], flag: str, value: object) -> list[str]:
+    """A copy of ``argv`` with ``flag``'s value replaced, or the flag appended when absent."""
+    argv = list(argv)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = str(value)
+    else:
+        argv += [flag, str(value)]
+    return argv
+
+
+def run_up(args, worker_argv: list[str]) -> int:
+    """``pdserve up``: router + N prefill + M decode workers here, kept running; Ctrl-C stops all.
+
+    The placement goes to stderr as one line before anything starts. A worker that exits during
+    start-up stops everything at once with its own message (exit 1). Once all serve, stdout gets one
+    ready line naming every worker's role, address and metrics port, and a supervisor starts any child
+    that dies again on its ports (:mod:`services.supervisor`).
+    """
+    placement = up_placement(args, visible_gpus(args.device))
+    specs = up_worker_specs(args, worker_argv, placement)
+    print(f"pdserve up: {placement.explanation}", file=sys.stderr, flush=True)
+    if args.kv_block_order is None and mixed_tp(args):
+        print("pdserve up: prefill and decode TP sizes differ: KV blocks are head-major (--kv-block-order HND) "
+              "so each decode rank reads its heads as whole runs", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    supervisor = Supervisor()
+    supervisor_port = supervisor.metrics.serve(args.host, args.metrics_port)
+    starting = [spawn_daemon(role, model, *extra) for role, model, extra in specs]
+    try:
+        try:
+            workers = wait_all_ready(starting)
+        except DaemonFailed as e:
+            tail = "".join(e.output[-20:])
+            print(f"pdserve up: error: {e}\n{tail}", file=sys.stderr, flush=True)
+            return 1
+        for worker, (_role, _model, extra) in zip(workers, specs, strict=True):
+            supervisor.watch(Child(worker.role, f"{worker.role} worker {worker.address}",
+                                   _worker_restarter(worker, extra), worker.proc))
+        router = _start_up_router(args, workers, supervisor)
+        if args.prometheus_sd_file:
+            write_prometheus_targets(args.prometheus_sd_file, router, workers, supervisor_port)
+        print(up_ready_line(router, workers, local_host(args.host), supervisor_port), flush=True)
+        stop.wait()
+    finally:
+        supervisor.stop()
+        routers = [c.proc for c in supervisor.children if c.role == "router"]
+        terminate_all(routers)  # the router first: no new requests reach workers that are draining
+        terminate_all([c.proc for c in supervisor.children if c.role != "router"] + [s.proc for s in starting])
+    return 0
+
+
+def _worker_restarter(worker: Daemon, extra: tuple[str, ...]) -> StartChild:
+    """Start ``worker`` again on the ports it had, so the router's list and its peers' addresses hold."""
+    def start(spawned: Callable[[subprocess.Popen], None]) -> subprocess.Popen:
+        s = spawn_daemon(worker.role, None, *extra, "--port", str(worker.port), "--metrics-port",
+                         str(worker.metrics_port))
+        spawned(s.proc)
+        return wait_ready(s).proc
+
+    return start
+
+
+def _start_up_router(args, workers: list[Daemon], supervisor: Supervisor) -> Router:
+    prefill = [d.address for d in workers if d.role == "prefill"]
+    decode = [d.address for d in workers if d.role == "decode"]
+    extra = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+
+    def start(spawned: Callable[[subprocess.Popen], None]) -> subprocess.Popen:
+        return start_router(args.model, prefill, decode, *extra, host=args.host, port=args.port,
+                            direct_decode_threshold=args.direct_decode_threshold, on_spawn=spawned).proc
+
+    router = Router(start(lambda proc: None), args.host, args.port)
+    supervisor.watch(Child("router", f"router {router.url}", start, router.proc))
+    return router
+
+
+def up_ready_line(router: Router, workers: list[Daemon], metrics_host: str, supervisor_port: int) -> str:
+    """``pdserve up: ready on URL/v1 ...``: where to send requests and where every process's metrics are."""
+    listed = ", ".join(f"{d.role} {d.address} (metrics {metrics_host}:{d.metrics_port})" for d in workers)
+    return (f"pdserve up: ready on {router.url}/v1 (metrics {router.url}/metrics); {listed}; "
+            f"supervisor metrics {metrics_host}:{supervisor_port}")
+
+
+def prometheus_targets(router: Router, workers: list[Daemon], supervisor_port: int) -> list[dict]:
+    """Prometheus file-based service discovery for this ``up``: one target group per process. The label
+    is ``pdserve_component``, not ``role``, which the workers' own series already carry."""
+    host = local_host(router.host)
+
+    def group(component: str, port: int, target_host: str = "127.0.0.1") -> dict:
+        return {"targets": [f"{target_host}:{port}"], "labels": {"pdserve_component": component}}
+
+    return [group("router", router.port, host), *(group(d.role, d.metrics_port) for d in workers),
+            group("supervisor", supervisor_port, host)]
+
+
+def write_prometheus_targets(path: str, router: Router, workers: list[Daemon], supervisor_port: int) -> None:
+    """Write the targets atomically (Prometheus watches the file and must never read half of it)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(prometheus_targets(router, workers, supervisor_port), f, indent=1)
+    os.replace(tmp, path)
