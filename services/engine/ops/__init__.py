@@ -24,7 +24,7 @@ device and the process-wide backend, set from ``PDSERVE_FUSED_OPS`` at import, e
 
 An input a kernel does not handle (another dtype, a norm wider than ``MAX_NORM_COLS``) takes the
 torch path. ``triton_ops`` is imported on first use, so a process that never takes a Triton path
-never imports triton (the tests rely on that: see ``tests/unit/test_attention_backends.py``).
+never imports triton (the tests rely on that: see ``tests/unit/engine/test_attention_backends.py``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ reference. Nothing here syncs with the device: shapes, strides and block sizes a
 so the launches can be captured in CUDA graphs.
 
 Interpreter or compiler: ``triton.jit`` decides at decoration, from ``TRITON_INTERPRET``, so the
-choice is made when this module is first imported (see ``tests/unit/test_attention_backends.py``).
+choice is made when this module is first imported (see ``tests/unit/engine/test_attention_backends.py``).
 CPU tensors need the interpreter; without it a launch fails with a clear error.
 """
 

@@ -28,9 +28,9 @@ from services.router.config import RouterConfig
 from services.router.pairing import Role, WorkerIdentity
 from services.router.tokenizing import load_tokenizer, model_name
 from services.text.tokenizer import Tokenizer
-from tests.unit._router_model import write_tiny_model_dir
+from tests.unit.router._router_model import write_tiny_model_dir
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 # Nothing listens on port 1: an RPC there fails at once with UNAVAILABLE.
 NOWHERE = "127.0.0.1:1"
 

@@ -18,7 +18,7 @@ from services.engine.kv_cache.group_managers import SlidingWindowManager
 from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.sched.request import Request
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from tests.unit.test_block_pool import pool_state
+from tests.unit.engine.kv_cache.test_block_pool import pool_state
 
 BS = 4
 

@@ -65,6 +65,10 @@ def test_a_host_tier_part_is_read_from_the_host_layout_and_the_rest_from_device_
     assert {notification_key("r", True), notification_key("r", False)} == {b"r/host", b"r"}
     assert notification_key("r", True, "ab12") == b"r#ab12/host"
     assert notification_request(b"r#ab12/host") == ("r", True) and notification_request(b"r#ab12") == ("r", False)
+    # A client's request id may contain the separator itself: the nonce is what follows the last one.
+    for request_id in ("cmpl-a#b", "x#y#z", "#"):
+        for host in (False, True):
+            assert notification_request(notification_key(request_id, host, "ab12")) == (request_id, host)
 
 
 def test_a_reader_already_holding_the_host_part_still_sends_its_notification() -> None:

@@ -27,7 +27,7 @@ from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.layout import LayoutKind
 from services.kv.planner import apply_plan, plan_transfer
 from services.kv.topology import RankRead, map_blocks, window_start_token
-from tests.unit.test_scheduler import check_invariants, make_sched, reference_output, run_to_completion, step
+from tests.unit.engine.test_scheduler import check_invariants, make_sched, reference_output, run_to_completion, step
 
 BS, W = 4, 8
 

@@ -39,7 +39,7 @@ from tests.sm90_compile import compile_script_lines  # noqa: E402
 
 # exp(-x) overflows to inf for very negative gates in the interpreter's numpy (the result, -0, is right)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # max abs error / max abs value
 

@@ -25,7 +25,7 @@ from services.router.config import RouterConfig
 from services.router.pairing import Role
 from services.router.tokenizing import load_tokenizer
 from services.text.tokenizer import Tokenizer
-from tests.unit._router_model import write_tiny_model_dir
+from tests.unit.router._router_model import write_tiny_model_dir
 
 pytestmark = pytest.mark.anyio
 

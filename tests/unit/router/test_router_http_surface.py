@@ -32,7 +32,7 @@ from services.router.pairing import Role, WorkerIdentity
 from services.router.protocol import ChatCompletionRequest, CompletionRequest
 from services.router.tokenizing import load_tokenizer
 from services.text.tokenizer import Tokenizer
-from tests.unit._router_model import write_tiny_model_dir
+from tests.unit.router._router_model import write_tiny_model_dir
 
 NOWHERE = "127.0.0.1:1"  # nothing listens on port 1: an RPC there fails at once
 KEY = "sk-test-key"

@@ -58,7 +58,7 @@ from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.parity import run_to_completion  # noqa: E402
 from tests.sm90_compile import compile_script_lines
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_CPU = DEVICE.type == "cpu"
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}  # max abs error / max abs value

@@ -28,7 +28,7 @@ from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from tests.checkpoints import make_checkpoint
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 WEIGHTS = "model.safetensors"
 NUM_BLOCKS = 32
 BLOCK_SIZE = 4  # 128-token KV pool, so max_model_len is 128
