@@ -45,10 +45,16 @@ def notification_key(request_id: str, host_tier: bool, nonce: str = "") -> bytes
 
 
 def notification_request(key: bytes) -> tuple[str, bool]:
-    """(request id, host tier) of a notification key."""
+    """(request id, host tier) of a notification key.
+
+    The nonce is hex and comes last, so the request id is everything before the LAST separator: a
+    client's ``X-Request-Id`` may itself contain one (``cmpl-a#b``), and cutting at the first would
+    name another request, leaving this one's blocks pinned.
+    """
     host = key.endswith(HOST_TIER_NOTIFY_SUFFIX)
     key = key.removesuffix(HOST_TIER_NOTIFY_SUFFIX) if host else key
-    return key.split(NONCE_SEPARATOR, 1)[0].decode(), host
+    request_id = key.rpartition(NONCE_SEPARATOR)[0] if NONCE_SEPARATOR in key else key
+    return request_id.decode(), host
 
 
 def ticket_signature(ticket: kv_pb2.TransferTicket, key: bytes) -> bytes:
