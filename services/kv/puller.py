@@ -5,8 +5,8 @@ KV group (groups may differ in heads and head dim: Gemma-4); for each group, ``m
 the ticket's remote block ids and the reader's own block ids into token runs (skipping the prefix
 the reader already holds and, for sliding-window groups, blocks outside the window); the planner
 turns those into the fewest descriptors, one plan per (local rank, remote rank) across groups.
-Each READ carries the request id as its notification, so the owner can count its readers and
-free the blocks.
+Each READ's notification is ``<request id>#<ticket nonce>`` (``/host`` appended for a host-tier
+READ: ``wire.notification_key``), so the owner can count its readers and free the blocks.
 
 A sliding-window group's ticket may name a placeholder (any in-range id, e.g. the owner's scratch
 block, repeated) for blocks that fell out of the window: they are range-checked like every id and

@@ -14,9 +14,11 @@ import time
 import grpc
 
 from services.common.metrics import WorkerMetrics
+from services.contract.sampling_params import SamplingParams
 from services.contract.wire import sampling_from_proto, top_logprobs_to_proto
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
+from services.engine.output_processor import RequestOutput
 from services.engine.sched.request import RequestStatus
 from services.kv.exporter import KVExporter
 from services.kv.handshake import HandshakeServicer, add_handshake_service
@@ -48,10 +50,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         rid = request.request_id
         try:
             params = sampling_from_proto(request.params)
-            # Only the first token is sampled here; min_tokens still bans EOS from it.
-            first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1),
-                                               stop=(), return_logits=False)
-            held = await self.engine.add_request(rid, list(request.prompt_token_ids), first_params,
+            held = await self.engine.add_request(rid, list(request.prompt_token_ids), _first_token_only(params),
                                                  hold_kv_on_finish=True)
         except ValueError as e:
             self.metrics.requests.labels("prefill", "invalid").inc()
@@ -59,18 +58,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         final = None
         async for out in self.engine.outputs(rid):
             final = out
-        first = final.token_ids[0]
-        logprob = final.logprobs[0] if final.logprobs else 0.0
         self.metrics.ttft.labels("prefill").observe(time.monotonic() - started)
+        response = _first_token_response(final, len(request.prompt_token_ids))
         stopped = held.status is RequestStatus.FINISHED_STOPPED  # EOS or a stop token
-        response = worker_pb2.PrefillResponse(
-            first_token_id=first, first_logprob=logprob, num_prompt_tokens=len(request.prompt_token_ids),
-            num_cached_tokens=final.num_cached_tokens,
-        )
-        if final.top_logprobs:
-            response.first_top_logprobs.CopyFrom(top_logprobs_to_proto(final.top_logprobs[:1])[0])
-        if final.prompt_logprobs is not None:
-            response.prompt_logprobs.extend(top_logprobs_to_proto(final.prompt_logprobs))
         if stopped or params.max_tokens == 1:  # the first token is also the last: nothing to pull
             await self.engine.release_held_kv(rid)
             response.finished, response.finish_reason = True, "stop" if stopped else "length"
@@ -78,8 +68,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             return response
         host_ids, num_host_tokens = held.host_prefix or ((), 0)  # read from the host KV tier, not the device
         response.ticket.CopyFrom(self.exporter.hand_out(
-            rid, held.block_ids, num_tokens=len(request.prompt_token_ids), first_token_id=first,
-            first_token_logprob=logprob, handshake_address=self.address,
+            rid, held.block_ids, num_tokens=len(request.prompt_token_ids), first_token_id=response.first_token_id,
+            first_token_logprob=response.first_logprob, handshake_address=self.address,
             reader_tp_size=request.reader_tp_size or 1, host_block_ids=host_ids, num_host_tokens=num_host_tokens,
         ))
         self.metrics.requests.labels("prefill", "ticket").inc()
@@ -98,6 +88,26 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def Info(self, request: worker_pb2.InfoRequest, context):  # noqa: N802
         return worker_info(self.engine, self.exporter.engine_id, "prefill", self.exporter.compat,
                            self.server.in_flight.draining, self.exporter.epoch)
+
+
+def _first_token_only(params: SamplingParams) -> SamplingParams:
+    """Only the first token is sampled here (stop strings are the decode side's); min_tokens still bans
+    EOS from it."""
+    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=(),
+                               return_logits=False)
+
+
+def _first_token_response(final: RequestOutput, num_prompt_tokens: int) -> worker_pb2.PrefillResponse:
+    """The first token, its logprob and alternatives, and the prompt's logprobs when asked for."""
+    response = worker_pb2.PrefillResponse(
+        first_token_id=final.token_ids[0], first_logprob=final.logprobs[0] if final.logprobs else 0.0,
+        num_prompt_tokens=num_prompt_tokens, num_cached_tokens=final.num_cached_tokens,
+    )
+    if final.top_logprobs:
+        response.first_top_logprobs.CopyFrom(top_logprobs_to_proto(final.top_logprobs[:1])[0])
+    if final.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(top_logprobs_to_proto(final.prompt_logprobs))
+    return response
 
 
 def _attach(context: WorkerContext) -> list[Background]:
