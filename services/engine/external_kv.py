@@ -12,7 +12,9 @@ hold for a pull   ``add_request(hold_kv_on_finish=True)``,     finished, blocks 
 ================  ==========================================  =========================================
 
 ``LLMEngine`` keeps the step loop and delegates these to the component; the scheduler keeps the
-requests (see its state table).
+requests (see its state table). The host-tier load is only half behind this component: it builds the
+tier and wires its wake-up, but the scheduler still calls the tier itself (lookup, load, poll, store,
+pin), each call guarded by ``host_tier is not None``.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ worker). Only what they serve differs: :class:`Role` says that, and :func:`serve
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from services.kv.rank import KVRank
 from services.worker.config import WorkerConfig
 from services.worker.grpc_server import WorkerServer
 from services.worker.kv_ranks import close_kv_ranks, go_down_with_tp_group, kv_identity, open_kv_ranks
+
+log = logging.getLogger(__name__)
 
 #: A background task a role runs while the daemon serves; it returns soon after ``stop`` is set.
 Background = Callable[[asyncio.Event], Awaitable[None]]
@@ -80,16 +83,29 @@ async def serve(config: WorkerConfig, engine: LLMEngine, role: Role) -> str | No
     stop = asyncio.Event()
     tasks = [asyncio.create_task(run(stop)) for run in (*background, _stats_loop(aengine, metrics,
                                                                                  role.stats_interval_s))]
-    go_down_with_tp_group(engine, server)
-    await server.start({"role": role.name, "port": port, "metrics_port": metrics_port, "engine_id": engine_id},
-                       config.drain_timeout_s)
-    await server.stopped.wait()
-    stop.set()
     for task in tasks:
-        await task
-    await aengine.stop()
-    close_kv_ranks(ranks)
+        task.add_done_callback(lambda done: _fail_if_raised(done, server))
+    go_down_with_tp_group(engine, server)
+    try:
+        await server.start({"role": role.name, "port": port, "metrics_port": metrics_port,
+                            "engine_id": engine_id}, config.drain_timeout_s)
+        await server.stopped.wait()
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await aengine.stop()
+        close_kv_ranks(ranks)
     return server.failure
+
+
+def _fail_if_raised(task: asyncio.Task, server: WorkerServer) -> None:
+    """A background task that raised (the lease loop, the stats loop) takes the worker down: without
+    it, leases would never expire and pinned blocks would leak while the worker looked healthy."""
+    if task.cancelled() or task.exception() is None:
+        return
+    error = task.exception()
+    log.error("a background task of the worker failed: %r", error, exc_info=error)
+    asyncio.ensure_future(server.fail(f"background task failed: {type(error).__name__}: {error}"))
 
 
 def _stats_loop(aengine: AsyncEngine, metrics: WorkerMetrics, interval_s: float) -> Background:

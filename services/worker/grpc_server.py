@@ -84,6 +84,9 @@ class WorkerServer:
         return bound
 
     async def start(self, ready: dict, drain_timeout_s: float) -> None:
+        """Serve and print the ready line; nothing when the worker already failed (see ``fail``)."""
+        if self.failure is not None:
+            return
         await self.server.start()
         for name in self.service_names:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
