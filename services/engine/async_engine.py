@@ -74,6 +74,11 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
         self._thread = None
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine thread stopped on its own (a failed step); None while it runs or after ``stop``."""
+        return self._dead
+
     # ---- calls onto the engine thread ----------------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result."""

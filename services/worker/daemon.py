@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from services.common.addresses import advertised_host, join_host_port
 from services.common.metrics import WorkerMetrics
 from services.common.tls import TLSConfig
-from services.engine.async_engine import AsyncEngine
+from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.llm_engine import LLMEngine
 from services.kv.compat import KVIdentity
 from services.kv.rank import KVRank
@@ -109,10 +109,13 @@ def _fail_if_raised(task: asyncio.Task, server: WorkerServer) -> None:
 
 
 def _stats_loop(aengine: AsyncEngine, metrics: WorkerMetrics, interval_s: float) -> Background:
-    """Copy the engine's stats (queue, running, KV blocks, prefix cache, host tier) into the gauges."""
+    """Copy the engine's stats (queue, running, KV blocks, prefix cache, host tier) into the gauges;
+    raise once the engine thread died, which takes the worker down (``_fail_if_raised``)."""
     async def run(stop: asyncio.Event) -> None:
         while not stop.is_set():
             metrics.set_engine_stats(aengine.stats)
+            if aengine.failure is not None:
+                raise EngineDeadError(f"the engine thread stopped: {aengine.failure!r}")
             await asyncio.sleep(interval_s)
 
     return run
