@@ -13,6 +13,7 @@ shutdown are services/worker/daemon.py's.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -64,10 +65,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def _stream(self, rid: str, num_prompt_tokens: int, start: StartedRequest,
                       started: float) -> AsyncIterator[worker_pb2.TokenChunk]:
         """The request's chunks, timed: TTFT here is arrival (pull included) to the first token this
-        worker produced, then the gaps between chunks, then the whole request."""
+        worker produced, then the gaps between chunks, then the whole request.
+
+        A caller that leaves while the ticket's first token is out, before the engine's stream began,
+        aborts the request here: only a stream that began aborts it itself (``AsyncEngine.outputs``).
+        """
         if start.emit_first:  # the ticket's first token, when the engine restarted the request without it
-            yield worker_pb2.TokenChunk(token_ids=start.emit_first, num_prompt_tokens=num_prompt_tokens,
-                                        recomputed_locally=True)
+            try:
+                yield worker_pb2.TokenChunk(token_ids=start.emit_first, num_prompt_tokens=num_prompt_tokens,
+                                            recomputed_locally=True)
+            except BaseException:
+                await asyncio.shield(self.engine.abort(rid))
+                raise
         last = None
         async for out in self.engine.outputs(rid):
             now = time.monotonic()
