@@ -78,13 +78,16 @@ def _token_ids(tokens: list[str]) -> list[int]:
 
 
 def metric_total(d: Daemon, name: str, label: str = "") -> float:
-    """Sum of a metric's samples (those whose labels contain ``label``) on the worker's /metrics."""
+    """Sum of a metric's samples (those whose labels contain ``label``) on the worker's /metrics.
+
+    A metric with no such sample is an error, not 0: every series a worker has starts at 0, so a missing
+    one is a renamed metric or a wrong label, and "== 0" must not pass on it.
+    """
     text = httpx.get(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and label in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    samples = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line]
+    assert samples, f"no {name} sample with {label!r} on the {d.role} worker's /metrics"
+    return sum(samples)
 
 
 def finished_requests(d: Daemon) -> float:

@@ -18,7 +18,7 @@ from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import completion_tokens, finished_requests, info, stack
+from tests.e2e.stack import completion_tokens, finished_requests, info, metric_total, stack
 
 MAX_TOKENS = 10
 
@@ -85,6 +85,9 @@ def test_disaggregated_equals_colocated(model: str, colocated, num_prefill: int,
         assert _wait_unpinned(s.prefill) == [0] * num_prefill
         # Every worker took part (least-outstanding pairing spreads the load), as its /metrics says.
         assert all(finished_requests(d) > 0 for d in s.decode)
+        # Disaggregated for real: every decode worker pulled KV, and none recomputed a prompt instead.
+        assert all(metric_total(d, "pdserve_kv_transfer_bytes_total") > 0 for d in s.decode)
+        assert sum(metric_total(d, "pdserve_local_recompute_fallbacks_total") for d in s.decode) == 0
 
 
 def test_bad_requests_get_openai_errors_and_touch_no_worker(model: str) -> None:

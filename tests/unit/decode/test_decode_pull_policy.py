@@ -95,7 +95,9 @@ def _policy(engine: FakeEngine, puller: FakePuller, reserve_timeout_s: float = 1
 
 
 def _value(metrics: WorkerMetrics, name: str, **labels: str) -> float:
-    return metrics.registry.get_sample_value(name, {"role": "decode", **labels}) or 0.0
+    value = metrics.registry.get_sample_value(name, {"role": "decode", **labels})
+    assert value is not None, f"no {name} sample with {labels}"  # a missing series is not 0
+    return value
 
 
 def _assert_recomputed(started: StartedRequest, engine: FakeEngine, metrics: WorkerMetrics) -> None:

@@ -67,7 +67,9 @@ def _loop(lease_s: float = 8.0) -> tuple[ReleaseLoop, FakeEngine, FakeExporter, 
 
 
 def _value(metrics: WorkerMetrics, name: str, **labels: str) -> float:
-    return metrics.registry.get_sample_value(name, {"role": "prefill", **labels}) or 0.0
+    value = metrics.registry.get_sample_value(name, {"role": "prefill", **labels})
+    assert value is not None, f"no {name} sample with {labels}"  # a missing series is not 0
+    return value
 
 
 def test_blocks_read_by_every_reader_are_freed_at_the_next_tick() -> None:
