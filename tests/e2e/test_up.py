@@ -11,8 +11,11 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from services.launch.spawn import free_port
+from tests.checkpoints import make_checkpoint
+from tests.e2e.stack import completion_tokens
 
 
 def test_up_serves_the_default_model_and_stops_on_ctrl_c() -> None:
@@ -91,23 +94,44 @@ def test_up_fails_at_once_with_the_workers_own_message() -> None:
     assert time.monotonic() - started < 60
 
 
-def test_a_killed_worker_comes_back_and_serves() -> None:
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """A small random checkpoint whose greedy tokens depend on the whole context (unlike dummy:tiny's,
+    which follow the last prompt token: tests/unit/test_context_checkpoint.py), so KV that is wrong or
+    missing after a pull changes them."""
+    directory, _ = make_checkpoint("qwen2", tmp_path_factory.mktemp("qwen2"))
+    return str(directory)
+
+
+def _colocated(model: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of one engine doing prefill and decode (float32, as the workers run)."""
+    from services.contract.sampling_params import SamplingParams
+    from services.engine.engine_config import EngineConfig
+    from services.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=16))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return engine.generate([prompt], params)[0].token_ids
+
+
+def test_a_killed_worker_comes_back_and_serves(checkpoint: str) -> None:
     """kill -9 the prefill worker, then the decode worker, under `pdserve up`: /health says what is left
     (degraded, then unavailable), the supervisor starts each again on its port (counted), and requests
-    are disaggregated again with the same greedy tokens."""
+    are disaggregated again with the same greedy tokens, those of the model run colocated, the decode
+    worker pulling the KV each time (its own metrics: bytes pulled, no local recompute)."""
     port = free_port()
-    proc, ready = _start_up("--port", str(port), "--model", "dummy:tiny", "--device", "cpu")
+    proc, ready = _start_up("--port", str(port), "--model", checkpoint, "--device", "cpu", "--dtype", "float32")
     try:
         assert ready.startswith(f"pdserve up: ready on http://127.0.0.1:{port}/v1"), ready
         workers = {m["role"]: m for m in READY.finditer(ready)}
         supervisor = "http://" + ready.rsplit("supervisor metrics ", 1)[1].strip() + "/metrics"
+        decode_metrics = f"http://{workers['decode']['metrics']}/metrics"
         url = f"http://127.0.0.1:{port}"
-        body = {"prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        # 40 tokens, 3 KV blocks: disaggregated (`up`'s --direct-decode-threshold is 0); ids fit the vocabulary.
+        prompt = [(7 * i + 3) % 300 + 10 for i in range(40)]
 
-        def complete() -> str:
-            answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-            answer.raise_for_status()
-            return answer.json()["choices"][0]["text"]
+        def complete() -> list[int]:
+            return completion_tokens(url, prompt, 8, stream=False)
 
         def health() -> tuple[int, str]:
             response = httpx.get(f"{url}/health", timeout=10)
@@ -116,8 +140,16 @@ def test_a_killed_worker_comes_back_and_serves() -> None:
         def disaggregated() -> float:
             return _metric(f"{url}/metrics", "pdserve_router_routed_requests_total", route="disaggregated")
 
+        def pulled() -> tuple[float, float]:
+            """The decode worker's own evidence: (KV bytes pulled, prompts recomputed locally instead)."""
+            return (_metric(decode_metrics, "pdserve_kv_transfer_bytes_total", role="decode"),
+                    _metric(decode_metrics, "pdserve_local_recompute_fallbacks_total", role="decode"))
+
         expected = complete()
         assert disaggregated() == 1
+        assert expected == _colocated(checkpoint, prompt, 8)
+        transferred, recomputed = pulled()
+        assert transferred > 0 and recomputed == 0
         for role, down in (("prefill", (200, "degraded")), ("decode", (503, "unavailable"))):
             pid = int(subprocess.run(["pgrep", "-s", str(proc.pid), "-f", f"services.cli {role}"],
                                      capture_output=True, text=True).stdout.split()[0])
@@ -126,8 +158,12 @@ def test_a_killed_worker_comes_back_and_serves() -> None:
             _wait_for(lambda: health() == (200, "ok"), f"the {role} worker back")
             assert _metric(supervisor, "pdserve_up_worker_restarts_total", role=role) == 1
             assert httpx.get(f"http://{workers[role]['metrics']}/metrics", timeout=10).status_code == 200
-            before = disaggregated()
+            before, (transferred_before, _) = disaggregated(), pulled()
             assert complete() == expected
             assert disaggregated() == before + 1  # pulled from the new prefill worker / by the new decode one
+            # The decode worker's own word on pull or recompute, not the router's route count (after a decode
+            # restart these are the new process's metrics, from 0).
+            transferred, recomputed = pulled()
+            assert transferred > transferred_before and recomputed == 0
     finally:
         _stop_up(proc)

@@ -1,6 +1,9 @@
 """The cluster token on worker RPCs, with real daemons: workers started with ``$PDSERVE_KV_AUTH_TOKEN``
 refuse every call without it (UNAUTHENTICATED) but health checks; the router, which has the same
-token, serves completions through them (prefill, handshake with the token, pull, decode)."""
+token, serves completions through them (prefill, handshake with the token, pull, decode): the tokens of the
+model run colocated, with the KV pulled (the decode worker counts bytes and no local recompute). The
+model is a small random checkpoint whose tokens depend on the whole context
+(``tests/unit/test_context_checkpoint.py``), so KV that is wrong or missing changes them."""
 
 from __future__ import annotations
 
@@ -9,12 +12,29 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_auth import METADATA_KEY, bearer
+from services.contract.sampling_params import SamplingParams
+from services.engine.engine_config import EngineConfig
+from services.engine.llm_engine import LLMEngine
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from tests.e2e.stack import completion_tokens, stack
+from tests.checkpoints import make_checkpoint
+from tests.e2e.stack import completion_tokens, metric_total, stack
 
 pytestmark = pytest.mark.slow
 
 TOKEN = "cluster-s3cret"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    directory, _ = make_checkpoint("qwen2", tmp_path_factory.mktemp("qwen2"))
+    return str(directory)
+
+
+def _colocated(model: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of one engine doing prefill and decode (float32, as the workers run)."""
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=16))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return engine.generate([prompt], params)[0].token_ids
 
 
 def _info(address: str, stub_type, metadata=()) -> worker_pb2.WorkerInfo:
@@ -22,13 +42,19 @@ def _info(address: str, stub_type, metadata=()) -> worker_pb2.WorkerInfo:
         return stub_type(channel).Info(worker_pb2.InfoRequest(), timeout=5, metadata=metadata)
 
 
-def test_workers_refuse_calls_without_the_cluster_token(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_workers_refuse_calls_without_the_cluster_token(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_KV_AUTH_TOKEN", TOKEN)  # the daemons and the router inherit it
-    args = ("--block-size", "16", "--num-kv-blocks", "64")
-    with stack("dummy:tiny", prefill_args=args, decode_args=args) as s:
-        prompt = list(range(100, 140))
+    args = ("--block-size", "16", "--num-kv-blocks", "64", "--dtype", "float32")
+    with stack(model, prefill_args=args, decode_args=args) as s:
+        prompt = list(range(100, 140))  # 40 tokens: disaggregated (--direct-decode-threshold is 0), 3 blocks
         first = completion_tokens(s.url, prompt, 4, stream=False)
         assert len(first) == 4 and completion_tokens(s.url, prompt, 4, stream=True) == first
+        assert first == _colocated(model, prompt, 4)
+        # Disaggregated for real: the decode worker pulled the KV over the authenticated handshake and
+        # recomputed no prompt (a recompute would give the same tokens).
+        (decode,) = s.decode
+        assert metric_total(decode, "pdserve_kv_transfer_bytes_total", 'role="decode"') > 0
+        assert metric_total(decode, "pdserve_local_recompute_fallbacks_total", 'role="decode"') == 0
         for daemon, stub_type in ((s.prefill[0], worker_pb2_grpc.PrefillWorkerStub),
                                   (s.decode[0], worker_pb2_grpc.DecodeWorkerStub)):
             for metadata in ((), ((METADATA_KEY, bearer("wrong")),), ((METADATA_KEY, TOKEN),)):

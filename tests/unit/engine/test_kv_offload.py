@@ -1,6 +1,9 @@
 """The host KV tier in one engine (CPU): stores as blocks are computed, loads back on a hit, and the
 races the seed's review found (a block reused while its store is in flight, eviction during a
-load, a request aborted mid-load). Greedy tokens must equal an engine with no host tier.
+load, a request aborted mid-load). Greedy tokens must equal an engine with no host tier. The model
+is a small random checkpoint whose tokens depend on the whole context
+(``tests/unit/test_context_checkpoint.py``): with ``dummy:tiny``, whose tokens follow the last
+prompt token only, a wrong or missing KV block would go unnoticed.
 
 The GPU machine runs this file with ``PDSERVE_TEST_DEVICE=cuda``: pinned host memory, the copy
 stream and its events instead of the CPU path."""
@@ -21,14 +24,24 @@ from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.offload.copier import block_planes, block_runs
 from services.kv.layout import LayoutKind
+from tests.checkpoints import make_checkpoint
 
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-PROMPT = [(7 * i + 3) % 3000 + 100 for i in range(300)]
-OTHER = [(11 * i + 5) % 3000 + 3100 for i in range(300)]
+# Ids below the checkpoint's vocabulary (320); no two of these prompts share a first token, so none
+# hits another's prefix.
+PROMPT = [(7 * i + 3) % 300 + 10 for i in range(300)]
+OTHER = [(11 * i + 5) % 300 + 10 for i in range(300)]
+UNSEEN = [(13 * i + 1) % 300 + 10 for i in range(300)]
 
 
-def _engine(model: str = "dummy:tiny", num_kv_blocks: int = 24, factor: int = 2, offload_bytes: int | None = 1 << 24,
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    directory, _ = make_checkpoint("qwen2", tmp_path_factory.mktemp("qwen2"))
+    return str(directory)
+
+
+def _engine(model: str, num_kv_blocks: int = 24, factor: int = 2, offload_bytes: int | None = 1 << 24,
             **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model, device=DEVICE, dtype="float32", num_kv_blocks=num_kv_blocks,
                                   kv_offload_bytes=offload_bytes, kv_offload_block_factor=factor, **kw))
@@ -81,8 +94,8 @@ def test_block_runs_merge_where_both_sides_continue() -> None:
 
 
 @pytest.mark.parametrize("kind", [LayoutKind.CROSS_LAYER, LayoutKind.PER_LAYER])
-def test_block_planes_address_whole_blocks(kind: LayoutKind) -> None:
-    engine = _engine(kv_layout=kind)
+def test_block_planes_address_whole_blocks(model: str, kind: LayoutKind) -> None:
+    engine = _engine(model, kv_layout=kind)
     layout, buffers = engine.kv_layout, engine.kv_cache.buffers
     planes = block_planes(layout, buffers)
     assert len(planes) == len(buffers)
@@ -94,9 +107,9 @@ def test_block_planes_address_whole_blocks(kind: LayoutKind) -> None:
 
 @pytest.mark.parametrize("factor", [1, 2, 4])
 @pytest.mark.parametrize("kind", [LayoutKind.CROSS_LAYER, LayoutKind.PER_LAYER])
-def test_host_hit_after_device_eviction_is_token_identical(factor: int, kind: LayoutKind) -> None:
-    expected = _reference("dummy:tiny", [PROMPT, OTHER], kv_layout=kind)
-    engine = _engine(factor=factor, kv_layout=kind)
+def test_host_hit_after_device_eviction_is_token_identical(model: str, factor: int, kind: LayoutKind) -> None:
+    expected = _reference(model, [PROMPT, OTHER], kv_layout=kind)
+    engine = _engine(model, factor=factor, kv_layout=kind)
     assert engine.generate([PROMPT], GREEDY)[0].token_ids == expected[0]
     _settle(engine)
     assert engine.generate([OTHER], GREEDY)[0].token_ids == expected[1]  # pushes PROMPT out of the device pool
@@ -114,12 +127,13 @@ def test_host_hit_after_device_eviction_is_token_identical(factor: int, kind: La
     engine.close()
 
 
-@pytest.mark.parametrize("model", ["dummy:gemma3-tiny", "dummy:gemma2-tiny"])
-def test_sliding_window_groups_hit_from_the_host_tier(model: str) -> None:
+@pytest.mark.parametrize("hybrid", ["dummy:gemma3-tiny", "dummy:gemma2-tiny"])
+def test_sliding_window_groups_hit_from_the_host_tier(hybrid: str) -> None:
     """Hybrids: full groups load every span, sliding groups only the window's; spans that slid out
-    before they were whole are not stored."""
-    expected = _reference(model, [PROMPT, OTHER])
-    engine = _engine(model=model, num_kv_blocks=24, factor=2, max_num_batched_tokens=64)
+    before they were whole are not stored. (Unlike dummy:tiny, these dummies' tokens depend on the
+    context.)"""
+    expected = _reference(hybrid, [PROMPT, OTHER])
+    engine = _engine(hybrid, num_kv_blocks=24, factor=2, max_num_batched_tokens=64)
     outs = [engine.generate([p], GREEDY)[0].token_ids for p in (PROMPT, OTHER)]
     _settle(engine)
     again = engine.generate([PROMPT], GREEDY)[0]
@@ -130,8 +144,8 @@ def test_sliding_window_groups_hit_from_the_host_tier(model: str) -> None:
     engine.close()
 
 
-def test_a_block_freed_while_its_store_is_in_flight_is_not_reused_until_the_copy_ends() -> None:
-    engine = _engine(num_kv_blocks=24, factor=2)
+def test_a_block_freed_while_its_store_is_in_flight_is_not_reused_until_the_copy_ends(model: str) -> None:
+    engine = _engine(model, num_kv_blocks=24, factor=2)
     gate = _Gate(engine)
     request = engine.add_request("a", PROMPT, GREEDY)
     while not request.finished:
@@ -151,17 +165,17 @@ def test_a_block_freed_while_its_store_is_in_flight_is_not_reused_until_the_copy
     assert all(pool.ref_count(b) == 0 for b in stored)
     engine.kv_manager.reset_prefix_cache()  # the device copies are forgotten: only the host tier has them
     again = engine.generate([PROMPT], GREEDY)[0]  # loaded from what the store copied
-    assert again.token_ids == _reference("dummy:tiny", [PROMPT])[0]
+    assert again.token_ids == _reference(model, [PROMPT])[0]
     assert engine.scheduler.prefix_stats.host_hits >= 1
     engine.close()
 
 
-def test_eviction_during_a_load_skips_the_spans_being_loaded() -> None:
+def test_eviction_during_a_load_skips_the_spans_being_loaded(model: str) -> None:
     # A host tier of exactly PROMPT's spans: any store while it loads would have to evict them.
-    per_span = 2 * sum(_engine(offload_bytes=None).kv_layout.block_bytes(g.group_id) for g in
-                       _engine(offload_bytes=None).kv_layout.groups)
-    engine = _engine(num_kv_blocks=48, factor=2, offload_bytes=per_span * (len(PROMPT) // 32 + 1))
-    expected = _reference("dummy:tiny", [PROMPT, OTHER])
+    per_span = 2 * sum(_engine(model, offload_bytes=None).kv_layout.block_bytes(g.group_id) for g in
+                       _engine(model, offload_bytes=None).kv_layout.groups)
+    engine = _engine(model, num_kv_blocks=48, factor=2, offload_bytes=per_span * (len(PROMPT) // 32 + 1))
+    expected = _reference(model, [PROMPT, OTHER])
     engine.generate([PROMPT], GREEDY)
     _settle(engine)
     engine.generate([OTHER], GREEDY)  # its stores evict PROMPT's spans (least recently used first)
@@ -177,7 +191,7 @@ def test_eviction_during_a_load_skips_the_spans_being_loaded() -> None:
     hashes = {s: engine.host_tier.spans.pool(0).block_hash(s) for s in loading_spans}
     # A prompt with no hit anywhere (nothing of it waits on the gated copier) computes and stores
     # spans while the load waits.
-    competitor = engine.add_request("o", [t + 4000 for t in OTHER], GREEDY)
+    competitor = engine.add_request("o", UNSEEN, GREEDY)
     while not competitor.finished:
         engine.step()
     assert all(engine.host_tier.spans.pool(0).block_hash(s) == h for s, h in hashes.items())
@@ -193,8 +207,8 @@ def test_eviction_during_a_load_skips_the_spans_being_loaded() -> None:
     engine.close()
 
 
-def test_a_request_aborted_mid_load_leaves_nothing_pinned() -> None:
-    engine = _engine(num_kv_blocks=24, factor=2)
+def test_a_request_aborted_mid_load_leaves_nothing_pinned(model: str) -> None:
+    engine = _engine(model, num_kv_blocks=24, factor=2)
     engine.generate([PROMPT], GREEDY)
     _settle(engine)
     engine.generate([OTHER], GREEDY)
@@ -215,9 +229,9 @@ def test_a_request_aborted_mid_load_leaves_nothing_pinned() -> None:
     engine.close()
 
 
-def test_a_failed_load_computes_the_prompt_instead() -> None:
-    engine = _engine(num_kv_blocks=24, factor=2)
-    expected = _reference("dummy:tiny", [PROMPT])[0]
+def test_a_failed_load_computes_the_prompt_instead(model: str) -> None:
+    engine = _engine(model, num_kv_blocks=24, factor=2)
+    expected = _reference(model, [PROMPT])[0]
     engine.generate([PROMPT], GREEDY)
     _settle(engine)
     engine.generate([OTHER], GREEDY)
@@ -234,18 +248,18 @@ def test_a_failed_load_computes_the_prompt_instead() -> None:
     engine.close()
 
 
-def test_the_host_tier_needs_prefix_caching_and_a_span_of_room() -> None:
+def test_the_host_tier_needs_prefix_caching_and_a_span_of_room(model: str) -> None:
     with pytest.raises(ValueError, match="prefix caching"):
         EngineConfig(model="dummy:tiny", device=DEVICE, kv_offload_bytes=1 << 20, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="factor"):
         EngineConfig(model="dummy:tiny", device=DEVICE, kv_offload_bytes=1 << 20, kv_offload_block_factor=0)
     with pytest.raises(ValueError, match="holds no span"):
-        _engine(offload_bytes=1024)
+        _engine(model, offload_bytes=1024)
 
 
-def test_worker_metrics_follow_the_engine_counts() -> None:
+def test_worker_metrics_follow_the_engine_counts(model: str) -> None:
     async def run() -> None:
-        engine = _engine(factor=2)
+        engine = _engine(model, factor=2)
         aengine = AsyncEngine(engine)
         aengine.start()
         metrics = WorkerMetrics("prefill")
