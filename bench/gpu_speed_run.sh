@@ -9,6 +9,9 @@
 #   bash bench/gpu_speed_run.sh pull      the in-service KV pull beside a raw NIXL READ of the same bytes
 #   bash bench/gpu_speed_run.sh async     pipelined decode steps: their tests and the CUDA-graph/parity tests on
 #                                         CUDA, the e2e serving tests on the GPU, and decode steps pipelined vs sync
+#   bash bench/gpu_speed_run.sh digest    the KV digest: its tests on CUDA (the Triton kernel against the host
+#                                         arithmetic), the candidates' cost (bench/kv_digest.py) and its cost inside
+#                                         the in-service pull (bench/pull_path.py, one GPU)
 #   bash bench/gpu_speed_run.sh offload   the host KV tier: its tests on CUDA (pinned memory, copy stream),
 #                                         the e2e serving test (decode reading the prefill's host tier into
 #                                         VRAM), and TTFT/store/load of an 8k prompt (bench/offload.py)
@@ -46,6 +49,13 @@ for part in "$@"; do
       timeout 250 python3 bench/engine.py --model dummy:llama-3.1-8b --dtype bfloat16 --device cuda --prefill-lens 512 \
           --batch-sizes 1,8,32 --decode-contexts 2048 --decode-steps 32 --rounds 2 --json-out "$OUT/engine_async.jsonl" \
           2>&1 | grep -v Warning | tee "$OUT/engine_async.txt" ;;
+    digest)
+      PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/kv/test_kv_digest.py \
+          2>&1 | tee "$OUT/digest_tests.log" | tail -8
+      timeout 120 python3 bench/kv_digest.py --device cuda --tokens 2048,8192 --json-out "$OUT/kv_digest_gpu.jsonl" \
+          2>&1 | tee "$OUT/kv_digest_gpu.txt"
+      timeout 240 python3 bench/pull_path.py --device cuda --tokens 2048,8192 --repeats 7 \
+          --json-out "$OUT/pull_path_digest_gpu.jsonl" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/pull_path_digest.txt" ;;
     pull)
       timeout 400 python3 bench/pull_path.py --placements auto --json-out "$OUT/pull_path_gpu.jsonl" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/pull_path.txt" ;;
   esac

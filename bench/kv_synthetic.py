@@ -42,7 +42,7 @@ import torch
 import services  # noqa: F401  (package init caps oneDNN; tests pass the env var too)
 from services.engine.kv_cache.buffers import TORCH_DTYPES, KVCache, kv_groups_for
 from services.engine.tp.parallel import ParallelConfig
-from services.kv.compat import KVIdentity
+from services.kv.compat import DIGEST_SCHEME, KVIdentity
 from services.kv.exporter import KVExporter
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.handshake import HandshakeServicer, add_handshake_service
@@ -108,6 +108,7 @@ def identity_for(cfg: dict, layout: KVLayoutSpec) -> KVIdentity:
     return KVIdentity.of(
         architecture=ARCHITECTURE, num_layers=cfg["num_layers"], num_kv_heads=cfg["num_kv_heads"],
         head_dim=cfg["head_dim"], layout=layout, kv_sharing=kv_sharing(cfg), group_kv_heads=group_total_heads(cfg),
+        kv_digest=cfg.get("kv_digest", DIGEST_SCHEME),
     )
 
 
@@ -162,10 +163,11 @@ async def serve(cfg: dict) -> None:
     await server.start()
     address = f"127.0.0.1:{port}"
     tickets = {
-        r["request_id"]: exporter.hand_out(
+        r["request_id"]: (await exporter.hand_out(
             r["request_id"], r["block_ids"], num_tokens=r["num_tokens"], first_token_id=7,
             handshake_address=address, reader_tp_size=r.get("reader_tp", cfg["reader_tp"]),
-        ).SerializeToString().hex()
+            reader_block_size=cfg.get("reader_block_size", 0),
+        )).SerializeToString().hex()
         for r in cfg["requests"]
     }
     print(json.dumps({"port": port, "epoch": exporter.epoch, "tickets": tickets}), flush=True)

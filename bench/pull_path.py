@@ -6,7 +6,8 @@ For each placement, prompt length and pool, the same bytes move four ways, inter
 repeat so that all four see the same machine:
 
   pull      ``KVPuller.pull`` as the decode worker calls it (handshake cached): ticket checks, block
-            pieces, plan, descriptor rows, the agent's READ with the request id as notification
+            pieces, plan, descriptor rows, the agent's READ with the request id as notification, and the
+            KV digest of what arrived (on by default; its cost is printed as a ratio to the rest of the pull)
   agent     ``TransferAgent.read`` of the planner's rows: the agent alone, through the event loop
   raw_plan  NIXL alone on this thread, the planner's rows: descriptor lists, ``initialize_xfer``,
             ``transfer``, spinning on ``check_xfer_state``
@@ -58,8 +59,9 @@ from services.proto_gen.pdserve.v1 import kv_pb2  # noqa: E402
 
 POOLS = {"contiguous": 1, "fragmented": 2}
 VARIANTS = ("pull", "agent", "raw_plan", "raw_prep", "raw_1")
+# Those a pull reports are printed (read.rows: older pullers); read and digest are the READ and the KV digest.
 PULL_STAGES = ("handshake", "check", "pieces", "plan", "read.rows", "read.submit", "read.prepare", "read.post",
-               "read.complete", "read.wake")  # those a pull reports are printed (read.rows: older pullers)
+               "read.complete", "read.wake", "read", "digest")
 RAW_STAGES = ("prepare", "post", "complete")
 TIMEOUT_S = 120.0
 
@@ -284,13 +286,22 @@ def print_rows(rows: list[dict], repeats: int) -> None:
                   f"{ag['seconds'] * 1e3:>8.3f} "
                   f"{p['seconds'] * 1e3:>8.3f} {p['bytes'] / p['seconds'] / 1e9:>7.1f} "
                   f"{r1['seconds'] / p['seconds']:>10.2f}")
-        stages = [s for s in PULL_STAGES if any(s in by[k]["stages"] for k in keys)]
+        print("\n  KV digest (the reader's check of every pulled byte, inside the pull), median: its cost as a "
+              "ratio to the pull without it")
+        print(f"  {'tokens':>6} {'pool':>10} {'digest ms':>10} {'GB/s':>7} {'pull ms':>8} {'digest/pull':>11}")
+        for _, _, n, pool, _ in keys:
+            p = by[o, d, n, pool, "pull"]
+            dig = p["stages"].get("digest", 0.0)
+            print(f"  {n:>6} {pool:>10} {dig * 1e3:>10.3f} {p['bytes'] / max(dig, 1e-9) / 1e9:>7.1f} "
+                  f"{(p['seconds'] - dig) * 1e3:>8.3f} {dig / (p['seconds'] - dig):>11.3f}")
+        stages = [s for s in PULL_STAGES if any(s in by[k]["stages"] for k in keys) and s not in ("read", "digest")]
         names = [s.removeprefix("read.") for s in stages]
-        print(f"\n  pull stages, us (median): {' '.join(f'{s:>8}' for s in names)} {'other':>8} | raw_1: "
+        print(f"\n  pull stages but the digest, us (median): {' '.join(f'{s:>8}' for s in names)} {'other':>8} | "
+              f"raw_1: "
               f"{' '.join(f'{s:>8}' for s in RAW_STAGES)} | planning warm")
         for _, _, n, pool, _ in keys:
             p, r1 = by[o, d, n, pool, "pull"], by[o, d, n, pool, "raw_1"]
-            other = p["seconds"] - sum(p["stages"].get(s, 0.0) for s in stages)
+            other = p["seconds"] - p["stages"].get("digest", 0.0) - sum(p["stages"].get(s, 0.0) for s in stages)
             cells = " ".join(f"{p['stages'].get(s, 0.0) * 1e6:>8.0f}" for s in stages)
             raw = " ".join(f"{r1['stages'][s] * 1e6:>8.0f}" for s in RAW_STAGES)
             print(f"  {n:>6} {pool:>17}: {cells} {other * 1e6:>8.0f} |        {raw} | "

@@ -6,7 +6,9 @@ KV-cache groups names the group and its field (``KV group 1 (full): head_dim loc
 
 Hashed: protocol version, architecture, layer count, total KV heads, head dim, dtype, the
 within-block layout (``kv_layout``: NHD or HND, which fixes what a page's bytes mean), the KV-cache
-groups and KV sharing between layers.
+groups, KV sharing between layers, and the KV digest both sides compute (``kv_digest``: its scheme, or
+``off`` with ``--no-kv-digest``; not the bytes' meaning, but a pair that disagrees could not check a
+transfer, so it is refused like one that would misread it).
 
 ``kv_groups`` holds, per group, ``[kind, window, layers]``, followed by ``[total KV heads, head dim]``
 when those differ from the model's (``num_kv_heads``/``head_dim``): so a model whose groups all have
@@ -37,6 +39,10 @@ from services.kv.groups import AttentionKind
 from services.kv.layout import BlockOrder, KVLayoutSpec
 
 PROTOCOL_VERSION = 1
+#: The KV digest both sides compute (``services.kv.digest``), or ``DIGEST_OFF`` (``--no-kv-digest``): hashed,
+#: so a pair that disagrees is refused at the handshake (and never paired by the router).
+DIGEST_SCHEME = "kvsum64-mix32-v1"
+DIGEST_OFF = "off"
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,11 @@ class KVIdentity:
     groups: tuple[GroupIdentity, ...]
     kv_sharing: tuple[tuple[int, int], ...] = ()
     protocol_version: int = PROTOCOL_VERSION
+    kv_digest: str = DIGEST_SCHEME
+
+    @property
+    def digest_on(self) -> bool:
+        return self.kv_digest != DIGEST_OFF
 
     @classmethod
     def of(
@@ -126,6 +137,7 @@ class KVIdentity:
         kv_sharing: Mapping[int, int] | None = None,
         protocol_version: int = PROTOCOL_VERSION,
         group_kv_heads: Mapping[int, int] | None = None,
+        kv_digest: str = DIGEST_SCHEME,
     ) -> KVIdentity:
         """The identity of an engine with this model shape and (rank-local) layout.
 
@@ -140,7 +152,7 @@ class KVIdentity:
             for g in layout.groups
         )
         return cls(architecture, num_layers, num_kv_heads, head_dim, layout.dtype, layout.order, groups,
-                   tuple(sorted((kv_sharing or {}).items())), protocol_version)
+                   tuple(sorted((kv_sharing or {}).items())), protocol_version, kv_digest)
 
     @property
     def sharing(self) -> dict[int, int]:
@@ -172,6 +184,7 @@ def compat_fields(identity: KVIdentity) -> dict[str, str]:
         "kv_layout": identity.block_order.value,
         "kv_groups": _groups_field(identity),
         "kv_sharing": json.dumps([list(pair) for pair in identity.kv_sharing]),
+        "kv_digest": identity.kv_digest,
     }
 
 
@@ -267,4 +280,6 @@ def check_compatible(local: CompatInfo, remote_fields: Mapping[str, str], remote
     # A kv_groups difference explained group by group is not repeated as two JSON blobs.
     shown = {k: v for k, v in diffs.items() if not (k == "kv_groups" and groups)}
     detail = "; ".join([str(g) for g in groups] + [f"{k}: local {a!r} vs remote {b!r}" for k, (a, b) in shown.items()])
+    if "kv_digest" in diffs:
+        detail += " (both workers must run with the KV digest, or both with --no-kv-digest)"
     raise KVCompatibilityError(f"KV caches are incompatible: {detail}", diffs, groups)

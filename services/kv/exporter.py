@@ -9,16 +9,21 @@ has heard from all of its readers, or when the lease expires.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import secrets
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from services.kv.compat import CompatInfo, KVIdentity
+from services.kv.digest import DigestJob
 from services.kv.handshake import EngineDescription, RankExport
 from services.kv.notifications import NotificationTracker
 from services.kv.pair_support import group_heads_from_fields
 from services.kv.rank import KVRank
-from services.kv.topology import group_readers_per_remote_rank
+from services.kv.topology import group_rank_reads, group_readers_per_remote_rank
 from services.kv.wire import notification_key, notification_request, ticket_signature
 from services.proto_gen.pdserve.v1 import kv_pb2
 
@@ -69,7 +74,7 @@ class KVExporter:
     def describe(self) -> EngineDescription:
         return self._description
 
-    def hand_out(
+    async def hand_out(
         self,
         request_id: str,
         block_ids: Sequence[Sequence[int]],
@@ -81,16 +86,22 @@ class KVExporter:
         first_token_logprob: float = 0.0,
         host_block_ids: Sequence[Sequence[int]] = (),
         num_host_tokens: int = 0,
+        reader_block_size: int = 0,
     ) -> kv_pb2.TransferTicket:
         """The ticket for a finished prefill whose blocks stay pinned until read (or the lease ends).
 
         ``num_host_tokens`` > 0: the prompt's first tokens are read from the host tier's
         ``host_block_ids`` (per group, from token 0), and each reader notifies once per source.
+        With the KV digest on, the ticket carries it per group and reading rank (computed on every
+        owner rank, where the KV lives); ``reader_block_size`` (the reader's block size, or the gcd of
+        its groups'; 0: this engine's) sets its unit, which must divide both sides' block sizes.
         """
         if request_id in self._waiting:
             raise ValueError(f"request {request_id!r} already has a ticket out")
         if num_host_tokens and self._ranks[0].host_layout is None:
             raise ValueError("a ticket names host-tier blocks but this engine has no host tier")
+        digests = await self._digests(block_ids, host_block_ids, num_tokens, num_host_tokens, reader_tp_size,
+                                      reader_block_size) if self.identity.digest_on and num_tokens else []
         sources = (False, True) if num_host_tokens else (False,)
         readers = group_readers_per_remote_rank(reader_tp_size, self.tp_size, self._group_heads)
         nonce = secrets.token_hex(8)
@@ -107,10 +118,43 @@ class KVExporter:
             num_tokens=num_tokens, first_token_id=first_token_id, first_token_logprob=first_token_logprob,
             handshake_address=handshake_address, num_host_tokens=num_host_tokens,
             host_groups=[kv_pb2.GroupBlocks(group_id=g, block_ids=list(ids)) for g, ids in enumerate(host_block_ids)],
-            notify_nonce=nonce,
+            notify_nonce=nonce, digests=digests,
         )
         ticket.signature = ticket_signature(ticket, self._ticket_key)
         return ticket
+
+    async def _digests(self, block_ids: Sequence[Sequence[int]], host_block_ids: Sequence[Sequence[int]],
+                       num_tokens: int, num_host_tokens: int, reader_tp_size: int, reader_block_size: int
+                       ) -> list[kv_pb2.GroupDigests]:
+        """Per (group, reading rank): unit digests from token 0, each owner rank adding the heads that
+        reader reads from it (``group_rank_reads``, the planner's own mapping), every rank at once."""
+        layout = self._ranks[0].layout
+        units = {g.group_id: math.gcd(g.block_size, reader_block_size or g.block_size) for g in layout.groups}
+        jobs: list[list[tuple[int, int, DigestJob]]] = [[] for _ in self._ranks]  # per owner rank
+        for reader in range(reader_tp_size):
+            reads = group_rank_reads(reader_tp_size, reader, self.tp_size, self._group_heads)
+            for owner, by_group in reads.items():
+                for g, read in by_group.items():
+                    group = layout.groups[g]
+                    first_kept = group.first_needed_block(num_tokens) * group.block_size
+                    spans = [(True, host_block_ids[g] if num_host_tokens else (), 0, num_host_tokens),
+                             (False, block_ids[g], num_host_tokens, num_tokens)]
+                    for host, ids, begin, end in spans:
+                        begin = max(begin, first_kept)
+                        if begin < end:
+                            jobs[owner].append((g, reader, DigestJob(
+                                g, list(ids), begin, end, units[g], *read.remote_heads, read.local_heads[0],
+                                host_tier=host)))
+        answers = await asyncio.gather(*(rank.digest([j for _, _, j in rank_jobs])
+                                         for rank, rank_jobs in zip(self._ranks, jobs, strict=True) if rank_jobs))
+        sums = {(g, r): np.zeros(-(-num_tokens // units[g]), dtype=np.uint64)
+                for g in units for r in range(reader_tp_size)}
+        for rank_jobs, rank_units in zip([j for j in jobs if j], answers, strict=True):
+            for (g, reader, job), got in zip(rank_jobs, rank_units, strict=True):
+                first = job.start // job.unit
+                sums[g, reader][first:first + len(got)] += got  # uint64: wraps mod 2**64
+        return [kv_pb2.GroupDigests(group_id=g, reader_rank=r, unit=units[g], digests=d.tolist())
+                for (g, r), d in sorted(sums.items())]
 
     def poll_released(self) -> list[str]:
         """Request ids every reader has finished with: their blocks can be freed now."""

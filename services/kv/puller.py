@@ -31,6 +31,7 @@ import numpy as np
 
 from services.common.tls import TLSConfig
 from services.kv.compat import CompatInfo, KVIdentity
+from services.kv.digest import DigestJob, ticket_units, total
 from services.kv.handshake import EngineDescription, PeerCache, RankExport
 from services.kv.layout import BlockOrder, KVLayoutSpec
 from services.kv.nixl.agent import read_stages
@@ -56,6 +57,15 @@ class TicketError(ValueError):
         self.reason = reason
 
 
+class KVIntegrityError(TransferError):
+    """The pulled KV does not match the ticket's digest: the bytes that arrived are not the ones the
+    owner computed. ``groups``: the KV groups that differ (on any reading rank)."""
+
+    def __init__(self, message: str, groups: Sequence[int]) -> None:
+        super().__init__(message)
+        self.groups = tuple(groups)
+
+
 @dataclass(frozen=True)
 class PullResult:
     num_bytes: int
@@ -65,7 +75,8 @@ class PullResult:
     host_bytes: int = 0  # of num_bytes, read from the owner's host KV tier
     #: Seconds per stage, in order: handshake (the peer cache; the Handshake RPC on first contact), check
     #: (the ticket), pieces (token runs), plan (descriptor rows, every rank), read (every READ, until the
-    #: last completion reached this coroutine); and "read.<stage>" inside one READ (``TransferAgent.read``:
+    #: last completion reached this coroutine), digest (the KV digest of what arrived, every rank); and
+    #: "read.<stage>" inside one READ (``TransferAgent.read``:
     #: submit, prepare, post, complete, wake; the largest over the ranks when several read).
     stages: dict[str, float] = field(default_factory=dict)
 
@@ -94,8 +105,11 @@ class KVPuller:
         handshake_timeout_s: float = 5.0,
         transfer_timeout_s: float = 30.0,
         tls: TLSConfig | None = None,
+        corrupt_pulled_kv: bool = False,
     ) -> None:
-        """``identity`` is the reading engine's (``KVIdentity.of``); an owner must hash the same to be read."""
+        """``identity`` is the reading engine's (``KVIdentity.of``); an owner must hash the same to be read.
+        ``corrupt_pulled_kv``: fault injection (``kv_corrupt``): flip a bit in every pulled block after
+        its READ, before the digest check."""
         if ranks:
             identity.check_layout(ranks[0].layout)
         self.engine_id = engine_id
@@ -103,6 +117,7 @@ class KVPuller:
         self.compat = CompatInfo.of_identity(identity)
         self._ranks = list(ranks)
         self.transfer_timeout_s = transfer_timeout_s
+        self.corrupt_pulled_kv = corrupt_pulled_kv
         self._reads_of: dict[str, tuple[EngineDescription, list]] = {}  # engine id -> (its description, reads)
         self.peers = PeerCache(
             self.compat, reader_engine_id=engine_id, auth_token=auth_token, timeout_s=handshake_timeout_s,
@@ -186,6 +201,8 @@ class KVPuller:
             raise TicketError(f"ticket for request {ticket.request_id!r} is not signed by engine "
                               f"{ticket.engine_id} (epoch {ticket.epoch})", reason="signature")
         remote_ids, host_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
+        check_digests = self.identity.digest_on or self.corrupt_pulled_kv
+        digest_jobs = self._digest_jobs(ticket, remote, local_ids, num_cached_tokens) if check_digests else []
         t_check = time.perf_counter()
         pieces = self._source_pieces(ticket, remote, remote_ids, host_ids, local_ids, num_cached_tokens)
         t_pieces = time.perf_counter()
@@ -202,9 +219,12 @@ class KVPuller:
             # later tickets of the dead epoch fail fast as stale instead of timing out on reads.
             self.peers.forget(ticket.engine_id)
             raise
+        t_read = time.perf_counter()
+        if check_digests:
+            await self._check_digests(ticket, digest_jobs)
         done = time.perf_counter()
         stages = {"handshake": t_handshake - started, "check": t_check - t_handshake, "pieces": t_pieces - t_check,
-                  "plan": t_plan - t_pieces, "read": done - t_plan}
+                  "plan": t_plan - t_pieces, "read": t_read - t_plan, "digest": done - t_read}
         for _, _, sub in results:
             for name, seconds in sub.items():
                 stages[f"read.{name}"] = max(stages.get(f"read.{name}", 0.0), seconds)
@@ -213,6 +233,48 @@ class KVPuller:
             seconds=done - started, stages=stages,
             host_bytes=sum(r[0] for r, read in zip(results, reads, strict=True) if read.host_tier),
         )
+
+    def _digest_jobs(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription, local_ids: list[np.ndarray],
+                     num_cached_tokens: int) -> list[list[DigestJob]]:
+        """Per local rank, the digest jobs covering every token the pull moves (checked before any READ: a
+        ticket without a usable digest is refused like any other that does not fit)."""
+        n = ticket.num_tokens
+        starts = self._group_starts(remote, self._ranks[0].layout, n, num_cached_tokens)
+        entries = {(e.group_id, e.reader_rank): e for e in ticket.digests}
+        jobs = []
+        for q, rank in enumerate(self._ranks):
+            rank_jobs = []
+            for g, start in starts.items():
+                if start >= n:
+                    continue  # every token of the group was in this reader's prefix cache
+                entry = entries.get((g, q))
+                unit = entry.unit if entry is not None and entry.unit else rank.layout.block_size(g)
+                bs = rank.layout.block_size(g)
+                usable = entry is not None and start % unit == 0 and not (bs % unit and unit % bs) and \
+                    len(entry.digests) == -(-n // unit)
+                if self.identity.digest_on and not usable:
+                    raise TicketError(f"ticket for request {ticket.request_id!r} has no usable KV digest of group {g} "
+                                      f"for reading rank {q} from token {start} (unit {unit}, local block {bs})",
+                                      reason="digest")
+                rank_jobs.append(DigestJob(g, local_ids[g].tolist(), start, n, unit, 0, rank.layout.kv_heads(g), 0,
+                                           corrupt=self.corrupt_pulled_kv))
+            jobs.append(rank_jobs)
+        return jobs
+
+    async def _check_digests(self, ticket: kv_pb2.TransferTicket, jobs: list[list[DigestJob]]) -> None:
+        """Digest every pulled token on every local rank (where the KV now is) and compare with the ticket;
+        KVIntegrityError names the groups that differ. (With the digest off, only the fault injection runs.)"""
+        answers = await asyncio.gather(*(rank.digest(rank_jobs) for rank, rank_jobs in zip(self._ranks, jobs,
+                                                                                           strict=True)))
+        if not self.identity.digest_on:
+            return
+        entries = {(e.group_id, e.reader_rank): e for e in ticket.digests}
+        bad = sorted({job.group_id for q, (rank_jobs, got) in enumerate(zip(jobs, answers, strict=True))
+                      for job, units in zip(rank_jobs, got, strict=True)
+                      if total(units) != ticket_units(entries[job.group_id, q].digests, job.unit, job.start, job.end)})
+        if bad:
+            raise KVIntegrityError(f"request {ticket.request_id!r}: the KV pulled from engine {ticket.engine_id} "
+                                   f"does not match the ticket's digest in KV group(s) {bad}", bad)
 
     def planned_reads(self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]],
                       num_cached_tokens: int = 0) -> list[PlannedRead]:
@@ -341,13 +403,22 @@ class KVPuller:
         the reader's cached prefix (whole local blocks of that group) or, for a sliding group, the
         window's start, whichever is later; to ``end`` (the prompt's end by default)."""
         end = num_tokens if end is None else end
+        starts = KVPuller._group_starts(remote, local, num_tokens, num_cached_tokens)
         out = {}
         for rg, lg in zip(remote.groups, local.groups, strict=True):
-            cached = num_cached_tokens - num_cached_tokens % lg.block_size
-            start = min(max(cached, window_start_token(rg, lg, num_tokens), begin), end)
+            start = min(max(starts[lg.group_id], begin), end)
             out[lg.group_id] = map_block_arrays(remote_ids[rg.group_id], rg.block_size, local_ids[lg.group_id],
                                                 lg.block_size, end, start)
         return out
+
+    @staticmethod
+    def _group_starts(remote: EngineDescription, local: KVLayoutSpec, num_tokens: int, num_cached_tokens: int
+                      ) -> dict[int, int]:
+        """Per group, the first token a pull moves: after the reader's cached prefix (whole local blocks of
+        that group) or, for a sliding group, the window's start, whichever is later."""
+        return {lg.group_id: max(num_cached_tokens - num_cached_tokens % lg.block_size,
+                                 window_start_token(rg, lg, num_tokens))
+                for rg, lg in zip(remote.groups, local.groups, strict=True)}
 
 
 def _ticket_groups(groups: Sequence[kv_pb2.GroupBlocks], remote: EngineDescription, num_blocks: int,

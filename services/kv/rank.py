@@ -15,6 +15,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from services.kv.digest import DigestJob
+from services.kv.digest_compute import digest_job, warm_up
 from services.kv.layout import KVLayoutSpec
 from services.kv.nixl.agent import TransferAgent
 from services.kv.nixl.descriptors import MemKind
@@ -56,6 +58,10 @@ class KVRank(Protocol):
         """
         ...
 
+    async def digest(self, jobs: Sequence[DigestJob]) -> list[np.ndarray]:
+        """Each job's unit digests over this rank's KV (``services.kv.digest``), computed on its device."""
+        ...
+
 
 def register_rank(
     agent: TransferAgent, layout: KVLayoutSpec, buffers: Sequence[torch.Tensor]
@@ -78,9 +84,13 @@ class LocalKVRank:
         self.agent = agent
         self.name = agent.name
         self.layout = layout
+        self.buffers = tuple(buffers)
         self.regions = register_rank(agent, layout, buffers)
         self.host_layout = host_layout
+        self.host_buffers = tuple(host_buffers)
         self.host_regions = register_rank(agent, host_layout, host_buffers) if host_layout is not None else ()
+        self._digest_views: dict[bool, dict] = {False: {}, True: {}}  # per source: the digest's layer views
+        warm_up(layout, self.buffers, self._digest_views[False])
 
     def metadata(self) -> bytes:
         return self.agent.metadata()
@@ -100,3 +110,12 @@ class LocalKVRank:
         result = await self.agent.read(peer, local_rows, remote_rows, notify, self.regions[0].kind,
                                        remote_mem_kind=remote_mem_kind, timeout_s=timeout_s)
         return result.num_bytes, result.num_descriptors
+
+    async def digest(self, jobs: Sequence[DigestJob]) -> list[np.ndarray]:
+        out = []
+        for job in jobs:
+            if job.host_tier and self.host_layout is None:
+                raise ValueError("a digest job names the host tier, this rank has none")
+            layout, buffers = (self.host_layout, self.host_buffers) if job.host_tier else (self.layout, self.buffers)
+            out.append(digest_job(layout, buffers, job, self._digest_views[job.host_tier]))
+        return out

@@ -67,10 +67,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self.metrics.requests.labels("prefill", "finished").inc()
             return response
         host_ids, num_host_tokens = held.host_prefix or ((), 0)  # read from the host KV tier, not the device
-        response.ticket.CopyFrom(self.exporter.hand_out(
+        response.ticket.CopyFrom(await self.exporter.hand_out(
             rid, held.block_ids, num_tokens=len(request.prompt_token_ids), first_token_id=response.first_token_id,
             first_token_logprob=response.first_logprob, handshake_address=self.address,
             reader_tp_size=request.reader_tp_size or 1, host_block_ids=host_ids, num_host_tokens=num_host_tokens,
+            reader_block_size=request.reader_block_size,
         ))
         self.metrics.requests.labels("prefill", "ticket").inc()
         return response

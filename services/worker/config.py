@@ -26,6 +26,9 @@ class WorkerConfig:
         None, "shared token: KV agent metadata is only exchanged with peers presenting it (default: "
         "$PDSERVE_KV_AUTH_TOKEN, which keeps it out of the process list)", env="PDSERVE_KV_AUTH_TOKEN", secret=True)
     drain_timeout_s: float = flag(30.0, "SIGTERM: how long in-flight work may finish", parse=float)
+    kv_digest: bool = flag(
+        True, "do not checksum transferred KV (the digest a prefill worker puts in each ticket and the decode "
+        "worker checks before decoding); both workers of a pair must agree", name="--no-kv-digest", negated=True)
     tls: TLSConfig | None = None  # mTLS for gRPC: services.common.tls adds its flags (the router shares them)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from services.common.addresses import advertised_host, join_host_port
+from services.common.fault_inject import log_fault_injection
 from services.common.metrics import WorkerMetrics
 from services.common.tls import TLSConfig
 from services.engine.async_engine import AsyncEngine, EngineDeadError
@@ -46,6 +47,7 @@ class WorkerContext:
     epoch: int  # this start's; names the KV agents and tells peers a restarted worker from the old one
     ranks: list[KVRank]
     identity: KVIdentity  # the engine's KV identity, for the exporter or the puller
+    faults: frozenset[str] = frozenset()  # PDSERVE_FAULT_INJECT's faults (services.common.fault_inject)
 
 
 @dataclass(frozen=True)
@@ -75,10 +77,11 @@ async def serve(config: WorkerConfig, engine: LLMEngine, role: Role) -> str | No
     ranks = open_kv_ranks(engine, engine_id, epoch)
     aengine = AsyncEngine(engine)
     context = WorkerContext(config, engine, aengine, server, metrics, tls, address, engine_id, epoch, ranks,
-                            kv_identity(engine))
+                            kv_identity(engine, config.kv_digest), log_fault_injection())
     background = role.attach(context)
     aengine.start()
-    metrics.set_info(engine.source.name, engine_id, engine.config.parallel.tp_size, engine.config.block_size)
+    metrics.set_info(engine.source.name, engine_id, engine.config.parallel.tp_size, engine.config.block_size,
+                     len(engine.kv_layout.groups))
     metrics_port = metrics.serve(config.host, config.metrics_port)
     stop = asyncio.Event()
     tasks = [asyncio.create_task(run(stop)) for run in (*background, _stats_loop(aengine, metrics,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -23,6 +23,7 @@ import numpy as np
 
 from services.engine.tp import messages as m
 from services.engine.tp.group import TPGroup, TPGroupError
+from services.kv.digest import DigestJob
 from services.kv.layout import KVLayoutSpec
 from services.kv.nixl.descriptors import MemKind
 from services.kv.nixl.errors import TransferError, TransferTimeout
@@ -41,7 +42,7 @@ class FollowerKVRanks:
         self._group = group
         self._lock = threading.Lock()
         self._opened: dict[int, Future[m.AgentOpened]] = {}
-        self._reads: dict[int, Future[m.ReadDone]] = {}
+        self._reads: dict[int, Future] = {}  # read or digest id -> its answer
         self._read_ids = itertools.count()
         self._ranks: dict[int, FollowerKVRank] = {}
         group.on_message(self._route)
@@ -65,9 +66,10 @@ class FollowerKVRanks:
             ranks.append(self._ranks[rank])
         return ranks
 
-    def read(self, rank: int, message: m.Read) -> Future[m.ReadDone]:
-        """Send ``message`` to ``rank`` under a new read id; the future resolves with its ReadDone (or TPGroupError)."""
-        future: Future[m.ReadDone] = Future()
+    def request(self, rank: int, message: m.Read | m.Digest) -> Future:
+        """Send ``message`` to ``rank`` under a new id; the future resolves with its answer (``ReadDone`` or
+        ``DigestDone``), or TPGroupError."""
+        future: Future = Future()
         message = msgspec.structs.replace(message, id=next(self._read_ids))
         with self._lock:
             if self._group.failure is not None:
@@ -88,7 +90,7 @@ class FollowerKVRanks:
 
     def _route(self, rank: int, message: m.FromService) -> None:
         """A follower's answer (on its pipe thread)."""
-        if isinstance(message, m.ReadDone):
+        if isinstance(message, m.ReadDone | m.DigestDone):
             with self._lock:
                 future = self._reads.pop(message.id, None)
             if future is not None:
@@ -152,7 +154,7 @@ class FollowerKVRank:
 
     async def read(self, peer_metadata: bytes, local_rows: np.ndarray, remote_rows: np.ndarray, notify: bytes,
                    remote_mem_kind: MemKind, timeout_s: float) -> tuple[int, int]:
-        future = self._link.read(self.tp_rank, m.Read(
+        future = self._link.request(self.tp_rank, m.Read(
             id=0, peer_metadata=peer_metadata,
             local_rows=np.ascontiguousarray(local_rows, dtype=np.uint64).tobytes(),
             remote_rows=np.ascontiguousarray(remote_rows, dtype=np.uint64).tobytes(), notify=notify,
@@ -169,3 +171,16 @@ class FollowerKVRank:
         if done.error:
             raise TransferError(f"TP rank {self.tp_rank}: {done.error}")
         return done.num_bytes, done.num_descriptors
+
+    async def digest(self, jobs: Sequence[DigestJob]) -> list[np.ndarray]:
+        future = self._link.request(self.tp_rank, m.Digest(id=0, jobs=msgspec.msgpack.encode(list(jobs))))
+        try:
+            done = await asyncio.wait_for(asyncio.wrap_future(future), REPLY_TIMEOUT_S)
+        except TimeoutError:
+            raise TransferError(f"TP rank {self.tp_rank} did not answer a KV digest within {REPLY_TIMEOUT_S:.0f} s"
+                                ) from None
+        except RuntimeError as e:  # TPGroupError: the rank is gone
+            raise TransferError(f"TP rank {self.tp_rank}: {e}") from None
+        if done.error:
+            raise TransferError(f"TP rank {self.tp_rank}: KV digest failed: {done.error}")
+        return [np.frombuffer(units, dtype=np.uint64) for units in done.units]

@@ -2,9 +2,10 @@
 
 Installed by rank 0's worker layer (``TPGroup.install_rank_service``) and built in the follower
 process, it handles the messages that are not steps: ``OpenAgent`` registers the shard with a new
-agent, ``Read`` pulls into it on a transfer thread (beside the steps, like rank 0's pulls run
-beside its engine thread), ``RemovePeer`` forgets a peer; NIXL notifications for the agent are
-pushed to rank 0 as they come. Rank 0 sees the rank through ``follower_kv_rank.FollowerKVRank``.
+agent, ``Read`` pulls into it and ``Digest`` checksums it on a transfer thread (beside the steps,
+like rank 0's pulls run beside its engine thread), ``RemovePeer`` forgets a peer; NIXL notifications
+for the agent are pushed to rank 0 as they come. Rank 0 sees the rank through
+``follower_kv_rank.FollowerKVRank``.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import msgspec
 import numpy as np
 
 from services.engine.tp import messages as m
 from services.engine.tp.rank_service import RankContext
+from services.kv.digest import DigestJob
 from services.kv.nixl.agent import TransferAgent
 from services.kv.nixl.errors import TransferTimeout
 from services.kv.rank import LocalKVRank
@@ -36,6 +39,8 @@ class FollowerKVService:
     def handle(self, message: m.ToService) -> None:
         if isinstance(message, m.Read):
             asyncio.run_coroutine_threadsafe(self._read(message), self._loop)
+        elif isinstance(message, m.Digest):
+            asyncio.run_coroutine_threadsafe(self._digest(message), self._loop)
         elif isinstance(message, m.OpenAgent):
             self._open_agent(message.name)
         elif isinstance(message, m.RemovePeer) and self.kv_rank is not None:
@@ -69,6 +74,16 @@ class FollowerKVService:
             reply = m.ReadDone(message.id, error=str(e), timed_out=True, aborted=e.aborted)
         except Exception as e:  # noqa: BLE001 - every failure goes back to the reader as an error
             reply = m.ReadDone(message.id, error=f"{type(e).__name__}: {e}")
+        self._context.send(reply)
+
+    async def _digest(self, message: m.Digest) -> None:
+        try:
+            if self.kv_rank is None:
+                raise RuntimeError("no NIXL agent open on this rank")
+            units = await self.kv_rank.digest(msgspec.msgpack.decode(message.jobs, type=list[DigestJob]))
+            reply = m.DigestDone(message.id, [u.tobytes() for u in units])
+        except Exception as e:  # noqa: BLE001 - every failure goes back to rank 0 as an error
+            reply = m.DigestDone(message.id, error=f"{type(e).__name__}: {e}")
         self._context.send(reply)
 
     async def _push_notifications(self) -> None:

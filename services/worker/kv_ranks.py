@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from services.engine.llm_engine import LLMEngine
-from services.kv.compat import KVIdentity
+from services.kv.compat import DIGEST_OFF, DIGEST_SCHEME, KVIdentity
 from services.kv.nixl.agent import TransferAgent
 from services.kv.rank import KVRank, LocalKVRank
 from services.worker.follower_kv_rank import FollowerKVRanks
@@ -33,13 +33,14 @@ def open_kv_ranks(engine: LLMEngine, engine_id: str, epoch: int) -> list[KVRank]
     return ranks
 
 
-def kv_identity(engine: LLMEngine) -> KVIdentity:
+def kv_identity(engine: LLMEngine, kv_digest: bool = True) -> KVIdentity:
     """What makes this engine's KV bytes mean what they mean: built once per daemon, handed to the
-    exporter (prefill) or the puller (decode), which present and check it as the compatibility hash."""
+    exporter (prefill) or the puller (decode), which present and check it as the compatibility hash.
+    ``kv_digest``: whether transfers carry and check the KV digest (both sides must agree)."""
     mc = engine.model_config
     return KVIdentity.of(architecture=mc.architecture, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                          head_dim=mc.head_dim, layout=engine.kv_layout, kv_sharing=mc.kv_sharing,
-                         group_kv_heads=engine.group_kv_heads)
+                         group_kv_heads=engine.group_kv_heads, kv_digest=DIGEST_SCHEME if kv_digest else DIGEST_OFF)
 
 
 def close_kv_ranks(ranks: list[KVRank]) -> None:

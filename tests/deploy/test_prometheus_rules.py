@@ -132,7 +132,7 @@ def test_the_alerts_the_deployment_needs_exist() -> None:
     assert promql.alert_names() >= {
         "PdserveNoHealthyPair", "PdserveRouterUnavailable", "PdserveKVPullFailures", "PdserveLocalRecomputes",
         "PdserveKVLeaseExpiries", "PdserveKVBlocksNearlyFull", "PdserveTTFTSLOBreach", "PdserveWorkerRestarts",
-        "PdserveTargetDown"}
+        "PdserveTargetDown", "PdserveKVIntegrityFailures"}
 
 
 def test_alerts_select_the_component_jobs_prometheus_yml_defines() -> None:

@@ -79,12 +79,15 @@ def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def _disaggregated(prefill: Daemon, decode: Daemon, prompt: list[int], request_id: str) -> list[int]:
-    """The router's flow by hand: Prefill (told the reader's TP size), then Generate with the ticket."""
+    """The router's flow by hand: Prefill (told the reader's TP size and block size), then Generate with
+    the ticket."""
     params = worker_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    reader_tp = info(decode).tp_size
+    reader = info(decode)
     with grpc.insecure_channel(prefill.address) as ch:
         answer = worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(worker_pb2.PrefillRequest(
-            request_id=request_id, prompt_token_ids=prompt, params=params, reader_tp_size=reader_tp), timeout=120)
+            request_id=request_id, prompt_token_ids=prompt, params=params, reader_tp_size=reader.tp_size,
+            reader_block_size=reader.block_size), timeout=120)
+    assert answer.ticket.digests, "the ticket carries the KV digest (on by default)"
     assert answer.HasField("ticket")
     tokens = []
     with grpc.insecure_channel(decode.address) as ch:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import queue
 import subprocess
@@ -30,7 +31,7 @@ from services.kv.compat import KVCompatibilityError
 from services.kv.handshake import HandshakeError, StaleTicketError
 from services.kv.nixl.agent import TransferAgent
 from services.kv.nixl.errors import TransferError
-from services.kv.puller import KVPuller, TicketError
+from services.kv.puller import KVIntegrityError, KVPuller, TicketError
 from services.kv.rank import LocalKVRank
 from services.kv.wire import ticket_signature
 from services.proto_gen.pdserve.v1 import kv_pb2
@@ -84,6 +85,11 @@ def owner_process(cfg: dict):
             proc.wait()
 
 
+def reader_block_size(reader_cfg: dict) -> int:
+    """What a router tells the owner of the reader's block size: its groups' gcd (the digest unit divides it)."""
+    return math.gcd(*(g["block_size"] for g in group_shapes(reader_cfg)))
+
+
 @dataclass
 class Reader:
     puller: KVPuller
@@ -98,7 +104,7 @@ class Reader:
 
 
 @contextmanager
-def reader(cfg: dict, tp: int, token: str | None = None):
+def reader(cfg: dict, tp: int, token: str | None = None, corrupt: bool = False):
     layout = layout_for(cfg, tp)
     caches, agents, ranks = [], [], []
     for rank in range(tp):
@@ -110,7 +116,7 @@ def reader(cfg: dict, tp: int, token: str | None = None):
         agents.append(agent)
         ranks.append(LocalKVRank(agent, layout, cache.buffers))
     puller = KVPuller(engine_id="reader", identity=identity_for(cfg, layout), ranks=ranks,
-                      auth_token=token, handshake_timeout_s=10, transfer_timeout_s=20)
+                      auth_token=token, handshake_timeout_s=10, transfer_timeout_s=20, corrupt_pulled_kv=corrupt)
     r = Reader(puller, caches, agents, cfg, tp)
     try:
         yield r
@@ -188,6 +194,7 @@ def test_pull_reproduces_owner_bytes(case: str) -> None:
     owner_cfg = {**BASE, **owner_over, "engine_id": f"owner-{case}", "tp": owner_tp, "reader_tp": reader_tp}
     owner_cfg["requests"] = [_request("req-1", num_tokens, owner_cfg["block_size"], 3, shuffle=True)]
     reader_cfg = {**BASE, **reader_over}
+    owner_cfg["reader_block_size"] = reader_block_size(reader_cfg)
     local_ids = list(range(1, 1 + -(-num_tokens // reader_cfg["block_size"])))[::-1]
     with owner_process(owner_cfg) as owner, reader(reader_cfg, reader_tp) as r:
         ticket = owner.tickets["req-1"]
@@ -233,7 +240,7 @@ def test_prefix_already_held_is_not_read() -> None:
 @pytest.mark.parametrize(
     ("reader_over", "field"),
     [({"dtype": "bfloat16"}, "dtype"), ({"num_layers": 4}, "num_layers"), ({"head_dim": 16}, "head_dim"),
-     ({"order": "HND"}, "kv_layout")],
+     ({"order": "HND"}, "kv_layout"), ({"kv_digest": "off"}, "kv_digest")],
 )
 def test_incompatible_reader_is_refused_with_the_field_named(reader_over: dict, field: str) -> None:
     owner_cfg = {**BASE, "engine_id": f"owner-compat-{field}", "tp": 1, "reader_tp": 1,
@@ -243,6 +250,49 @@ def test_incompatible_reader_is_refused_with_the_field_named(reader_over: dict, 
         with pytest.raises(KVCompatibilityError, match=field) as e:
             asyncio.run(r.puller.pull(owner.tickets["c"], [[0, 1, 2]]))
         assert field in e.value.differences
+        assert all(bool((b == SENTINEL).all()) for b in r.caches[0].buffers)  # nothing was read
+
+
+@pytest.mark.parametrize("digest", ["on", "off"])
+def test_corrupted_pulled_kv_fails_its_digest(digest: str) -> None:
+    """PDSERVE_FAULT_INJECT=kv_corrupt's flip after the READ: with the digest on, the pull fails with the
+    group named (TP 2 -> 1 hybrid: every group, both owner ranks' shares); off, the corruption goes unseen
+    (the caller would decode from it)."""
+    cfg = {**hybrid_cfg(), **({"kv_digest": "off"} if digest == "off" else {})}
+    scratch = cfg["num_blocks"] - 1
+    owner_cfg = {**cfg, "engine_id": f"owner-corrupt-{digest}", "tp": 2, "reader_tp": 1,
+                 "requests": [{"request_id": "x", "num_tokens": 31, "block_ids": hybrid_tables(cfg, 31, 3, scratch)}]}
+    local_ids = hybrid_tables(cfg, 31, 10, scratch)
+    with owner_process(owner_cfg) as owner, reader(cfg, 1, corrupt=True) as r:
+        if digest == "on":
+            with pytest.raises(KVIntegrityError, match="does not match the ticket's digest") as e:
+                asyncio.run(r.puller.pull(owner.tickets["x"], local_ids))
+            assert e.value.groups == (0, 1)
+        else:
+            result = asyncio.run(r.puller.pull(owner.tickets["x"], local_ids))
+            assert result.num_bytes > 0 and not owner.tickets["x"].digests
+        owner.wait_released("x")  # the READs notified: the owner frees its blocks either way
+
+
+def test_a_ticket_without_a_usable_digest_is_refused_before_any_read() -> None:
+    """An owner that left the digest out, or cut it for another block size than the reader's, is refused
+    like any ticket that does not fit: nothing is read."""
+    owner_cfg = {**BASE, "block_size": 8, "engine_id": "owner-no-digest", "tp": 1, "reader_tp": 1,
+                 "requests": [_request("d", 20, 8, 0, shuffle=False)]}
+    with owner_process(owner_cfg) as owner, reader(BASE, 1) as r:  # the reader's blocks are 4 tokens
+        ticket = owner.tickets["d"]
+        asyncio.run(r.puller.peers.get(ticket.handshake_address, ticket.engine_id, ticket.epoch))
+        for cut in ("dropped", "coarse"):
+            forged = kv_pb2.TransferTicket()
+            forged.CopyFrom(ticket)
+            if cut == "dropped":
+                del forged.digests[:]
+            with pytest.raises(TicketError, match="no usable KV digest") as refused:
+                # "coarse": the ticket's unit is the owner's 8 tokens; a reader holding 12 cached tokens
+                # starts mid-unit, which no digest entry covers (a router tells the owner the reader's size).
+                asyncio.run(r.puller.pull(_resigned(r, forged), [[0, 1, 2, 3, 4]],
+                                          num_cached_tokens=0 if cut == "dropped" else 12))
+            assert refused.value.reason == "digest"
         assert all(bool((b == SENTINEL).all()) for b in r.caches[0].buffers)  # nothing was read
 
 
@@ -375,6 +425,7 @@ def test_hybrid_pull_moves_the_window_and_full_groups_with_their_shapes(case: st
     owner_cfg["requests"] = [{"request_id": f"h{n}", "num_tokens": n,
                               "block_ids": hybrid_tables(owner_cfg, n, 3, scratch)} for n, _ in requests]
     reader_cfg = hybrid_cfg(r_kind, r_sw, r_full)
+    owner_cfg["reader_block_size"] = reader_block_size(reader_cfg)
     with owner_process(owner_cfg) as owner, reader(reader_cfg, 1) as r:
         for num_tokens, starts in requests:
             for b in r.caches[0].buffers:

@@ -182,3 +182,7 @@ def test_worker_flags_are_the_role_config_fields(monkeypatch: pytest.MonkeyPatch
     assert config_from_args(DecodeConfig, args) == DecodeConfig(kv_transfer_timeout_s=2.0, kv_auth_token="other")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["decode", "--kv-lease-s", "5"])  # a prefill flag
+    # The KV digest is on unless a worker is told otherwise (both roles take the switch).
+    assert config_from_args(DecodeConfig, args).kv_digest
+    for role, config in (("prefill", PrefillConfig), ("decode", DecodeConfig)):
+        assert not config_from_args(config, build_parser().parse_args([role, "--no-kv-digest"])).kv_digest

@@ -7,9 +7,10 @@ down, with why).
 
 The rank service the worker layer installs (``rank_service``) handles the KV-transfer messages
 (``ToService``): ``OpenAgent`` (create the NIXL agent and register the KV shard), ``Read`` (pull
-KV into this rank), ``RemovePeer``; its answers (``FromService``: ``AgentOpened``, ``ReadDone``,
-``Notifications``, NIXL notifications pushed as they arrive) go to the handler rank 0's worker
-layer registers with ``TPGroup.on_message``. These are plain values: no transfer code here.
+KV into this rank), ``Digest`` (checksum KV of this rank), ``RemovePeer``; its answers
+(``FromService``: ``AgentOpened``, ``ReadDone``, ``DigestDone``, ``Notifications``, NIXL
+notifications pushed as they arrive) go to the handler rank 0's worker layer registers with
+``TPGroup.on_message``. These are plain values: no transfer code here.
 """
 
 from __future__ import annotations
@@ -82,6 +83,21 @@ class ReadDone(msgspec.Struct, tag=True):
     aborted: bool = True
 
 
+class Digest(msgspec.Struct, tag=True):
+    """KV digests of this rank's shard: ``jobs`` is a msgpack list of ``services.kv.digest.DigestJob``."""
+
+    id: int
+    jobs: bytes
+
+
+class DigestDone(msgspec.Struct, tag=True):
+    """Each job's unit digests (uint64 arrays as bytes), or ``error``."""
+
+    id: int
+    units: list[bytes] = []
+    error: str = ""
+
+
 class RemovePeer(msgspec.Struct, tag=True):
     name: str
 
@@ -106,8 +122,8 @@ class InstallService(msgspec.Struct, tag=True):
     factory: bytes
 
 
-ToService = OpenAgent | Read | RemovePeer
-FromService = AgentOpened | ReadDone | Notifications
+ToService = OpenAgent | Read | Digest | RemovePeer
+FromService = AgentOpened | ReadDone | DigestDone | Notifications
 ToFollower = Step | Allocate | InstallService | Shutdown | ToService
 ToLeader = Hello | Fatal | FromService
 

@@ -206,3 +206,11 @@ def test_handshake_carries_each_group_spec() -> None:
     m.groups[1].head_dim = 16
     with pytest.raises(HandshakeError, match="layout groups differ"):
         description_from_proto(m)
+
+
+def test_a_pair_that_disagrees_on_the_kv_digest_is_refused_with_the_flag_named() -> None:
+    on, off = _info(), _info(kv_digest="off")
+    assert on.fields["kv_digest"] != "off" and on.hash != off.hash
+    with pytest.raises(KVCompatibilityError, match="kv_digest: local .* vs remote 'off'.*--no-kv-digest") as e:
+        check_compatible(on, off.fields, off.hash)
+    assert set(e.value.differences) == {"kv_digest"}

@@ -1,0 +1,113 @@
+"""Which KV digest: the candidates' cost on the same KV, side by side, and what each can detect.
+
+The KV of one request (Llama-3.1-8B shape: 32 layers, 8 KV heads of 128, bf16, block 16, cross-layer
+blocks scattered over the pool) is digested by:
+
+  mix32-sum   the chosen digest (``services.kv.digest``): each element's bits XOR its position key,
+              through a 32-bit bijection, summed mod 2**64 per token unit. Splits by token range, TP
+              head slice and source; any one-element change is caught. Triton on CUDA, numpy on CPU.
+  plain-sum   the sum of the raw bits (one reduction): the cheapest pass over the bytes, the floor a
+              digest can reach; blind to reordering (a block read into the wrong slot sums the same).
+  crc32-host  zlib's CRC-32 of the gathered blocks, copied to the host first on CUDA (what "on the
+              device where the KV lives" avoids); order-sensitive, so it cannot be split by token
+              range or TP slice when the two sides' block sizes or layouts differ.
+  adler32-host  zlib's Adler-32 (SGLang's choice, there on the GPU), same limits as crc32.
+
+    python bench/kv_digest.py                      # CPU
+    python bench/kv_digest.py --device cuda        # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench._common import emit_json  # noqa: E402
+from services.kv import digest as D  # noqa: E402
+from services.kv.digest_compute import digest_job  # noqa: E402
+from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
+from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind  # noqa: E402
+
+BLOCK, LAYERS, HEADS, HEAD_DIM = 16, 32, 8, 128
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    fn()
+    sync(device)
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def run(device: torch.device, tokens: int, repeats: int) -> list[dict]:
+    num_blocks = 2 * -(-tokens // BLOCK) + 1
+    group = KVCacheGroupSpec(0, AttentionKind.FULL, tuple(range(LAYERS)), BLOCK)
+    layout = KVLayoutSpec(LayoutKind.CROSS_LAYER, BlockOrder.NHD, num_blocks, HEADS, HEAD_DIM, "bfloat16", (group,))
+    (buffer,) = [torch.randn(b.num_bytes // 2, device=device).to(torch.bfloat16) for b in layout.buffers()]
+    ids = list(range(0, num_blocks - 1, 2))[: -(-tokens // BLOCK)]  # every other block: scattered
+    job = D.DigestJob(0, ids, 0, tokens, BLOCK, 0, HEADS, 0)
+    index = torch.tensor(ids, device=device)
+    blocks = buffer.view(num_blocks, -1)
+    num_bytes = len(ids) * layout.block_bytes(0)
+
+    def host_bytes() -> bytes:
+        return blocks[index].view(torch.uint8).cpu().numpy().tobytes()
+
+    views: dict = {}  # what a KV rank keeps between jobs
+    candidates = {
+        "mix32-sum": lambda: digest_job(layout, [buffer], job, views),
+        "plain-sum": lambda: blocks[index].view(torch.int16).sum(dtype=torch.int64).item(),
+        "crc32-host": lambda: zlib.crc32(host_bytes()),
+        "adler32-host": lambda: zlib.adler32(host_bytes()),
+    }
+    rows = []
+    for name, fn in candidates.items():
+        seconds = timed(fn, device, repeats)
+        rows.append({"scenario": "kv_digest", "device": str(device), "tokens": tokens, "candidate": name,
+                     "bytes": num_bytes, "seconds": seconds, "gbps": num_bytes / seconds / 1e9})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--tokens", default="2048,8192")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    rows = [r for n in args.tokens.split(",") for r in run(device, int(n), args.repeats)]
+    if emit_json(rows, args.json_out, args.json):
+        return
+    print(f"# KV digest candidates on {device}: Llama-3.1-8B KV (bf16, block 16, scattered blocks), median of "
+          f"{args.repeats}; ratio = time / mix32-sum's")
+    print(f"{'tokens':>6} {'MiB':>6} {'candidate':>13} {'ms':>9} {'GB/s':>8} {'ratio':>6}")
+    for n in dict.fromkeys(r["tokens"] for r in rows):
+        mine = [r for r in rows if r["tokens"] == n]
+        chosen = next(r for r in mine if r["candidate"] == "mix32-sum")["seconds"]
+        for r in mine:
+            print(f"{n:>6} {r['bytes'] / 2**20:>6.0f} {r['candidate']:>13} {r['seconds'] * 1e3:>9.3f} "
+                  f"{r['gbps']:>8.1f} {r['seconds'] / chosen:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
