@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: placed automatically)")
     up.add_argument("--served-model-name", default=None)
     up.add_argument("--direct-decode-threshold", type=int, default=0, metavar="TOKENS")
+    up.add_argument("--enforce-disagg", action="store_true",
+                    help="the router's strict disaggregation: a request the prefill worker's KV cannot serve fails "
+                         "(503/502) instead of being prefilled on a decode worker (the router also reads "
+                         "$PDSERVE_ENFORCE_DISAGG)")
     up.add_argument("--metrics-port", type=int, default=0,
                     help="the supervisor's /metrics port (worker restarts; default: a free one, on the ready line)")
     up.add_argument("--prometheus-sd-file", default=None, metavar="PATH",

@@ -29,7 +29,8 @@ class Flag:
     field's value (identity when None). A bool field is a switch: ``--name`` sets it True, or with
     ``negated`` a ``--no-...`` name sets it False. ``cli_default`` is the parsed value when the flag is
     absent (default: the field's default), for flags whose absence means something (``None``); ``env``
-    names a variable that supplies it instead when set (read when the parser is built).
+    names a variable that supplies it instead when set (read when the parser is built; for a switch,
+    ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` is the field's value).
     """
 
     help: str
@@ -83,12 +84,29 @@ def _field_default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
 
 
+_SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+                 "off": False}
+
+
+def _env_switch(parser: argparse.ArgumentParser, spec: Flag) -> bool | None:
+    """A switch's field value from its environment variable; None when unset or empty."""
+    text = os.environ.get(spec.env or "", "").strip()
+    if not text:
+        return None
+    if text.lower() not in _SWITCH_WORDS:
+        parser.error(f"${spec.env} must be one of {', '.join(_SWITCH_WORDS)}; got {text!r}")
+    return _SWITCH_WORDS[text.lower()]
+
+
 def add_flags(parser: argparse.ArgumentParser, config_type: type) -> None:
     """Add one argument per flagged field of ``config_type``."""
     for f, spec, name in _flags(config_type):
         default = _field_default(f)
         if isinstance(default, bool):
-            parser.add_argument(name, action="store_true", help=spec.help)
+            from_env = _env_switch(parser, spec)
+            # The parsed value says "the switch was given"; a negated switch gives False.
+            given = {} if from_env is None else {"default": from_env != spec.negated}
+            parser.add_argument(name, action="store_true", help=spec.help, **given)
             continue
         cli_default = default if spec.cli_default is _ABSENT else spec.cli_default
         if spec.env is not None and os.environ.get(spec.env):

@@ -5,13 +5,14 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 # The outcomes each role counts in pdserve_requests_total.
-REQUEST_OUTCOMES = {"prefill": ("ticket", "finished", "invalid"), "decode": ("finished", "invalid")}
+# decode "pull_required": refused because its pull was required (the router's --enforce-disagg) and failed
+REQUEST_OUTCOMES = {"prefill": ("ticket", "finished", "invalid"), "decode": ("finished", "invalid", "pull_required")}
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # The decode worker's path from a ticket to a request whose KV is usable, in order (they add up):
 # reserve local blocks (on the engine thread), then KVPuller.pull's stages (handshake: the peer cache,
 # a Handshake RPC on first contact; check: the ticket; pieces: token runs; plan: descriptors; read: the
 # NIXL READs until their completion reached the event loop), then resume (the engine takes the request).
-PULL_STAGES = ("reserve", "handshake", "check", "pieces", "plan", "read", "resume")
+PULL_STAGES = ("reserve", "handshake", "check", "pieces", "plan", "read", "digest", "resume")
 STAGE_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0)
 
@@ -52,6 +53,9 @@ class WorkerMetrics:
         self.kv_refused = Counter("pdserve_kv_refused", "Transfer tickets (decode) and NIXL notifications (prefill) "
                                   "refused: not signed by their owner, not fitting it, naming no pending ticket, "
                                   "or repeated", ["role", "kind", "reason"], registry=r)
+        self.kv_integrity_failures = Counter("pdserve_kv_integrity_failures", "Pulls whose KV did not match the "
+                                             "ticket's digest, by KV group (the blocks were dropped and the prompt "
+                                             "prefilled here)", ["role", "group"], registry=r)
         self.lease_expiries = Counter("pdserve_kv_lease_expiries", "Pinned KV freed by lease expiry, never pulled",
                                       labels, registry=r)
         # Prefix cache and host KV tier (services/engine/offload/); the engine counts, these follow.
@@ -99,13 +103,16 @@ class WorkerMetrics:
         if self.role == "decode":
             for stage in PULL_STAGES:
                 self.pull_stage_seconds.labels(self.role, stage)
-        kind, reasons = ("ticket", ("signature", "mismatch")) if self.role == "decode" else \
+        kind, reasons = ("ticket", ("signature", "mismatch", "digest")) if self.role == "decode" else \
             ("notification", ("unknown", "duplicate"))
         for reason in reasons:
             self.kv_refused.labels(self.role, kind, reason)
 
-    def set_info(self, model: str, engine_id: str, tp_size: int, block_size: int) -> None:
+    def set_info(self, model: str, engine_id: str, tp_size: int, block_size: int, num_kv_groups: int = 1) -> None:
         self.info.labels(self.role, model, engine_id, str(tp_size), str(block_size)).set(1)
+        if self.role == "decode":  # the side that checks pulled KV
+            for group in range(num_kv_groups):
+                self.kv_integrity_failures.labels(self.role, str(group))
 
     def set_engine_stats(self, stats) -> None:  # stats: services.engine.async_engine.EngineStats
         self.queue_depth.labels(self.role).set(stats.num_waiting)

@@ -7,6 +7,10 @@ token. If there is no room in time, the pull fails, or the engine refuses the fi
 reservation is aborted and the prompt plus that first token is prefilled here, one token fewer to
 go: the request still completes. Cancelled between reserving and streaming, the reservation is
 aborted (nobody will read the request). Without a ticket the prompt is prefilled here.
+
+Strict disaggregation (``GenerateRequest.require_pull``, the router's ``--enforce-disagg``): the same
+failures drop the reservation the same way, then raise :class:`PullRequired` instead of recomputing,
+so the router can fail the request rather than serve it from a prompt this worker prefilled.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from services.contract.sampling_params import SamplingParams
 from services.engine.sched.request import Request
 from services.kv.handshake import HandshakeError
 from services.kv.nixl.errors import TransferError
-from services.kv.puller import PullResult, TicketError
+from services.kv.puller import KVIntegrityError, PullResult, TicketError
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,15 @@ class Puller(Protocol):
                    num_cached_tokens: int = 0) -> PullResult: ...
 
 
+class PullRequired(Exception):
+    """The request needs pulled KV (``require_pull``) and the pull could not be done; nothing is left
+    reserved for it. ``reason`` says why, for the caller's error status."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class StartedRequest:
     """A request the engine runs now. ``emit_first``: tokens to stream before the engine's own outputs
@@ -78,21 +91,26 @@ class PullPolicy:
         self.reserve_timeout_s = reserve_timeout_s
 
     async def start(self, rid: str, prompt: list[int], params: SamplingParams,
-                    ticket: kv_pb2.TransferTicket | None) -> StartedRequest:
-        """Start ``rid`` on the engine; ValueError for bad input (then nothing is left reserved)."""
+                    ticket: kv_pb2.TransferTicket | None, *, require_pull: bool = False) -> StartedRequest:
+        """Start ``rid`` on the engine; ValueError for bad input (then nothing is left reserved).
+
+        ``require_pull`` (with a ticket): :class:`PullRequired` when the pull cannot be done, instead of
+        prefilling the prompt here.
+        """
         if ticket is None:
             await self.engine.add_request(rid, prompt, params)
             return StartedRequest()
-        return await self._start_from_ticket(rid, prompt, params, ticket)
+        return await self._start_from_ticket(rid, prompt, params, ticket, require_pull)
 
     async def _start_from_ticket(self, rid: str, prompt: list[int], params: SamplingParams,
-                                 ticket: kv_pb2.TransferTicket) -> StartedRequest:
-        """Reserve, pull, and start decoding; on any pull failure prefill here instead."""
+                                 ticket: kv_pb2.TransferTicket, require_pull: bool) -> StartedRequest:
+        """Reserve, pull, and start decoding; on any pull failure prefill here instead (or, when the
+        pull is required, raise PullRequired)."""
         if list(ticket.groups) and ticket.num_tokens != len(prompt):
             raise ValueError(f"ticket covers {ticket.num_tokens} tokens, the prompt has {len(prompt)}")
         started = time.perf_counter()
         try:
-            pulled = await self._reserve_and_pull(rid, prompt, params, ticket, started)
+            failure = await self._reserve_and_pull(rid, prompt, params, ticket, started)
         except ValueError:
             raise  # bad input (a duplicate id among them): nothing was reserved under this call
         except BaseException:
@@ -100,8 +118,12 @@ class PullPolicy:
             # reserving blocks and streaming: nobody will read this request, so it must not keep them.
             await asyncio.shield(self.engine.abort(rid))
             raise
-        if pulled:
+        if failure is None:
             return StartedRequest()
+        if require_pull:
+            log.warning("request %s: %s; failing it (the router requires pulled KV)", rid, failure)
+            raise PullRequired(failure)
+        log.warning("request %s: %s; prefilling locally", rid, failure)
         return await self._recompute(rid, prompt, params, ticket.first_token_id)
 
     async def _recompute(self, rid: str, prompt: list[int], params: SamplingParams,
@@ -113,32 +135,29 @@ class PullPolicy:
         return StartedRequest((first_token_id,), recomputed_locally=True)
 
     async def _reserve_and_pull(self, rid: str, prompt: list[int], params: SamplingParams,
-                                ticket: kv_pb2.TransferTicket, started: float) -> bool:
-        """Reserve local blocks and pull the ticket's KV into them; False when the prompt must be
-        prefilled here instead (no room in time, or the pull failed: the reservation is dropped)."""
+                                ticket: kv_pb2.TransferTicket, started: float) -> str | None:
+        """Reserve local blocks and pull the ticket's KV into them; None when the request runs on the
+        pulled KV, else why it cannot (no room in time, the pull failed, the first token was refused:
+        any reservation is dropped by then)."""
         request = await self._reserve(rid, prompt, params)
         reserved = time.perf_counter()
         if request is None:
-            log.warning("request %s: no KV blocks or sequence seat free for %.0f s; prefilling locally",
-                        rid, self.reserve_timeout_s)
-            return False
+            return f"no KV blocks or sequence seat free for {self.reserve_timeout_s:.0f} s"
         try:
             result = await self.puller.pull(ticket, request.block_ids, request.num_cached_tokens)
         except PULL_ERRORS as e:
-            log.warning("request %s: KV pull from %s failed (%s); prefilling locally", rid, ticket.engine_id, e)
             self._count_failure(e)
             await self.engine.abort(rid)
-            return False
+            return f"KV pull from {ticket.engine_id} failed ({e})"
         pulled = time.perf_counter()
         try:
             await self.engine.complete_external_kv(rid, ticket.first_token_id, ticket.first_token_logprob)
         except ValueError as e:  # the ticket's first token does not fit (e.g. not in the grammar)
-            log.warning("request %s: the ticket's first token is refused (%s); prefilling locally", rid, e)
             await self.engine.abort(rid)
-            return False
+            return f"the ticket's first token is refused ({e})"
         resumed = time.perf_counter()
         self._count_pull(rid, result, reserved - started, resumed - pulled)
-        return True
+        return None
 
     async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams) -> Request | None:
         """Reserve local blocks for the pull, waiting (bounded, with backoff) for a seat or blocks to free up;
@@ -158,6 +177,9 @@ class PullPolicy:
         failures.labels("decode").inc()
         if isinstance(error, TicketError):
             self.metrics.kv_refused.labels("decode", "ticket", error.reason).inc()
+        if isinstance(error, KVIntegrityError):  # the blocks are dropped with the reservation
+            for group in error.groups:
+                self.metrics.kv_integrity_failures.labels("decode", str(group)).inc()
 
     def _count_pull(self, rid: str, result: PullResult, reserve_s: float, resume_s: float) -> None:
         """The transfer counters, pdserve_kv_pull_stage_seconds, and one debug line with every stage (the

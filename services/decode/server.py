@@ -4,7 +4,9 @@
 engine id + epoch), reserves local blocks (reusing what its own prefix cache holds), pulls the
 rest over NIXL, then decodes with continuous batching alongside other requests. If the pull
 fails or the peer is gone, it prefills the prompt itself: the request still completes
-(pull_policy.py). Without a ticket it prefills locally (conditional disaggregation).
+(pull_policy.py). Without a ticket it prefills locally (conditional disaggregation). With
+``require_pull`` set (the router's ``--enforce-disagg``) it never recomputes: a pull that cannot be
+done fails the call with FAILED_PRECONDITION and the reason, before any chunk.
 
 The stream's first chunk is the ticket's first token, so a client of this service sees the whole
 output; the router, which already sent that token, skips it. The daemon's start-up, drain and
@@ -21,7 +23,7 @@ import grpc
 
 from services.common.metrics import WorkerMetrics
 from services.contract.wire import sampling_from_proto, top_logprobs_to_proto
-from services.decode.pull_policy import PullPolicy, StartedRequest
+from services.decode.pull_policy import PullPolicy, PullRequired, StartedRequest
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
 from services.engine.output_processor import RequestOutput
@@ -33,6 +35,11 @@ from services.worker.daemon import Background, Role, WorkerContext
 from services.worker.daemon import serve as serve_worker
 from services.worker.grpc_server import WorkerServer
 from services.worker.worker_info import worker_info
+
+# pdserve_requests_total's outcome for a request refused because its required pull could not be done
+# (the failure itself is counted by the policy: handshake or transfer failures, refused tickets);
+# one of REQUEST_OUTCOMES["decode"], so the series exists from the start.
+PULL_REQUIRED_OUTCOME = "pull_required"
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -55,10 +62,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             try:
                 params = sampling_from_proto(request.params)
                 ticket = request.ticket if request.HasField("ticket") else None
-                start = await self.policy.start(request.request_id, prompt, params, ticket)
+                start = await self.policy.start(request.request_id, prompt, params, ticket,
+                                                require_pull=request.require_pull)
             except ValueError as e:
                 self.metrics.requests.labels("decode", "invalid").inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except PullRequired as e:
+                self.metrics.requests.labels("decode", PULL_REQUIRED_OUTCOME).inc()
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"the KV pull is required and could not be done: {e.reason}")
             async for chunk in self._stream(request.request_id, len(prompt), start, started):
                 yield chunk
 
@@ -119,7 +131,8 @@ def _attach(context: WorkerContext) -> list[Background]:
     """Pull KV with this engine's compatibility, and serve Generate."""
     config = context.config
     puller = KVPuller(engine_id=context.engine_id, identity=context.identity, ranks=context.ranks,
-                      auth_token=config.kv_auth_token, transfer_timeout_s=config.kv_transfer_timeout_s, tls=context.tls)
+                      auth_token=config.kv_auth_token, transfer_timeout_s=config.kv_transfer_timeout_s, tls=context.tls,
+                      corrupt_pulled_kv="kv_corrupt" in context.faults)
     policy = PullPolicy(context.aengine, puller, context.metrics, reserve_timeout_s=config.kv_transfer_timeout_s)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
         DecodeServicer(context.server, context.aengine, policy, puller.compat, context.engine_id, context.epoch,

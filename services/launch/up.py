@@ -127,10 +127,17 @@ def _worker_restarter(worker: Daemon, extra: tuple[str, ...]) -> StartChild:
     return start
 
 
+def up_router_argv(args) -> list[str]:
+    """The router flags of ``pdserve up`` passed on to the router it starts (pure): the served model name and
+    strict disaggregation (``--direct-decode-threshold`` goes through ``start_router``'s own argument)."""
+    argv = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    return argv + (["--enforce-disagg"] if getattr(args, "enforce_disagg", False) else [])
+
+
 def _start_up_router(args, workers: list[Daemon], supervisor: Supervisor) -> Router:
     prefill = [d.address for d in workers if d.role == "prefill"]
     decode = [d.address for d in workers if d.role == "decode"]
-    extra = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    extra = up_router_argv(args)
 
     def start(spawned: Callable[[subprocess.Popen], None]) -> subprocess.Popen:
         return start_router(args.model, prefill, decode, *extra, host=args.host, port=args.port,

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -41,7 +42,16 @@ from services.router.protocol import (
     decode_request,
     to_sampling_params,
 )
-from services.router.responses import ModelCard, ModelList, Usage, join_deltas, usage_of
+from services.router.responses import (
+    ChatCompletionChunk,
+    CompletionChunk,
+    ModelCard,
+    ModelList,
+    Usage,
+    join_deltas,
+    usage_of,
+)
+from services.router.routes import ROUTE_HEADER, Route, worst_route
 from services.router.streaming import DONE_EVENT, SSEResponse, run_until_disconnect, sse_event
 from services.router.tokenize_api import DetokenizeRequest, TokenizeRequest, decode_body, detokenize, tokenize
 from services.router.tokenizing import (
@@ -56,6 +66,7 @@ from services.router.workers import WorkerPool
 from services.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+ChunkT = TypeVar("ChunkT", CompletionChunk, ChatCompletionChunk)
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
               "/detokenize")
@@ -98,7 +109,10 @@ def create_app(
     system resolver) are the seams discovery is tested through.
     """
     tokenizer = tokenizer_loader(config.model)
-    policy = PairingPolicy(config.direct_decode_threshold)
+    if config.enforce_disagg and config.direct_decode_threshold:
+        log.warning("--enforce-disagg: --direct-decode-threshold %d is ignored; short prompts are disaggregated too",
+                    config.direct_decode_threshold)
+    policy = PairingPolicy(config.pairing_threshold, config.enforce_disagg)
     pool = WorkerPool(config.kv_auth_token, config.tls)
     served_name = model_name(config.model, config.served_model_name)
     metrics = RouterMetrics(policy, served_name, decode_only=config.decode_only)
@@ -173,7 +187,8 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
         """200 while requests can be served (``degraded``: only by decode workers prefilling locally, which
-        the body says), 503 only when nothing can; the body names every worker's state either way."""
+        the body says), 503 only when nothing can (under --enforce-disagg: no pair); the body names every
+        worker's state either way."""
         rt = _runtime(request)
         status = rt.status()
         counts = {role.value: sum(w.available for w in rt.policy.workers(role)) for role in Role}
@@ -184,6 +199,9 @@ def _add_routes(app: FastAPI) -> None:
                               if not counts[Role.PREFILL.value] else
                               "no healthy prefill worker can pair with a healthy decode worker (see each "
                               "worker's unpaired_reason): decode workers prefill every prompt themselves")
+        elif status == ServingStatus.UNAVAILABLE and rt.policy.has_healthy_decode():
+            body["reason"] = ("--enforce-disagg: no healthy prefill worker can pair with a healthy decode worker, "
+                              "and decode workers may not prefill prompts themselves")
         body["workers"] = [_worker_health(rt.policy, w) for w in rt.policy.workers()]
         return _json(body, status_code=503 if status == ServingStatus.UNAVAILABLE else 200)
 
@@ -236,8 +254,15 @@ def _worker_health(policy: PairingPolicy, worker: WorkerState) -> dict[str, obje
     return entry
 
 
-def _json(payload: object, status_code: int = 200) -> Response:
-    return Response(msgspec.json.encode(payload), status_code=status_code, media_type="application/json")
+def _json(payload: object, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(payload), status_code=status_code, media_type="application/json",
+                    headers=headers)
+
+
+def _route_header(outcomes: _Outcomes) -> dict[str, str] | None:
+    """``x-pdserve-route`` with the response's route as known now (exact once every choice ended)."""
+    route = outcomes.route()
+    return {ROUTE_HEADER: route.value} if route is not None else None
 
 
 async def _generate(request: Request, kind: type[RequestT]) -> Response:
@@ -265,15 +290,16 @@ async def _generate(request: Request, kind: type[RequestT]) -> Response:
             choices.append(Choice(index, p, generation, outcome))
     echo = echo_texts(body, prompts, rt.tokenizer) if isinstance(body, CompletionRequest) and body.echo else None
     answer = answer_for(request_id, rt.model_name, body, rt.tokenizer, prompts, echo)
-    usage = _Usage(prompt_outcomes, [c.outcome for c in choices])
+    outcomes = _Outcomes(prompt_outcomes, [c.outcome for c in choices])
     deltas = stream_choices(rt.dispatcher, choices)
     if body.stream:
-        # Wait for the first token before answering, so failures up to there get their HTTP status.
+        # Wait for the first token before answering, so failures up to there get their HTTP status. The
+        # route header leaves with it: the route as known then (the final one is on the last chunk).
         first, gone = await run_until_disconnect(request.receive, _first(deltas))
         if gone:
             rt.metrics.client_disconnects.inc()
             return Response(status_code=_CLIENT_CLOSED)
-        return SSEResponse(_events(first, deltas, answer, usage, len(choices), rt))
+        return SSEResponse(_events(first, deltas, answer, outcomes, len(choices), rt), _route_header(outcomes))
     collected, gone = await run_until_disconnect(request.receive, _collect(deltas))
     if gone:
         rt.metrics.client_disconnects.inc()
@@ -281,7 +307,7 @@ async def _generate(request: Request, kind: type[RequestT]) -> Response:
     joined = {index: join_deltas(parts) for index, parts in collected.items()}
     if per_prompt > body.n:
         joined = best_of(joined, len(prompts), per_prompt, body.n)
-    return _json(answer.full(joined, usage.now()))
+    return _json(answer.full(joined, outcomes.usage()), headers=_route_header(outcomes))
 
 
 def best_of(candidates: dict[int, Delta], num_prompts: int, per_prompt: int, n: int) -> dict[int, Delta]:
@@ -299,14 +325,23 @@ def best_of(candidates: dict[int, Delta], num_prompts: int, per_prompt: int, n: 
 
 
 @dataclass(frozen=True)
-class _Usage:
-    """Where a request's usage is read from once its choices are done."""
+class _Outcomes:
+    """Where a request's usage and route are read from (final once its choices are done)."""
 
     prompts: list[Outcome]
     choices: list[Outcome]
 
-    def now(self) -> Usage:
+    def usage(self) -> Usage:
         return usage_of(self.prompts, self.choices)
+
+    def route(self) -> Route | None:
+        """The worst of the choices' routes known so far (routes.py)."""
+        return worst_route(o.route for o in self.choices)
+
+
+def _with_route(chunk: ChunkT, route: Route | None) -> ChunkT:
+    """The stream's last chunk, carrying the final route as a top-level ``pdserve_route``."""
+    return msgspec.structs.replace(chunk, pdserve_route=route.value) if route is not None else chunk
 
 
 def _check_model(model: str | None, rt: RouterRuntime) -> None:
@@ -329,14 +364,18 @@ async def _collect(deltas: AsyncIterator[tuple[int, Delta]]) -> dict[int, list[D
 
 
 async def _events(first: tuple[int, Delta], deltas: AsyncIterator[tuple[int, Delta]],
-                  answer: CompletionAnswer | ChatAnswer, usage: _Usage, num_choices: int,
+                  answer: CompletionAnswer | ChatAnswer, outcomes: _Outcomes, num_choices: int,
                   rt: RouterRuntime) -> AsyncIterator[bytes]:
-    """SSE: chunks, the usage chunk if asked for, [DONE]; a failure mid-stream is an error event."""
+    """SSE: chunks, the usage chunk if asked for, [DONE]; a failure mid-stream is an error event. The last
+    chunk before [DONE] carries the final route (``pdserve_route``)."""
     try:
         index, delta = first
         unfinished = num_choices
         while True:
-            for chunk in answer.chunks(index, delta):
+            chunks = answer.chunks(index, delta)
+            if chunks and delta.finish_reason is not None and unfinished == 1 and not answer.include_usage:
+                chunks[-1] = _with_route(chunks[-1], outcomes.route())
+            for chunk in chunks:
                 yield sse_event(chunk)
             if delta.finish_reason is not None:
                 unfinished -= 1
@@ -344,7 +383,7 @@ async def _events(first: tuple[int, Delta], deltas: AsyncIterator[tuple[int, Del
                     break
             index, delta = await anext(deltas)
         if answer.include_usage:
-            yield sse_event(answer.usage_chunk(usage.now()))
+            yield sse_event(_with_route(answer.usage_chunk(outcomes.usage()), outcomes.route()))
     except StopAsyncIteration:
         yield sse_event(WorkerFailure("the stream ended before the request finished").body())
     except Exception as exc:  # the headers are out: report it in the stream, in the same error format

@@ -44,6 +44,12 @@ class RouterConfig:
     # Prompts with fewer tokens than this skip the prefill worker (0: always disaggregate).
     direct_decode_threshold: int = flag(0, "prompts shorter than this go straight to a decode worker (default 0: "
                                            "never)", parse=int, metavar="TOKENS")
+    # Strict disaggregation: a request the prefill worker's KV cannot serve fails (503/502) instead of being
+    # prefilled on a decode worker; short prompts are disaggregated too (direct_decode_threshold is ignored).
+    enforce_disagg: bool = flag(False, "strict disaggregation: never prefill a prompt on a decode worker; a request "
+                                       "with no prefill worker to pair gets 503, one whose prefill worker or KV pull "
+                                       "failed gets 502, and --direct-decode-threshold is ignored (default: "
+                                       "$PDSERVE_ENFORCE_DISAGG=1, else off)", env="PDSERVE_ENFORCE_DISAGG")
     # None: the smallest max_model_len the workers report.
     max_model_len: int | None = flag(None, "context length to check prompts against (default: the smallest the "
                                            "workers report)", parse=int)
@@ -84,6 +90,14 @@ class RouterConfig:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for an open router)")
+        if self.enforce_disagg and self.decode_only:
+            raise ValueError("--enforce-disagg needs prefill workers (--prefill or --prefill-dns): without them "
+                             "every prompt would be prefilled on a decode worker")
+
+    @property
+    def pairing_threshold(self) -> int:
+        """The short-prompt bypass pairing applies: ``direct_decode_threshold``, off under ``enforce_disagg``."""
+        return 0 if self.enforce_disagg else self.direct_decode_threshold
 
     @property
     def decode_only(self) -> bool:

@@ -125,6 +125,25 @@ class WorkerUnavailable(WorkerFailure):
     default_retry_after_s = 1
 
 
+class DisaggregationUnavailable(RouterError):
+    """``--enforce-disagg`` and no healthy prefill worker can pair with a decode worker: the request is
+    refused rather than prefilled on the decode worker."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "disaggregation_unavailable"
+    default_retry_after_s = 1
+
+
+class DisaggregationFailed(RouterError):
+    """``--enforce-disagg`` and the request could not be served from the prefill worker's KV (the prefill
+    worker failed, or the decode worker could not pull): refused rather than recomputed."""
+
+    status_code = 502
+    error_type = "server_error"
+    code = "disaggregation_failed"
+
+
 class RequestTimeout(RouterError):
     status_code = 504
     error_type = "timeout"
@@ -163,10 +182,18 @@ def from_decode_error(exc: msgspec.DecodeError | UnicodeError | RecursionError) 
     return InvalidRequest(message, param=path or None)
 
 
-def from_rpc_error(exc: grpc.aio.AioRpcError, role: str, address: str) -> RouterError:
-    """A worker's gRPC status as the router's answer; the message names the worker."""
+def from_rpc_error(exc: grpc.aio.AioRpcError, role: str, address: str, *,
+                   pull_required: bool = False) -> RouterError:
+    """A worker's gRPC status as the router's answer; the message names the worker.
+
+    ``pull_required``: the call was a decode worker's ``Generate`` with ``require_pull``, whose
+    FAILED_PRECONDITION says the KV pull could not be done (a 502, not the client's fault).
+    """
     code = exc.code()
     detail = f"{role} worker {address}: {code.name}: {exc.details()}"
+    if pull_required and code == grpc.StatusCode.FAILED_PRECONDITION:
+        return DisaggregationFailed(f"{role} worker {address} could not use the prefill worker's KV and "
+                                    f"--enforce-disagg forbids recomputing the prompt: {exc.details()}")
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                 grpc.StatusCode.FAILED_PRECONDITION):
         return InvalidRequest(exc.details() or detail)

@@ -7,6 +7,14 @@
     short prompt / no prefill worker up / prefill worker failed:
                      Generate(no ticket) ──► tokens 1..n ──► client
 
+``--enforce-disagg`` closes the lower path: no prefill partner is a 503, a failed prefill a 502, and
+``Generate`` carries ``require_pull``, so a decode worker that cannot pull fails the call (a 502, or an
+error event once the first token is out) instead of recomputing the prompt.
+
+The route (``routes.py``) is known in part when the first token leaves (``direct``, ``fallback`` after a
+failed prefill, else ``disaggregated``) and final when the stream ends: a decode worker that recomputed
+a pulled prompt turns ``disaggregated`` into ``fallback``. It is logged and counted once, at the end.
+
 The decode stream of a ticketed ``Generate`` starts with the ticket's first token (the engine's
 ``complete_external_kv`` reports it as the request's first output); the client already has it,
 so the router skips it there.
@@ -32,6 +40,8 @@ from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2
 from services.router.config import RouterConfig
 from services.router.errors import (
     WORKER_FAULT_CODES,
+    DisaggregationFailed,
+    DisaggregationUnavailable,
     NoHealthyWorkers,
     Overloaded,
     WorkerFailure,
@@ -39,6 +49,7 @@ from services.router.errors import (
 )
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Assignment, PairingPolicy, Role
+from services.router.routes import Route
 from services.router.workers import WorkerPool
 from services.text.stream import TextStream
 from services.text.tokenizer import Tokenizer
@@ -88,7 +99,7 @@ class Outcome:
     num_prompt_tokens: int
     num_generated_tokens: int = 0
     num_cached_tokens: int | None = None
-    route: str = ""
+    route: str = ""  # a Route once one was taken; "" while unknown, or when refused (--enforce-disagg)
     recomputed_locally: bool = False
     finish_reason: str | None = None
     workers: Workers | None = None  # the pair that served it (once one was picked)
@@ -131,6 +142,11 @@ class Dispatcher:
             known = len(self.policy.workers(Role.DECODE))
             raise NoHealthyWorkers(f"no healthy decode worker ({known} known)",
                                    retry_after_s=self.config.retry_after_s)
+        if assignment.prefill is None and self.config.enforce_disagg:
+            self.policy.finish(assignment)
+            refused = DisaggregationUnavailable(self._no_partner(), retry_after_s=self.config.retry_after_s)
+            _log_request(request, assignment, outcome, f"error:{type(refused).__name__}")
+            raise refused
         run = _Run(self, request, assignment, outcome)
         outcome.workers = Workers(assignment.prefill, assignment.decode)
         self.num_in_flight += 1
@@ -151,13 +167,24 @@ class Dispatcher:
                 self.policy.finish(assignment)
                 self.num_in_flight -= 1
                 self.metrics.in_flight.dec()
+                if outcome.route:  # the final route, once per request that took one
+                    self.metrics.routes.labels(outcome.route).inc()
                 _log_request(request, assignment, outcome, outcome.finish_reason or ending)
+
+    def _no_partner(self) -> str:
+        """Why a strict router refuses a request that got no prefill worker."""
+        prefill = self.policy.workers(Role.PREFILL)
+        if not any(w.available for w in prefill):
+            what = f"no healthy prefill worker ({len(prefill)} known)"
+        else:
+            what = "no healthy prefill worker can pair with a healthy decode worker (see /health)"
+        return f"{what}, and --enforce-disagg forbids prefilling the prompt on a decode worker"
 
 
 def _log_request(request: GenerationRequest, assignment: Assignment, outcome: Outcome, ending: str) -> None:
-    """One structured line per request."""
+    """One structured line per request; ``route=none`` when it took none (refused, or failed before)."""
     log.info("request id=%s end=%s route=%s prefill=%s decode=%s prompt_tokens=%d cached_tokens=%s "
-             "completion_tokens=%d recomputed=%s e2e_ms=%.1f", request.request_id, ending, outcome.route,
+             "completion_tokens=%d recomputed=%s e2e_ms=%.1f", request.request_id, ending, outcome.route or "none",
              assignment.prefill, assignment.decode, outcome.num_prompt_tokens, outcome.num_cached_tokens,
              outcome.num_generated_tokens, outcome.recomputed_locally,
              (time.monotonic() - request.arrival_s) * 1e3)
@@ -198,6 +225,7 @@ class _Run:
     prefill_holds_blocks: bool = False
     decode_call: grpc.aio.UnaryStreamCall | None = None
     decode_finished: bool = False
+    require_pull: bool = False  # the Generate call carries require_pull (--enforce-disagg, with a ticket)
     # Workers that failed this request: broken or gone, they are not asked to clean up.
     failed: set[Role] = field(default_factory=set)
     text: TextStream = field(init=False)
@@ -213,13 +241,13 @@ class _Run:
         ticket: kv_pb2.TransferTicket | None = None
         first: Delta | None = None
         self.owner.metrics.added_latency.observe(time.monotonic() - self.request.arrival_s)
-        self.outcome.route = "direct"
-        if self.assignment.prefill is not None:
+        if self.assignment.prefill is None:
+            self.outcome.route = Route.DIRECT
+        else:
             response = await self._prefill(self.assignment.prefill)
-            self.outcome.route = "fallback" if response is None else "disaggregated"
+            self.outcome.route = Route.FALLBACK if response is None else Route.DISAGGREGATED
             if response is not None:
                 first, ticket = self._first_delta(response), response.ticket
-        self.owner.metrics.routes.labels(self.outcome.route).inc()
         if first is not None:
             yield first
             if first.finish_reason is not None:
@@ -231,16 +259,22 @@ class _Run:
     # ---- prefill ---------------------------------------------------------------------------------
 
     async def _prefill(self, address: str) -> worker_pb2.PrefillResponse | None:
-        """The prefill worker's answer, or None when it failed (the request falls back to decode)."""
+        """The prefill worker's answer, or None when it failed (the request falls back to decode; under
+        --enforce-disagg it fails with DisaggregationFailed instead)."""
         self.prefill_sent = True
         try:
             response = await self.owner.pool.prefill(
                 address, self.request.request_id, self.request.prompt_token_ids, self.request.params,
-                self.assignment.reader_tp_size, timeout_s=self._remaining_s())
+                self.assignment.reader_tp_size, timeout_s=self._remaining_s(),
+                reader_block_size=self.assignment.reader_block_size)
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in WORKER_FAULT_CODES:
                 raise from_rpc_error(exc, Role.PREFILL, address) from None
             self._worker_failed(Role.PREFILL, address, f"{exc.code().name}: {exc.details()}")
+            if self.owner.config.enforce_disagg:
+                raise DisaggregationFailed(f"prefill worker {address} failed ({exc.code().name}: {exc.details()}) "
+                                           "and --enforce-disagg forbids prefilling the prompt on a decode "
+                                           "worker") from None
             log.warning("request %s: prefill worker %s failed; decoding without it",
                         self.request.request_id, address)
             return None
@@ -278,8 +312,9 @@ class _Run:
             params = worker_pb2.SamplingParams()
             params.CopyFrom(self.request.params)
             params.ClearField("prompt_logprobs")
+        self.require_pull = ticket is not None and self.owner.config.enforce_disagg
         call = self.owner.pool.generate(address, self.request.request_id, self.request.prompt_token_ids,
-                                        params, ticket, timeout_s=self._remaining_s())
+                                        params, ticket, timeout_s=self._remaining_s(), require_pull=self.require_pull)
         self.decode_call = call
         skip_first = ticket is not None
         try:
@@ -300,15 +335,26 @@ class _Run:
         except grpc.aio.AioRpcError as exc:
             if exc.code() in WORKER_FAULT_CODES:
                 self._worker_failed(Role.DECODE, address, f"{exc.code().name}: {exc.details()}")
-            raise from_rpc_error(exc, Role.DECODE, address) from None
+            error = from_rpc_error(exc, Role.DECODE, address, pull_required=self.require_pull)
+            if isinstance(error, DisaggregationFailed):  # refused, not served: no route to count
+                self.outcome.route = ""
+                log.warning("request %s: %s", self.request.request_id, error.message)
+            raise error from None
         self._worker_failed(Role.DECODE, address, "stream ended before the request finished")
         raise WorkerFailure(f"decode worker {address} ended the stream before the request finished")
 
     def _decode_delta(self, chunk: worker_pb2.TokenChunk, token_ids: list[int], logprobs: list[float],
                       top: list[Alternatives]) -> Delta:
         outcome = self.outcome
+        if chunk.recomputed_locally:
+            if self.require_pull:  # a decode worker that predates require_pull recomputed anyway
+                outcome.route = ""
+                raise DisaggregationFailed(f"decode worker {self.assignment.decode} recomputed the prompt instead "
+                                           "of pulling its KV (it ignores require_pull: an older worker?), and "
+                                           "--enforce-disagg forbids that")
+            outcome.recomputed_locally = True
+            outcome.route = Route.FALLBACK
         outcome.num_generated_tokens += len(token_ids)
-        outcome.recomputed_locally |= chunk.recomputed_locally
         if outcome.num_cached_tokens is None and chunk.num_prompt_tokens:
             outcome.num_cached_tokens = chunk.num_cached_tokens
         text = self.text.feed(token_ids, final=chunk.finished)

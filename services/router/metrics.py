@@ -15,9 +15,10 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from services.router.pairing import PairingPolicy, Role, ServingStatus
+from services.router.routes import Route
 
-# How a request was served: both workers, the decode worker alone, or decode after the prefill worker failed.
-ROUTES = ("disaggregated", "direct", "fallback")
+# How a request was served (routes.py): both workers, the decode worker alone, or recomputed on decode.
+ROUTES = tuple(route.value for route in Route)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -85,8 +86,9 @@ class RouterMetrics:
                                        "Router time before the first worker RPC (parse, tokenize, pair)",
                                        buckets=_ROUTER_BUCKETS_S, registry=r)
         self.routes = Counter("pdserve_router_routed_requests",
-                              "Requests by route: disaggregated, direct (short prompt or no prefill worker)"
-                              " or fallback (the prefill worker failed)", ["route"], registry=r)
+                              "Requests by final route, counted when they end: disaggregated, direct (short "
+                              "prompt or no prefill worker) or fallback (the prefill worker or the KV pull "
+                              "failed, the prompt was recomputed on decode)", ["route"], registry=r)
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens of served requests",
                                      registry=r)
         self.generation_tokens = Counter("pdserve_router_generation_tokens", "Tokens sent to clients",

@@ -33,7 +33,9 @@ def _errors(*statuses: int) -> dict[str, Any]:
     """Error responses, all in OpenAI's error format."""
     texts = {400: "invalid request", 401: "missing or wrong API key (only with --api-key)",
              404: "unknown model", 413: "request body over --max-request-bytes", 429: "overloaded",
-             502: "a worker failed", 503: "no healthy worker", 504: "request timed out"}
+             502: "a worker failed (with --enforce-disagg also: the prefill worker failed or the KV pull did)",
+             503: "no healthy worker (with --enforce-disagg also: no prefill worker that can pair)",
+             504: "request timed out"}
     return {str(s): _json({"$ref": "#/components/schemas/ErrorBody"}, texts[s]) for s in statuses}
 
 

@@ -7,8 +7,9 @@ prefill partner, and the least-loaded such partner; prefill load is counted in p
 ``services.kv.pair_support.pair_refusal`` allows, the same rule the KV handshake applies: equal
 compatibility hashes, block sizes that divide one another, and TP sizes that can shard every KV
 group's heads. Short prompts, and requests with no compatible prefill worker up, go straight to a
-decode worker, which prefills them itself. :meth:`PairingPolicy.unpaired_reason` says why a worker
-has no partner, for ``/health`` and the logs.
+decode worker, which prefills them itself (with ``enforce_disagg`` the request flow refuses the
+latter, and the serving status without a pair is unavailable, not degraded).
+:meth:`PairingPolicy.unpaired_reason` says why a worker has no partner, for ``/health`` and the logs.
 
 Counts change only through :meth:`acquire` and the two ``finish_*`` calls, so a caller that
 finishes what it acquired (in a ``finally``) can never leave a count behind. No I/O, no clock:
@@ -86,6 +87,7 @@ class Assignment:
     prefill: str | None
     num_prompt_tokens: int
     reader_tp_size: int = 1
+    reader_block_size: int = 0  # the decode engine's KV block size (sets the ticket's digest unit); 0: unknown
     # The states counted on: a worker that leaves and comes back is a new state, never uncounted.
     _decode_state: WorkerState | None = field(default=None, repr=False)
     _prefill_state: WorkerState | None = field(default=None, repr=False)
@@ -113,11 +115,13 @@ def compatible(prefill: WorkerIdentity, decode: WorkerIdentity) -> bool:
 class PairingPolicy:
     """The worker table and the pairing rule."""
 
-    def __init__(self, direct_decode_threshold: int = 0) -> None:
-        """Prompts with fewer than ``direct_decode_threshold`` tokens skip the prefill worker."""
+    def __init__(self, direct_decode_threshold: int = 0, enforce_disagg: bool = False) -> None:
+        """Prompts with fewer than ``direct_decode_threshold`` tokens skip the prefill worker.
+        ``enforce_disagg``: decode workers may not prefill, so without a pair nothing can be served."""
         if direct_decode_threshold < 0:
             raise ValueError(f"direct_decode_threshold must be >= 0, got {direct_decode_threshold}")
         self.direct_decode_threshold = direct_decode_threshold
+        self.enforce_disagg = enforce_disagg
         self._workers: dict[tuple[Role, str], WorkerState] = {}
 
     # ---- membership (driven by discovery) --------------------------------------------------------
@@ -199,12 +203,13 @@ class PairingPolicy:
 
     def serving_status(self, decode_only: bool = False) -> ServingStatus:
         """OK with a compatible healthy pair (a decode-only router: a healthy decode worker); DEGRADED when
-        decode workers are up but none has a prefill partner, so every prompt is prefilled on decode."""
+        decode workers are up but none has a prefill partner, so every prompt is prefilled on decode
+        (UNAVAILABLE instead under ``enforce_disagg``, where such requests are refused)."""
         if not self.has_healthy_decode():
             return ServingStatus.UNAVAILABLE
         if decode_only or self.has_healthy_pair():
             return ServingStatus.OK
-        return ServingStatus.DEGRADED
+        return ServingStatus.UNAVAILABLE if self.enforce_disagg else ServingStatus.DEGRADED
 
     def worker_state(self, worker: WorkerState) -> str:
         """One word for ``/health``: healthy, unpaired (healthy, but no live worker of the other role can
@@ -257,6 +262,7 @@ class PairingPolicy:
             prefill=prefill.address if prefill else None,
             num_prompt_tokens=num_prompt_tokens,
             reader_tp_size=(decode.identity.tp_size if decode.identity else 0) or 1,
+            reader_block_size=(decode.identity.block_size if decode.identity else 0) or 0,
             _decode_state=decode,
             _prefill_state=prefill,
         )

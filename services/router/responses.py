@@ -167,6 +167,8 @@ class ChatCompletionChunk(msgspec.Struct, tag_field="object", tag="chat.completi
     choices: list[ChatChunkChoice]
     # With stream_options.include_usage: null on every chunk but the last (choices empty).
     usage: Usage | None | UnsetType = UNSET
+    # pdserve's own, on the last chunk only: how the response was served (routes.py), final.
+    pdserve_route: str | UnsetType = UNSET
 
 
 class CompletionChunk(msgspec.Struct, tag_field="object", tag="text_completion"):
@@ -175,6 +177,8 @@ class CompletionChunk(msgspec.Struct, tag_field="object", tag="text_completion")
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None | UnsetType = UNSET
+    # pdserve's own, on the last chunk only: how the response was served (routes.py), final.
+    pdserve_route: str | UnsetType = UNSET
 
 
 def join_deltas(deltas: Sequence[Delta]) -> Delta:

@@ -85,9 +85,12 @@ class WorkerPool:
 
     async def prefill(self, address: str, request_id: str, prompt_token_ids: list[int],
                       params: worker_pb2.SamplingParams, reader_tp_size: int,
-                      timeout_s: float) -> worker_pb2.PrefillResponse:
+                      timeout_s: float, reader_block_size: int = 0) -> worker_pb2.PrefillResponse:
+        """Prefill on ``address``; the reader's TP and block size shape the ticket (its notifications, its
+        KV digest's unit)."""
         request = worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                            params=params, reader_tp_size=reader_tp_size)
+                                            params=params, reader_tp_size=reader_tp_size,
+                                            reader_block_size=reader_block_size)
         return await self._prefill(address).Prefill(request, timeout=timeout_s)
 
     async def release(self, address: str, request_id: str, timeout_s: float) -> bool:
@@ -98,10 +101,11 @@ class WorkerPool:
 
     def generate(self, address: str, request_id: str, prompt_token_ids: list[int],
                  params: worker_pb2.SamplingParams, ticket: kv_pb2.TransferTicket | None,
-                 timeout_s: float) -> grpc.aio.UnaryStreamCall:
-        """Start decoding; iterate the call for TokenChunks, ``cancel()`` it to stop."""
+                 timeout_s: float, require_pull: bool = False) -> grpc.aio.UnaryStreamCall:
+        """Start decoding; iterate the call for TokenChunks, ``cancel()`` it to stop. ``require_pull``: the
+        worker fails the call (FAILED_PRECONDITION) rather than recompute a prompt it could not pull."""
         request = worker_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                             params=params, ticket=ticket)
+                                             params=params, ticket=ticket, require_pull=require_pull)
         return self._decode(address).Generate(request, timeout=timeout_s)
 
     async def abort(self, role: Role, address: str, request_id: str, timeout_s: float) -> bool:

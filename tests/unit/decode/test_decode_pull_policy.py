@@ -16,7 +16,7 @@ import pytest
 
 from services.common.metrics import PULL_STAGES, WorkerMetrics
 from services.contract.sampling_params import SamplingParams
-from services.decode.pull_policy import PullPolicy, StartedRequest
+from services.decode.pull_policy import PullPolicy, PullRequired, StartedRequest
 from services.kv.handshake import HandshakeError
 from services.kv.nixl.errors import TransferError
 from services.kv.puller import PullResult, TicketError
@@ -203,3 +203,44 @@ def test_without_a_ticket_the_prompt_is_prefilled_here_unshifted() -> None:
     assert started == StartedRequest()
     assert engine.added == [("r", PROMPT, PARAMS, [])] and engine.reservations == [] and puller.pulls == []
     assert _value(metrics, "pdserve_local_recompute_fallbacks_total") == 0
+
+
+# ---- strict disaggregation (GenerateRequest.require_pull) -------------------------------------------
+
+
+@pytest.mark.parametrize(("engine", "error", "failure_metric", "reason"), [
+    (FakeEngine(), TransferError("peer gone"), "pdserve_kv_transfer_failures_total", "KV pull from prefill@a failed"),
+    (FakeEngine(), HandshakeError("refused"), "pdserve_kv_handshake_failures_total", "KV pull from prefill@a failed"),
+    (FakeEngine(), TicketError("bad signature", reason="signature"), "pdserve_kv_transfer_failures_total",
+     "bad signature"),
+    (FakeEngine(refuse_first_token=True), None, None, "the ticket's first token is refused"),
+    (FakeEngine(refusals=10**6), None, None, "no KV blocks or sequence seat free"),
+], ids=["transfer", "handshake", "ticket", "first-token", "no-room"])
+def test_a_required_pull_that_fails_drops_the_reservation_and_recomputes_nothing(
+        engine: FakeEngine, error: Exception | None, failure_metric: str | None, reason: str) -> None:
+    policy, metrics = _policy(engine, FakePuller(error=error), reserve_timeout_s=0.05)
+    with pytest.raises(PullRequired, match=reason) as refused:
+        asyncio.run(policy.start("r", PROMPT, PARAMS, _ticket(), require_pull=True))
+    assert reason in refused.value.reason
+    assert engine.added == [] and engine.completed == []  # nothing prefilled here, nothing started
+    # The reservation is dropped exactly as the fallback drops it: aborted once if one was made.
+    assert engine.aborted == ([] if engine.refusals else ["r"])
+    assert _value(metrics, "pdserve_local_recompute_fallbacks_total") == 0
+    if failure_metric is not None:  # the underlying failure is counted as without require_pull
+        assert _value(metrics, failure_metric) == 1
+    assert _value(metrics, "pdserve_kv_transfer_bytes_total") == 0
+
+
+def test_a_required_pull_that_succeeds_starts_as_usual() -> None:
+    engine, puller = FakeEngine(), FakePuller()
+    policy, metrics = _policy(engine, puller)
+    started = asyncio.run(policy.start("r", PROMPT, PARAMS, _ticket(), require_pull=True))
+    assert started == StartedRequest() and engine.completed == [("r", FIRST, -0.5)] and engine.aborted == []
+    assert _value(metrics, "pdserve_kv_transfer_seconds_count") == 1
+
+
+def test_require_pull_without_a_ticket_is_ignored() -> None:
+    engine = FakeEngine()
+    policy, _ = _policy(engine, FakePuller())
+    assert asyncio.run(policy.start("r", PROMPT, PARAMS, None, require_pull=True)) == StartedRequest()
+    assert engine.added == [("r", PROMPT, PARAMS, [])]

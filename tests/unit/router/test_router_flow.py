@@ -187,6 +187,7 @@ async def test_disaggregated_stream(tokenizer: Tokenizer) -> None:
         (prefill_request,) = s.prefill.requests
         (generate,) = s.decode.requests
         assert prefill_request.reader_tp_size == 2 and prefill_request.params.temperature == 0
+        assert prefill_request.reader_block_size == 16  # the digest unit divides the decode engine's blocks
         assert prefill_request.params.max_tokens == 40 and prefill_request.params.logprobs
         assert generate.HasField("ticket") and generate.ticket.first_token_id == ids[0]
         assert list(generate.prompt_token_ids) == list(prefill_request.prompt_token_ids)
