@@ -89,3 +89,15 @@ def make_checkpoint(arch: str, directory: Path, seed: int = 0):
                     tensor.uniform_(0.5, 1.5)
     model.save_pretrained(directory, safe_serialization=True)
     return directory, model
+
+
+def colocated_tokens(model: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of one engine doing prefill and decode on CPU in float32, as test workers run: the
+    reference a disaggregated answer must equal."""
+    from services.contract.sampling_params import SamplingParams
+    from services.engine.engine_config import EngineConfig
+    from services.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=16))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return engine.generate([prompt], params)[0].token_ids

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from services.launch.spawn import free_port
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import colocated_tokens, make_checkpoint
 from tests.e2e.stack import completion_tokens
 
 
@@ -103,17 +103,6 @@ def checkpoint(tmp_path_factory) -> str:
     return str(directory)
 
 
-def _colocated(model: str, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens of one engine doing prefill and decode (float32, as the workers run)."""
-    from services.contract.sampling_params import SamplingParams
-    from services.engine.engine_config import EngineConfig
-    from services.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=16))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return engine.generate([prompt], params)[0].token_ids
-
-
 def test_a_killed_worker_comes_back_and_serves(checkpoint: str) -> None:
     """kill -9 the prefill worker, then the decode worker, under `pdserve up`: /health says what is left
     (degraded, then unavailable), the supervisor starts each again on its port (counted), and requests
@@ -147,7 +136,7 @@ def test_a_killed_worker_comes_back_and_serves(checkpoint: str) -> None:
 
         expected = complete()
         assert disaggregated() == 1
-        assert expected == _colocated(checkpoint, prompt, 8)
+        assert expected == colocated_tokens(checkpoint, prompt, 8)
         transferred, recomputed = pulled()
         assert transferred > 0 and recomputed == 0
         for role, down in (("prefill", (200, "degraded")), ("decode", (503, "unavailable"))):

@@ -12,11 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_auth import METADATA_KEY, bearer
-from services.contract.sampling_params import SamplingParams
-from services.engine.engine_config import EngineConfig
-from services.engine.llm_engine import LLMEngine
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import colocated_tokens, make_checkpoint
 from tests.e2e.stack import completion_tokens, metric_total, stack
 
 pytestmark = pytest.mark.slow
@@ -28,13 +25,6 @@ TOKEN = "cluster-s3cret"
 def model(tmp_path_factory) -> str:
     directory, _ = make_checkpoint("qwen2", tmp_path_factory.mktemp("qwen2"))
     return str(directory)
-
-
-def _colocated(model: str, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens of one engine doing prefill and decode (float32, as the workers run)."""
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=16))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return engine.generate([prompt], params)[0].token_ids
 
 
 def _info(address: str, stub_type, metadata=()) -> worker_pb2.WorkerInfo:
@@ -49,7 +39,7 @@ def test_workers_refuse_calls_without_the_cluster_token(model: str, monkeypatch:
         prompt = list(range(100, 140))  # 40 tokens: disaggregated (--direct-decode-threshold is 0), 3 blocks
         first = completion_tokens(s.url, prompt, 4, stream=False)
         assert len(first) == 4 and completion_tokens(s.url, prompt, 4, stream=True) == first
-        assert first == _colocated(model, prompt, 4)
+        assert first == colocated_tokens(model, prompt, 4)
         # Disaggregated for real: the decode worker pulled the KV over the authenticated handshake and
         # recomputed no prompt (a recompute would give the same tokens).
         (decode,) = s.decode
