@@ -14,6 +14,7 @@ import pytest
 
 from services.common.tls import TLSConfig
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from tests.checkpoints import colocated_tokens, make_checkpoint
 from tests.e2e.stack import completion_tokens, metric_total, stack
 
 pytestmark = pytest.mark.slow
@@ -49,16 +50,25 @@ def _info(address: str, credentials: grpc.ChannelCredentials | None) -> worker_p
         return worker_pb2_grpc.PrefillWorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=5)
 
 
-def test_mtls_end_to_end_and_refusals(pki, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    """Greedy output that depends on the whole context (tests/unit/test_context_checkpoint.py)."""
+    directory, _ = make_checkpoint("qwen2", tmp_path_factory.mktemp("qwen2"))
+    return str(directory)
+
+
+def test_mtls_end_to_end_and_refusals(pki, model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     cert, key, ca = pki["cluster"]
     for name, path in (("CERT", cert), ("KEY", key), ("CA", ca)):
         monkeypatch.setenv(f"PDSERVE_TLS_{name}", str(path))  # the daemons and the router inherit them
-    args = ("--block-size", "16", "--num-kv-blocks", "64")
-    with stack("dummy:tiny", prefill_args=args, decode_args=args) as s:
+    args = ("--block-size", "16", "--num-kv-blocks", "64", "--dtype", "float32")
+    with stack(model, prefill_args=args, decode_args=args) as s:
         prompt = list(range(100, 140))
-        assert len(completion_tokens(s.url, prompt, 4, stream=True)) == 4
-        # Disaggregated: the decode worker handshook with the prefill worker over TLS and pulled.
+        assert completion_tokens(s.url, prompt, 4, stream=True) == colocated_tokens(model, prompt, 4)
+        # Disaggregated: the decode worker handshook with the prefill worker over TLS, pulled, and its
+        # tokens came from that KV (equal to colocated, nothing recomputed).
         assert metric_total(s.decode[0], "pdserve_kv_transfer_bytes_total") > 0
+        assert metric_total(s.decode[0], "pdserve_local_recompute_fallbacks_total") == 0
         prefill = s.prefill[0].address
         assert _info(prefill, TLSConfig.from_files(str(cert), str(key), str(ca)).channel_credentials()).role
         rogue_cert, rogue_key, _ = pki["rogue"]
