@@ -102,15 +102,18 @@ def layer_views(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], group_id:
 
 
 def corrupt_blocks(views: list[tuple[int, int, torch.Tensor]], block_size: int, job: DigestJob) -> None:
-    """Flip the lowest bit of one element in every block of the job's range (``PDSERVE_FAULT_INJECT=kv_corrupt``)."""
+    """``PDSERVE_FAULT_INJECT=kv_corrupt``: in every block of the job's range, flip a high exponent bit of
+    every element of the block's first token in range, in every layer's K (a change that must show in the
+    output when nothing checks it, and that the digest always catches)."""
     first, last = job.start // block_size, -(-job.end // block_size)
     device = views[0][2].device
     ids = torch.tensor(job.block_ids[first:last], dtype=torch.long, device=device)
     # Each block's first token inside the range (the first block may start mid-block).
     tokens = torch.tensor([max(job.start - b * block_size, 0) for b in range(first, last)], device=device)
-    _, _, view = views[first % len(views)]
-    view[ids, tokens, job.head_start, 0] ^= 1
-
+    for _, kv, view in views:
+        if kv == 0:
+            bit = 1 << (view.element_size() * 8 - 2)  # 0x4000 in 16-bit floats, 0x40000000 in fp32
+            view[ids, tokens, job.head_start:job.head_end] ^= bit
 
 def digest_units_host(views: list[tuple[int, int, torch.Tensor]], block_size: int, job: DigestJob
                         ) -> torch.Tensor:

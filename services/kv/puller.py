@@ -105,11 +105,11 @@ class KVPuller:
         handshake_timeout_s: float = 5.0,
         transfer_timeout_s: float = 30.0,
         tls: TLSConfig | None = None,
-        corrupt_pulled_kv: bool = False,
+        corrupt_pulled_kv_after: int | None = None,
     ) -> None:
         """``identity`` is the reading engine's (``KVIdentity.of``); an owner must hash the same to be read.
-        ``corrupt_pulled_kv``: fault injection (``kv_corrupt``): flip a bit in every pulled block after
-        its READ, before the digest check."""
+        ``corrupt_pulled_kv_after``: fault injection (``kv_corrupt:N``): after N pulls, flip bits in every
+        pulled block after its READ, before the digest check (None: never)."""
         if ranks:
             identity.check_layout(ranks[0].layout)
         self.engine_id = engine_id
@@ -117,7 +117,8 @@ class KVPuller:
         self.compat = CompatInfo.of_identity(identity)
         self._ranks = list(ranks)
         self.transfer_timeout_s = transfer_timeout_s
-        self.corrupt_pulled_kv = corrupt_pulled_kv
+        self._corrupt_after = corrupt_pulled_kv_after
+        self._num_pulls = 0
         self._reads_of: dict[str, tuple[EngineDescription, list]] = {}  # engine id -> (its description, reads)
         self.peers = PeerCache(
             self.compat, reader_engine_id=engine_id, auth_token=auth_token, timeout_s=handshake_timeout_s,
@@ -201,8 +202,11 @@ class KVPuller:
             raise TicketError(f"ticket for request {ticket.request_id!r} is not signed by engine "
                               f"{ticket.engine_id} (epoch {ticket.epoch})", reason="signature")
         remote_ids, host_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
-        check_digests = self.identity.digest_on or self.corrupt_pulled_kv
-        digest_jobs = self._digest_jobs(ticket, remote, local_ids, num_cached_tokens) if check_digests else []
+        self._num_pulls += 1
+        corrupt = self._corrupt_after is not None and self._num_pulls > self._corrupt_after
+        check_digests = self.identity.digest_on or corrupt
+        digest_jobs = self._digest_jobs(ticket, remote, local_ids, num_cached_tokens, corrupt) if check_digests \
+            else []
         t_check = time.perf_counter()
         pieces = self._source_pieces(ticket, remote, remote_ids, host_ids, local_ids, num_cached_tokens)
         t_pieces = time.perf_counter()
@@ -235,7 +239,7 @@ class KVPuller:
         )
 
     def _digest_jobs(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription, local_ids: list[np.ndarray],
-                     num_cached_tokens: int) -> list[list[DigestJob]]:
+                     num_cached_tokens: int, corrupt: bool) -> list[list[DigestJob]]:
         """Per local rank, the digest jobs covering every token the pull moves (checked before any READ: a
         ticket without a usable digest is refused like any other that does not fit)."""
         n = ticket.num_tokens
@@ -257,7 +261,7 @@ class KVPuller:
                                       f"for reading rank {q} from token {start} (unit {unit}, local block {bs})",
                                       reason="digest")
                 rank_jobs.append(DigestJob(g, local_ids[g].tolist(), start, n, unit, 0, rank.layout.kv_heads(g), 0,
-                                           corrupt=self.corrupt_pulled_kv))
+                                           corrupt=corrupt))
             jobs.append(rank_jobs)
         return jobs
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.addresses import advertised_host, join_host_port
 from services.common.fault_inject import log_fault_injection
@@ -47,7 +47,7 @@ class WorkerContext:
     epoch: int  # this start's; names the KV agents and tells peers a restarted worker from the old one
     ranks: list[KVRank]
     identity: KVIdentity  # the engine's KV identity, for the exporter or the puller
-    faults: frozenset[str] = frozenset()  # PDSERVE_FAULT_INJECT's faults (services.common.fault_inject)
+    faults: dict[str, int] = field(default_factory=dict)  # PDSERVE_FAULT_INJECT's (services.common.fault_inject)
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,8 @@ def reader(cfg: dict, tp: int, token: str | None = None, corrupt: bool = False):
         agents.append(agent)
         ranks.append(LocalKVRank(agent, layout, cache.buffers))
     puller = KVPuller(engine_id="reader", identity=identity_for(cfg, layout), ranks=ranks,
-                      auth_token=token, handshake_timeout_s=10, transfer_timeout_s=20, corrupt_pulled_kv=corrupt)
+                      auth_token=token, handshake_timeout_s=10, transfer_timeout_s=20,
+                      corrupt_pulled_kv_after=0 if corrupt else None)
     r = Reader(puller, caches, agents, cfg, tp)
     try:
         yield r
