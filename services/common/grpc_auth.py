@@ -1,7 +1,7 @@
-"""The cluster token on worker RPCs: workers refuse calls that do not carry it, the router adds it.
+"""The cluster token on worker RPCs: workers refuse calls that do not carry it; callers add it.
 
 With ``--kv-auth-token`` (or ``$PDSERVE_KV_AUTH_TOKEN``) set, a worker answers ``Prefill``,
-``Generate``, ``Release``, ``Abort`` and ``Info`` only for a caller whose metadata holds
+``Generate``, ``Release``, ``Abort``, ``Info`` and ``Probe`` only for a caller whose metadata holds
 ``authorization: Bearer <token>`` (compared in constant time), else ``UNAUTHENTICATED``: without it,
 anyone who can reach a worker's port could submit work or free another request's KV. Health checks
 stay open (probes carry no token), and so does the KV handshake, which checks the same token in its
@@ -71,8 +71,8 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 def token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
     """Channel interceptors adding ``authorization: Bearer <token>`` to every unary and server-streaming
-    call (the router's to its workers). One object per kind: a channel files each interceptor under
-    the first kind it is an instance of."""
+    call (the router's to its workers; a decode worker's pair probe to a prefill worker). One object per
+    kind: a channel files each interceptor under the first kind it is an instance of."""
     entry = (METADATA_KEY, bearer(token))
     return [_UnaryToken(entry), _StreamToken(entry)]
 

@@ -13,6 +13,8 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 # a Handshake RPC on first contact; check: the ticket; pieces: token runs; plan: descriptors; read: the
 # NIXL READs until their completion reached the event loop), then resume (the engine takes the request).
 PULL_STAGES = ("reserve", "handshake", "check", "pieces", "plan", "read", "digest", "resume")
+# pdserve_kv_probes_total's results (decode): the probe transfer worked, or it did not.
+PROBE_RESULTS = ("ok", "failed")
 STAGE_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0)
 
@@ -56,6 +58,10 @@ class WorkerMetrics:
         self.kv_integrity_failures = Counter("pdserve_kv_integrity_failures", "Pulls whose KV did not match the "
                                              "ticket's digest, by KV group (the blocks were dropped and the prompt "
                                              "prefilled here)", ["role", "group"], registry=r)
+        # The start-up probe (services/decode/probe.py): one real pull per prefill engine epoch the router asks
+        # about; "failed" says the pair cannot transfer (the router does not use it).
+        self.kv_probes = Counter("pdserve_kv_probes", "KV probe transfers from a prefill worker, by result (ok, "
+                                 "failed)", ["role", "result"], registry=r)
         self.lease_expiries = Counter("pdserve_kv_lease_expiries", "Pinned KV freed by lease expiry, never pulled",
                                       labels, registry=r)
         # Prefix cache and host KV tier (services/engine/offload/); the engine counts, these follow.
@@ -103,6 +109,8 @@ class WorkerMetrics:
         if self.role == "decode":
             for stage in PULL_STAGES:
                 self.pull_stage_seconds.labels(self.role, stage)
+            for result in PROBE_RESULTS:
+                self.kv_probes.labels(self.role, result)
         kind, reasons = ("ticket", ("signature", "mismatch", "digest")) if self.role == "decode" else \
             ("notification", ("unknown", "duplicate"))
         for reason in reasons:

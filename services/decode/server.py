@@ -8,6 +8,9 @@ fails or the peer is gone, it prefills the prompt itself: the request still comp
 ``require_pull`` set (the router's ``--enforce-disagg``) it never recomputes: a pull that cannot be
 done fails the call with FAILED_PRECONDITION and the reason, before any chunk.
 
+``Probe(prefill_address)`` runs one small transfer from that prefill worker end to end (probe.py), so
+the router pairs only workers that can really move KV.
+
 The stream's first chunk is the ticket's first token, so a client of this service sees the whole
 output; the router, which already sent that token, skips it. The daemon's start-up, drain and
 shutdown are services/worker/daemon.py's.
@@ -23,6 +26,7 @@ import grpc
 
 from services.common.metrics import WorkerMetrics
 from services.contract.wire import sampling_from_proto, top_logprobs_to_proto
+from services.decode.probe import PROBE_RESERVE_S, PairProber
 from services.decode.pull_policy import PullPolicy, PullRequired, StartedRequest
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
@@ -46,7 +50,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     """Thin servicer: decode the message, start the request (pull_policy.py), encode the stream."""
 
     def __init__(self, server: WorkerServer, engine: AsyncEngine, policy: PullPolicy, compat: CompatInfo,
-                 engine_id: str, epoch: int, metrics: WorkerMetrics) -> None:
+                 engine_id: str, epoch: int, metrics: WorkerMetrics, prober: PairProber | None = None) -> None:
         self.server = server
         self.engine = engine
         self.policy = policy
@@ -54,6 +58,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.engine_id = engine_id
         self.epoch = epoch
         self.metrics = metrics
+        self.prober = prober
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         async with self.server.in_flight.admit(context, "decode worker"):
@@ -111,6 +116,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_info(self.engine, self.engine_id, "decode", self.compat, self.server.in_flight.draining,
                            self.epoch)
 
+    async def Probe(self, request: worker_pb2.ProbeRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        """Pull a probe ticket from the prefill worker (probe.py), within the caller's deadline."""
+        if self.prober is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this decode worker runs no KV probes")
+        if not request.prefill_address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_address is required")
+        async with self.server.in_flight.admit(context, "decode worker"):
+            remaining = context.time_remaining()
+            timeout_s = self.prober.timeout_s if remaining is None else min(self.prober.timeout_s, remaining)
+            result = await self.prober.probe(request.prefill_address, timeout_s)
+        return result.to_proto()
+
 
 def _chunk(out: RequestOutput, num_prompt_tokens: int, recomputed: bool) -> worker_pb2.TokenChunk:
     n = len(out.new_token_ids)
@@ -132,12 +149,24 @@ def _attach(context: WorkerContext) -> list[Background]:
     config = context.config
     puller = KVPuller(engine_id=context.engine_id, identity=context.identity, ranks=context.ranks,
                       auth_token=config.kv_auth_token, transfer_timeout_s=config.kv_transfer_timeout_s, tls=context.tls,
-                      corrupt_pulled_kv="kv_corrupt" in context.faults)
+                      corrupt_pulled_kv_after=context.faults.get("kv_corrupt"))
     policy = PullPolicy(context.aengine, puller, context.metrics, reserve_timeout_s=config.kv_transfer_timeout_s)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
         DecodeServicer(context.server, context.aengine, policy, puller.compat, context.engine_id, context.epoch,
-                       context.metrics), context.server.server)
+                       context.metrics, _prober(context, puller)), context.server.server)
     return []
+
+
+def _prober(context: WorkerContext, puller: KVPuller) -> PairProber:
+    """Probes pull through the requests' puller (the handshake they make is cached for requests), with a
+    short wait for KV room, this engine's shape, and the worker's own token and TLS to dial with."""
+    config, engine = context.config, context.engine
+    policy = PullPolicy(context.aengine, puller, context.metrics,
+                        reserve_timeout_s=min(PROBE_RESERVE_S, config.kv_transfer_timeout_s))
+    return PairProber(context.aengine, policy, context.metrics, block_size=engine.config.block_size,
+                      tp_size=engine.config.parallel.tp_size, vocab_size=engine.model_config.vocab_size,
+                      max_model_len=engine.max_model_len, auth_token=config.kv_auth_token, tls=context.tls,
+                      timeout_s=config.kv_transfer_timeout_s)
 
 
 DECODE = Role("decode", ("pdserve.v1.DecodeWorker",), _attach, stats_interval_s=0.5)

@@ -28,12 +28,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.router.answers import ChatAnswer, CompletionAnswer, answer_for
 from services.router.choices import Choice, stream_choices
 from services.router.config import RouterConfig
-from services.router.discovery import Discovery, EndpointSource, Probe, Resolver, resolve
+from services.router.discovery import Discovery, EndpointSource, PairProber, Probe, Resolver, resolve
 from services.router.errors import ModelNotFound, WorkerFailure, install_error_handlers, to_router_error
 from services.router.flow import Delta, Dispatcher, GenerationRequest, Outcome
 from services.router.http_guards import AnswerUnexpected, ApiKeyAuth, RequestIds, read_body, worker_request_id
 from services.router.metrics import CONTENT_TYPE, RouterMetrics
 from services.router.openapi import openapi_document
+from services.router.pair_probes import PairProbe, PairProbeTable, PairState
 from services.router.pairing import PairingPolicy, Role, ServingStatus, WorkerIdentity, WorkerState
 from services.router.protocol import (
     ChatCompletionRequest,
@@ -66,6 +67,9 @@ from services.router.workers import WorkerPool
 from services.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+# At start-up, how long the first pair probes may hold the router back (a pair probed by then takes the very
+# first request); slower ones finish in the background while /health says they are pending.
+STARTUP_PROBE_WAIT_S = 5.0
 ChunkT = TypeVar("ChunkT", CompletionChunk, ChatCompletionChunk)
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
@@ -102,17 +106,20 @@ def create_app(
     tokenizer_loader: Callable[[str | None], Tokenizer | None] = load_tokenizer,
     probe: Probe | None = None,
     resolver: Resolver = resolve,
+    pair_prober: PairProber | None = None,
 ) -> FastAPI:
     """The router app. The tokenizer is loaded now (a bad ``--model`` fails before serving).
 
-    ``probe`` (default: the worker's ``Info`` RPC through the pool) and ``resolver`` (default: the
-    system resolver) are the seams discovery is tested through.
+    ``probe`` (default: the worker's ``Info`` RPC through the pool), ``resolver`` (default: the
+    system resolver) and ``pair_prober`` (default: the decode worker's ``Probe`` RPC through the pool)
+    are the seams discovery is tested through.
     """
     tokenizer = tokenizer_loader(config.model)
     if config.enforce_disagg and config.direct_decode_threshold:
         log.warning("--enforce-disagg: --direct-decode-threshold %d is ignored; short prompts are disaggregated too",
                     config.direct_decode_threshold)
-    policy = PairingPolicy(config.pairing_threshold, config.enforce_disagg)
+    probes = PairProbeTable(config.pair_probe_retry_s) if config.pair_probe and not config.decode_only else None
+    policy = PairingPolicy(config.pairing_threshold, config.enforce_disagg, probes)
     pool = WorkerPool(config.kv_auth_token, config.tls)
     served_name = model_name(config.model, config.served_model_name)
     metrics = RouterMetrics(policy, served_name, decode_only=config.decode_only)
@@ -124,7 +131,8 @@ def create_app(
                EndpointSource(Role.DECODE, config.decode, config.decode_dns)]
     discovery = Discovery(policy, sources, probe or info_probe, dns_refresh_s=config.dns_refresh_s,
                           health_interval_s=config.health_interval_s, health_timeout_s=config.health_timeout_s,
-                          resolver=resolver, on_removed=pool.close)
+                          resolver=resolver, on_removed=pool.close, pair_prober=pair_prober or pool.probe,
+                          pair_probe_timeout_s=config.pair_probe_timeout_s)
     is_dummy = bool(config.model and config.model.startswith("dummy:"))
     runtime = RouterRuntime(
         config=config,
@@ -142,7 +150,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await discovery.refresh()  # know the workers before the first request
+        await discovery.refresh()  # know the workers (and, bounded, their pairs' probes) before the first request
+        await discovery.wait_for_probes(min(STARTUP_PROBE_WAIT_S, config.pair_probe_timeout_s))
         refresher = asyncio.create_task(discovery.run(), name="pdserve-router-discovery")
         try:
             yield
@@ -150,6 +159,7 @@ def create_app(
             refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await refresher
+            await discovery.close()
             await pool.close_all()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -188,21 +198,20 @@ def _add_routes(app: FastAPI) -> None:
     async def health(request: Request) -> Response:
         """200 while requests can be served (``degraded``: only by decode workers prefilling locally, which
         the body says), 503 only when nothing can (under --enforce-disagg: no pair); the body names every
-        worker's state either way."""
+        worker's state, and every compatible pair's probe state, either way."""
         rt = _runtime(request)
         status = rt.status()
         counts = {role.value: sum(w.available for w in rt.policy.workers(role)) for role in Role}
         body: dict[str, object] = {"status": status.value, "healthy_workers": counts,
                                    "decode_only": rt.config.decode_only}
         if status == ServingStatus.DEGRADED:
-            body["reason"] = ("no healthy prefill worker: decode workers prefill every prompt themselves"
-                              if not counts[Role.PREFILL.value] else
-                              "no healthy prefill worker can pair with a healthy decode worker (see each "
-                              "worker's unpaired_reason): decode workers prefill every prompt themselves")
+            body["reason"] = f"{rt.policy.no_pair_reason()}: decode workers prefill every prompt themselves"
         elif status == ServingStatus.UNAVAILABLE and rt.policy.has_healthy_decode():
-            body["reason"] = ("--enforce-disagg: no healthy prefill worker can pair with a healthy decode worker, "
-                              "and decode workers may not prefill prompts themselves")
+            body["reason"] = (f"--enforce-disagg: {rt.policy.no_pair_reason()}, and decode workers may not "
+                              "prefill prompts themselves")
         body["workers"] = [_worker_health(rt.policy, w) for w in rt.policy.workers()]
+        if rt.policy.probes is not None:
+            body["pairs"] = [_pair_health(entry) for entry in rt.policy.probes.pairs()]
         return _json(body, status_code=503 if status == ServingStatus.UNAVAILABLE else 200)
 
     @app.get("/metrics")
@@ -252,6 +261,16 @@ def _worker_health(policy: PairingPolicy, worker: WorkerState) -> dict[str, obje
     if reason is not None:
         entry["unpaired_reason"] = reason
     return entry
+
+
+def _pair_health(entry: PairProbe) -> dict[str, object]:
+    """One compatible pair of available workers on ``/health``: its probe state and, failed, why."""
+    pair: dict[str, object] = {"prefill": entry.prefill, "decode": entry.decode, "state": entry.state.value}
+    if entry.state is PairState.FAILED:
+        pair["reason"] = entry.reason
+    if entry.unprobed:
+        pair["unprobed"] = True  # the decode worker predates the Probe RPC
+    return pair
 
 
 def _json(payload: object, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -72,12 +72,20 @@ class RouterConfig:
     kv_auth_token: str | None = flag(None, "the workers' cluster token, sent with every call to them (default: "
                                            "$PDSERVE_KV_AUTH_TOKEN; workers started with one refuse calls without "
                                            "it)", env="PDSERVE_KV_AUTH_TOKEN", secret=True)
+    # Pair probes (pair_probes.py): a compatible pair takes requests only after its decode worker pulled a probe
+    # ticket from its prefill worker; failed pairs are probed again after pair_probe_retry_s.
+    pair_probe: bool = flag(True, "use every compatible (prefill, decode) pair without first probing it with one "
+                                  "real KV transfer (default: probe each new pair, and again when either worker "
+                                  "restarts; a pair whose probe fails is not used)", name="--no-pair-probe",
+                            negated=True)
+    pair_probe_timeout_s: float = 30.0
+    pair_probe_retry_s: float = 15.0
     # mTLS to the workers (services/common/tls.py): the router's certificate and the cluster CA.
     tls: TLSConfig | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("dns_refresh_s", "health_interval_s", "health_timeout_s", "request_timeout_s",
-                     "cleanup_timeout_s"):
+                     "cleanup_timeout_s", "pair_probe_timeout_s", "pair_probe_retry_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.direct_decode_threshold < 0:

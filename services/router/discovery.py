@@ -10,7 +10,13 @@ whose RPC failed; the next health check decides when it comes back. A healthy wo
 healthy worker of the other role can pair with (different model, TP that cannot shard the KV
 heads, ...) is logged once, with the reasons, each time that changes.
 
-The probe and the resolver are injected, so the state machine is tested without sockets or workers.
+Pair probes: after each health round, every compatible pair of available workers that is new, whose
+either side's epoch changed, or whose probe failed ``pair_probe_retry_s`` ago, is probed (the decode
+worker's ``Probe`` RPC: one real KV transfer from the prefill worker). Each probe is a task of its own,
+bounded by ``pair_probe_timeout_s``: a slow probe never holds up health checks, and requests never wait
+for one. Results go to the policy's probe table (``pair_probes.py``), which decides what is usable.
+
+The probes and the resolver are injected, so the state machine is tested without sockets or workers.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from services.common.addresses import join_host_port, split_host_port
+from services.router.pair_probes import PairProbe, ProbeOutcome
 from services.router.pairing import PairingPolicy, Role, WorkerIdentity
 
 log = logging.getLogger(__name__)
@@ -30,6 +37,10 @@ log = logging.getLogger(__name__)
 Probe = Callable[[Role, str], Awaitable[WorkerIdentity]]
 Resolver = Callable[[str], Awaitable[list[str]]]
 OnRemoved = Callable[[str], Awaitable[None]]
+#: (prefill address, decode address, timeout in seconds): the decode worker's probe of that prefill worker.
+PairProber = Callable[[str, str, float], Awaitable[ProbeOutcome]]
+#: How long past its own timeout a pair prober is waited for before its probe counts as failed.
+PROBE_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -67,8 +78,11 @@ class Discovery:
         resolver: Resolver = resolve,
         on_removed: OnRemoved | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pair_prober: PairProber | None = None,
+        pair_probe_timeout_s: float = 30.0,
     ) -> None:
-        """``on_removed`` is awaited for an address no role lists any more (to close its channel)."""
+        """``on_removed`` is awaited for an address no role lists any more (to close its channel).
+        ``pair_prober`` probes the pairs of the policy's probe table (none without either)."""
         self._policy = policy
         self._sources = tuple(sources)
         self._probe = probe
@@ -81,6 +95,10 @@ class Discovery:
         self._resolved: dict[str, list[str]] = {}
         self._next_dns_at: float | None = None
         self._unpaired: dict[tuple[Role, str], str] = {}
+        self._pair_prober = pair_prober
+        self._pair_probe_timeout_s = pair_probe_timeout_s
+        self._probe_tasks: set[asyncio.Task[None]] = set()
+        self._unprobed_decodes: set[str] = set()  # decode workers logged as predating Probe
 
     # ---- endpoints -------------------------------------------------------------------------------
 
@@ -125,6 +143,7 @@ class Discovery:
                 if was_healthy:
                     log.warning("%s worker %s is down: %s", worker.role, worker.address, error)
         self._log_unpaired()
+        self.probe_pairs()
 
     def _log_unpaired(self) -> None:
         """Warn when a worker becomes unpairable (or its reasons change); note when it pairs again."""
@@ -153,10 +172,67 @@ class Discovery:
             return None, f"listed as {role} but reports role {identity.role!r}"
         return identity, ""
 
+    # ---- pair probes -----------------------------------------------------------------------------
+
+    def probe_pairs(self) -> None:
+        """Bring the probe table up to the current pairs and start a probe for each one that is due."""
+        table = self._policy.probes
+        if table is None or self._pair_prober is None:
+            return
+        table.sync(self._policy.compatible_pairs())
+        for entry in table.due(self._clock()):
+            table.start(entry)
+            task = asyncio.create_task(self._run_pair_probe(entry),
+                                       name=f"pdserve-pair-probe-{entry.prefill}-{entry.decode}")
+            self._probe_tasks.add(task)
+            task.add_done_callback(self._probe_tasks.discard)
+
+    async def _run_pair_probe(self, entry: PairProbe) -> None:
+        """One probe, bounded; its outcome recorded (a crash of the prober is a failed probe)."""
+        timeout_s = self._pair_probe_timeout_s
+        try:
+            # The prober's own deadline is timeout_s (its answer says more); this one guards against one that
+            # ignores it.
+            outcome = await asyncio.wait_for(self._pair_prober(entry.prefill, entry.decode, timeout_s),
+                                             timeout_s + PROBE_GRACE_S)
+        except TimeoutError:
+            outcome = ProbeOutcome(False, f"no answer within {timeout_s:g} s")
+        except Exception as exc:  # any failure is the pair's failed probe, never a crash of discovery
+            outcome = ProbeOutcome(False, f"{type(exc).__name__}: {exc}")
+        table = self._policy.probes
+        if table is None or not table.record(entry, outcome, self._clock()):
+            return
+        pair = f"prefill {entry.prefill} -> decode {entry.decode}"
+        if outcome.unprobed:
+            if entry.decode not in self._unprobed_decodes:
+                self._unprobed_decodes.add(entry.decode)
+                log.warning("decode worker %s predates the Probe RPC: its pairs are used without a KV probe",
+                            entry.decode)
+        elif outcome.ok:
+            log.info("KV probe %s: ok (prefill engine %s epoch %d, %.3f s)", pair, outcome.prefill_engine_id,
+                     outcome.prefill_epoch, outcome.seconds)
+        else:
+            log.warning("KV probe %s failed, pair not used; again in %g s: %s", pair, table.retry_after_s,
+                        outcome.reason)
+
+    async def wait_for_probes(self, timeout_s: float | None = None) -> bool:
+        """Wait until no probe is under way (at most ``timeout_s``); whether none is."""
+        tasks = set(self._probe_tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        return all(task.done() for task in tasks)
+
+    async def close(self) -> None:
+        """Cancel the probes under way (the app is shutting down)."""
+        tasks = set(self._probe_tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     # ---- the loop --------------------------------------------------------------------------------
 
     async def refresh(self) -> None:
-        """One round: endpoints when due (always the first time), then health."""
+        """One round: endpoints when due (always the first time), then health (which starts due pair probes)."""
         if self._next_dns_at is None or self._clock() >= self._next_dns_at:
             await self.refresh_endpoints()
         await self.check_health()

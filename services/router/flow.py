@@ -177,7 +177,7 @@ class Dispatcher:
         if not any(w.available for w in prefill):
             what = f"no healthy prefill worker ({len(prefill)} known)"
         else:
-            what = "no healthy prefill worker can pair with a healthy decode worker (see /health)"
+            what = self.policy.no_pair_reason()  # names what /health says more about
         return f"{what}, and --enforce-disagg forbids prefilling the prompt on a decode worker"
 
 

@@ -3,7 +3,8 @@
 Latencies are what a client sees: TTFT from the request's arrival to its first token leaving the
 router, inter-token latency between tokens reaching the router, end-to-end to the last byte. The
 router's own cost is ``router_added_latency``: arrival to the first worker RPC (parse, validate,
-tokenize, pick a pair). Worker counts are read from the pairing table at scrape time.
+tokenize, pick a pair). Worker counts, and pair probe states and results, are read from the pairing
+table at scrape time.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.router.pair_probes import PairState
 from services.router.pairing import PairingPolicy, Role, ServingStatus
 from services.router.routes import Route
 
@@ -60,6 +62,22 @@ class _WorkerCollector(Collector):
                 workers.add_metric([role.value, state], count)
         yield workers
         yield outstanding
+        yield from self._pair_probes()
+
+    def _pair_probes(self) -> Iterator[Metric]:
+        """Compatible pairs by probe state, and probe results so far (every series, 0 without probes)."""
+        table = self._policy.probes
+        pairs = GaugeMetricFamily("pdserve_router_pairs", "Compatible pairs of available workers by KV probe state: "
+                                  "probed (used), pending, failed (not used)", labels=["state"])
+        counts = table.counts() if table is not None else {}
+        for state in PairState:
+            pairs.add_metric([state.value], counts.get(state.value, 0))
+        yield pairs
+        probes = CounterMetricFamily("pdserve_router_pair_probes", "Pair probes answered, by result (ok, failed)",
+                                     labels=["result"])
+        for result in ("ok", "failed"):
+            probes.add_metric([result], table.results[result] if table is not None else 0)
+        yield probes
 
 
 class RouterMetrics:

@@ -11,6 +11,10 @@ decode worker, which prefills them itself (with ``enforce_disagg`` the request f
 latter, and the serving status without a pair is unavailable, not degraded).
 :meth:`PairingPolicy.unpaired_reason` says why a worker has no partner, for ``/health`` and the logs.
 
+With a pair probe table (``pair_probes.py``; the router's default), a compatible pair is used only once
+its probe succeeded for the two workers' current epochs: pending pairs wait, failed ones are refused
+with the probe's reason.
+
 Counts change only through :meth:`acquire` and the two ``finish_*`` calls, so a caller that
 finishes what it acquired (in a ``finally``) can never leave a count behind. No I/O, no clock:
 discovery and the request flow drive it, tests drive it directly.
@@ -24,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from services.kv.pair_support import PairSide, pair_refusal
+from services.router.pair_probes import PairKey, PairProbe, PairProbeTable, PairState
 
 
 class Role(enum.StrEnum):
@@ -115,13 +120,16 @@ def compatible(prefill: WorkerIdentity, decode: WorkerIdentity) -> bool:
 class PairingPolicy:
     """The worker table and the pairing rule."""
 
-    def __init__(self, direct_decode_threshold: int = 0, enforce_disagg: bool = False) -> None:
+    def __init__(self, direct_decode_threshold: int = 0, enforce_disagg: bool = False,
+                 probes: PairProbeTable | None = None) -> None:
         """Prompts with fewer than ``direct_decode_threshold`` tokens skip the prefill worker.
-        ``enforce_disagg``: decode workers may not prefill, so without a pair nothing can be served."""
+        ``enforce_disagg``: decode workers may not prefill, so without a pair nothing can be served.
+        ``probes``: use a compatible pair only once its probe succeeded (None: every compatible pair)."""
         if direct_decode_threshold < 0:
             raise ValueError(f"direct_decode_threshold must be >= 0, got {direct_decode_threshold}")
         self.direct_decode_threshold = direct_decode_threshold
         self.enforce_disagg = enforce_disagg
+        self.probes = probes
         self._workers: dict[tuple[Role, str], WorkerState] = {}
 
     # ---- membership (driven by discovery) --------------------------------------------------------
@@ -160,17 +168,39 @@ class PairingPolicy:
     def _available(self, role: Role) -> list[WorkerState]:
         return [w for w in self.workers(role) if w.available]
 
+    def _pairs_with(self, prefill: WorkerState, decode: WorkerState) -> bool:
+        """Compatible, and (with probes) probed for both workers' current epochs."""
+        if prefill.identity is None or decode.identity is None or not compatible(prefill.identity, decode.identity):
+            return False
+        return self.probes is None or self.probes.usable(prefill.address, decode.address,
+                                                         (prefill.identity.epoch, decode.identity.epoch))
+
     def _partners(self, decode: WorkerState) -> list[WorkerState]:
         """Available prefill workers the (available) decode worker can pull from."""
-        return [p for p in self._available(Role.PREFILL)
-                if p.identity and decode.identity and compatible(p.identity, decode.identity)]
+        return [p for p in self._available(Role.PREFILL) if self._pairs_with(p, decode)]
 
     def partners(self, worker: WorkerState) -> list[WorkerState]:
         """Available workers of the other role this (available) worker can pair with, either role."""
         if worker.role == Role.DECODE:
             return self._partners(worker)
-        return [d for d in self._available(Role.DECODE)
-                if worker.identity and d.identity and compatible(worker.identity, d.identity)]
+        return [d for d in self._available(Role.DECODE) if self._pairs_with(worker, d)]
+
+    def compatible_pairs(self) -> list[PairKey]:
+        """Every compatible (prefill, decode) pair of available workers, with their epochs: what the pair
+        probes cover."""
+        return [(p.address, d.address, p.identity.epoch, d.identity.epoch)
+                for d in self._available(Role.DECODE) for p in self._available(Role.PREFILL)
+                if p.identity and d.identity and compatible(p.identity, d.identity)]
+
+    def _failed_probe(self, prefill: str, decode: str) -> PairProbe | None:
+        """The pair's probe entry if its probe failed; None when probed, pending, or not probing."""
+        entry = self.probes.get(prefill, decode) if self.probes is not None else None
+        return entry if entry is not None and entry.state is PairState.FAILED else None
+
+    def _probe_refusal(self, prefill: WorkerState, decode: WorkerState) -> str | None:
+        """Why a compatible pair is not used because of its probe, if it is not."""
+        entry = self._failed_probe(prefill.address, decode.address)
+        return f"KV probe failed: {entry.reason}" if entry is not None else None
 
     def unpaired_reason(self, worker: WorkerState) -> str | None:
         """Why an available worker pairs with none of the available workers of the other role.
@@ -186,14 +216,29 @@ class PairingPolicy:
         for candidate in self._available(other):
             if candidate.identity is None:
                 continue
-            if other == Role.DECODE:
-                reason = refusal(worker.identity, candidate.identity)
-            else:
-                reason = refusal(candidate.identity, worker.identity)
-            if reason is None:
+            prefill, decode = (worker, candidate) if other == Role.DECODE else (candidate, worker)
+            reason = refusal(prefill.identity, decode.identity) or self._probe_refusal(prefill, decode)
+            if reason is None:  # paired, or its probe is pending
                 return None
             reasons.append(f"{other} {candidate.address}: {reason}")
         return "; ".join(reasons) or None
+
+    def no_pair_reason(self) -> str:
+        """Why no pair can take a request now (when ``has_healthy_pair`` is False), for ``/health`` and
+        the strict router's 503."""
+        if not self._available(Role.PREFILL):
+            return "no healthy prefill worker"
+        pairs = self.compatible_pairs()
+        if not pairs or self.probes is None:
+            return "no healthy prefill worker can pair with a healthy decode worker (see each worker's unpaired_reason)"
+        failed = sum(1 for p, d, _, _ in pairs if self._failed_probe(p, d) is not None)
+        if failed == len(pairs):
+            return "every compatible pair of healthy workers failed its KV probe (see pairs and each worker's " \
+                   "unpaired_reason)"
+        if not failed:
+            return "the KV probe of every compatible pair of healthy workers is still pending (see pairs)"
+        return "no compatible pair of healthy workers has passed its KV probe: some are pending, the others failed " \
+               "(see pairs)"
 
     def has_healthy_pair(self) -> bool:
         return any(self._partners(d) for d in self._available(Role.DECODE))

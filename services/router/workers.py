@@ -14,6 +14,7 @@ import grpc
 from services.common.grpc_auth import token_interceptors
 from services.common.tls import TLSConfig, open_channel
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
+from services.router.pair_probes import ProbeOutcome
 from services.router.pairing import Role, WorkerIdentity
 
 # Keep idle connections to workers alive through NATs and proxies; notice dead peers quickly.
@@ -107,6 +108,20 @@ class WorkerPool:
         request = worker_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                              params=params, ticket=ticket, require_pull=require_pull)
         return self._decode(address).Generate(request, timeout=timeout_s)
+
+    async def probe(self, prefill: str, decode: str, timeout_s: float) -> ProbeOutcome:
+        """Ask the decode worker to pull a probe ticket from the prefill worker. A decode worker without
+        the RPC (older) counts as probed (``unprobed``); any other RPC failure is a failed probe."""
+        try:
+            answer = await self._decode(decode).Probe(worker_pb2.ProbeRequest(prefill_address=prefill),
+                                                      timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return ProbeOutcome(True, unprobed=True)
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return ProbeOutcome(False, f"the decode worker's probe gave no answer within {timeout_s:g} s")
+            return ProbeOutcome(False, f"the decode worker's Probe RPC failed: {e.code().name}: {e.details()}")
+        return ProbeOutcome(answer.ok, answer.reason, answer.prefill_engine_id, answer.prefill_epoch, answer.seconds)
 
     async def abort(self, role: Role, address: str, request_id: str, timeout_s: float) -> bool:
         stub = self._prefill(address) if role == Role.PREFILL else self._decode(address)

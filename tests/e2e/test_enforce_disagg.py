@@ -5,12 +5,16 @@ One decode worker and two prefill workers serve four routers. The ``open`` prefi
 pulled. The ``locked`` one was started with a cluster token the decode worker lacks: the router (which
 has the token) pairs them (pairing is by compatibility, not by token) and the prefill worker answers,
 but the decode worker's KV handshake is refused every time (PERMISSION_DENIED), so every pull from it
-fails, deterministically. The routers:
+fails, deterministically. Such a pair fails the router's pair probe too (the decode worker cannot even ask
+the locked worker for its Info), so a probing router would never send it a request
+(``tests/e2e/test_pair_probe.py`` shows that); the two routers in front of it run ``--no-pair-probe`` to
+reach the paths that a pull failing after its pair passed the probe takes. The routers:
 
 - ``normal``: open + decode, ``--direct-decode-threshold``: disaggregated and direct responses;
-- ``strict``: locked + decode, ``--enforce-disagg``: 502 / an error event, nothing recomputed;
-- ``lenient``: locked + decode: the decode worker recomputes, 200 with ``fallback`` and the
-  fault-free tokens;
+- ``strict``: locked + decode, ``--enforce-disagg --no-pair-probe``: 502 / an error event, nothing
+  recomputed;
+- ``lenient``: locked + decode, ``--no-pair-probe``: the decode worker recomputes, 200 with ``fallback``
+  and the fault-free tokens;
 - ``orphan``: ``--enforce-disagg`` with a prefill address nothing listens on: 503, the decode worker
   never asked.
 """
@@ -108,8 +112,8 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
                 token = ("--kv-auth-token", TOKEN)
                 for name, prefill, extra, want in (
                         ("normal", open_prefill.address, ("--direct-decode-threshold", str(THRESHOLD)), "ok"),
-                        ("strict", locked_prefill.address, (*token, "--enforce-disagg"), "ok"),
-                        ("lenient", locked_prefill.address, token, "ok"),
+                        ("strict", locked_prefill.address, (*token, "--enforce-disagg", "--no-pair-probe"), "ok"),
+                        ("lenient", locked_prefill.address, (*token, "--no-pair-probe"), "ok"),
                         ("orphan", f"127.0.0.1:{free_port()}", ("--enforce-disagg",), "unavailable")):
                     routers.append(_start_router(logs, name, model, prefill, decode.address, *extra, want=want))
                 yield Cluster(open_prefill, locked_prefill, decode, *routers)

@@ -25,6 +25,7 @@ from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.router.app import RouterRuntime, create_app
 from services.router.cli_args import add_router_parser, router_config_from_args, run_router
 from services.router.config import RouterConfig
+from services.router.pair_probes import ProbeOutcome
 from services.router.pairing import Role, WorkerIdentity
 from services.router.tokenizing import load_tokenizer, model_name
 from services.text.tokenizer import Tokenizer
@@ -64,6 +65,20 @@ class Probe:
         return self.up[address]
 
 
+class PairProber:
+    """Every pair's KV probe succeeds, unless its (prefill, decode) addresses are in ``failing`` (with that
+    reason); records what was probed."""
+
+    def __init__(self, failing: dict[tuple[str, str], str] | None = None) -> None:
+        self.failing = failing or {}
+        self.calls: list[tuple[str, str]] = []
+
+    async def __call__(self, prefill: str, decode: str, timeout_s: float) -> ProbeOutcome:
+        self.calls.append((prefill, decode))
+        reason = self.failing.get((prefill, decode))
+        return ProbeOutcome(reason is None, reason or "", seconds=0.01)
+
+
 def _identity(role: Role, max_model_len: int = 64) -> WorkerIdentity:
     return WorkerIdentity(engine_id=f"{role}-0", role=role.value, compat_hash="h", max_model_len=max_model_len)
 
@@ -88,9 +103,10 @@ class Router:
 
 @asynccontextmanager
 async def _router(model_dir: Path, tokenizer: Tokenizer | None, probe: Probe | None = None,
-                  **config) -> AsyncIterator[Router]:
+                  pair_prober: PairProber | None = None, **config) -> AsyncIterator[Router]:
     fields = {"model": str(model_dir), "prefill": (NOWHERE,), "decode": (NOWHERE,), **config}
-    app = create_app(RouterConfig(**fields), tokenizer_loader=lambda _: tokenizer, probe=probe or Probe())
+    app = create_app(RouterConfig(**fields), tokenizer_loader=lambda _: tokenizer, probe=probe or Probe(),
+                     pair_prober=pair_prober or PairProber())
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
@@ -228,7 +244,8 @@ async def test_health_follows_compatible_pairs(model_dir: Path, tokenizer: Token
     async with _router(model_dir, tokenizer, probe, prefill=("p:1",), decode=("d:1",)) as router:
         body = (await router.get("/health")).json()
         workers = body.pop("workers")
-        assert body == {"status": "ok", "healthy_workers": {"prefill": 1, "decode": 1}, "decode_only": False}
+        assert body == {"status": "ok", "healthy_workers": {"prefill": 1, "decode": 1}, "decode_only": False,
+                        "pairs": [{"prefill": "p:1", "decode": "d:1", "state": "probed"}]}
         assert workers == [
             {"address": "p:1", "role": "prefill", "state": "healthy", "healthy": True, "draining": False,
              "engine_id": "prefill-0", "tp_size": 1, "block_size": None, "last_error": None},
@@ -246,6 +263,37 @@ async def test_health_follows_compatible_pairs(model_dir: Path, tokenizer: Token
         assert {a: w["unpaired_reason"] for a, w in workers.items()} == {
             "p:1": "decode d:1: compat hash: prefill h vs decode other",
             "d:1": "prefill p:1: compat hash: prefill h vs decode other"}
+
+
+async def test_health_and_metrics_name_a_pair_that_failed_its_probe(model_dir: Path, tokenizer: Tokenizer) -> None:
+    """A compatible pair whose KV probe failed is not used: /health lists it with the probe's reason (and the
+    decode worker as unpaired), metrics count it; with no probed pair left the router is degraded."""
+    reason = "KV pull from prefill-0 failed (the KV pulled does not match the ticket's digest in KV group(s) [0])"
+    probe = Probe({"p:1": _identity(Role.PREFILL), "d:1": _identity(Role.DECODE), "d:2": _identity(Role.DECODE)})
+    prober = PairProber({("p:1", "d:2"): reason})
+    async with _router(model_dir, tokenizer, probe, prober, prefill=("p:1",), decode=("d:1", "d:2"),
+                       health_interval_s=3600) as router:
+        body = (await router.get("/health")).json()
+        assert body["status"] == "ok" and sorted(prober.calls) == [("p:1", "d:1"), ("p:1", "d:2")]
+        assert body["pairs"] == [{"prefill": "p:1", "decode": "d:1", "state": "probed"},
+                                 {"prefill": "p:1", "decode": "d:2", "state": "failed", "reason": reason}]
+        workers = {w["address"]: w for w in body["workers"]}
+        assert (workers["d:2"]["state"], workers["d:2"]["unpaired_reason"]) == \
+            ("unpaired", f"prefill p:1: KV probe failed: {reason}")
+        assert workers["d:1"]["state"] == "healthy" and workers["p:1"]["state"] == "healthy"
+        metrics = (await router.get("/metrics")).text
+        for line in ('pdserve_router_pairs{state="probed"} 1.0', 'pdserve_router_pairs{state="failed"} 1.0',
+                     'pdserve_router_pair_probes_total{result="failed"} 1.0'):
+            assert line in metrics, line
+
+        probe.up.pop("d:1")
+        await router.runtime.discovery.check_health()
+        response = await router.get("/health")
+        assert response.status_code == 200 and response.json()["status"] == "degraded"
+        assert response.json()["reason"] == ("every compatible pair of healthy workers failed its KV probe (see pairs "
+                                             "and each worker's unpaired_reason): decode workers prefill every prompt "
+                                             "themselves")
+        assert 'pdserve_router_status{status="degraded"} 1.0' in (await router.get("/metrics")).text
 
 
 async def test_health_states_follow_what_can_be_served(model_dir: Path, tokenizer: Tokenizer) -> None:
