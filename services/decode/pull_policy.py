@@ -8,6 +8,10 @@ reservation is aborted and the prompt plus that first token is prefilled here, o
 go: the request still completes. Cancelled between reserving and streaming, the reservation is
 aborted (nobody will read the request). Without a ticket the prompt is prefilled here.
 
+A READ that timed out and that NIXL could not cancel (``TransferTimeout.aborted`` False) may still
+write the reserved blocks: they are quarantined, not freed (``quarantine_s``, then freed), so no later
+request's KV lands in blocks a late READ overwrites; the prompt is prefilled here under the same id.
+
 Strict disaggregation (``GenerateRequest.require_pull``, the router's ``--enforce-disagg``): the same
 failures drop the reservation the same way, then raise :class:`PullRequired` instead of recomputing,
 so the router can fail the request rather than serve it from a prompt this worker prefilled.
@@ -27,7 +31,7 @@ from services.common.metrics import PULL_STAGES, WorkerMetrics
 from services.contract.sampling_params import SamplingParams
 from services.engine.sched.request import Request
 from services.kv.handshake import HandshakeError
-from services.kv.nixl.errors import TransferError
+from services.kv.nixl.errors import TransferError, TransferTimeout
 from services.kv.puller import KVIntegrityError, PullResult, TicketError
 from services.proto_gen.pdserve.v1 import kv_pb2
 
@@ -52,6 +56,10 @@ class DecodeEngine(Protocol):
                                    first_logprob: float | None = None) -> None: ...
 
     async def abort(self, request_id: str) -> bool: ...
+
+    async def quarantine_external_kv(self, request_id: str) -> str: ...
+
+    async def release_quarantined_kv(self, key: str) -> bool: ...
 
 
 class Puller(Protocol):
@@ -84,11 +92,13 @@ class PullPolicy:
     """Starts decode requests: pulled KV when it can, local prefill when it must (metrics say which)."""
 
     def __init__(self, engine: DecodeEngine, puller: Puller, metrics: WorkerMetrics,
-                 reserve_timeout_s: float = 10.0) -> None:
+                 reserve_timeout_s: float = 10.0, quarantine_s: float = 30.0) -> None:
         self.engine = engine
         self.puller = puller
         self.metrics = metrics
         self.reserve_timeout_s = reserve_timeout_s
+        self.quarantine_s = quarantine_s  # how long blocks a READ may still write stay out of the pool
+        self._releases: set[asyncio.TimerHandle] = set()
 
     async def start(self, rid: str, prompt: list[int], params: SamplingParams,
                     ticket: kv_pb2.TransferTicket | None, *, require_pull: bool = False) -> StartedRequest:
@@ -147,7 +157,10 @@ class PullPolicy:
             result = await self.puller.pull(ticket, request.block_ids, request.num_cached_tokens)
         except PULL_ERRORS as e:
             self._count_failure(e)
-            await self.engine.abort(rid)
+            if isinstance(e, TransferTimeout) and not e.aborted:
+                await self._quarantine(rid)
+            else:
+                await self.engine.abort(rid)
             return f"KV pull from {ticket.engine_id} failed ({e})"
         pulled = time.perf_counter()
         try:
@@ -170,6 +183,22 @@ class PullPolicy:
                 return request
             await asyncio.sleep(delay_s)
             delay_s = min(2 * delay_s, RESERVE_MAX_DELAY_S)
+
+    async def _quarantine(self, rid: str) -> None:
+        """A READ NIXL could not cancel may still write the reserved blocks: keep them out of the pool for
+        ``quarantine_s`` (a later request's KV would be overwritten), then free them. The request id is
+        free at once, so the prompt can be prefilled here under it."""
+        key = await self.engine.quarantine_external_kv(rid)
+        log.warning("request %s: its KV READ could not be cancelled; its blocks stay out of the pool for %.0f s",
+                    rid, self.quarantine_s)
+        loop = asyncio.get_running_loop()
+
+        def release() -> None:
+            self._releases.discard(handle)
+            asyncio.ensure_future(self.engine.release_quarantined_kv(key))
+
+        handle = loop.call_later(self.quarantine_s, release)
+        self._releases.add(handle)
 
     def _count_failure(self, error: Exception) -> None:
         failures = self.metrics.handshake_failures if isinstance(error, HandshakeError) else \

@@ -150,7 +150,9 @@ def _attach(context: WorkerContext) -> list[Background]:
     puller = KVPuller(engine_id=context.engine_id, identity=context.identity, ranks=context.ranks,
                       auth_token=config.kv_auth_token, transfer_timeout_s=config.kv_transfer_timeout_s, tls=context.tls,
                       corrupt_pulled_kv_after=context.faults.get("kv_corrupt"))
-    policy = PullPolicy(context.aengine, puller, context.metrics, reserve_timeout_s=config.kv_transfer_timeout_s)
+    # A READ NIXL could not cancel gets as long again to land before its blocks are reused.
+    policy = PullPolicy(context.aengine, puller, context.metrics, reserve_timeout_s=config.kv_transfer_timeout_s,
+                        quarantine_s=config.kv_transfer_timeout_s)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
         DecodeServicer(context.server, context.aengine, policy, puller.compat, context.engine_id, context.epoch,
                        context.metrics, _prober(context, puller)), context.server.server)
@@ -162,7 +164,8 @@ def _prober(context: WorkerContext, puller: KVPuller) -> PairProber:
     short wait for KV room, this engine's shape, and the worker's own token and TLS to dial with."""
     config, engine = context.config, context.engine
     policy = PullPolicy(context.aengine, puller, context.metrics,
-                        reserve_timeout_s=min(PROBE_RESERVE_S, config.kv_transfer_timeout_s))
+                        reserve_timeout_s=min(PROBE_RESERVE_S, config.kv_transfer_timeout_s),
+                        quarantine_s=config.kv_transfer_timeout_s)
     return PairProber(context.aengine, policy, context.metrics, block_size=engine.config.block_size,
                       tp_size=engine.config.parallel.tp_size, vocab_size=engine.model_config.vocab_size,
                       max_model_len=engine.max_model_len, auth_token=config.kv_auth_token, tls=context.tls,

@@ -162,6 +162,16 @@ class AsyncEngine:
     async def release_held_kv(self, request_id: str) -> bool:
         return await self.call(lambda e: e.release_held_kv(request_id))
 
+    async def quarantine_external_kv(self, request_id: str) -> str:
+        key = await self.call(lambda e: e.quarantine_external_kv(request_id))
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put_nowait(asyncio.CancelledError(f"request {request_id} quarantined"))
+        return key
+
+    async def release_quarantined_kv(self, key: str) -> bool:
+        return await self.call(lambda e: e.release_quarantined_kv(key))
+
     async def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Leaving early (cancellation, a client
         that went away) aborts the request on the engine, so nothing is left running or held."""

@@ -95,6 +95,16 @@ class ExternalKV:
         """The KV never arrived: the request is prefilled here instead (it is not lost)."""
         self.scheduler.fail_external(request_id)
 
+    def quarantine_pull(self, request_id: str) -> str:
+        """The READ timed out and could not be cancelled: retire the request, keep its blocks out of the
+        pool under the returned key (``release_quarantined`` frees them once no late write can land)."""
+        key = self.scheduler.quarantine_external(request_id)
+        self.outputs.discard(request_id)
+        return key
+
+    def release_quarantined(self, key: str) -> bool:
+        return self.scheduler.release_quarantined(key)
+
     # ---- held for a pull (prefill worker) ----------------------------------------------------------
     def release_held(self, request_id: str) -> bool:
         """Free the blocks a finished ``hold_kv_on_finish`` request kept for a pull."""

@@ -259,6 +259,14 @@ class LLMEngine:
         """Prefill side: free the blocks a finished ``hold_kv_on_finish`` request kept for a pull."""
         return self.external_kv.release_held(request_id)
 
+    def quarantine_external_kv(self, request_id: str) -> str:
+        """Decode side: retire a request whose READ may still write its blocks; they stay out of the pool
+        under the returned key until ``release_quarantined_kv``."""
+        return self.external_kv.quarantine_pull(request_id)
+
+    def release_quarantined_kv(self, key: str) -> bool:
+        return self.external_kv.release_quarantined(key)
+
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if it is unknown."""
         found = self.scheduler.abort_request(request_id)

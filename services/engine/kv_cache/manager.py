@@ -294,16 +294,19 @@ class KVCacheManager:
         for g, (m, table) in enumerate(zip(self.managers, tables, strict=True)):
             m.pool.free(self.real_blocks(g, table)[::-1])
 
-    def hold(self, request: Request, from_token: int = 0) -> None:
-        """Keep a finished request's blocks referenced until ``release`` (a peer still pulls them).
+    def hold(self, request: Request, from_token: int = 0, key: str | None = None) -> None:
+        """Keep a finished request's blocks referenced until ``release`` (a peer still pulls them, or
+        a READ that could not be cancelled may still write them: then under another ``key`` than the
+        request id, which a new request may take at once).
 
         Only real blocks are held, and only from ``from_token`` (a block boundary in every group)
         on: the blocks before it are freed now (a peer reads those tokens elsewhere: the host
         tier). ``request.block_ids`` is left as is, placeholders included, so the caller can
         describe every group's table from token 0 to the peer.
         """
-        if request.request_id in self._held:
-            raise ValueError(f"request {request.request_id} is already held")
+        key = request.request_id if key is None else key
+        if key in self._held:
+            raise ValueError(f"request {key} is already held")
         if any(from_token % m.block_size for m in self.managers):
             raise ValueError(f"hold from token {from_token}: not a block boundary in every group")
         held = []
@@ -311,7 +314,7 @@ class KVCacheManager:
             cut = min(from_token // m.block_size, len(table))
             m.pool.free(self.real_blocks(g, table[:cut])[::-1])
             held.append(self.real_blocks(g, table[cut:]))
-        self._held[request.request_id] = held
+        self._held[key] = held
         self._cursors.pop(request.request_id, None)
 
     def held_block_ids(self, request_id: str) -> list[list[int]] | None:

@@ -169,6 +169,8 @@ class Scheduler:
         self._loading: dict[str, tuple[Request, int]] = {}  # loading from the host tier, up to that many tokens
         self._host_load_failed: set[str] = set()  # computed instead, never loaded again
         self._held: dict[str, Request] = {}  # finished, blocks kept for a pull
+        self._quarantined: set[str] = set()  # keys of blocks a late READ may still write (quarantine_external)
+        self._num_quarantined = 0
         self._finished_ids: list[str] = []
 
     # ---- introspection -----------------------------------------------------------------------
@@ -579,6 +581,33 @@ class Scheduler:
         request.num_computed_tokens = request.num_cached_tokens = 0
         request.status = RequestStatus.WAITING
         self._requeue_in_arrival_order(request)
+
+    def quarantine_external(self, request_id: str) -> str:
+        """A pull whose READ could not be cancelled: retire the request but keep its blocks out of the
+        pool (a late READ may still write them) under the returned key, until ``release_quarantined``.
+        The request id is free again at once (the prompt is prefilled under it)."""
+        request = self._waiting_for_kv_request(request_id)
+        self._num_quarantined += 1
+        key = f"{request_id}#quarantined-{self._num_quarantined}"
+        self._remove(request)
+        self._forget_offload(request_id)
+        self.kv.hold(request, key=key)
+        request.block_ids = []
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._finished_ids.append(request_id)
+        self._quarantined.add(key)
+        return key
+
+    def release_quarantined(self, key: str) -> bool:
+        """Return a quarantined pull's blocks to the pool; False if none are kept under ``key``."""
+        if key not in self._quarantined:
+            return False
+        self._quarantined.discard(key)
+        return self.kv.release(key)
+
+    @property
+    def num_quarantined(self) -> int:
+        return len(self._quarantined)
 
     def _requeue_in_arrival_order(self, request: Request) -> None:
         arrival = self._arrival_of(request)

@@ -18,7 +18,7 @@ from services.common.metrics import PULL_STAGES, WorkerMetrics
 from services.contract.sampling_params import SamplingParams
 from services.decode.pull_policy import PullPolicy, PullRequired, StartedRequest
 from services.kv.handshake import HandshakeError
-from services.kv.nixl.errors import TransferError
+from services.kv.nixl.errors import TransferError, TransferTimeout
 from services.kv.puller import PullResult, TicketError
 from services.proto_gen.pdserve.v1 import kv_pb2
 
@@ -59,6 +59,14 @@ class FakeEngine:
 
     async def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)
+        return True
+
+    async def quarantine_external_kv(self, request_id: str) -> str:
+        self.quarantined = getattr(self, "quarantined", []) + [request_id]
+        return f"{request_id}#q"
+
+    async def release_quarantined_kv(self, key: str) -> bool:
+        self.released = getattr(self, "released", []) + [key]
         return True
 
 
@@ -244,3 +252,27 @@ def test_require_pull_without_a_ticket_is_ignored() -> None:
     policy, _ = _policy(engine, FakePuller())
     assert asyncio.run(policy.start("r", PROMPT, PARAMS, None, require_pull=True)) == StartedRequest()
     assert engine.added == [("r", PROMPT, PARAMS, [])]
+
+
+def test_a_read_nixl_could_not_cancel_keeps_its_blocks_out_of_the_pool_for_a_while() -> None:
+    """TransferTimeout(aborted=False): the remote may still write the reserved blocks, so they are not
+    handed back at once (a later request's KV would be overwritten): quarantined, freed after the wait,
+    and the prompt is prefilled here meanwhile."""
+    engine, puller = FakeEngine(), FakePuller(TransferTimeout("READ not complete after 0.1s", aborted=False))
+    metrics = WorkerMetrics("decode")
+    policy = PullPolicy(engine, puller, metrics, reserve_timeout_s=1.0, quarantine_s=0.05)
+
+    async def run() -> StartedRequest:
+        started = await policy.start("r", PROMPT, PARAMS, _ticket())
+        assert engine.quarantined == ["r"] and engine.aborted == [] and not hasattr(engine, "released")
+        await asyncio.sleep(0.2)
+        return started
+
+    started = asyncio.run(run())
+    assert engine.released == ["r#q"]
+    _assert_recomputed(started, engine, metrics)
+    # A READ NIXL did cancel frees its blocks at once, as before.
+    engine, puller = FakeEngine(), FakePuller(TransferTimeout("READ not complete after 0.1s", aborted=True))
+    policy, metrics = _policy(engine, puller)
+    asyncio.run(policy.start("r", PROMPT, PARAMS, _ticket()))
+    assert engine.aborted == ["r"] and not hasattr(engine, "quarantined")

@@ -96,6 +96,28 @@ def test_failed_pull_recomputes_locally(checkpoint: str) -> None:
     assert decode.kv_manager.pool(0).num_free_blocks == 64
 
 
+def test_a_quarantined_pull_keeps_its_blocks_until_released_and_frees_its_id(checkpoint: str) -> None:
+    """A READ that could not be cancelled: its blocks stay out of the pool (none may go to another
+    request), the request id is free at once (the prompt is prefilled under it), release frees them."""
+    reference = _engine(checkpoint, LayoutKind.CROSS_LAYER, 4).generate([PROMPT], GREEDY)[0].token_ids
+    decode = _engine(checkpoint, LayoutKind.PER_LAYER, 8)
+    reserved = decode.add_request_with_external_kv("r", PROMPT, GREEDY)
+    blocks = set(reserved.block_ids[0])
+    key = decode.quarantine_external_kv("r")
+    assert decode.kv_manager.pool(0).num_free_blocks == 64 - len(blocks)
+    decode.add_request("r", PROMPT, GREEDY)  # the same id, prefilled here while the blocks stay aside
+    tokens = []
+    while decode.has_unfinished_requests():
+        step = decode.step()
+        tokens += [t for o in step for t in o.new_token_ids]
+        running = [set(r.block_ids[0]) for r in decode.scheduler._running]  # noqa: SLF001
+        assert all(not (b & blocks) for b in running), "a quarantined block went to another request"
+    assert tokens == reference
+    assert decode.kv_manager.pool(0).num_free_blocks == 64 - len(blocks)
+    assert decode.release_quarantined_kv(key) and not decode.release_quarantined_kv(key)
+    assert decode.kv_manager.pool(0).num_free_blocks == 64
+
+
 def test_bad_first_token_is_refused(checkpoint: str) -> None:
     decode = _engine(checkpoint, LayoutKind.PER_LAYER, 8)
     decode.add_request_with_external_kv("r", PROMPT, GREEDY)
