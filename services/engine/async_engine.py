@@ -154,19 +154,21 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> bool:
         found = await self.call(lambda e: e.abort_request(request_id))
+        self._end_stream(request_id, "aborted")
+        return found
+
+    def _end_stream(self, request_id: str, why: str) -> None:
+        """A request the engine dropped: its stream's reader gets CancelledError instead of waiting."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
-        return found
+            stream.put_nowait(asyncio.CancelledError(f"request {request_id} {why}"))
 
     async def release_held_kv(self, request_id: str) -> bool:
         return await self.call(lambda e: e.release_held_kv(request_id))
 
     async def quarantine_external_kv(self, request_id: str) -> str:
         key = await self.call(lambda e: e.quarantine_external_kv(request_id))
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.put_nowait(asyncio.CancelledError(f"request {request_id} quarantined"))
+        self._end_stream(request_id, "quarantined")
         return key
 
     async def release_quarantined_kv(self, key: str) -> bool:

@@ -10,7 +10,6 @@ real daemons are ``tests/integration/test_pair_probe.py``.
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -19,11 +18,10 @@ from services.common.grpc_auth import TokenAuthInterceptor
 from services.common.metrics import WorkerMetrics
 from services.decode.probe import FAILURE_TTL_S, PairProber, ProbeResult
 from services.decode.pull_policy import PullPolicy
-from services.decode.server import DecodeServicer
 from services.kv.handshake import HandshakeError
 from services.kv.puller import KVIntegrityError
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
-from services.worker.grpc_server import InFlight
+from tests.unit.decode.servicer import decode_stub
 from tests.unit.decode.test_decode_pull_policy import FakeEngine, FakePuller
 
 FIRST = 17
@@ -211,21 +209,11 @@ def test_a_servicer_without_a_prober_answers_unimplemented_and_one_with_it_probe
             return ProbeResult(False, f"scripted: {address}", "prefill@a", 3, 0.25)
 
     async def call(prober) -> worker_pb2.ProbeResponse | grpc.StatusCode:
-        servicer = DecodeServicer(SimpleNamespace(in_flight=InFlight()), None, None, None, "decode-test", 0,
-                                  WorkerMetrics("decode"), prober)
-        server = grpc.aio.server()
-        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-                try:
-                    return await stub.Probe(worker_pb2.ProbeRequest(prefill_address="p:1"), timeout=3)
-                except grpc.aio.AioRpcError as e:
-                    return e.code()
-        finally:
-            await server.stop(0)
+        async with decode_stub(WorkerMetrics("decode"), prober=prober) as stub:
+            try:
+                return await stub.Probe(worker_pb2.ProbeRequest(prefill_address="p:1"), timeout=3)
+            except grpc.aio.AioRpcError as e:
+                return e.code()
 
     assert asyncio.run(call(None)) == grpc.StatusCode.UNIMPLEMENTED
     assert asyncio.run(call(FixedProber())) == worker_pb2.ProbeResponse(

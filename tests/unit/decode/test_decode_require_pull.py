@@ -5,16 +5,15 @@ policy, and a required pull that cannot be done is FAILED_PRECONDITION with the 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import grpc
 import pytest
 
 from services.common.metrics import WorkerMetrics
 from services.decode.pull_policy import PullRequired
-from services.decode.server import PULL_REQUIRED_OUTCOME, DecodeServicer
-from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
-from services.worker.grpc_server import InFlight
+from services.decode.server import PULL_REQUIRED_OUTCOME
+from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2
+from tests.unit.decode.servicer import decode_stub
 
 
 class RefusingPolicy:
@@ -33,22 +32,14 @@ class RefusingPolicy:
 def _generate(require_pull: bool) -> tuple[grpc.StatusCode, str, list[bool], float]:
     async def run() -> tuple[grpc.StatusCode, str, list[bool], float]:
         metrics, policy = WorkerMetrics("decode"), RefusingPolicy()
-        servicer = DecodeServicer(SimpleNamespace(in_flight=InFlight()), None, policy, None, "decode-test", 0, metrics)
-        server = grpc.aio.server()
-        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                ticket = kv_pb2.TransferTicket(engine_id="prefill@a", epoch=1, request_id="r", num_tokens=3)
-                call = worker_pb2_grpc.DecodeWorkerStub(channel).Generate(worker_pb2.GenerateRequest(
-                    request_id="r", prompt_token_ids=[1, 2, 3], params=worker_pb2.SamplingParams(max_tokens=4),
-                    ticket=ticket, require_pull=require_pull), timeout=10)
-                with pytest.raises(grpc.aio.AioRpcError) as failed:
-                    async for _ in call:
-                        raise AssertionError("no chunk may come before the refusal")
-        finally:
-            await server.stop(0)
+        async with decode_stub(metrics, policy) as stub:
+            ticket = kv_pb2.TransferTicket(engine_id="prefill@a", epoch=1, request_id="r", num_tokens=3)
+            call = stub.Generate(worker_pb2.GenerateRequest(
+                request_id="r", prompt_token_ids=[1, 2, 3], params=worker_pb2.SamplingParams(max_tokens=4),
+                ticket=ticket, require_pull=require_pull), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                async for _ in call:
+                    raise AssertionError("no chunk may come before the refusal")
         refused = metrics.registry.get_sample_value("pdserve_requests_total",
                                                     {"role": "decode", "outcome": PULL_REQUIRED_OUTCOME})
         return failed.value.code(), failed.value.details(), policy.starts, refused
