@@ -38,21 +38,6 @@ NOWHERE = "127.0.0.1:1"
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture()
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-router-model"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Tokenizer:
-    return load_tokenizer(str(model_dir))
-
-
 class Probe:
     """Health answers per address; an address not listed is down."""
 

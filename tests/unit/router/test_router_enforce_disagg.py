@@ -24,22 +24,10 @@ from services.router.config import RouterConfig
 from services.router.errors import DisaggregationFailed, InvalidRequest, from_rpc_error
 from services.router.pairing import PairingPolicy, Role, ServingStatus, WorkerIdentity
 from services.router.routes import ROUTE_HEADER, Route, worst_route
-from services.router.tokenizing import load_tokenizer
 from services.text.tokenizer import Tokenizer
-from tests.unit.router._router_model import write_tiny_model_dir
 from tests.unit.router.test_router_flow import ANSWER, ScriptedPrefill, _events, _info, _serving
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture()
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> Tokenizer:
-    return load_tokenizer(str(write_tiny_model_dir(tmp_path_factory.mktemp("tiny-strict-model"))))
 
 
 # ---- pure: config, flags, routes, status mapping ---------------------------------------------------

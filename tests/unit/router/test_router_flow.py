@@ -23,23 +23,11 @@ from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from services.router.app import RouterRuntime, create_app
 from services.router.config import RouterConfig
 from services.router.pairing import Role
-from services.router.tokenizing import load_tokenizer
 from services.text.tokenizer import Tokenizer
-from tests.unit.router._router_model import write_tiny_model_dir
 
 pytestmark = pytest.mark.anyio
 
 ANSWER = "Paris is nice."
-
-
-@pytest.fixture()
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> Tokenizer:
-    return load_tokenizer(str(write_tiny_model_dir(tmp_path_factory.mktemp("tiny-flow-model"))))
 
 
 def _info(role: str) -> worker_pb2.WorkerInfo:

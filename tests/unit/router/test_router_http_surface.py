@@ -30,22 +30,10 @@ from services.router.config import DEFAULT_MAX_REQUEST_BYTES, RouterConfig
 from services.router.http_guards import MAX_REQUEST_ID_LENGTH
 from services.router.pairing import Role, WorkerIdentity
 from services.router.protocol import ChatCompletionRequest, CompletionRequest
-from services.router.tokenizing import load_tokenizer
 from services.text.tokenizer import Tokenizer
-from tests.unit.router._router_model import write_tiny_model_dir
 
 NOWHERE = "127.0.0.1:1"  # nothing listens on port 1: an RPC there fails at once
 KEY = "sk-test-key"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-router-model"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Tokenizer:
-    return load_tokenizer(str(model_dir))
 
 
 class Probe:
