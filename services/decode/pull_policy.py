@@ -98,7 +98,7 @@ class PullPolicy:
         self.metrics = metrics
         self.reserve_timeout_s = reserve_timeout_s
         self.quarantine_s = quarantine_s  # how long blocks a READ may still write stay out of the pool
-        self._releases: set[asyncio.TimerHandle] = set()
+        self._releases: set[asyncio.Task] = set()  # quarantined blocks waiting to be freed
 
     async def start(self, rid: str, prompt: list[int], params: SamplingParams,
                     ticket: kv_pb2.TransferTicket | None, *, require_pull: bool = False) -> StartedRequest:
@@ -191,14 +191,13 @@ class PullPolicy:
         key = await self.engine.quarantine_external_kv(rid)
         log.warning("request %s: its KV READ could not be cancelled; its blocks stay out of the pool for %.0f s",
                     rid, self.quarantine_s)
-        loop = asyncio.get_running_loop()
+        release = asyncio.create_task(self._release_later(key))
+        self._releases.add(release)  # the loop holds tasks weakly
+        release.add_done_callback(self._releases.discard)
 
-        def release() -> None:
-            self._releases.discard(handle)
-            asyncio.ensure_future(self.engine.release_quarantined_kv(key))
-
-        handle = loop.call_later(self.quarantine_s, release)
-        self._releases.add(handle)
+    async def _release_later(self, key: str) -> None:
+        await asyncio.sleep(self.quarantine_s)
+        await self.engine.release_quarantined_kv(key)
 
     def _count_failure(self, error: Exception) -> None:
         failures = self.metrics.handshake_failures if isinstance(error, HandshakeError) else \

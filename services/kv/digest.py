@@ -115,8 +115,9 @@ def corrupt_blocks(views: list[tuple[int, int, torch.Tensor]], block_size: int, 
             bit = 1 << (view.element_size() * 8 - 2)  # 0x4000 in 16-bit floats, 0x40000000 in fp32
             view[ids, tokens, job.head_start:job.head_end] ^= bit
 
+
 def digest_units_host(views: list[tuple[int, int, torch.Tensor]], block_size: int, job: DigestJob
-                        ) -> torch.Tensor:
+                      ) -> torch.Tensor:
     """The reference arithmetic on the host: numpy uint32 (wrapping) in place, a few blocks at a time so
     the temporaries stay in cache; int64 [num_units]."""
     h0, h1 = job.head_start, job.head_end
@@ -151,7 +152,7 @@ def digest_units_host(views: list[tuple[int, int, torch.Tensor]], block_size: in
 
 
 def _mix_inplace(x: np.ndarray, tmp: np.ndarray) -> None:
-    """``mix`` on uint32 arrays, in place (numpy's uint32 arithmetic wraps mod 2**32)."""
+    """The module docstring's ``mix`` on uint32 arrays, in place (numpy's uint32 arithmetic wraps mod 2**32)."""
     np.multiply(x, np.uint32(M1), out=x)
     np.right_shift(x, 15, out=tmp)
     np.bitwise_xor(x, tmp, out=x)

@@ -239,9 +239,10 @@ class KVPuller:
         )
 
     def _digest_jobs(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription, local_ids: list[np.ndarray],
-                     num_cached_tokens: int, corrupt: bool) -> list[list[DigestJob]]:
-        """Per local rank, the digest jobs covering every token the pull moves (checked before any READ: a
-        ticket without a usable digest is refused like any other that does not fit)."""
+                     num_cached_tokens: int, corrupt: bool) -> list[list[tuple[DigestJob, int | None]]]:
+        """Per local rank, the digest jobs covering every token the pull moves, each with the digest the
+        ticket promises for it (None with the digest off: only the fault injection runs). Checked before any
+        READ: a ticket without a usable digest is refused like any other that does not fit."""
         n = ticket.num_tokens
         starts = self._group_starts(remote, self._ranks[0].layout, n, num_cached_tokens)
         entries = {(e.group_id, e.reader_rank): e for e in ticket.digests}
@@ -252,30 +253,29 @@ class KVPuller:
                 if start >= n:
                     continue  # every token of the group was in this reader's prefix cache
                 entry = entries.get((g, q))
-                unit = entry.unit if entry is not None and entry.unit else rank.layout.block_size(g)
                 bs = rank.layout.block_size(g)
+                unit = entry.unit if entry is not None and entry.unit else bs
                 usable = entry is not None and start % unit == 0 and not (bs % unit and unit % bs) and \
                     len(entry.digests) == -(-n // unit)
                 if self.identity.digest_on and not usable:
                     raise TicketError(f"ticket for request {ticket.request_id!r} has no usable KV digest of group {g} "
                                       f"for reading rank {q} from token {start} (unit {unit}, local block {bs})",
                                       reason="digest")
-                rank_jobs.append(DigestJob(g, local_ids[g].tolist(), start, n, unit, 0, rank.layout.kv_heads(g), 0,
-                                           corrupt=corrupt))
+                expected = ticket_units(entry.digests, unit, start, n) if self.identity.digest_on else None
+                rank_jobs.append((DigestJob(g, local_ids[g].tolist(), start, n, unit, 0, rank.layout.kv_heads(g), 0,
+                                            corrupt=corrupt), expected))
             jobs.append(rank_jobs)
         return jobs
 
-    async def _check_digests(self, ticket: kv_pb2.TransferTicket, jobs: list[list[DigestJob]]) -> None:
-        """Digest every pulled token on every local rank (where the KV now is) and compare with the ticket;
-        KVIntegrityError names the groups that differ. (With the digest off, only the fault injection runs.)"""
-        answers = await asyncio.gather(*(rank.digest(rank_jobs) for rank, rank_jobs in zip(self._ranks, jobs,
-                                                                                           strict=True)))
-        if not self.identity.digest_on:
-            return
-        entries = {(e.group_id, e.reader_rank): e for e in ticket.digests}
-        bad = sorted({job.group_id for q, (rank_jobs, got) in enumerate(zip(jobs, answers, strict=True))
-                      for job, units in zip(rank_jobs, got, strict=True)
-                      if total(units) != ticket_units(entries[job.group_id, q].digests, job.unit, job.start, job.end)})
+    async def _check_digests(self, ticket: kv_pb2.TransferTicket,
+                             jobs: list[list[tuple[DigestJob, int | None]]]) -> None:
+        """Digest every pulled token on every local rank (where the KV now is) and compare with what the
+        ticket promised; KVIntegrityError names the groups that differ."""
+        answers = await asyncio.gather(*(rank.digest([job for job, _ in rank_jobs])
+                                         for rank, rank_jobs in zip(self._ranks, jobs, strict=True)))
+        bad = sorted({job.group_id for rank_jobs, got in zip(jobs, answers, strict=True)
+                      for (job, expected), units in zip(rank_jobs, got, strict=True)
+                      if expected is not None and total(units) != expected})
         if bad:
             raise KVIntegrityError(f"request {ticket.request_id!r}: the KV pulled from engine {ticket.engine_id} "
                                    f"does not match the ticket's digest in KV group(s) {bad}", bad)
