@@ -128,8 +128,7 @@ def digest_units_host(views: list[tuple[int, int, torch.Tensor]], block_size: in
     sums = np.zeros(job.num_units, dtype=np.uint64)
     blocks_per_chunk = max(1, _CHUNK_ELEMENTS // 64 // (block_size * (h1 - h0) * d))
     first, last = job.start // block_size, -(-job.end // block_size)
-    ids = np.asarray(job.block_ids[first:last], dtype=np.int64)
-    arrays = [(layer, kv, view.cpu().numpy()) for layer, kv, view in views]
+    ids = torch.tensor(job.block_ids[first:last], dtype=torch.long, device=views[0][2].device)
     for c in range(0, last - first, blocks_per_chunk):
         begin = (first + c) * block_size  # the chunk's first token (a block boundary)
         lo, hi = max(begin, job.start), min(begin + blocks_per_chunk * block_size, job.end)
@@ -140,8 +139,9 @@ def digest_units_host(views: list[tuple[int, int, torch.Tensor]], block_size: in
         token_sums = np.zeros(hi - lo, dtype=np.uint64)
         x = np.empty((hi - lo, h1 - h0, d), dtype=np.uint32)
         tmp = np.empty_like(x)
-        for layer, kv, arr in arrays:
-            rows = arr[ids[c:c + blocks_per_chunk]].reshape(-1, arr.shape[2], d)[lo - begin:hi - begin, h0:h1]
+        for layer, kv, view in views:  # the chunk's blocks gathered where they live, then to the host
+            blocks = view[ids[c:c + blocks_per_chunk]].cpu().numpy()
+            rows = blocks.reshape(-1, view.shape[2], d)[lo - begin:hi - begin, h0:h1]
             base = np.uint32((layer * K_LAYER + kv * K_KV) & MASK32)
             np.add((tokens * np.uint32(K_TOKEN) + base)[:, None, None], head_dim_keys[None], out=x)
             np.bitwise_xor(x, rows.view(np.uint16 if rows.itemsize == 2 else np.uint32), out=x)
