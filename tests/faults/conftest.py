@@ -1,4 +1,5 @@
-"""Collects each fault's tally and prints them as one table at the end of the run (captured output or not).
+"""The fault suite's model; each fault's tally, printed as one table at the end of the run (captured output
+or not).
 
 "at a worker": of the client aborts, those a worker got while still working on the request (measured
 where a test measures it, else "-"); "lease expiries": pinned KV the live prefill workers freed by lease.
@@ -8,7 +9,15 @@ from __future__ import annotations
 
 import pytest
 
+from tests.checkpoints import make_checkpoint
 from tests.faults.harness import REPORTS
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    """A small checkpoint whose greedy output depends on the whole context, so wrong KV changes it."""
+    directory, _ = make_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+    return str(directory)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -24,7 +24,6 @@ import pytest
 
 from services.launch.spawn import Daemon, spawn_daemon, wait_ready
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from tests.checkpoints import make_checkpoint
 from tests.e2e.stack import Stack, info, metric_total, stack
 from tests.faults.harness import (
     SETTLE_S,
@@ -47,12 +46,6 @@ SHORT_LEASE_S = 10.0
 assert SHORT_LEASE_S < SETTLE_S / 2
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    directory, _ = make_checkpoint("llama", tmp_path_factory.mktemp("llama"))
-    return str(directory)
 
 
 def _fire_once(event: threading.Event, action) -> functools.partial:

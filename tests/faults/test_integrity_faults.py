@@ -20,7 +20,7 @@ import threading
 import pytest
 
 from services.launch.spawn import spawn_daemon, start_router, terminate_all, wait_all_ready
-from tests.checkpoints import colocated_tokens, make_checkpoint
+from tests.checkpoints import colocated_tokens
 from tests.e2e.stack import DECODE_ARGS, metric_total, stack
 from tests.faults.harness import (
     REPORTS,
@@ -38,13 +38,6 @@ NUM_BLOCKS = 512  # the stack's --num-kv-blocks
 MAX_TOKENS = 16
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    """Greedy output that depends on the whole context, so corrupted KV changes it."""
-    directory, _ = make_checkpoint("llama", tmp_path_factory.mktemp("llama"))
-    return str(directory)
 
 
 @pytest.fixture(scope="module")
