@@ -8,53 +8,10 @@ it, and only the blocks nobody has asked for yet are hashed.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 import weakref
-from collections.abc import Sequence
 
+from services.contract.prefix_keys import hash_block_tokens
 from services.engine.sched.request import Request
-
-BLOCK_HASH_BYTES = 16
-_HASH_PERSON = b"pdserve-kv-v1"
-
-
-def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
-    """Hash of one full block, chained on the previous block's hash so it names the whole prefix.
-
-    Built from a fixed byte encoding (never Python's per-process ``hash()``) so that another
-    process, e.g. a router routing by prefix, computes the same value::
-
-        blake2b(digest_size=16, person=b"pdserve-kv-v1") over
-            b"\\x00"                        if parent is None
-            b"\\x01" + parent (16 bytes)    otherwise
-          + len(extra) as uint32 LE + extra
-          + each token id as uint32 LE
-    """
-    if parent is not None and len(parent) != BLOCK_HASH_BYTES:
-        raise ValueError(f"parent hash must be {BLOCK_HASH_BYTES} bytes, got {len(parent)}")
-    try:
-        tokens = struct.pack(f"<{len(token_ids)}I", *token_ids)
-    except struct.error as e:
-        raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from None
-    h = hashlib.blake2b(digest_size=BLOCK_HASH_BYTES, person=_HASH_PERSON)
-    h.update(b"\x00" if parent is None else b"\x01" + parent)
-    h.update(struct.pack("<I", len(extra)))
-    h.update(extra)
-    h.update(tokens)
-    return h.digest()
-
-
-def hash_request_blocks(token_ids: Sequence[int], block_size: int, extra: bytes = b"") -> list[bytes]:
-    """Chained hashes of every full block of ``token_ids``; a trailing partial block has none."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    hashes: list[bytes] = []
-    parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
-        hashes.append(parent)
-    return hashes
 
 
 class BlockHashChains:

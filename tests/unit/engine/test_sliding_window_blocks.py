@@ -13,9 +13,9 @@ import dataclasses
 import pytest
 import torch
 
+from services.contract.prefix_keys import hash_request_blocks
 from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
-from services.engine.kv_cache.block_hash import hash_request_blocks
 from services.engine.kv_cache.group_managers import FullAttentionManager, SlidingWindowManager
 from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.llm_engine import LLMEngine

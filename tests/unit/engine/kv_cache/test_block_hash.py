@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
+from services.contract.prefix_keys import hash_block_tokens, hash_request_blocks
 from services.contract.sampling_params import SamplingParams
 from services.engine.kv_cache import block_hash
-from services.engine.kv_cache.block_hash import BlockHashChains, hash_block_tokens, hash_request_blocks
+from services.engine.kv_cache.block_hash import BlockHashChains
 from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.sched.request import Request
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
@@ -46,7 +47,7 @@ def test_block_hash_rejects_bad_input():
 
 
 def test_block_hash_is_stable_across_processes():
-    code = ("from services.engine.kv_cache.block_hash import hash_request_blocks;"
+    code = ("from services.contract.prefix_keys import hash_request_blocks;"
             "print(hash_request_blocks(list(range(64)), 16, b'x')[-1].hex())")
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=os.getcwd())
     other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from services.engine.kv_cache.block_hash import hash_block_tokens
+from services.contract.prefix_keys import hash_block_tokens
 from services.engine.kv_cache.block_pool import BlockPool
 
 

@@ -11,8 +11,8 @@ import random
 
 import pytest
 
+from services.contract.prefix_keys import hash_request_blocks
 from services.contract.sampling_params import SamplingParams
-from services.engine.kv_cache.block_hash import hash_request_blocks
 from services.engine.kv_cache.block_pool import BlockPool
 from services.engine.kv_cache.group_managers import SlidingWindowManager
 from services.engine.kv_cache.manager import KVCacheManager
