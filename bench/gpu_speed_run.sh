@@ -12,6 +12,8 @@
 #   bash bench/gpu_speed_run.sh digest    the KV digest: its tests on CUDA (the Triton kernel against the host
 #                                         arithmetic), the candidates' cost (bench/kv_digest.py) and its cost inside
 #                                         the in-service pull (bench/pull_path.py, one GPU)
+#   bash bench/gpu_speed_run.sh digest_tcp  the digest inside a pull over UCX's TCP transport (host staging), a
+#                                         stand-in for a pull between nodes
 #   bash bench/gpu_speed_run.sh offload   the host KV tier: its tests on CUDA (pinned memory, copy stream),
 #                                         the e2e serving test (decode reading the prefill's host tier into
 #                                         VRAM), and TTFT/store/load of an 8k prompt (bench/offload.py)
@@ -56,6 +58,9 @@ for part in "$@"; do
           2>&1 | tee "$OUT/kv_digest_gpu.txt"
       timeout 240 python3 bench/pull_path.py --device cuda --tokens 2048,8192 --repeats 7 \
           --json-out "$OUT/pull_path_digest_gpu.jsonl" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/pull_path_digest.txt" ;;
+    digest_tcp)  # the same pull over UCX's TCP transport with host staging: a stand-in for a link between nodes
+      UCX_TLS=tcp,cuda_copy timeout 200 python3 bench/pull_path.py --device cuda --tokens 2048,8192 --pools contiguous \
+          --repeats 3 --json-out "$OUT/pull_path_digest_tcp.jsonl" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/pull_path_digest_tcp.txt" ;;
     pull)
       timeout 400 python3 bench/pull_path.py --placements auto --json-out "$OUT/pull_path_gpu.jsonl" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/pull_path.txt" ;;
   esac

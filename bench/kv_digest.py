@@ -3,8 +3,8 @@
 The KV of one request (Llama-3.1-8B shape: 32 layers, 8 KV heads of 128, bf16, block 16, cross-layer
 blocks scattered over the pool) is digested by:
 
-  mix32-sum   the chosen digest (``services.kv.digest``): each element's bits XOR its position key,
-              through a 32-bit bijection, summed mod 2**64 per token unit. Splits by token range, TP
+  mix32-sum   the chosen digest (``services.kv.digest``): each 32-bit word's bits XOR its position key,
+              through a 32-bit bijection, summed mod 2**32 per token unit. Splits by token range, TP
               head slice and source; any one-element change is caught. Triton on CUDA, numpy on CPU.
   plain-sum   the sum of the raw bits (one reduction): the cheapest pass over the bytes, the floor a
               digest can reach; blind to reordering (a block read into the wrong slot sums the same).

@@ -41,7 +41,7 @@ from services.kv.layout import BlockOrder, KVLayoutSpec
 PROTOCOL_VERSION = 1
 #: The KV digest both sides compute (``services.kv.digest``), or ``DIGEST_OFF`` (``--no-kv-digest``): hashed,
 #: so a pair that disagrees is refused at the handshake (and never paired by the router).
-DIGEST_SCHEME = "kvsum64-mix32-v1"
+DIGEST_SCHEME = "kvsum32-mix32w-v2"
 DIGEST_OFF = "off"
 
 

@@ -1,21 +1,24 @@
-"""The KV digest: a 64-bit checksum of a ticket's KV, computed where the KV lives, on both sides.
+"""The KV digest: a 32-bit checksum of a ticket's KV, computed where the KV lives, on both sides.
 
 A ticket's bytes cross two layouts (block sizes, block orders and TP slices may differ between the
 owner and the reader), so the digest is a function of the KV's *logical* content, not of its
-memory: every element (layer, K or V, token, head, dim) contributes one term, and the digest is
-the sum of the terms modulo 2**64::
+memory. Each (layer, K or V, token, head) row of ``head_dim`` elements is read as 32-bit words (two
+16-bit elements per word, little-endian, or one 32-bit element), every word contributes one term,
+and the digest is the sum of the terms modulo 2**32::
 
-    term = mix(bits(element) XOR key(layer, kv, token, head, dim))
+    term = mix(word XOR key(layer, kv, token, head, word index))
     mix(x) = fmix32-style: x *= M1; x ^= x >> 15; x *= M2; x ^= x >> 13   (all mod 2**32)
 
-``bits`` is the element's raw 16 or 32 bits, ``key`` a 32-bit hash of its position, ``head`` the
-index in the READING rank's head slice. ``mix`` is a bijection of 32-bit words, so changing any
-one element (any number of its bits) changes its term and the sum: a one-bit flip is always
-detected, a random corruption of several elements escapes with odds near 2**-32, and moving a value
-to another position (a block read into the wrong slot, heads swapped) changes its key. Because the
-digest is a sum, it splits: by token unit (so the reader checks exactly the tokens it pulled), by
-owner rank (each owner rank adds its share of a reader rank's heads), by source (host-tier and
-device parts), and it does not depend on where a token sits in memory.
+``key`` is a 32-bit hash of the word's position, ``head`` the index in the READING rank's head
+slice. ``mix`` is a bijection of 32-bit words, so changing any one word (any of its bits, in either
+element) changes its term and therefore the sum: a one-bit flip is always detected, a random
+corruption of several words escapes with odds near 2**-32, and moving a value to another position
+(a block read into the wrong slot, heads swapped) changes its key. A 64-bit sum of the same terms
+would be no stronger (its high bits only count carries) and costs a second accumulator; pairing
+16-bit elements halves the work per byte (the kernel is bound by integer arithmetic, not memory).
+Because the digest is a sum, it splits: by token unit (so the reader checks exactly the tokens it
+pulled), by owner rank (each owner rank adds its share of a reader rank's heads), by source
+(host-tier and device parts), and it does not depend on where a token sits in memory.
 
 A ticket carries, per KV group and reading rank, the digest of each ``unit`` tokens from token 0
 (``unit`` = the smaller of the two sides' block sizes, so every token run a reader can start at is
@@ -39,7 +42,6 @@ from services.kv.layout import KVLayoutSpec
 SCHEME = DIGEST_SCHEME  # the name both sides present in their compatibility fields
 
 MASK32 = 0xFFFFFFFF
-MASK64 = 0xFFFFFFFFFFFFFFFF
 # Odd multipliers of the position key and the mix (golden-ratio and murmur3 fmix32 constants).
 K_LAYER, K_KV, K_TOKEN, K_HEAD, K_DIM = 0x9E3779B1, 0x7F4A7C15, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F
 M1, M2 = 0x85EBCA6B, 0xC2B2AE35
@@ -90,18 +92,25 @@ def check_job(layout: KVLayoutSpec, job: DigestJob) -> None:
 
 def layer_views(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], group_id: int
                 ) -> list[tuple[int, int, torch.Tensor]]:
-    """(layer id, K/V, [num_blocks, block_size, heads, head_dim] view as raw bits) of every layer of a group."""
+    """(layer id, K/V, [num_blocks, block_size, heads, words per row] int32 view of the rows' 32-bit words)
+    of every layer of a group."""
+    per_word = 4 // layout.element_size  # elements per 32-bit word
     out = []
     for layer in layout.groups[group_id].layer_ids:
         for kv in (0, 1):
             v = layout.view(layer, kv)
-            flat = buffers[v.buffer_index].view(-1)
-            bits = flat.view(torch.int16 if flat.element_size() == 2 else torch.int32)
-            out.append((layer, kv, bits.as_strided(v.shape, v.strides, v.offset)))
+            if v.offset % per_word or any(s % per_word for s in (*v.strides[:3], v.shape[3])):
+                raise ValueError(f"KV rows of layer {layer} are not whole 32-bit words (head_dim {v.shape[3]}, "
+                                 f"{layout.element_size}-byte elements): the digest cannot read them")
+            words = buffers[v.buffer_index].view(-1).view(torch.int32)
+            shape = (*v.shape[:3], v.shape[3] // per_word)
+            strides = (*(s // per_word for s in v.strides[:3]), 1)
+            out.append((layer, kv, words.as_strided(shape, strides, v.offset // per_word)))
     return out
 
 
-def corrupt_blocks(views: list[tuple[int, int, torch.Tensor]], block_size: int, job: DigestJob) -> None:
+def corrupt_blocks(views: list[tuple[int, int, torch.Tensor]], block_size: int, job: DigestJob,
+                   element_size: int) -> None:
     """``PDSERVE_FAULT_INJECT=kv_corrupt``: in every block of the job's range, flip a high exponent bit of
     every element of the block's first token in range, in every layer's K (a change that must show in the
     output when nothing checks it, and that the digest always catches)."""
@@ -110,16 +119,17 @@ def corrupt_blocks(views: list[tuple[int, int, torch.Tensor]], block_size: int, 
     ids = torch.tensor(job.block_ids[first:last], dtype=torch.long, device=device)
     # Each block's first token inside the range (the first block may start mid-block).
     tokens = torch.tensor([max(job.start - b * block_size, 0) for b in range(first, last)], device=device)
+    # Bit 14 of each 16-bit float, bit 30 of an fp32, as int32 words.
+    bits = 0x40004000 if element_size == 2 else 0x40000000
     for _, kv, view in views:
         if kv == 0:
-            bit = 1 << (view.element_size() * 8 - 2)  # 0x4000 in 16-bit floats, 0x40000000 in fp32
-            view[ids, tokens, job.head_start:job.head_end] ^= bit
+            view[ids, tokens, job.head_start:job.head_end] ^= bits
 
 
 def digest_units_host(views: list[tuple[int, int, torch.Tensor]], block_size: int, job: DigestJob
                       ) -> torch.Tensor:
     """The reference arithmetic on the host: numpy uint32 (wrapping) in place, a few blocks at a time so
-    the temporaries stay in cache; int64 [num_units]."""
+    the temporaries stay in cache; int64 [num_units], each in [0, 2**32)."""
     h0, h1 = job.head_start, job.head_end
     d = views[0][2].shape[3]
     heads = np.arange(h1 - h0, dtype=np.uint32)[:, None] + np.uint32(job.head_key)
@@ -144,11 +154,11 @@ def digest_units_host(views: list[tuple[int, int, torch.Tensor]], block_size: in
             rows = blocks.reshape(-1, view.shape[2], d)[lo - begin:hi - begin, h0:h1]
             base = np.uint32((layer * K_LAYER + kv * K_KV) & MASK32)
             np.add((tokens * np.uint32(K_TOKEN) + base)[:, None, None], head_dim_keys[None], out=x)
-            np.bitwise_xor(x, rows.view(np.uint16 if rows.itemsize == 2 else np.uint32), out=x)
+            np.bitwise_xor(x, rows.view(np.uint32), out=x)
             _mix_inplace(x, tmp)
             token_sums += x.reshape(hi - lo, -1).sum(axis=1, dtype=np.uint64)
         sums[slots] += np.add.reduceat(token_sums, cuts)
-    return torch.from_numpy(sums.view(np.int64))
+    return torch.from_numpy((sums & np.uint64(MASK32)).view(np.int64))
 
 
 def _mix_inplace(x: np.ndarray, tmp: np.ndarray) -> None:
@@ -162,15 +172,15 @@ def _mix_inplace(x: np.ndarray, tmp: np.ndarray) -> None:
 
 
 def ticket_units(digests: Sequence[int], unit: int, start: int, end: int) -> int:
-    """The sum (mod 2**64) of a ticket's unit digests covering tokens ``[start, end)`` (start on a unit)."""
+    """The sum (mod 2**32) of a ticket's unit digests covering tokens ``[start, end)`` (start on a unit)."""
     if start % unit:
         raise ValueError(f"pulled tokens start at {start}, not on the ticket's digest unit of {unit}")
     first, last = start // unit, -(-end // unit)
     if last > len(digests):
         raise ValueError(f"the ticket has {len(digests)} digest units of {unit} tokens, {end} tokens were pulled")
-    return sum(digests[first:last]) & MASK64
+    return sum(digests[first:last]) & MASK32
 
 
 def total(units: np.ndarray) -> int:
-    """Sum of unit digests, mod 2**64."""
-    return int(units.sum(dtype=np.uint64))
+    """Sum of unit digests, mod 2**32."""
+    return int(units.sum(dtype=np.uint64)) & MASK32

@@ -1,7 +1,17 @@
-"""Run a digest job where the KV lives: the Triton kernel for CUDA buffers, the host arithmetic otherwise."""
+"""Run digest jobs where the KV lives: the Triton kernel for CUDA buffers, the host arithmetic otherwise.
+
+A rank's ``DigestRunner`` runs host digests (about 1 GB/s) in a worker thread, so they do not hold
+the event loop; a GPU digest is launched and waited for on the loop (it takes about as long as its
+kernel, under a millisecond at 8k tokens on an H100, where a thread hop measured 0.4 ms more), on a
+side stream of its own, so it neither waits behind the engine's steps on the device nor makes them
+wait (the KV it reads is complete before it is asked: an exporter's after the step that wrote it, a
+reader's after the READ).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -13,7 +23,14 @@ from services.kv.layout import KVLayoutSpec
 
 def digest_job(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], job: DigestJob,
                views_cache: dict | None = None) -> np.ndarray:
-    """The job's unit digests (uint64, one per unit from ``start // unit``), computed on the buffers' device.
+    """The job's unit digests (uint64, one per unit from ``start // unit``), computed on the buffers' device
+    (on the current stream, waiting for the result)."""
+    return _units(layout, buffers, job, views_cache).cpu().numpy().view(np.uint64)
+
+
+def _units(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], job: DigestJob,
+           views_cache: dict | None) -> torch.Tensor:
+    """The job's unit digests as an int64 tensor on the buffers' device (not waited for on CUDA).
 
     ``views_cache``: a dict the owner of ``buffers`` keeps (a rank's buffers never change), so each
     group's layer views are made once."""
@@ -24,22 +41,43 @@ def digest_job(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], job: Diges
         views = cache[layout, job.group_id] = layer_views(layout, buffers, job.group_id)
     block_size = layout.block_size(job.group_id)
     if job.corrupt:
-        corrupt_blocks(views, block_size, job)
+        corrupt_blocks(views, block_size, job, layout.element_size)
     if views[0][2].is_cuda:
         from services.kv.digest_triton import digest_units_cuda  # Triton only where a GPU digest runs
 
-        sums = digest_units_cuda(views, block_size, job)
-    else:
-        sums = digest_units_host(views, block_size, job)
-    return sums.cpu().numpy().view(np.uint64)
+        return digest_units_cuda(views, block_size, job)
+    return digest_units_host(views, block_size, job)
 
 
-def warm_up(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], views_cache: dict) -> None:
-    """Compile the CUDA digest kernel for this layout now (a first compile takes most of a second),
-    not in the first request's pull; a no-op on CPU."""
-    if not buffers or not buffers[0].is_cuda:
-        return
-    for group in layout.groups:
-        bs = group.block_size
-        digest_job(layout, buffers, DigestJob(group.group_id, [0], 0, bs, bs, 0, layout.kv_heads(group.group_id), 0),
-                   views_cache)
+class DigestRunner:
+    """One rank's digests over its device KV and its host tier's (``host_tier`` jobs); ``run`` is
+    blocking, for a worker thread. Compiles the CUDA kernel for the layout when made (a first compile
+    takes most of a second), not in the first request's pull."""
+
+    def __init__(self, layout: KVLayoutSpec, buffers: Sequence[torch.Tensor],
+                 host_layout: KVLayoutSpec | None = None, host_buffers: Sequence[torch.Tensor] = ()) -> None:
+        self._sources = {False: (layout, tuple(buffers)), True: (host_layout, tuple(host_buffers))}
+        self._views: dict[bool, dict] = {False: {}, True: {}}
+        on_cuda = bool(buffers) and buffers[0].is_cuda
+        self._stream = torch.cuda.Stream(buffers[0].device) if on_cuda else None
+        if on_cuda:
+            for group in layout.groups:
+                bs = group.block_size
+                self.run([DigestJob(group.group_id, [0], 0, bs, bs, 0, layout.kv_heads(group.group_id), 0)])
+
+    async def digests(self, jobs: Sequence[DigestJob]) -> list[np.ndarray]:
+        """``run`` on the loop for device jobs, in a worker thread when any reads host memory."""
+        if self._stream is not None and not any(job.host_tier for job in jobs):
+            return self.run(jobs)
+        return await asyncio.to_thread(self.run, jobs)
+
+    def run(self, jobs: Sequence[DigestJob]) -> list[np.ndarray]:
+        """Each job's unit digests (uint64 arrays); every kernel is launched before the first result is waited for."""
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            sums = []
+            for job in jobs:
+                layout, buffers = self._sources[job.host_tier]
+                if layout is None:
+                    raise ValueError("a digest job names the host tier, this rank has none")
+                sums.append(_units(layout, buffers, job, self._views[job.host_tier]))
+            return [s.cpu().numpy().view(np.uint64) for s in sums]

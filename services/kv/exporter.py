@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from services.kv.compat import CompatInfo, KVIdentity
-from services.kv.digest import DigestJob
+from services.kv.digest import MASK32, DigestJob
 from services.kv.handshake import EngineDescription, RankExport
 from services.kv.notifications import NotificationTracker
 from services.kv.pair_support import group_heads_from_fields
@@ -152,8 +152,8 @@ class KVExporter:
         for rank_jobs, rank_units in zip([j for j in jobs if j], answers, strict=True):
             for (g, reader, job), got in zip(rank_jobs, rank_units, strict=True):
                 first = job.start // job.unit
-                sums[g, reader][first:first + len(got)] += got  # uint64: wraps mod 2**64
-        return [kv_pb2.GroupDigests(group_id=g, reader_rank=r, unit=units[g], digests=d.tolist())
+                sums[g, reader][first:first + len(got)] += got  # each < 2**32: no uint64 wrap
+        return [kv_pb2.GroupDigests(group_id=g, reader_rank=r, unit=units[g], digests=(d & MASK32).tolist())
                 for (g, r), d in sorted(sums.items())]
 
     def poll_released(self) -> list[str]:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from services.kv.digest import DigestJob
-from services.kv.digest_compute import digest_job, warm_up
+from services.kv.digest_compute import DigestRunner
 from services.kv.layout import KVLayoutSpec
 from services.kv.nixl.agent import TransferAgent
 from services.kv.nixl.descriptors import MemKind
@@ -89,8 +89,7 @@ class LocalKVRank:
         self.host_layout = host_layout
         self.host_buffers = tuple(host_buffers)
         self.host_regions = register_rank(agent, host_layout, host_buffers) if host_layout is not None else ()
-        self._digest_views: dict[bool, dict] = {False: {}, True: {}}  # per source: the digest's layer views
-        warm_up(layout, self.buffers, self._digest_views[False])
+        self._digests = DigestRunner(layout, self.buffers, host_layout, self.host_buffers)
 
     def metadata(self) -> bytes:
         return self.agent.metadata()
@@ -112,10 +111,4 @@ class LocalKVRank:
         return result.num_bytes, result.num_descriptors
 
     async def digest(self, jobs: Sequence[DigestJob]) -> list[np.ndarray]:
-        out = []
-        for job in jobs:
-            if job.host_tier and self.host_layout is None:
-                raise ValueError("a digest job names the host tier, this rank has none")
-            layout, buffers = (self.host_layout, self.host_buffers) if job.host_tier else (self.layout, self.buffers)
-            out.append(digest_job(layout, buffers, job, self._digest_views[job.host_tier]))
-        return out
+        return await self._digests.digests(jobs)
