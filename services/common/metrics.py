@@ -15,6 +15,10 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 PULL_STAGES = ("reserve", "handshake", "check", "pieces", "plan", "read", "digest", "resume")
 # pdserve_kv_probes_total's results (decode): the probe transfer worked, or it did not.
 PROBE_RESULTS = ("ok", "failed")
+# pdserve_kv_events_total's kinds, indexed by the event kind's number (services/engine/kv_cache/events.py).
+KV_EVENT_KINDS = ("stored", "removed", "cleared")
+# Why a KV event stream was cut off by the worker (the subscriber resubscribes and takes a snapshot).
+KV_EVENT_DROP_REASONS = ("slow_subscriber",)
 STAGE_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0)
 
@@ -78,6 +82,17 @@ class WorkerMetrics:
                                    "spans to store, requests loading", ["role", "kind"], registry=r)
         self.offload_skipped = Counter("pdserve_kv_offload_stores_skipped", "Spans not stored: every host span "
                                        "was in use", labels, registry=r)
+        # KV events (services/worker/kv_events.py): what the prefix caches store and remove, for routers.
+        self.kv_events = Counter("pdserve_kv_events", "KV cache events published to subscribers, by kind (stored, "
+                                 "removed, cleared)", ["role", "kind"], registry=r)
+        self.kv_event_subscribers = Gauge("pdserve_kv_event_subscribers", "KV event streams open", labels,
+                                          registry=r)
+        self.kv_event_streams_dropped = Counter("pdserve_kv_event_streams_dropped", "KV event streams the worker "
+                                                "ended, by reason (slow_subscriber: its queue was full)",
+                                                ["role", "reason"], registry=r)
+        self.kv_events_dropped = Counter("pdserve_kv_events_dropped", "KV events dropped at the engine (its "
+                                         "outbound queue was full): subscribers see a gap and resync", labels,
+                                         registry=r)
         self._counted: dict[tuple, float] = {}  # engine totals already added to the counters above
         self.info = Gauge("pdserve_worker_info", "Always 1; labels say what this worker serves",
                           ["role", "model", "engine_id", "tp_size", "block_size"], registry=r)
@@ -87,8 +102,13 @@ class WorkerMetrics:
         """Create this role's series now, so dashboards and rates see 0 rather than nothing before traffic."""
         for metric in (self.ttft, self.itl, self.e2e, self.queue_depth, self.running, self.transfer_bytes,
                        self.transfer_seconds, self.transfer_descriptors, self.handshake_failures,
-                       self.transfer_failures, self.local_recomputes, self.lease_expiries, self.offload_skipped):
+                       self.transfer_failures, self.local_recomputes, self.lease_expiries, self.offload_skipped,
+                       self.kv_event_subscribers, self.kv_events_dropped):
             metric.labels(self.role)
+        for kind in KV_EVENT_KINDS:
+            self.kv_events.labels(self.role, kind)
+        for reason in KV_EVENT_DROP_REASONS:
+            self.kv_event_streams_dropped.labels(self.role, reason)
         for tier in ("device", "host"):
             self.prefix_cached_tokens.labels(self.role, tier)
             for result in ("hit", "miss"):

@@ -38,6 +38,7 @@ from services.worker.config import DecodeConfig
 from services.worker.daemon import Background, Role, WorkerContext
 from services.worker.daemon import serve as serve_worker
 from services.worker.grpc_server import WorkerServer
+from services.worker.kv_events import KVEventPublisher, KVEventsRPCs
 from services.worker.worker_info import worker_info
 
 # pdserve_requests_total's outcome for a request refused because its required pull could not be done
@@ -46,12 +47,15 @@ from services.worker.worker_info import worker_info
 PULL_REQUIRED_OUTCOME = "pull_required"
 
 
-class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    """Thin servicer: decode the message, start the request (pull_policy.py), encode the stream."""
+class DecodeServicer(KVEventsRPCs, worker_pb2_grpc.DecodeWorkerServicer):
+    """Thin servicer: decode the message, start the request (pull_policy.py), encode the stream (KV events:
+    ``KVEventsRPCs``)."""
 
     def __init__(self, server: WorkerServer, engine: AsyncEngine, policy: PullPolicy, compat: CompatInfo,
-                 engine_id: str, epoch: int, metrics: WorkerMetrics, prober: PairProber | None = None) -> None:
+                 engine_id: str, epoch: int, metrics: WorkerMetrics, prober: PairProber | None = None,
+                 kv_events: KVEventPublisher | None = None) -> None:
         self.server = server
+        self.kv_events = kv_events
         self.engine = engine
         self.policy = policy
         self.compat = compat
@@ -155,7 +159,7 @@ def _attach(context: WorkerContext) -> list[Background]:
                         quarantine_s=config.kv_transfer_timeout_s)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
         DecodeServicer(context.server, context.aengine, policy, puller.compat, context.engine_id, context.epoch,
-                       context.metrics, _prober(context, puller)), context.server.server)
+                       context.metrics, _prober(context, puller), context.kv_events), context.server.server)
     return []
 
 

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from services.contract.sampling_params import SamplingParams
 from services.contract.structured import StructuredOutputError
+from services.engine.kv_cache.events import KVCacheContents
 from services.engine.llm_engine import LLMEngine
 from services.engine.offload import HostTierStats
 from services.engine.output_processor import RequestOutput
@@ -45,6 +46,8 @@ class EngineStats:
     kv_blocks_free: int
     kv_blocks_held: int
     num_loading: int = 0  # requests loading their prefix from the host KV tier
+    waiting_prefill_tokens: int = 0  # prompt tokens admitted but not computed yet
+    prefill_tokens_per_s: float = 0.0  # measured over recent prefill steps (services/engine/load.py)
     prefix: PrefixCacheStats | None = None
     host_tier: HostTierStats | None = None  # None: no host tier
 
@@ -174,6 +177,10 @@ class AsyncEngine:
     async def release_quarantined_kv(self, key: str) -> bool:
         return await self.call(lambda e: e.release_quarantined_kv(key))
 
+    async def kv_snapshot(self) -> tuple[int, list[KVCacheContents]]:
+        """``LLMEngine.kv_snapshot`` on the engine thread: the keys cached now and the last event they reflect."""
+        return await self.call(lambda e: e.kv_snapshot())
+
     async def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Leaving early (cancellation, a client
         that went away) aborts the request on the engine, so nothing is left running or held."""
@@ -222,6 +229,7 @@ class AsyncEngine:
                     # Waiting requests that do not fit while nothing runs: blocks come back only through a
                     # command (a pull completing, held KV released, an abort), so wait for one, not spin.
                     stalled = not self.engine.last_step_ran
+                self.engine.kv_events.seal()  # this iteration's KV events, numbered, to the publisher
                 self.stats = self._read_stats()
         except BaseException as e:  # a failed step: fail every stream rather than hang them
             log.exception("engine thread stopped")
@@ -249,7 +257,8 @@ class AsyncEngine:
             num_waiting_for_kv=sched.num_waiting_for_kv, num_held=sched.num_held,
             kv_blocks_total=pool.num_blocks, kv_blocks_free=pool.num_free_blocks,
             kv_blocks_held=sum(s.num_held for s in e.kv_manager.stats()),
-            num_loading=sched.num_loading, prefix=replace(sched.prefix_stats),
+            num_loading=sched.num_loading, waiting_prefill_tokens=sched.num_prefill_tokens_pending,
+            prefill_tokens_per_s=e.prefill_rate.tokens_per_s, prefix=replace(sched.prefix_stats),
             host_tier=e.host_tier.stats() if e.host_tier is not None else None,
         )
 

@@ -7,6 +7,7 @@ loop. Requests come in as token ids or text and leave as ``RequestOutput`` delta
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -16,7 +17,9 @@ from services.contract.sampling_params import SamplingParams
 from services.contract.structured import StructuredOutputError
 from services.engine.engine_config import EngineConfig
 from services.engine.external_kv import ExternalKV, host_tier_for
+from services.engine.kv_cache.events import KVCacheContents, KVEventLog
 from services.engine.kv_cache.manager import KVCacheManager
+from services.engine.load import PrefillRate, prompt_tokens_of
 from services.engine.loading.source import ModelSource, resolve_model
 from services.engine.output_processor import OutputProcessor, RequestOutput
 from services.engine.runner.rank_runtime import RankRuntime
@@ -99,9 +102,10 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         # Pool ids are 0 .. num_kv_blocks - 1 in every group. A sliding-window table's entry for a
         # block freed out of the window is the placeholder num_kv_blocks: the scratch block.
+        self.kv_events = KVEventLog()  # off until a subscriber turns it on (services/worker/kv_events.py)
         self.kv_manager = KVCacheManager(
             self.kv_layout.groups, [self.num_kv_blocks] * len(self.kv_layout.groups),
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching, events=self.kv_events,
         )
         self.host_tier = host_tier_for(config, self.kv_layout, self.kv_cache, self.kv_manager, self.device)
         self._scheduler = Scheduler(
@@ -122,6 +126,7 @@ class LLMEngine:
         self.last_step_ran = False  # whether the last step() scheduled any work
         self._in_flight: _LaunchedStep | None = None  # a decode step launched, not yet resolved
         self.async_scheduling = config.async_scheduling  # may be switched off at run time (benchmarks: A/B)
+        self.prefill_rate = PrefillRate()
 
     # ---- set-up --------------------------------------------------------------------------------
     def _eos_ids(self) -> frozenset[int]:
@@ -145,6 +150,25 @@ class LLMEngine:
     def group_kv_heads(self) -> dict[int, int]:
         """Model-total KV heads of each KV-cache group (the layout holds this rank's share)."""
         return {g.group_id: self.model_config.layers[g.layer_ids[0]].num_kv_heads for g in self.kv_layout.groups}
+
+    def set_cache_salt(self, cache_salt: bytes) -> None:
+        """Key the prefix caches (device and host tier) with ``cache_salt``, before any request: a worker
+        passes ``cache_salt_for`` its compatibility hash, so a router computes the same keys."""
+        if self.has_unfinished_requests() or self.scheduler.num_held:
+            raise ValueError("the cache salt can only be set before any request")
+        self.kv_manager.set_cache_salt(cache_salt)
+        if self.host_tier is not None:
+            self.host_tier.spans.set_cache_salt(cache_salt)
+
+    def kv_snapshot(self) -> tuple[int, list[KVCacheContents]]:
+        """Every key the prefix caches hold, per (group, tier), and the number of the last KV event it
+        reflects. Call on the engine's thread: events recorded so far are sealed first, so the snapshot
+        covers exactly the events numbered up to the returned one."""
+        self.kv_events.seal()
+        contents = self.kv_manager.contents()
+        if self.host_tier is not None:
+            contents += self.host_tier.spans.contents()
+        return self.kv_events.last_seq, contents
 
     def close(self) -> None:
         """Stop the follower ranks of a TP engine and the host tier's copier."""
@@ -293,6 +317,7 @@ class LLMEngine:
         so does a step with a row whose penalties need its whole output, or whose grammar must take N's
         token before it can mask N+1 (``needs_resolved_tokens``): N's token is only on the device until then.
         """
+        started = time.perf_counter()
         prev, self._in_flight = self._in_flight, None
         output = self.scheduler.schedule()
         launched = None
@@ -311,7 +336,10 @@ class LLMEngine:
         if launched.graph and self.async_scheduling:
             self._in_flight = launched
             return outputs
-        return outputs + self._resolve(launched)
+        outputs += self._resolve(launched)
+        # A prefill chunk never runs as a graph: its step ends here, its tokens on the host.
+        self.prefill_rate.observe(prompt_tokens_of(launched.output), time.perf_counter() - started)
+        return outputs
 
     @property
     def has_step_in_flight(self) -> bool:

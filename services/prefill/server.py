@@ -28,15 +28,17 @@ from services.worker.config import PrefillConfig
 from services.worker.daemon import Background, Role, WorkerContext
 from services.worker.daemon import serve as serve_worker
 from services.worker.grpc_server import WorkerServer
+from services.worker.kv_events import KVEventPublisher, KVEventsRPCs
 from services.worker.worker_info import worker_info
 
 
-class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    """Thin servicer: decode the message, call the engine, encode the answer."""
+class PrefillServicer(KVEventsRPCs, worker_pb2_grpc.PrefillWorkerServicer):
+    """Thin servicer: decode the message, call the engine, encode the answer (KV events: ``KVEventsRPCs``)."""
 
     def __init__(self, server: WorkerServer, engine: AsyncEngine, exporter: KVExporter, address: str,
-                 metrics: WorkerMetrics) -> None:
+                 metrics: WorkerMetrics, kv_events: KVEventPublisher) -> None:
         self.server = server
+        self.kv_events = kv_events
         self.engine = engine
         self.exporter = exporter
         self.address = address
@@ -117,7 +119,8 @@ def _attach(context: WorkerContext) -> list[Background]:
     exporter = KVExporter(engine_id=context.engine_id, model_name=engine.source.name, ranks=context.ranks,
                           epoch=context.epoch, identity=context.identity)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-        PrefillServicer(context.server, context.aengine, exporter, context.address, context.metrics),
+        PrefillServicer(context.server, context.aengine, exporter, context.address, context.metrics,
+                        context.kv_events),
         context.server.server)
     add_handshake_service(context.server.server, HandshakeServicer(exporter.describe, config.kv_auth_token))
     return [ReleaseLoop(context.aengine, exporter, context.metrics, config.kv_lease_s).run]

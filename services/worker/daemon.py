@@ -1,8 +1,9 @@
 """The life of a worker daemon, shared by prefill and decode: bind, serve, drain, shut down.
 
 Both daemons start the same way (a grpc.aio server with health and the cluster token or mTLS, an
-address peers can dial, an engine id and epoch, one KV rank per TP rank, the engine's thread, the
-/metrics server, the ready line) and stop the same way (SIGTERM drains, a dead TP rank fails the
+address peers can dial, an engine id and epoch, one KV rank per TP rank, prefix-cache keys salted
+with the compatibility hash, the KV event publisher, the engine's thread, the /metrics server, the
+ready line) and stop the same way (SIGTERM drains, a dead TP rank fails the
 worker). Only what they serve differs: :class:`Role` says that, and :func:`serve` does the rest.
 """
 
@@ -18,12 +19,14 @@ from services.common.addresses import advertised_host, join_host_port
 from services.common.fault_inject import log_fault_injection
 from services.common.metrics import WorkerMetrics
 from services.common.tls import TLSConfig
+from services.contract.prefix_keys import cache_salt_for
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.llm_engine import LLMEngine
-from services.kv.compat import KVIdentity
+from services.kv.compat import CompatInfo, KVIdentity
 from services.kv.rank import KVRank
 from services.worker.config import WorkerConfig
 from services.worker.grpc_server import WorkerServer
+from services.worker.kv_events import KVEventPublisher
 from services.worker.kv_ranks import close_kv_ranks, go_down_with_tp_group, kv_identity, open_kv_ranks
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ class WorkerContext:
     epoch: int  # this start's; names the KV agents and tells peers a restarted worker from the old one
     ranks: list[KVRank]
     identity: KVIdentity  # the engine's KV identity, for the exporter or the puller
+    kv_events: KVEventPublisher  # the KVEvents/KVSnapshot RPCs' publisher (services/worker/kv_events.py)
     faults: dict[str, int] = field(default_factory=dict)  # PDSERVE_FAULT_INJECT's (services.common.fault_inject)
 
 
@@ -75,10 +79,15 @@ async def serve(config: WorkerConfig, engine: LLMEngine, role: Role) -> str | No
     epoch = time.time_ns()
     engine_id = config.engine_id or f"{role.name}@{address}"
     ranks = open_kv_ranks(engine, engine_id, epoch)
+    identity = kv_identity(engine, config.kv_digest)
+    # Prefix-cache keys salted with the compatibility hash Info reports: a router computes the same keys.
+    engine.set_cache_salt(cache_salt_for(CompatInfo.of_identity(identity).hash))
     aengine = AsyncEngine(engine)
+    publisher = KVEventPublisher(aengine, engine_id, epoch, metrics)
+    server.before_stop.append(publisher.close)  # event streams end cleanly, not cut by the server's grace
     context = WorkerContext(config, engine, aengine, server, metrics, tls, address, engine_id, epoch, ranks,
-                            kv_identity(engine, config.kv_digest), log_fault_injection())
-    background = role.attach(context)
+                            identity, publisher, log_fault_injection())
+    background = [*role.attach(context), publisher.run]
     aengine.start()
     metrics.set_info(engine.source.name, engine_id, engine.config.parallel.tp_size, engine.config.block_size,
                      len(engine.kv_layout.groups))

@@ -72,6 +72,8 @@ class WorkerServer:
         self.in_flight = InFlight()
         self.stopped = asyncio.Event()
         self.failure: str | None = None  # why the worker went down on its own (see fail)
+        # Called just before the server stops (drain or failure): open streams end themselves (KV events).
+        self.before_stop: list[Callable[[], None]] = []
 
     def bind(self, host: str, port: int) -> int:
         address = f"{host}:{port}"
@@ -108,6 +110,7 @@ class WorkerServer:
                  "all finished" if finished else f"{self.in_flight.count} cut off")
         if on_drained is not None:
             on_drained()
+        self._before_stop()
         await self.server.stop(grace=1.0)
         self.stopped.set()
 
@@ -124,5 +127,13 @@ class WorkerServer:
         self.in_flight.draining = True
         for name in self.service_names:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._before_stop()
         await self.server.stop(grace=1.0)
         self.stopped.set()
+
+    def _before_stop(self) -> None:
+        for hook in self.before_stop:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - one hook's failure must not keep the server up
+                log.exception("a stop hook failed")

@@ -11,6 +11,8 @@ block table; the manager keeps one table per group per request and delegates to,
 - ``block_hash.py``: the block hash (a pinned, chained encoding other processes recompute) and
   ``BlockHashChains``, each request's chain computed once and shared by the device prefix cache
   and the host tier (``services.engine.offload``).
+- ``events.py``: KV events, what the pools' prefix caches store and remove (``KVEventLog``,
+  numbered on the engine thread, off unless a subscriber turned it on), for a router's index.
 - ``group_managers.py``: ``GroupManager`` and its kinds, ``FullAttentionManager`` and
   ``SlidingWindowManager``: how a group's table grows, which blocks a query still reads, where a
   prefix hit may start; also what a sliding group's placeholder entries are.

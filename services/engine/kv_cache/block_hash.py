@@ -34,6 +34,11 @@ class BlockHashChains:
         self.cache_salt = cache_salt
         self._chains: weakref.WeakKeyDictionary[Request, dict[int, list[bytes]]] = weakref.WeakKeyDictionary()
 
+    def set_salt(self, cache_salt: bytes) -> None:
+        """Hash with another salt from now on; every chain computed so far is dropped."""
+        self.cache_salt = cache_salt
+        self._chains = weakref.WeakKeyDictionary()
+
     def of(self, request: Request) -> RequestBlockHashes:
         """The request's chains, for one lookup or publish (reads its tokens once, when it must hash)."""
         chains = self._chains.get(request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
+from services.engine.kv_cache.events import PoolEvents
 from services.engine.kv_cache.free_runs import FreeRunIndex
 
 
@@ -19,9 +20,12 @@ class BlockPool:
 
     ``allocate`` hands out fresh-free blocks first (contiguous runs, see ``FreeRunIndex``), then
     evicts cached-free blocks least-recently-freed first.
+
+    ``events``: where the hash map's changes are reported (KV events: a hash published is STORED, one
+    evicted REMOVED, a reset CLEARED); checked with ``events.on`` first, so off costs one test.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: PoolEvents | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -30,6 +34,7 @@ class BlockPool:
         self._by_hash: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached-free, oldest first
         self._fresh = FreeRunIndex(num_blocks)
+        self.events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,6 +96,8 @@ class BlockPool:
         if block_hash is not None:
             del self._by_hash[block_hash]
             self._hashes[block_id] = None
+            if self.events is not None and self.events.on:
+                self.events.removed(block_hash)
 
     def num_to_revive(self, block_ids: Iterable[int]) -> int:
         """How many of these (prefix-hit) blocks ``touch`` would take out of the free pool."""
@@ -147,13 +154,22 @@ class BlockPool:
             return False
         self._hashes[block_id] = block_hash
         self._by_hash[block_hash] = block_id
+        if self.events is not None and self.events.on:
+            self.events.stored(block_hash)
         return True
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash the prefix cache holds now, in the order they were published."""
+        return list(self._by_hash)
 
     def reset_prefix_cache(self) -> int:
         """Forget every hash; cached-free blocks become fresh. Returns the number forgotten."""
         num_hashes = len(self._by_hash)
-        for block_id in list(self._by_hash.values()):
-            self._uncache(block_id)
+        for block_id in self._by_hash.values():
+            self._hashes[block_id] = None
+        self._by_hash.clear()
+        if self.events is not None and self.events.on:
+            self.events.cleared()
         self._fresh.put(self._evictable)
         self._evictable.clear()
         return num_hashes

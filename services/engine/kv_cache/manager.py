@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from services.engine.kv_cache.block_hash import BlockHashChains
 from services.engine.kv_cache.block_pool import BlockPool
+from services.engine.kv_cache.events import KVCacheContents, KVEventLog, KVTier
 from services.engine.kv_cache.group_managers import GroupManager, make_group_manager
 from services.engine.kv_cache.prefix_hit import find_prefix_hit
 from services.engine.kv_cache.table_plan import (
@@ -58,11 +59,15 @@ class KVCacheManager:
 
     ``block_hashes``: the request hash chains to read and extend, shared with another cache of the
     same salt (the host tier passes the device manager's); a new one by default.
+
+    ``events``: the engine's KV event log; each group's pool reports its prefix cache's changes there
+    as ``tier`` (the host tier's span manager passes ``KVTier.HOST``). None: no events.
     """
 
     def __init__(self, groups: Sequence[KVCacheGroupSpec], num_blocks_per_group: Sequence[int],
                  enable_prefix_caching: bool = True, cache_salt: bytes = b"",
-                 free_out_of_window: bool = True, block_hashes: BlockHashChains | None = None) -> None:
+                 free_out_of_window: bool = True, block_hashes: BlockHashChains | None = None,
+                 events: KVEventLog | None = None, tier: KVTier = KVTier.DEVICE) -> None:
         if not groups:
             raise ValueError("at least one KV group is required")
         if len(groups) != len(num_blocks_per_group):
@@ -73,8 +78,12 @@ class KVCacheManager:
         if block_hashes is not None and block_hashes.cache_salt != cache_salt:
             raise ValueError("block_hashes were made with another cache salt")
         self.groups = tuple(groups)
-        self.managers: list[GroupManager] = [make_group_manager(spec, BlockPool(n), free_out_of_window)
-                                             for spec, n in zip(groups, num_blocks_per_group, strict=True)]
+        self.events = events
+        self.tier = tier
+        self.managers: list[GroupManager] = [
+            make_group_manager(spec, BlockPool(n, events and events.pool(spec.group_id, tier, spec.block_size)),
+                               free_out_of_window)
+            for spec, n in zip(groups, num_blocks_per_group, strict=True)]
         self.enable_prefix_caching = enable_prefix_caching
         self.cache_salt = cache_salt
         self.block_hashes = block_hashes if block_hashes is not None else BlockHashChains(cache_salt)
@@ -161,6 +170,21 @@ class KVCacheManager:
                 if table[i] != m.placeholder:
                     m.pool.cache_block(table[i], hashes.at(m.block_size, i))
             cursor.num_blocks = max(cursor.num_blocks, num_full)
+
+    def contents(self) -> list[KVCacheContents]:
+        """Every key each group's prefix cache holds (a KV snapshot's part; needs an event log)."""
+        if self.events is None:
+            raise ValueError("this KV cache manager has no event log")
+        return [m.pool.events.contents(m.pool.cached_hashes()) for m in self.managers]
+
+    def set_cache_salt(self, cache_salt: bytes) -> None:
+        """Key the prefix cache with another salt: only while it is empty and no request has blocks
+        (every key already computed would name other content)."""
+        if self._cursors or self._held or any(m.pool.num_cached_blocks or m.pool.num_used_blocks
+                                              for m in self.managers):
+            raise ValueError("the cache salt can only change while the KV cache is empty")
+        self.cache_salt = cache_salt
+        self.block_hashes.set_salt(cache_salt)
 
     def reset_prefix_cache(self) -> int:
         """Drop every hash in every group; live requests republish at their next update."""

@@ -12,7 +12,9 @@ groups have the span as block size and whose pools count spans, so a host lookup
 device lookup's rules (full attention: every span from token 0; a sliding window: only the spans
 the first computed query can see) and eviction is its LRU over spans nobody references. It reads
 the device manager's ``block_hashes``, so a request's span hashes (its chain at block size
-``factor * block_size``) are computed once, whether a store or a lookup asks first.
+``factor * block_size``) are computed once, whether a store or a lookup asks first. Its pools
+report to the device manager's KV event log as ``KVTier.HOST`` (a span published: STORED, evicted:
+REMOVED, with the span's tokens as block size).
 
 Every block reference below is taken and dropped on the engine's thread; copies run on the
 copier's thread (``copier.py``). What keeps a block from being freed or overwritten under a copy:
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.kv_cache.buffers import KVCache
+from services.engine.kv_cache.events import KVTier
 from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.offload.copier import BlockCopier, PlaneCopy, block_planes, block_runs
 from services.engine.sched.request import Request
@@ -105,7 +108,8 @@ class HostKVTier:
         span_groups = tuple(dataclasses.replace(g, block_size=g.block_size * factor) for g in spec.groups)
         self.spans = KVCacheManager(span_groups, [num_spans] * len(span_groups), enable_prefix_caching=True,
                                     cache_salt=device_kv.cache_salt, free_out_of_window=device_kv.free_out_of_window,
-                                    block_hashes=device_kv.block_hashes)
+                                    block_hashes=device_kv.block_hashes, events=device_kv.events,
+                                    tier=KVTier.HOST)
         self.device_kv = device_kv
         self._planes = list(zip(block_planes(spec, device_cache.buffers), block_planes(self.layout, self.buffers),
                                 [b.group_id for b in spec.buffers()], strict=True))
@@ -282,10 +286,11 @@ class HostKVTier:
         return results
 
     def _finish_store(self, job: _Job, ok: bool) -> None:
-        for st in reversed(job.stores):  # tail spans first: they are evicted first
+        if ok:  # published in prefix order (KV events report them so)
+            for st in job.stores:
+                self.spans.pool(st.group).cache_block(st.span, st.block_hash)
+        for st in reversed(job.stores):  # tail spans freed first: they are evicted first
             pool = self.spans.pool(st.group)
-            if ok:
-                pool.cache_block(st.span, st.block_hash)
             pool.free([st.span])
             self._storing[st.group].discard(st.block_hash)
             self.device_kv.pool(st.group).free(st.device_blocks)

@@ -195,6 +195,13 @@ class Scheduler:
     def num_held(self) -> int:
         return len(self._held)
 
+    @property
+    def num_prefill_tokens_pending(self) -> int:
+        """Prompt tokens admitted here but not computed yet: waiting requests whole (a preempted one
+        recomputes its output too), running ones' rest of the prompt. KV being pulled or loaded is not."""
+        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self._waiting)
+        return waiting + sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self._running)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 

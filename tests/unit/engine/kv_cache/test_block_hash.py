@@ -1,58 +1,19 @@
-"""Block hashes: the pinned encoding, and each request's chain computed once and shared (no torch)."""
+"""Block hashes: each request's chain computed once and shared (no torch); the encoding itself is
+tests/unit/contract/test_prefix_keys.py's."""
 
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 
 import pytest
 
-from services.contract.prefix_keys import hash_block_tokens, hash_request_blocks
+from services.contract.prefix_keys import hash_request_blocks
 from services.contract.sampling_params import SamplingParams
 from services.engine.kv_cache import block_hash
 from services.engine.kv_cache.block_hash import BlockHashChains
 from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.sched.request import Request
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
-
-# ---- hashing ---------------------------------------------------------------------------------
-
-
-def test_block_hash_is_chained_salted_and_sized():
-    h0 = hash_block_tokens(None, [1, 2, 3, 4])
-    assert len(h0) == 16 and h0 == hash_block_tokens(None, [1, 2, 3, 4])
-    assert hash_block_tokens(h0, [5, 6, 7, 8]) != hash_block_tokens(None, [5, 6, 7, 8])
-    assert hash_block_tokens(None, [1, 2, 3, 4], b"salt") != h0
-    assert hash_block_tokens(None, [1, 2, 3, 5]) != h0
-    assert hash_request_blocks([1, 2, 3, 4, 5, 6, 7, 8, 9], 4) == [h0, hash_block_tokens(h0, [5, 6, 7, 8])]
-    assert hash_request_blocks([1, 2, 3], 4) == []
-
-
-def test_block_hash_encoding_is_pinned():
-    # Other processes (the router) recompute these; changing the encoding is a protocol change.
-    h0 = hash_block_tokens(None, [1, 2, 3, 4])
-    assert h0.hex() == "449bd3b074261d5bef39136d641c8f17"
-    assert hash_block_tokens(h0, [5, 6, 7, 8], b"salt").hex() == "f4a95e14fbbcfb2499f1a8d5557191b2"
-
-
-def test_block_hash_rejects_bad_input():
-    with pytest.raises(ValueError, match="token ids"):
-        hash_block_tokens(None, [-1])
-    with pytest.raises(ValueError, match="parent"):
-        hash_block_tokens(b"short", [1])
-    with pytest.raises(ValueError, match="block_size"):
-        hash_request_blocks([1], 0)
-
-
-def test_block_hash_is_stable_across_processes():
-    code = ("from services.contract.prefix_keys import hash_request_blocks;"
-            "print(hash_request_blocks(list(range(64)), 16, b'x')[-1].hex())")
-    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=os.getcwd())
-    other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert other.stdout.strip() == hash_request_blocks(list(range(64)), 16, b"x")[-1].hex()
-
 
 # ---- per-request chains ------------------------------------------------------------------------
 
