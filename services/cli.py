@@ -18,6 +18,15 @@ if TYPE_CHECKING:
     from services.engine.llm_engine import LLMEngine
 
 
+def _direct_threshold(text: str) -> str:
+    """``auto`` or a token count >= 0, passed on to the router as written."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected a token count >= 0 or 'auto', got {text!r}")
+    return str(int(text))
+
+
 def _gpu_list(text: str) -> list[int]:
     """An argparse type for ``--prefill-gpus 0,1``."""
     from services.launch.placement import parse_gpu_list
@@ -137,7 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"GPU indices for the {role} workers' ranks, handed out in order "
                              "(default: placed automatically)")
     up.add_argument("--served-model-name", default=None)
-    up.add_argument("--direct-decode-threshold", type=int, default=0, metavar="TOKENS")
+    up.add_argument("--direct-decode-threshold", type=_direct_threshold, default="auto", metavar="TOKENS|auto",
+                    help="the router's choice between disaggregating and serving on a decode worker directly: "
+                         "auto (default) decides per request by cost (the decode worker's own cache, the prefill "
+                         "queue); a token count serves shorter prompts directly (0: always disaggregate)")
     up.add_argument("--enforce-disagg", action="store_true",
                     help="the router's strict disaggregation: a request the prefill worker's KV cannot serve fails "
                          "(503/502) instead of being prefilled on a decode worker (the router also reads "

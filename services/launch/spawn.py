@@ -203,9 +203,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def start_router(model: str | None, prefill: list[str], decode: list[str], *extra: str, host: str = "127.0.0.1",
-                 port: int = 0, direct_decode_threshold: int = 0, timeout_s: float = 120.0,
+                 port: int = 0, direct_decode_threshold: int | str = 0, timeout_s: float = 120.0,
                  on_spawn: Callable[[subprocess.Popen], None] | None = None) -> Router:
-    """Start ``pdserve router`` and return once its /health says ``ok`` (a compatible pair is healthy)."""
+    """Start ``pdserve router`` and return once its /health says ``ok`` (a compatible pair is healthy).
+
+    ``direct_decode_threshold``: 0 (the default here: tests and benchmarks that measure disaggregation get
+    it on every request), a token count, or ``"auto"`` (the router's cost-based choice, ``pdserve up``'s)."""
     port = port or free_port(host)
     cmd = [sys.executable, "-m", "services.cli", "router", "--host", host, "--port", str(port),
            "--direct-decode-threshold", str(direct_decode_threshold), "--health-interval-s", "0.5", *extra]

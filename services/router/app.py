@@ -32,10 +32,12 @@ from services.router.discovery import Discovery, EndpointSource, PairProber, Pro
 from services.router.errors import ModelNotFound, WorkerFailure, install_error_handlers, to_router_error
 from services.router.flow import Delta, Dispatcher, GenerationRequest, Outcome
 from services.router.http_guards import AnswerUnexpected, ApiKeyAuth, RequestIds, read_body, worker_request_id
+from services.router.kv_subscriber import KVSource, KVSubscriptions
 from services.router.metrics import CONTENT_TYPE, RouterMetrics
 from services.router.openapi import openapi_document
 from services.router.pair_probes import PairProbe, PairProbeTable, PairState
 from services.router.pairing import PairingPolicy, Role, ServingStatus, WorkerIdentity, WorkerState
+from services.router.prefix_index import PrefixIndex
 from services.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,6 +55,7 @@ from services.router.responses import (
     usage_of,
 )
 from services.router.routes import ROUTE_HEADER, Route, worst_route
+from services.router.scoring import ScoringConfig
 from services.router.streaming import DONE_EVENT, SSEResponse, run_until_disconnect, sse_event
 from services.router.tokenize_api import DetokenizeRequest, TokenizeRequest, decode_body, detokenize, tokenize
 from services.router.tokenizing import (
@@ -107,22 +110,32 @@ def create_app(
     probe: Probe | None = None,
     resolver: Resolver = resolve,
     pair_prober: PairProber | None = None,
+    kv_source: KVSource | None = None,
 ) -> FastAPI:
     """The router app. The tokenizer is loaded now (a bad ``--model`` fails before serving).
 
     ``probe`` (default: the worker's ``Info`` RPC through the pool), ``resolver`` (default: the
-    system resolver) and ``pair_prober`` (default: the decode worker's ``Probe`` RPC through the pool)
-    are the seams discovery is tested through.
+    system resolver), ``pair_prober`` (default: the decode worker's ``Probe`` RPC through the pool) and
+    ``kv_source`` (default: the workers' ``KVEvents``/``KVSnapshot`` through the pool) are the seams
+    discovery is tested through.
     """
     tokenizer = tokenizer_loader(config.model)
     if config.enforce_disagg and config.direct_decode_threshold:
         log.warning("--enforce-disagg: --direct-decode-threshold %d is ignored; short prompts are disaggregated too",
                     config.direct_decode_threshold)
     probes = PairProbeTable(config.pair_probe_retry_s) if config.pair_probe and not config.decode_only else None
-    policy = PairingPolicy(config.pairing_threshold, config.enforce_disagg, probes)
+    index = PrefixIndex(config.kv_index_capacity, config.kv_predicted_ttl_s) if config.kv_aware else None
+    policy = PairingPolicy(config.pairing_threshold, config.enforce_disagg, probes, index, scoring_config(config))
     pool = WorkerPool(config.kv_auth_token, config.tls)
     served_name = model_name(config.model, config.served_model_name)
-    metrics = RouterMetrics(policy, served_name, decode_only=config.decode_only)
+    metrics = RouterMetrics(policy, served_name, decode_only=config.decode_only, index=index)
+    subscriptions = None
+    if index is not None:
+        subscriptions = KVSubscriptions(index, kv_source or pool, stale_s=config.kv_events_stale_s,
+                                        snapshot_timeout_s=config.kv_snapshot_timeout_s,
+                                        backoff_s=config.kv_resync_backoff_s,
+                                        backoff_max_s=config.kv_resync_backoff_max_s,
+                                        unsupported_retry_s=config.kv_unsupported_retry_s, metrics=metrics)
 
     async def info_probe(role: Role, address: str) -> WorkerIdentity:
         return await pool.info(role, address, config.health_timeout_s)
@@ -132,7 +145,7 @@ def create_app(
     discovery = Discovery(policy, sources, probe or info_probe, dns_refresh_s=config.dns_refresh_s,
                           health_interval_s=config.health_interval_s, health_timeout_s=config.health_timeout_s,
                           resolver=resolver, on_removed=pool.close, pair_prober=pair_prober or pool.probe,
-                          pair_probe_timeout_s=config.pair_probe_timeout_s)
+                          pair_probe_timeout_s=config.pair_probe_timeout_s, kv_subscriptions=subscriptions)
     is_dummy = bool(config.model and config.model.startswith("dummy:"))
     runtime = RouterRuntime(
         config=config,
@@ -173,6 +186,13 @@ def create_app(
     app.add_middleware(RequestIds)
     _add_routes(app)
     return app
+
+
+def scoring_config(config: RouterConfig) -> ScoringConfig:
+    """The KV-aware scoring settings of the router's flags."""
+    return ScoringConfig(host_hit_cost=config.kv_host_hit_cost, overload_queue_tokens=config.kv_overload_queue_tokens,
+                         default_prefill_tokens_per_s=config.kv_default_prefill_tokens_per_s,
+                         direct_max_uncached_tokens=config.direct_decode_max_uncached)
 
 
 def _runtime(request: Request) -> RouterRuntime:

@@ -8,6 +8,13 @@ from services.common.config_flags import flag
 from services.common.tls import TLSConfig
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+KV_AWARE, LEAST_OUTSTANDING = "kv-aware", "least-outstanding"
+ROUTING_POLICIES = (KV_AWARE, LEAST_OUTSTANDING)
+
+
+def _threshold(text: str) -> int | None:
+    """``--direct-decode-threshold``: a token count, or ``auto`` (the cost-based decision)."""
+    return None if text.strip().lower() == "auto" else int(text)
 
 
 def _addresses(text: str) -> tuple[str, ...]:
@@ -41,9 +48,40 @@ class RouterConfig:
     dns_refresh_s: float = flag(10.0, "re-resolve DNS names this often", parse=float)
     health_interval_s: float = flag(2.0, "probe each worker's Info this often", parse=float)
     health_timeout_s: float = flag(1.0, "a probe slower than this fails", parse=float)
-    # Prompts with fewer tokens than this skip the prefill worker (0: always disaggregate).
-    direct_decode_threshold: int = flag(0, "prompts shorter than this go straight to a decode worker (default 0: "
-                                           "never)", parse=int, metavar="TOKENS")
+    # Prompts with fewer tokens than this skip the prefill worker (0: always disaggregate); None (``auto``): the
+    # cost-based decision of KV-aware routing (scoring.py), never direct under least-outstanding routing.
+    direct_decode_threshold: int | None = flag(
+        None, "prompts shorter than this go straight to a decode worker, an explicit override of the cost-based "
+              "decision (0: never; default auto: KV-aware routing serves a prompt directly when the decode "
+              "worker's cache leaves at most --direct-decode-max-uncached tokens to compute, or when the prefill "
+              "queue would cost more than computing it there)", parse=_threshold, metavar="TOKENS|auto")
+    direct_decode_max_uncached: int = flag(32, "cost-based direct route: serve on the decode worker when its own "
+                                               "cache holds the prompt but for at most this many tokens (default "
+                                               "32)", parse=int, metavar="TOKENS")
+    # KV-aware routing (prefix_index.py, kv_subscriber.py, scoring.py).
+    routing: str = flag("kv-aware", "how workers are picked: kv-aware (by what their prefix caches hold, their "
+                                    "queues and measured rates, from their KV events) or least-outstanding (the "
+                                    "fewest outstanding requests and prompt tokens; default kv-aware)",
+                        choices=ROUTING_POLICIES)
+    kv_index_capacity: int = flag(1_000_000, "most block keys the prefix index holds over all workers, least "
+                                             "recently used forgotten first (about 250 bytes each; default "
+                                             "1000000)", parse=int, metavar="KEYS")
+    kv_predicted_ttl_s: float = flag(10.0, "a prompt sent to a worker counts as cached there this long unless "
+                                           "its KV events confirm it (default 10)", parse=float)
+    kv_host_hit_cost: float = flag(0.25, "cost of a host-tier cache hit relative to computing the token, in TTFT "
+                                         "estimates (default 0.25)", parse=float)
+    kv_overload_queue_tokens: int = flag(8192, "overload valve: a prefill worker with more queued prompt tokens "
+                                               "than this yields to colder workers, whatever its cache holds "
+                                               "(default 8192)", parse=int, metavar="TOKENS")
+    kv_default_prefill_tokens_per_s: float = flag(4096.0, "prefill rate assumed for a worker that has not "
+                                                          "reported one yet (default 4096)", parse=float)
+    kv_events_stale_s: float = flag(10.0, "a worker's KV event stream without a batch (events or heartbeat) "
+                                          "this long is resubscribed, its cache unknown meanwhile (default 10)",
+                                    parse=float)
+    kv_snapshot_timeout_s: float = 10.0  # a KVSnapshot slower than this fails the sync (taken on the engine thread)
+    kv_resync_backoff_s: float = 0.5  # first wait before resubscribing; doubles up to kv_resync_backoff_max_s
+    kv_resync_backoff_max_s: float = 10.0
+    kv_unsupported_retry_s: float = 60.0  # a worker that predates KVEvents is asked again this often
     # Strict disaggregation: a request the prefill worker's KV cannot serve fails (503/502) instead of being
     # prefilled on a decode worker; short prompts are disaggregated too (direct_decode_threshold is ignored).
     enforce_disagg: bool = flag(False, "strict disaggregation: never prefill a prompt on a decode worker; a request "
@@ -88,8 +126,23 @@ class RouterConfig:
                      "cleanup_timeout_s", "pair_probe_timeout_s", "pair_probe_retry_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.direct_decode_threshold < 0:
-            raise ValueError(f"direct_decode_threshold must be >= 0, got {self.direct_decode_threshold}")
+        if self.direct_decode_threshold is not None and self.direct_decode_threshold < 0:
+            raise ValueError(f"direct_decode_threshold must be >= 0 (or None: cost-based), got "
+                             f"{self.direct_decode_threshold}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        for name in ("direct_decode_max_uncached", "kv_overload_queue_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.kv_index_capacity < 1:
+            raise ValueError(f"kv_index_capacity must be >= 1, got {self.kv_index_capacity}")
+        if not 0 <= self.kv_host_hit_cost <= 1:
+            raise ValueError(f"kv_host_hit_cost must be in [0, 1], got {self.kv_host_hit_cost}")
+        for name in ("kv_predicted_ttl_s", "kv_default_prefill_tokens_per_s", "kv_events_stale_s",
+                     "kv_snapshot_timeout_s", "kv_resync_backoff_s", "kv_resync_backoff_max_s",
+                     "kv_unsupported_retry_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_inflight_requests is not None and self.max_inflight_requests < 1:
@@ -103,9 +156,14 @@ class RouterConfig:
                              "every prompt would be prefilled on a decode worker")
 
     @property
-    def pairing_threshold(self) -> int:
-        """The short-prompt bypass pairing applies: ``direct_decode_threshold``, off under ``enforce_disagg``."""
+    def pairing_threshold(self) -> int | None:
+        """The short-prompt bypass pairing applies: ``direct_decode_threshold`` (None: cost-based), off under
+        ``enforce_disagg``."""
         return 0 if self.enforce_disagg else self.direct_decode_threshold
+
+    @property
+    def kv_aware(self) -> bool:
+        return self.routing == KV_AWARE
 
     @property
     def decode_only(self) -> bool:

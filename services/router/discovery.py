@@ -16,6 +16,10 @@ worker's ``Probe`` RPC: one real KV transfer from the prefill worker). Each prob
 bounded by ``pair_probe_timeout_s``: a slow probe never holds up health checks, and requests never wait
 for one. Results go to the policy's probe table (``pair_probes.py``), which decides what is usable.
 
+KV events: with KV-aware routing, after each health round every listed worker has a subscriber task
+(``kv_subscriber.py``) keeping the prefix index fresh; a worker discovery drops loses its task and its
+index entries in the same round.
+
 The probes and the resolver are injected, so the state machine is tested without sockets or workers.
 """
 
@@ -27,6 +31,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from services.common.addresses import join_host_port, split_host_port
 from services.router.pair_probes import PairProbe, ProbeOutcome
@@ -39,6 +44,16 @@ Resolver = Callable[[str], Awaitable[list[str]]]
 OnRemoved = Callable[[str], Awaitable[None]]
 #: (prefill address, decode address, timeout in seconds): the decode worker's probe of that prefill worker.
 PairProber = Callable[[str, str, float], Awaitable[ProbeOutcome]]
+
+
+class Subscriptions(Protocol):
+    """What discovery drives of the KV event subscribers (``kv_subscriber.KVSubscriptions``)."""
+
+    def sync(self, workers: Iterable[tuple[Role, str]]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 #: How long past its own timeout a pair prober is waited for before its probe counts as failed.
 PROBE_GRACE_S = 1.0
 
@@ -80,9 +95,11 @@ class Discovery:
         clock: Callable[[], float] = time.monotonic,
         pair_prober: PairProber | None = None,
         pair_probe_timeout_s: float = 30.0,
+        kv_subscriptions: Subscriptions | None = None,
     ) -> None:
         """``on_removed`` is awaited for an address no role lists any more (to close its channel).
-        ``pair_prober`` probes the pairs of the policy's probe table (none without either)."""
+        ``pair_prober`` probes the pairs of the policy's probe table (none without either).
+        ``kv_subscriptions``: kept to the listed workers after each health round."""
         self._policy = policy
         self._sources = tuple(sources)
         self._probe = probe
@@ -99,6 +116,7 @@ class Discovery:
         self._pair_probe_timeout_s = pair_probe_timeout_s
         self._probe_tasks: set[asyncio.Task[None]] = set()
         self._unprobed_decodes: set[str] = set()  # decode workers logged as predating Probe
+        self._kv_subscriptions = kv_subscriptions
 
     # ---- endpoints -------------------------------------------------------------------------------
 
@@ -144,6 +162,8 @@ class Discovery:
                     log.warning("%s worker %s is down: %s", worker.role, worker.address, error)
         self._log_unpaired()
         self.probe_pairs()
+        if self._kv_subscriptions is not None:
+            self._kv_subscriptions.sync((w.role, w.address) for w in self._policy.workers())
 
     def _log_unpaired(self) -> None:
         """Warn when a worker becomes unpairable (or its reasons change); note when it pairs again."""
@@ -223,7 +243,9 @@ class Discovery:
         return all(task.done() for task in tasks)
 
     async def close(self) -> None:
-        """Cancel the probes under way (the app is shutting down)."""
+        """Cancel the probes and KV event subscriptions under way (the app is shutting down)."""
+        if self._kv_subscriptions is not None:
+            await self._kv_subscriptions.close()
         tasks = set(self._probe_tasks)
         for task in tasks:
             task.cancel()

@@ -4,7 +4,7 @@
                          │ ticket
                          ▼
                      Generate(ticket) ──► tokens 2..n ──► client
-    short prompt / no prefill worker up / prefill worker failed:
+    direct by cost or threshold (pairing.py) / no prefill worker up / prefill worker failed:
                      Generate(no ticket) ──► tokens 1..n ──► client
 
 ``--enforce-disagg`` closes the lower path: no prefill partner is a 503, a failed prefill a 502, and
@@ -49,6 +49,7 @@ from services.router.errors import (
 )
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Assignment, PairingPolicy, Role
+from services.router.prefix_index import PromptKeys
 from services.router.routes import Route
 from services.router.workers import WorkerPool
 from services.text.stream import TextStream
@@ -136,8 +137,9 @@ class Dispatcher:
         if limit is not None and self.num_in_flight >= limit:
             raise Overloaded(f"{self.num_in_flight} requests in flight (limit {limit})",
                              retry_after_s=self.config.retry_after_s)
-        assignment = self.policy.acquire(len(request.prompt_token_ids), affinity and (affinity.prefill,
-                                                                                      affinity.decode))
+        assignment = self.policy.acquire(len(request.prompt_token_ids),
+                                         affinity and (affinity.prefill, affinity.decode),
+                                         PromptKeys(request.prompt_token_ids), time.monotonic())
         if assignment is None:
             known = len(self.policy.workers(Role.DECODE))
             raise NoHealthyWorkers(f"no healthy decode worker ({known} known)",
@@ -147,6 +149,7 @@ class Dispatcher:
             refused = DisaggregationUnavailable(self._no_partner(), retry_after_s=self.config.retry_after_s)
             _log_request(request, assignment, outcome, f"error:{type(refused).__name__}")
             raise refused
+        self._count_decisions(request, assignment)
         run = _Run(self, request, assignment, outcome)
         outcome.workers = Workers(assignment.prefill, assignment.decode)
         self.num_in_flight += 1
@@ -170,6 +173,18 @@ class Dispatcher:
                 if outcome.route:  # the final route, once per request that took one
                     self.metrics.routes.labels(outcome.route).inc()
                 _log_request(request, assignment, outcome, outcome.finish_reason or ending)
+
+    def _count_decisions(self, request: GenerationRequest, assignment: Assignment) -> None:
+        """Why these workers and this route: metric labels, and the scores in the debug log."""
+        for role, reason in assignment.decisions:
+            self.metrics.routing_decisions.labels(role, reason).inc()
+        route = Route.DIRECT if assignment.prefill is None else Route.DISAGGREGATED
+        if assignment.route_reason:
+            self.metrics.route_decisions.labels(route.value, assignment.route_reason).inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s routed %s (%s): prefill=%s decode=%s %s; %s", request.request_id, route.value,
+                      assignment.route_reason, assignment.prefill, assignment.decode,
+                      " ".join(f"{role}:{reason}" for role, reason in assignment.decisions), assignment.detail)
 
     def _no_partner(self) -> str:
         """Why a strict router refuses a request that got no prefill worker."""

@@ -4,11 +4,12 @@ Latencies are what a client sees: TTFT from the request's arrival to its first t
 router, inter-token latency between tokens reaching the router, end-to-end to the last byte. The
 router's own cost is ``router_added_latency``: arrival to the first worker RPC (parse, validate,
 tokenize, pick a pair). Worker counts, and pair probe states and results, are read from the pairing
-table at scrape time.
+table at scrape time; the prefix index's size and each worker's event staleness from the index.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -17,7 +18,9 @@ from prometheus_client.registry import Collector
 
 from services.router.pair_probes import PairState
 from services.router.pairing import PairingPolicy, Role, ServingStatus
+from services.router.prefix_index import PrefixIndex
 from services.router.routes import Route
+from services.router.scoring import Reason, RouteReason
 
 # How a request was served (routes.py): both workers, the decode worker alone, or recomputed on decode.
 ROUTES = tuple(route.value for route in Route)
@@ -80,10 +83,45 @@ class _WorkerCollector(Collector):
         yield probes
 
 
+class _IndexCollector(Collector):
+    """The prefix index's size and per-worker state and staleness, read when scraped."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self._index = index
+
+    def collect(self) -> Iterator[Metric]:
+        index = self._index
+        keys = GaugeMetricFamily("pdserve_router_kv_index_keys", "Block keys in the prefix index: confirmed (from "
+                                 "KV events) and predicted (requests this router sent, not yet confirmed)",
+                                 labels=["kind"])
+        for kind, count in index.num_keys().items():
+            keys.add_metric([kind], count)
+        yield keys
+        yield GaugeMetricFamily("pdserve_router_kv_index_capacity_keys", "Most keys the prefix index holds "
+                                "(--kv-index-capacity)", value=index.capacity_keys)
+        yield CounterMetricFamily("pdserve_router_kv_index_evicted_keys", "Keys the prefix index forgot for "
+                                  "capacity (least recently used first)", value=index.num_evicted)
+        states = GaugeMetricFamily("pdserve_router_kv_index_workers", "Workers by what the index knows of their "
+                                   "caches: synced, unknown (resyncing) or unsupported (no KV events)",
+                                   labels=["state"])
+        for state, count in index.worker_states().items():
+            states.add_metric([state], count)
+        yield states
+        stale = GaugeMetricFamily("pdserve_router_kv_events_staleness_seconds", "Seconds since each synced "
+                                  "worker's last KV event batch (events or heartbeat)", labels=["address"])
+        now = time.monotonic()
+        for address in index.addresses():
+            last = index.last_batch_s(address)
+            if last is not None:
+                stale.add_metric([address], max(now - last, 0.0))
+        yield stale
+
+
 class RouterMetrics:
     """Every metric the router exports, registered in ``self.registry``."""
 
-    def __init__(self, policy: PairingPolicy, model: str = "", decode_only: bool = False) -> None:
+    def __init__(self, policy: PairingPolicy, model: str = "", decode_only: bool = False,
+                 index: PrefixIndex | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         info = Gauge("pdserve_router_info", "Always 1; the model the router serves", ["model"], registry=r)
@@ -104,8 +142,8 @@ class RouterMetrics:
                                        "Router time before the first worker RPC (parse, tokenize, pair)",
                                        buckets=_ROUTER_BUCKETS_S, registry=r)
         self.routes = Counter("pdserve_router_routed_requests",
-                              "Requests by final route, counted when they end: disaggregated, direct (short "
-                              "prompt or no prefill worker) or fallback (the prefill worker or the KV pull "
+                              "Requests by final route, counted when they end: disaggregated, direct (decided by "
+                              "cost or threshold, or no prefill worker) or fallback (the prefill worker or the KV pull "
                               "failed, the prompt was recomputed on decode)", ["route"], registry=r)
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens of served requests",
                                      registry=r)
@@ -115,12 +153,37 @@ class RouterMetrics:
                                        ["role"], registry=r)
         self.client_disconnects = Counter("pdserve_router_client_disconnects",
                                           "Requests whose client went away before the end", registry=r)
+        self.routing_decisions = Counter("pdserve_router_routing_decisions", "Workers picked, by role and why "
+                                         "(prefix_hit, least_loaded, overload_valve, cache_unknown, no_events, "
+                                         "affinity, least_outstanding)", ["role", "reason"], registry=r)
+        self.route_decisions = Counter("pdserve_router_route_decisions", "Requests disaggregated or served "
+                                       "directly on a decode worker, and why", ["route", "reason"], registry=r)
+        self.kv_resyncs = Counter("pdserve_router_kv_resyncs", "KV event streams dropped and resynced, by reason "
+                                  "(gap, epoch_changed, resource_exhausted, stream_error, stream_ended, stale)",
+                                  ["reason"], registry=r)
+        self.kv_event_batches = Counter("pdserve_router_kv_event_batches", "KV event batches applied (heartbeats "
+                                        "included)", registry=r)
+        self.kv_events = Counter("pdserve_router_kv_events", "KV cache events applied to the prefix index",
+                                 registry=r)
+        for role in Role:
+            for reason in Reason:
+                self.routing_decisions.labels(role.value, reason.value)
+        for reason in ("gap", "epoch_changed", "resource_exhausted", "stream_error", "stream_ended", "stale"):
+            self.kv_resyncs.labels(reason)
         for route in ROUTES:  # every series from the start: a route's rate is 0 before its first request
             for metric in (self.ttft, self.e2e, self.routes):
                 metric.labels(route)
         for role in Role:
             self.worker_failures.labels(role.value)
+        for route, reasons in ((Route.DIRECT, (RouteReason.DECODE_CACHED, RouteReason.PREFILL_QUEUE,
+                                               RouteReason.THRESHOLD, RouteReason.NO_PREFILL)),
+                               (Route.DISAGGREGATED, (RouteReason.COST, RouteReason.THRESHOLD,
+                                                      RouteReason.ENFORCED))):
+            for reason in reasons:
+                self.route_decisions.labels(route.value, reason.value)
         r.register(_WorkerCollector(policy, decode_only))
+        if index is not None:
+            r.register(_IndexCollector(index))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,9 +15,15 @@ With a pair probe table (``pair_probes.py``; the router's default), a compatible
 its probe succeeded for the two workers' current epochs: pending pairs wait, failed ones are refused
 with the probe's reason.
 
+KV-aware routing (with a prefix index, the router's default): the prefill worker is the one with the
+lowest estimated time to first token given what its caches hold, the decode worker the least loaded
+counting what it must pull, and unless ``direct_decode_threshold`` is set the request is served directly
+on the decode worker when that is cheaper (``scoring.py``). The prompt's blocks are then recorded as
+predicted on both workers (``prefix_index.py``). Without an index: least outstanding work, as above.
+
 Counts change only through :meth:`acquire` and the two ``finish_*`` calls, so a caller that
 finishes what it acquired (in a ``finally``) can never leave a count behind. No I/O, no clock:
-discovery and the request flow drive it, tests drive it directly.
+discovery and the request flow drive it (the flow passes the time), tests drive it directly.
 """
 
 from __future__ import annotations
@@ -27,8 +33,20 @@ import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from services.contract.prefix_keys import cache_salt_for
 from services.kv.pair_support import PairSide, pair_refusal
 from services.router.pair_probes import PairKey, PairProbe, PairProbeTable, PairState
+from services.router.prefix_index import PrefixIndex, PromptKeys, full_attention_groups
+from services.router.scoring import (
+    Candidate,
+    Reason,
+    RouteReason,
+    ScoringConfig,
+    choose_decode,
+    choose_prefill,
+    direct_reason,
+    work_tokens,
+)
 
 
 class Role(enum.StrEnum):
@@ -75,6 +93,7 @@ class WorkerState:
     last_error: str | None = None
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
+    queued_prefill_tokens: int = 0  # estimated prefill work (uncached prompt tokens) outstanding (prefill side)
     # Breaks ties between equally loaded workers, so sequential requests rotate.
     num_picks: int = 0
 
@@ -93,6 +112,11 @@ class Assignment:
     num_prompt_tokens: int
     reader_tp_size: int = 1
     reader_block_size: int = 0  # the decode engine's KV block size (sets the ticket's digest unit); 0: unknown
+    prefill_work_tokens: int = 0  # the prompt tokens the prefill worker is estimated to compute
+    # (role, Reason) per worker chosen, and why the request is disaggregated or direct: metric labels.
+    decisions: tuple[tuple[str, str], ...] = ()
+    route_reason: str = ""
+    detail: str = ""  # the scores behind the choice, for the debug log
     # The states counted on: a worker that leaves and comes back is a new state, never uncounted.
     _decode_state: WorkerState | None = field(default=None, repr=False)
     _prefill_state: WorkerState | None = field(default=None, repr=False)
@@ -120,16 +144,21 @@ def compatible(prefill: WorkerIdentity, decode: WorkerIdentity) -> bool:
 class PairingPolicy:
     """The worker table and the pairing rule."""
 
-    def __init__(self, direct_decode_threshold: int = 0, enforce_disagg: bool = False,
-                 probes: PairProbeTable | None = None) -> None:
-        """Prompts with fewer than ``direct_decode_threshold`` tokens skip the prefill worker.
+    def __init__(self, direct_decode_threshold: int | None = 0, enforce_disagg: bool = False,
+                 probes: PairProbeTable | None = None, index: PrefixIndex | None = None,
+                 scoring: ScoringConfig | None = None) -> None:
+        """Prompts with fewer than ``direct_decode_threshold`` tokens skip the prefill worker; None: the
+        cost-based decision with an index, never without one.
         ``enforce_disagg``: decode workers may not prefill, so without a pair nothing can be served.
-        ``probes``: use a compatible pair only once its probe succeeded (None: every compatible pair)."""
-        if direct_decode_threshold < 0:
+        ``probes``: use a compatible pair only once its probe succeeded (None: every compatible pair).
+        ``index``: route KV-aware over it, scored by ``scoring`` (None: least outstanding work)."""
+        if direct_decode_threshold is not None and direct_decode_threshold < 0:
             raise ValueError(f"direct_decode_threshold must be >= 0, got {direct_decode_threshold}")
-        self.direct_decode_threshold = direct_decode_threshold
+        self.direct_decode_threshold = 0 if enforce_disagg else direct_decode_threshold
         self.enforce_disagg = enforce_disagg
         self.probes = probes
+        self.index = index
+        self.scoring = scoring or ScoringConfig()
         self._workers: dict[tuple[Role, str], WorkerState] = {}
 
     # ---- membership (driven by discovery) --------------------------------------------------------
@@ -272,48 +301,134 @@ class PairingPolicy:
 
     # ---- pairing ---------------------------------------------------------------------------------
 
-    def acquire(self, num_prompt_tokens: int,
-                affinity: tuple[str | None, str] | None = None) -> Assignment | None:
+    def acquire(self, num_prompt_tokens: int, affinity: tuple[str | None, str] | None = None,
+                prompt: PromptKeys | None = None, now_s: float = 0.0) -> Assignment | None:
         """Pick workers for a request and count it on them; None when no decode worker is up.
 
         ``affinity`` (prefill, decode): the pair to prefer while both are available and still pair (a
-        sibling choice of the same prompt: their prefix caches hold its blocks).
+        sibling choice of the same prompt: their prefix caches hold its blocks). ``prompt``: its keys, for
+        KV-aware routing (with an index); ``now_s``: the monotonic time, for predicted entries.
         """
         decodes = self._available(Role.DECODE)
         if not decodes:
             return None
+        if self.index is not None and prompt is not None:
+            return self._acquire_kv(decodes, prompt, affinity, now_s)
+        threshold = self.direct_decode_threshold or 0
         prefill: WorkerState | None = None
-        if num_prompt_tokens >= self.direct_decode_threshold:
+        if num_prompt_tokens >= threshold:
             paired = [d for d in decodes if self._partners(d)]
             if paired:
                 decodes = paired
         decode = min(decodes, key=lambda w: (w.outstanding_requests, w.num_picks, w.address))
         if affinity is not None:
             decode = next((d for d in decodes if d.address == affinity[1]), decode)
-        if num_prompt_tokens >= self.direct_decode_threshold:
+        if num_prompt_tokens >= threshold:
             partners = self._partners(decode)
             if partners:
                 prefill = min(partners, key=lambda w: (w.outstanding_tokens, w.outstanding_requests,
                                                         w.num_picks, w.address))
                 if affinity is not None:
                     prefill = next((p for p in partners if p.address == affinity[0]), prefill)
+        if prefill is None:
+            route = RouteReason.THRESHOLD if num_prompt_tokens < threshold else RouteReason.NO_PREFILL
+        else:
+            route = RouteReason.ENFORCED if self.enforce_disagg else RouteReason.THRESHOLD
+        reasons = [(Role.DECODE, Reason.LEAST_OUTSTANDING)]
+        if prefill is not None:
+            reasons.append((Role.PREFILL, Reason.LEAST_OUTSTANDING))
+        return self._count(num_prompt_tokens, decode, prefill, num_prompt_tokens, reasons, route, "")
+
+    def _acquire_kv(self, decodes: list[WorkerState], prompt: PromptKeys,
+                    affinity: tuple[str | None, str] | None, now_s: float) -> Assignment:
+        """KV-aware: prefill by TTFT estimate, decode by load and what it must pull, then direct or not."""
+        n, config, threshold = len(prompt), self.scoring, self.direct_decode_threshold
+        paired = [d for d in decodes if self._partners(d)]
+        reasons: list[tuple[Role, Reason]] = []
+        details: list[str] = []
+        prefill: Candidate | None = None
+        if threshold is not None and n < threshold:
+            route = RouteReason.THRESHOLD
+        elif not paired:
+            route = RouteReason.NO_PREFILL
+        else:
+            prefills = list({p.address: p for d in paired for p in self._partners(d)}.values())
+            prefill, why, detail = self._pick(prefills, Role.PREFILL, prompt, affinity, now_s)
+            reasons.append((Role.PREFILL, why))
+            details.append(f"prefill[{detail}]")
+            chosen = self._workers[(Role.PREFILL, prefill.address)]
+            decodes = [d for d in paired if self._pairs_with(chosen, d)]
+            route = RouteReason.ENFORCED if self.enforce_disagg else RouteReason.THRESHOLD
+        decode, why, detail = self._pick(decodes, Role.DECODE, prompt, affinity, now_s)
+        reasons.append((Role.DECODE, why))
+        details.append(f"decode[{detail}]")
+        if prefill is not None and threshold is None and not self.enforce_disagg:
+            direct = direct_reason(decode, prefill, n, config)
+            route = direct or RouteReason.COST
+            if direct is not None:
+                prefill, reasons = None, reasons[1:]
+        work = round(work_tokens(prefill.hit, n, config)) if prefill is not None else 0
+        decode_state = self._workers[(Role.DECODE, decode.address)]
+        prefill_state = self._workers[(Role.PREFILL, prefill.address)] if prefill is not None else None
+        for state in (decode_state, prefill_state):
+            if state is not None and state.identity is not None and state.identity.block_size:
+                identity = state.identity
+                self.index.predict(state.address, identity.epoch, cache_salt_for(identity.compat_hash),
+                                   identity.block_size, prompt, now_s)
+        return self._count(n, decode_state, prefill_state, work, reasons, route, " ".join(details))
+
+    def _pick(self, workers: list[WorkerState], role: Role, prompt: PromptKeys,
+              affinity: tuple[str | None, str] | None, now_s: float) -> tuple[Candidate, Reason, str]:
+        """The scored choice among ``workers`` of ``role`` (an available affinity worker wins): candidate,
+        reason, the scores."""
+        candidates = [self._candidate(w, prompt, now_s) for w in workers]
+        wanted = affinity and (affinity[0] if role == Role.PREFILL else affinity[1])
+        kept = next((c for c in candidates if c.address == wanted), None)
+        if kept is not None:
+            return kept, Reason.AFFINITY, f"{kept.address}:affinity"
+        if role == Role.PREFILL:
+            choice = choose_prefill(candidates, len(prompt), self.scoring)
+        else:
+            choice = choose_decode(candidates, len(prompt))
+        best = next(c for c in candidates if c.address == choice.address)
+        return best, choice.reason, choice.detail
+
+    def _candidate(self, worker: WorkerState, prompt: PromptKeys, now_s: float) -> Candidate:
+        identity = worker.identity
+        assert identity is not None and self.index is not None  # available workers have answered
+        hit = self.index.lookup(worker.address, identity.epoch, cache_salt_for(identity.compat_hash), prompt,
+                                _full_groups(identity.compat_fields.get("kv_groups")), now_s)
+        return Candidate(worker.address, hit, worker.outstanding_requests, worker.queued_prefill_tokens,
+                         worker.num_picks, self.index.load(worker.address, identity.epoch), identity.block_size or 0)
+
+    def _count(self, num_prompt_tokens: int, decode: WorkerState, prefill: WorkerState | None, work: int,
+               reasons: list[tuple[Role, Reason]], route: RouteReason, detail: str) -> Assignment:
+        """Count the request on its workers and describe the assignment."""
         for worker in (decode, prefill):
             if worker is not None:
                 worker.outstanding_requests += 1
                 worker.outstanding_tokens += num_prompt_tokens
                 worker.num_picks += 1
+        if prefill is not None:
+            prefill.queued_prefill_tokens += work
         return Assignment(
             decode=decode.address,
             prefill=prefill.address if prefill else None,
             num_prompt_tokens=num_prompt_tokens,
             reader_tp_size=(decode.identity.tp_size if decode.identity else 0) or 1,
             reader_block_size=(decode.identity.block_size if decode.identity else 0) or 0,
+            prefill_work_tokens=work if prefill is not None else 0,
+            decisions=tuple((role.value, reason.value) for role, reason in reasons),
+            route_reason=route.value,
+            detail=detail,
             _decode_state=decode,
             _prefill_state=prefill,
         )
 
     def finish_prefill(self, assignment: Assignment) -> None:
         """The prefill worker is done with the request (answered, failed or was abandoned). Idempotent."""
+        if assignment._prefill_state is not None:
+            assignment._prefill_state.queued_prefill_tokens -= assignment.prefill_work_tokens
         _uncount(assignment._prefill_state, assignment.num_prompt_tokens)
         assignment._prefill_state = None
 
@@ -325,6 +440,12 @@ class PairingPolicy:
     def finish(self, assignment: Assignment) -> None:
         self.finish_prefill(assignment)
         self.finish_decode(assignment)
+
+
+@functools.lru_cache(maxsize=64)
+def _full_groups(kv_groups: str | None) -> frozenset[int] | None:
+    """The full-attention groups of a worker's ``kv_groups`` compat field (None: count every group)."""
+    return full_attention_groups({"kv_groups": kv_groups}) if kv_groups is not None else None
 
 
 def _uncount(worker: WorkerState | None, num_tokens: int) -> None:

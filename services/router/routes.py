@@ -2,8 +2,9 @@
 
 - ``disaggregated``: the decode worker generated from the prefill worker's KV (or the prefill worker's
   first token was already the last).
-- ``direct``: sent straight to a decode worker by policy (a prompt under ``--direct-decode-threshold``,
-  or no prefill worker that can pair), which prefilled it.
+- ``direct``: sent straight to a decode worker by policy (the cost-based rule: its own cache left few
+  tokens to compute, or the prefill queue would cost more; or a prompt under an explicit
+  ``--direct-decode-threshold``; or no prefill worker that can pair), which prefilled it.
 - ``fallback``: meant to be disaggregated, but the prompt was recomputed on the decode worker: the
   prefill worker failed, or the decode worker's pull did (``TokenChunk.recomputed_locally``).
 

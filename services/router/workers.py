@@ -123,6 +123,17 @@ class WorkerPool:
             return ProbeOutcome(False, f"the decode worker's Probe RPC failed: {e.code().name}: {e.details()}")
         return ProbeOutcome(answer.ok, answer.reason, answer.prefill_engine_id, answer.prefill_epoch, answer.seconds)
 
+    def kv_events(self, role: Role, address: str) -> grpc.aio.UnaryStreamCall:
+        """Subscribe to the worker's KV events (no deadline: the stream lives until cancelled or broken);
+        ``read()`` the call for KVEventBatches. UNIMPLEMENTED: a worker that predates it."""
+        stub = self._prefill(address) if role == Role.PREFILL else self._decode(address)
+        return stub.KVEvents(worker_pb2.KVEventsRequest())
+
+    async def kv_snapshot(self, role: Role, address: str, timeout_s: float) -> worker_pb2.KVSnapshotResponse:
+        """Every key the worker's prefix caches hold now, and the event number that reflects."""
+        stub = self._prefill(address) if role == Role.PREFILL else self._decode(address)
+        return await stub.KVSnapshot(worker_pb2.KVSnapshotRequest(), timeout=timeout_s)
+
     async def abort(self, role: Role, address: str, request_id: str, timeout_s: float) -> bool:
         stub = self._prefill(address) if role == Role.PREFILL else self._decode(address)
         response = await stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=timeout_s)

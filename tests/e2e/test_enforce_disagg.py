@@ -113,7 +113,9 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
                 for name, prefill, extra, want in (
                         ("normal", open_prefill.address, ("--direct-decode-threshold", str(THRESHOLD)), "ok"),
                         ("strict", locked_prefill.address, (*token, "--enforce-disagg", "--no-pair-probe"), "ok"),
-                        ("lenient", locked_prefill.address, (*token, "--no-pair-probe"), "ok"),
+                        # Disaggregated whatever the decode worker caches, so its failing pull falls back.
+                        ("lenient", locked_prefill.address, (*token, "--no-pair-probe", "--direct-decode-threshold",
+                                                             "0"), "ok"),
                         ("orphan", f"127.0.0.1:{free_port()}", ("--enforce-disagg",), "unavailable")):
                     routers.append(_start_router(logs, name, model, prefill, decode.address, *extra, want=want))
                 yield Cluster(open_prefill, locked_prefill, decode, *routers)

@@ -109,14 +109,15 @@ def test_a_killed_worker_comes_back_and_serves(checkpoint: str) -> None:
     are disaggregated again with the same greedy tokens, those of the model run colocated, the decode
     worker pulling the KV each time (its own metrics: bytes pulled, no local recompute)."""
     port = free_port()
-    proc, ready = _start_up("--port", str(port), "--model", checkpoint, "--device", "cpu", "--dtype", "float32")
+    proc, ready = _start_up("--port", str(port), "--model", checkpoint, "--device", "cpu", "--dtype", "float32",
+                            "--direct-decode-threshold", "0")
     try:
         assert ready.startswith(f"pdserve up: ready on http://127.0.0.1:{port}/v1"), ready
         workers = {m["role"]: m for m in READY.finditer(ready)}
         supervisor = "http://" + ready.rsplit("supervisor metrics ", 1)[1].strip() + "/metrics"
         decode_metrics = f"http://{workers['decode']['metrics']}/metrics"
         url = f"http://127.0.0.1:{port}"
-        # 40 tokens, 3 KV blocks: disaggregated (`up`'s --direct-decode-threshold is 0); ids fit the vocabulary.
+        # 40 tokens, 3 KV blocks: disaggregated (--direct-decode-threshold 0); ids fit the vocabulary.
         prompt = [(7 * i + 3) % 300 + 10 for i in range(40)]
 
         def complete() -> list[int]:

@@ -29,6 +29,7 @@ from services.router.pair_probes import ProbeOutcome
 from services.router.pairing import Role, WorkerIdentity
 from services.router.tokenizing import load_tokenizer, model_name
 from services.text.tokenizer import Tokenizer
+from tests.unit.router._kv_fakes import SilentKVSource
 from tests.unit.router._router_model import write_tiny_model_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -91,7 +92,7 @@ async def _router(model_dir: Path, tokenizer: Tokenizer | None, probe: Probe | N
                   pair_prober: PairProber | None = None, **config) -> AsyncIterator[Router]:
     fields = {"model": str(model_dir), "prefill": (NOWHERE,), "decode": (NOWHERE,), **config}
     app = create_app(RouterConfig(**fields), tokenizer_loader=lambda _: tokenizer, probe=probe or Probe(),
-                     pair_prober=pair_prober or PairProber())
+                     pair_prober=pair_prober or PairProber(), kv_source=SilentKVSource())
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:

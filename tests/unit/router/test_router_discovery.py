@@ -266,3 +266,42 @@ def test_a_wildcard_listener_advertises_this_machines_address() -> None:
     assert advertised_host("10.1.2.3") == "10.1.2.3"
     for wildcard in ("0.0.0.0", "::"):
         assert advertised_host(wildcard) == socket.gethostbyname(socket.gethostname())
+
+
+class RecordingSubscriptions:
+    """Stands in for ``KVSubscriptions``: records what discovery asks it to subscribe to."""
+
+    def __init__(self) -> None:
+        self.synced: list[list[tuple[Role, str]]] = []
+        self.closed = False
+
+    def sync(self, workers) -> None:
+        self.synced.append(sorted(workers))
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def test_kv_event_subscriptions_follow_the_listed_workers_each_round() -> None:
+    async def scenario() -> None:
+        answers = {"decode.svc:7": ["10.0.0.1:7", "10.0.0.2:7"]}
+
+        async def resolver(entry: str) -> list[str]:
+            return answers[entry]
+
+        subscriptions, clock = RecordingSubscriptions(), FakeClock()
+        discovery = Discovery(PairingPolicy(), [EndpointSource(Role.PREFILL, static=("p:1",)),
+                                                EndpointSource(Role.DECODE, dns=("decode.svc:7",))],
+                              ScriptedProbe(), dns_refresh_s=10, resolver=resolver, clock=clock,
+                              kv_subscriptions=subscriptions)
+        await discovery.refresh()  # every listed worker, answering or not (the subscriber retries)
+        assert subscriptions.synced[-1] == [(Role.DECODE, "10.0.0.1:7"), (Role.DECODE, "10.0.0.2:7"),
+                                            (Role.PREFILL, "p:1")]
+        answers["decode.svc:7"] = ["10.0.0.2:7"]
+        clock.now = 10
+        await discovery.refresh()  # a removed worker is unsubscribed in the same round
+        assert subscriptions.synced[-1] == [(Role.DECODE, "10.0.0.2:7"), (Role.PREFILL, "p:1")]
+        await discovery.close()
+        assert subscriptions.closed
+
+    asyncio.run(scenario())

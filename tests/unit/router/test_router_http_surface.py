@@ -31,6 +31,7 @@ from services.router.http_guards import MAX_REQUEST_ID_LENGTH
 from services.router.pairing import Role, WorkerIdentity
 from services.router.protocol import ChatCompletionRequest, CompletionRequest
 from services.text.tokenizer import Tokenizer
+from tests.unit.router._kv_fakes import SilentKVSource
 
 NOWHERE = "127.0.0.1:1"  # nothing listens on port 1: an RPC there fails at once
 KEY = "sk-test-key"
@@ -53,7 +54,8 @@ def _app(model_dir: Path, tokenizer: Tokenizer, **config):
           NOWHERE: WorkerIdentity("decode-0", "decode", "h", max_model_len=64)}
     fields = {"model": str(model_dir), "prefill": ("127.0.0.1:2",), "decode": (NOWHERE,),
               "health_interval_s": 3600, **config}
-    return create_app(RouterConfig(**fields), tokenizer_loader=lambda _: tokenizer, probe=Probe(up))
+    return create_app(RouterConfig(**fields), tokenizer_loader=lambda _: tokenizer, probe=Probe(up),
+                      kv_source=SilentKVSource())
 
 
 @asynccontextmanager

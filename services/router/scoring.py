@@ -1,0 +1,202 @@
+"""KV-aware scores: which prefill worker, which decode worker, and whether to disaggregate at all.
+
+Prefill workers are scored by estimated time to first token, in seconds::
+
+    work_tokens  = uncached + host_hit_cost * host_hit      (uncached = prompt - device_hit - host_hit)
+    queued       = max(router's queued prefill work there, the engine's waiting_prefill_tokens)
+    ttft_s       = (work_tokens + queued) / prefill_tokens_per_s   (measured; a default until it is)
+
+``host_hit_cost`` is what loading a host-tier token costs relative to computing it (default 0.25: Dynamo
+weighs a host hit 0.75 of a device hit, the same thing seen from the other side). The queue takes the
+larger of the router's own count (its requests, as estimated work, are known at once) and the engine's
+(which also sees other router replicas' requests, a batch interval late).
+
+Overload valve: a worker whose queue exceeds ``overload_queue_tokens`` is left out while any other is
+under it, even if its cache makes its estimate the lowest: the estimate trusts a measured rate and a
+queue that lag, and a hot prefix would otherwise pile every request of its group on one worker. Ties
+(equal estimates, e.g. nothing cached and nothing queued) go to the fewest outstanding requests, then
+the least picked, so a cold start spreads.
+
+Decode workers are scored in requests: ``max(router's outstanding, engine's running + waiting)`` plus the
+share of the prompt it must pull (0 when it holds the whole prefix, 1 when none: a pull costs the worker
+about one more request's worth of work); one without KV room for what it must pull is left out while
+another has room.
+
+Disaggregate or serve directly (when no ``--direct-decode-threshold`` overrides it): directly on the
+chosen decode worker when its own cache (as its events confirm it: a predicted entry may be a pull still
+under way, which the engine could not reuse yet) leaves at most
+``direct_max_uncached_tokens`` to compute, or when the chosen prefill worker's queue alone would cost more
+than computing the prompt on the decode worker, counting the stall of the requests running there::
+
+    queue_wait_s = queued / prefill_rate          >   uncached_on_decode / decode_rate * (1 + decode_running)
+
+An idle prefill worker never loses on the second rule: its queue wait is 0.
+
+Each decision carries its reason (a metric label) and a one-line detail naming the scores (the debug log).
+Pure: numbers in, choices out.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.router.prefix_index import CacheHit, CacheState, Load
+
+
+class Reason(enum.StrEnum):
+    """Why a worker was chosen (``pdserve_router_routing_decisions_total{role, reason}``)."""
+
+    PREFIX_HIT = "prefix_hit"  # it holds the longest cached prefix and was not over the valve's bound
+    LEAST_LOADED = "least_loaded"  # no better cache elsewhere (or its lower load outweighed one)
+    OVERLOAD_VALVE = "overload_valve"  # the worker holding the longest prefix was over the queue bound
+    CACHE_UNKNOWN = "cache_unknown"  # nothing known cached anywhere, and some worker's cache is unknown
+    NO_EVENTS = "no_events"  # no candidate publishes KV events: cache-blind
+    AFFINITY = "affinity"  # a sibling choice kept its leader's worker
+    LEAST_OUTSTANDING = "least_outstanding"  # --routing least-outstanding
+
+
+class RouteReason(enum.StrEnum):
+    """Why a request was disaggregated or served directly (``pdserve_router_route_decisions_total``)."""
+
+    DECODE_CACHED = "decode_cached"  # direct: the decode worker's cache leaves few tokens to compute
+    PREFILL_QUEUE = "prefill_queue"  # direct: the prefill route's estimate is worse than computing on decode
+    THRESHOLD = "threshold"  # --direct-decode-threshold decided (either way)
+    NO_PREFILL = "no_prefill"  # direct: no prefill worker can pair
+    COST = "cost"  # disaggregated: the prefill route is estimated faster
+    ENFORCED = "enforced"  # disaggregated: --enforce-disagg
+
+
+@dataclass(frozen=True)
+class ScoringConfig:
+    host_hit_cost: float = 0.25
+    overload_queue_tokens: int = 8192
+    default_prefill_tokens_per_s: float = 4096.0
+    direct_max_uncached_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.host_hit_cost <= 1:
+            raise ValueError(f"host_hit_cost must be in [0, 1], got {self.host_hit_cost}")
+        if self.overload_queue_tokens < 0:
+            raise ValueError(f"overload_queue_tokens must be >= 0, got {self.overload_queue_tokens}")
+        if not self.default_prefill_tokens_per_s > 0:
+            raise ValueError(f"default_prefill_tokens_per_s must be > 0, got {self.default_prefill_tokens_per_s}")
+        if self.direct_max_uncached_tokens < 0:
+            raise ValueError(f"direct_max_uncached_tokens must be >= 0, got {self.direct_max_uncached_tokens}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One worker as scoring sees it: its cache hit for the prompt, the router's counts, its engine's load."""
+
+    address: str
+    hit: CacheHit
+    outstanding_requests: int = 0
+    queued_prefill_tokens: int = 0  # the router's estimated prefill work outstanding there
+    num_picks: int = 0
+    load: Load | None = None
+    block_size: int = 0  # 0: unknown
+
+
+@dataclass(frozen=True)
+class Choice:
+    address: str
+    reason: Reason
+    score: float  # prefill: estimated TTFT in seconds; decode: load in requests
+    detail: str  # every candidate's score, for the debug log
+
+
+def prefill_ttft_s(c: Candidate, num_prompt_tokens: int, config: ScoringConfig) -> float:
+    return (work_tokens(c.hit, num_prompt_tokens, config) + queued_tokens(c)) / prefill_rate(c.load, config)
+
+
+def work_tokens(hit: CacheHit, num_prompt_tokens: int, config: ScoringConfig) -> float:
+    """Prompt tokens the worker must compute, host-tier hits at their load cost."""
+    uncached = max(num_prompt_tokens - hit.tokens, 0)
+    return uncached + config.host_hit_cost * hit.host_tokens
+
+
+def queued_tokens(c: Candidate) -> int:
+    return max(c.queued_prefill_tokens, c.load.waiting_prefill_tokens if c.load else 0)
+
+
+def prefill_rate(load: Load | None, config: ScoringConfig) -> float:
+    rate = load.prefill_tokens_per_s if load is not None else 0.0
+    return rate if rate > 0 else config.default_prefill_tokens_per_s
+
+
+def choose_prefill(candidates: Sequence[Candidate], num_prompt_tokens: int, config: ScoringConfig) -> Choice:
+    """The prefill worker with the lowest TTFT estimate, the overload valve applied (module docstring)."""
+    if not candidates:
+        raise ValueError("choose_prefill needs at least one candidate")
+    scores = {c.address: prefill_ttft_s(c, num_prompt_tokens, config) for c in candidates}
+    open_ = [c for c in candidates if queued_tokens(c) <= config.overload_queue_tokens] or list(candidates)
+    best = min(open_, key=lambda c: (scores[c.address], c.outstanding_requests, c.num_picks, c.address))
+    most = max(c.hit.tokens for c in candidates)
+    if most > 0 and best.hit.tokens == most:
+        reason = Reason.PREFIX_HIT
+    elif most > 0 and all(queued_tokens(c) > config.overload_queue_tokens
+                          for c in candidates if c.hit.tokens == most):
+        reason = Reason.OVERLOAD_VALVE
+    elif most > 0:
+        reason = Reason.LEAST_LOADED
+    else:
+        reason = _blind_reason(candidates)
+    detail = " ".join(f"{c.address}:ttft_s={scores[c.address]:.4f},hit={c.hit.device_tokens}+"
+                      f"{c.hit.host_tokens}h,queued={queued_tokens(c)},{c.hit.state}" for c in candidates)
+    return Choice(best.address, reason, scores[best.address], detail)
+
+
+def decode_load(c: Candidate, num_prompt_tokens: int) -> float:
+    """Requests' worth of work: what runs there plus the share of the prompt it must pull."""
+    engine = c.load.num_running + c.load.num_waiting if c.load else 0
+    pull_share = max(num_prompt_tokens - c.hit.tokens, 0) / max(num_prompt_tokens, 1)
+    return max(c.outstanding_requests, engine) + pull_share
+
+
+def has_room(c: Candidate, num_prompt_tokens: int) -> bool:
+    """Whether the worker reports KV room for the blocks it must pull or compute (unknown: yes)."""
+    if c.load is None or not c.load.kv_blocks_total or c.block_size < 1:
+        return True
+    return c.load.kv_blocks_free >= math.ceil(max(num_prompt_tokens - c.hit.tokens, 0) / c.block_size)
+
+
+def choose_decode(candidates: Sequence[Candidate], num_prompt_tokens: int) -> Choice:
+    """The decode worker with the least load, counting what it must pull; only ones with KV room while any has."""
+    if not candidates:
+        raise ValueError("choose_decode needs at least one candidate")
+    scores = {c.address: decode_load(c, num_prompt_tokens) for c in candidates}
+    roomy = [c for c in candidates if has_room(c, num_prompt_tokens)] or list(candidates)
+    best = min(roomy, key=lambda c: (scores[c.address], -c.hit.tokens, c.num_picks, c.address))
+    most = max(c.hit.tokens for c in candidates)
+    if most > 0:
+        reason = Reason.PREFIX_HIT if best.hit.tokens == most else Reason.LEAST_LOADED
+    else:
+        reason = _blind_reason(candidates)
+    detail = " ".join(f"{c.address}:load={scores[c.address]:.3f},hit={c.hit.tokens},{c.hit.state}"
+                      for c in candidates)
+    return Choice(best.address, reason, scores[best.address], detail)
+
+
+def direct_reason(decode: Candidate, prefill: Candidate, num_prompt_tokens: int,
+                  config: ScoringConfig) -> RouteReason | None:
+    """Why the request should be served directly on ``decode`` rather than through ``prefill``; None:
+    disaggregate (module docstring)."""
+    own = CacheHit(decode.hit.confirmed_tokens, decode.hit.host_tokens, decode.hit.state, decode.hit.confirmed_tokens)
+    uncached = work_tokens(own, num_prompt_tokens, config)
+    if own.tokens > 0 and uncached <= config.direct_max_uncached_tokens:
+        return RouteReason.DECODE_CACHED
+    running = max(decode.load.num_running if decode.load else 0, decode.outstanding_requests)
+    direct_s = uncached / prefill_rate(decode.load, config) * (1 + running)
+    queue_wait_s = queued_tokens(prefill) / prefill_rate(prefill.load, config)
+    return RouteReason.PREFILL_QUEUE if queue_wait_s > direct_s else None
+
+
+def _blind_reason(candidates: Sequence[Candidate]) -> Reason:
+    if all(c.hit.state is CacheState.UNSUPPORTED for c in candidates):
+        return Reason.NO_EVENTS
+    if any(c.hit.state is not CacheState.SYNCED for c in candidates):
+        return Reason.CACHE_UNKNOWN
+    return Reason.LEAST_LOADED
