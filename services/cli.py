@@ -11,7 +11,7 @@ import services  # noqa: F401  (sets the oneDNN ISA cap before torch loads)
 from services.common.config_flags import add_flags, argv_from_args, config_from_args, positive_int
 from services.common.tls import add_tls_arguments, tls_from_args
 from services.engine.engine_config import EngineConfig
-from services.worker.config import CONFIG_OF_ROLE
+from services.worker.config import CONFIG_OF_ROLE, SwitchableConfig
 
 if TYPE_CHECKING:
     from services.contract.sampling_params import SamplingParams
@@ -86,17 +86,28 @@ def _generate(engine: LLMEngine, args: argparse.Namespace, params: SamplingParam
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    """Run a prefill or decode daemon until SIGTERM/SIGINT drains it."""
+    """Run a prefill or decode daemon until SIGTERM/SIGINT drains it (with ``--role-switching``: one that
+    starts in that role and can switch to the other in place)."""
     import asyncio
 
-    config = config_from_args(CONFIG_OF_ROLE[args.command], args, tls=tls_from_args(args))
+    switching = args.role_switching
+    config = config_from_args(SwitchableConfig if switching else CONFIG_OF_ROLE[args.command], args,
+                              tls=tls_from_args(args))
     engine = start_engine_from_args(args)
-    if args.command == "prefill":
+    if switching:
+        from services.launch.switchable import serve_switchable
+
+        serving = serve_switchable(config, engine, args.command)
+    elif args.command == "prefill":
         from services.prefill.server import serve
+
+        serving = serve(config, engine)
     else:
         from services.decode.server import serve
+
+        serving = serve(config, engine)
     try:
-        failure = asyncio.run(serve(config, engine))
+        failure = asyncio.run(serving)
     finally:
         engine.close()
     if failure:
@@ -154,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the router's strict disaggregation: a request the prefill worker's KV cannot serve fails "
                          "(503/502) instead of being prefilled on a decode worker (the router also reads "
                          "$PDSERVE_ENFORCE_DISAGG)")
+    up.add_argument("--role-planner", action="store_true",
+                    help="start every worker able to switch roles in place (--role-switching, the same engine "
+                         "flags for all) and the router with its P:D planner acting: it switches a worker's role "
+                         "when the traffic calls for another prefill:decode split")
     up.add_argument("--metrics-port", type=int, default=0,
                     help="the supervisor's /metrics port (worker restarts; default: a free one, on the ready line)")
     up.add_argument("--prometheus-sd-file", default=None, metavar="PATH",
@@ -164,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     for role in ("prefill", "decode"):
         worker = sub.add_parser(role, help=f"run a {role} worker daemon (gRPC)")
         add_flags(worker, EngineConfig)
-        add_flags(worker, CONFIG_OF_ROLE[role])
+        add_flags(worker, SwitchableConfig)  # the other role's settings matter with --role-switching
         add_tls_arguments(worker)
         worker.set_defaults(func=cmd_worker)
     return parser

@@ -5,8 +5,14 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 # The outcomes each role counts in pdserve_requests_total.
-# decode "pull_required": refused because its pull was required (the router's --enforce-disagg) and failed
-REQUEST_OUTCOMES = {"prefill": ("ticket", "finished", "invalid"), "decode": ("finished", "invalid", "pull_required")}
+# decode "pull_required": refused because its pull was required (the router's --enforce-disagg) and failed;
+# decode "migrated": given back unfinished by a role switch's drain (the router finished it elsewhere)
+REQUEST_OUTCOMES = {"prefill": ("ticket", "finished", "invalid"),
+                    "decode": ("finished", "invalid", "pull_required", "migrated")}
+# pdserve_role_switches_total's results (services/worker/role_switch.py): switched, failed (the drain could
+# not end), cancelled (the caller gave up during the drain; the worker kept its role).
+ROLE_SWITCH_RESULTS = ("ok", "failed", "cancelled")
+SWITCH_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # The decode worker's path from a ticket to a request whose KV is usable, in order (they add up):
 # reserve local blocks (on the engine thread), then KVPuller.pull's stages (handshake: the peer cache,
@@ -93,6 +99,14 @@ class WorkerMetrics:
         self.kv_events_dropped = Counter("pdserve_kv_events_dropped", "KV events dropped at the engine (its "
                                          "outbound queue was full): subscribers see a gap and resync", labels,
                                          registry=r)
+        self.role_switches = Counter("pdserve_role_switches", "Role switches of this worker, by result (ok, failed, "
+                                     "cancelled)", ["from", "to", "result"], registry=r)
+        self.role_switch_seconds = Histogram("pdserve_role_switch_seconds", "A role switch, SwitchRole to serving "
+                                             "the new role (drain included)", ["from", "to"],
+                                             buckets=SWITCH_BUCKETS_S, registry=r)
+        self.role_drain_seconds = Histogram("pdserve_role_drain_seconds", "A role switch's drain of the old role "
+                                            "(prefill: tickets pulled, released or expired; decode: requests "
+                                            "finished or migrated)", labels, buckets=SWITCH_BUCKETS_S, registry=r)
         self._counted: dict[tuple, float] = {}  # engine totals already added to the counters above
         self.info = Gauge("pdserve_worker_info", "Always 1; labels say what this worker serves",
                           ["role", "model", "engine_id", "tp_size", "block_size"], registry=r)
@@ -124,6 +138,12 @@ class WorkerMetrics:
             self.offload_queue.labels(self.role, kind)
         for outcome in REQUEST_OUTCOMES[self.role]:
             self.requests.labels(self.role, outcome)
+        other = "decode" if self.role == "prefill" else "prefill"
+        for old, new in ((self.role, other), (other, self.role)):
+            self.role_switch_seconds.labels(old, new)
+            for result in ROLE_SWITCH_RESULTS:
+                self.role_switches.labels(old, new, result)
+        self.role_drain_seconds.labels(self.role)
         for state in ("free", "used", "pinned_for_transfer"):
             self.kv_blocks.labels(self.role, state)
         if self.role == "decode":

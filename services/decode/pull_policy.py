@@ -101,14 +101,18 @@ class PullPolicy:
         self._releases: set[asyncio.Task] = set()  # quarantined blocks waiting to be freed
 
     async def start(self, rid: str, prompt: list[int], params: SamplingParams,
-                    ticket: kv_pb2.TransferTicket | None, *, require_pull: bool = False) -> StartedRequest:
+                    ticket: kv_pb2.TransferTicket | None, *, require_pull: bool = False,
+                    num_output_tokens: int = 0) -> StartedRequest:
         """Start ``rid`` on the engine; ValueError for bad input (then nothing is left reserved).
 
         ``require_pull`` (with a ticket): :class:`PullRequired` when the pull cannot be done, instead of
-        prefilling the prompt here.
+        prefilling the prompt here. ``num_output_tokens`` (without a ticket): the prompt ends with that many
+        tokens of the request's own output (a request migrated from another decode worker, replayed as in
+        ``_recompute``): a structured output's grammar starts past them.
         """
         if ticket is None:
-            await self.engine.add_request(rid, prompt, params)
+            prefix = prompt[len(prompt) - num_output_tokens:] if num_output_tokens else ()
+            await self.engine.add_request(rid, prompt, params, grammar_prefix=prefix)
             return StartedRequest()
         return await self._start_from_ticket(rid, prompt, params, ticket, require_pull)
 

@@ -14,6 +14,12 @@ the router pairs only workers that can really move KV.
 The stream's first chunk is the ticket's first token, so a client of this service sees the whole
 output; the router, which already sent that token, skips it. The daemon's start-up, drain and
 shutdown are services/worker/daemon.py's.
+
+On a worker that switches roles (services/worker/role_switch.py) the servicer is also the decode side of a
+switch: its drain waits for Generate and Probe calls; past the bound, every request still streaming is
+aborted here and its stream ends with a ``migrated`` chunk (nothing new in it): the router replays the
+prompt plus the tokens it has on another decode worker. A Generate that starts after that is given back
+the same way as soon as it would stream.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from services.worker.daemon import Background, Role, WorkerContext
 from services.worker.daemon import serve as serve_worker
 from services.worker.grpc_server import WorkerServer
 from services.worker.kv_events import KVEventPublisher, KVEventsRPCs
+from services.worker.role_switch import RoleSwitch
+from services.worker.switch_rpc import SwitchRoleRPCs
 from services.worker.worker_info import worker_info
 
 # pdserve_requests_total's outcome for a request refused because its required pull could not be done
@@ -47,41 +55,65 @@ from services.worker.worker_info import worker_info
 PULL_REQUIRED_OUTCOME = "pull_required"
 
 
-class DecodeServicer(KVEventsRPCs, worker_pb2_grpc.DecodeWorkerServicer):
+class DecodeServicer(KVEventsRPCs, SwitchRoleRPCs, worker_pb2_grpc.DecodeWorkerServicer):
     """Thin servicer: decode the message, start the request (pull_policy.py), encode the stream (KV events:
-    ``KVEventsRPCs``)."""
+    ``KVEventsRPCs``; role switching: ``SwitchRoleRPCs``, and this is the decode ``RoleSide``)."""
+
+    accepts_while_draining = True  # a request a router sends during the drain is migrated, never lost
 
     def __init__(self, server: WorkerServer, engine: AsyncEngine, policy: PullPolicy, compat: CompatInfo,
                  engine_id: str, epoch: int, metrics: WorkerMetrics, prober: PairProber | None = None,
-                 kv_events: KVEventPublisher | None = None) -> None:
+                 kv_events: KVEventPublisher | None = None, switch: RoleSwitch | None = None) -> None:
         self.server = server
         self.kv_events = kv_events
         self.engine = engine
         self.policy = policy
         self.compat = compat
         self.engine_id = engine_id
-        self.epoch = epoch
         self.metrics = metrics
         self.prober = prober
+        self.switch = switch or RoleSwitch("decode", epoch)
+        self.num_active = 0  # Generate and Probe calls in flight: what a switch's drain waits for
+        self.migrating = False  # a switch's drain ran out: streams end migrated
+        self._streaming: set[str] = set()  # request ids whose engine stream is being read
+        self._migrated: set[str] = set()  # ... of those, the ones aborted to be given back
+
+    @property
+    def epoch(self) -> int:
+        return self.switch.epoch
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        await self.admit_role("decode", context)
         async with self.server.in_flight.admit(context, "decode worker"):
-            started = time.monotonic()
-            prompt = list(request.prompt_token_ids)
+            self.num_active += 1
             try:
-                params = sampling_from_proto(request.params)
-                ticket = request.ticket if request.HasField("ticket") else None
-                start = await self.policy.start(request.request_id, prompt, params, ticket,
-                                                require_pull=request.require_pull)
-            except ValueError as e:
-                self.metrics.requests.labels("decode", "invalid").inc()
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except PullRequired as e:
-                self.metrics.requests.labels("decode", PULL_REQUIRED_OUTCOME).inc()
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"the KV pull is required and could not be done: {e.reason}")
-            async for chunk in self._stream(request.request_id, len(prompt), start, started):
-                yield chunk
+                async for chunk in self._generate(request, context):
+                    yield chunk
+            finally:
+                self.num_active -= 1
+
+    async def _generate(self, request: worker_pb2.GenerateRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.TokenChunk]:
+        started = time.monotonic()
+        prompt = list(request.prompt_token_ids)
+        try:
+            params = sampling_from_proto(request.params)
+            ticket = request.ticket if request.HasField("ticket") else None
+            if request.num_output_tokens > len(prompt):
+                raise ValueError(f"num_output_tokens {request.num_output_tokens} exceeds the prompt's "
+                                 f"{len(prompt)} tokens")
+            start = await self.policy.start(request.request_id, prompt, params, ticket,
+                                            require_pull=request.require_pull,
+                                            num_output_tokens=request.num_output_tokens)
+        except ValueError as e:
+            self.metrics.requests.labels("decode", "invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except PullRequired as e:
+            self.metrics.requests.labels("decode", PULL_REQUIRED_OUTCOME).inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the KV pull is required and could not be done: {e.reason}")
+        async for chunk in self._stream(request.request_id, len(prompt), start, started):
+            yield chunk
 
     async def _stream(self, rid: str, num_prompt_tokens: int, start: StartedRequest,
                       started: float) -> AsyncIterator[worker_pb2.TokenChunk]:
@@ -90,6 +122,7 @@ class DecodeServicer(KVEventsRPCs, worker_pb2_grpc.DecodeWorkerServicer):
 
         A caller that leaves while the ticket's first token is out, before the engine's stream began,
         aborts the request here: only a stream that began aborts it itself (``AsyncEngine.outputs``).
+        A request a switch's drain gives back (``evict``) ends with a ``migrated`` chunk instead.
         """
         if start.emit_first:  # the ticket's first token, when the engine restarted the request without it
             try:
@@ -98,27 +131,68 @@ class DecodeServicer(KVEventsRPCs, worker_pb2_grpc.DecodeWorkerServicer):
             except BaseException:
                 await asyncio.shield(self.engine.abort(rid))
                 raise
+        if self.migrating:  # the drain ran out before this request streamed: give it back at once
+            await self.engine.abort(rid)
+            yield self._give_back(num_prompt_tokens)
+            return
         last = None
-        async for out in self.engine.outputs(rid):
-            now = time.monotonic()
-            if last is None:
-                self.metrics.ttft.labels("decode").observe(now - started)
-            else:
-                self.metrics.itl.labels("decode").observe(now - last)
-            chunk = _chunk(out, num_prompt_tokens, start.recomputed_locally)
-            if last is None and out.prompt_logprobs is not None:
-                chunk.prompt_logprobs.extend(top_logprobs_to_proto(out.prompt_logprobs))
-            last = now
-            yield chunk
+        self._streaming.add(rid)
+        try:
+            async for out in self.engine.outputs(rid):
+                now = time.monotonic()
+                if last is None:
+                    self.metrics.ttft.labels("decode").observe(now - started)
+                else:
+                    self.metrics.itl.labels("decode").observe(now - last)
+                chunk = _chunk(out, num_prompt_tokens, start.recomputed_locally)
+                if last is None and out.prompt_logprobs is not None:
+                    chunk.prompt_logprobs.extend(top_logprobs_to_proto(out.prompt_logprobs))
+                last = now
+                yield chunk
+        except asyncio.CancelledError:
+            # evict() aborted it: the engine ended its stream with CancelledError (not this task's cancellation).
+            if rid not in self._migrated or asyncio.current_task().cancelling():
+                raise
+            yield self._give_back(num_prompt_tokens)
+            return
+        finally:
+            self._streaming.discard(rid)
+            self._migrated.discard(rid)
         self.metrics.e2e.labels("decode").observe(time.monotonic() - started)
         self.metrics.requests.labels("decode", "finished").inc()
+
+    def _give_back(self, num_prompt_tokens: int) -> worker_pb2.TokenChunk:
+        self.metrics.requests.labels("decode", "migrated").inc()
+        return worker_pb2.TokenChunk(migrated=True, num_prompt_tokens=num_prompt_tokens)
+
+    # ---- the decode side of a role switch (services/worker/role_switch.py) ----------------------------------
+
+    def outstanding(self) -> int:
+        """Generate and Probe calls in flight."""
+        return self.num_active
+
+    async def evict(self) -> int:
+        """Past the drain bound: abort every streaming request so its stream ends migrated; later ones too."""
+        self.migrating = True
+        rids = sorted(self._streaming)
+        self._migrated.update(rids)
+        for rid in rids:
+            await self.engine.abort(rid)
+        return len(rids)
+
+    def start_epoch(self, epoch: int) -> None:
+        """Serve decode again (the epoch is the switch's): requests stream normally."""
+        self.migrating = False
+
+    def resume(self) -> None:
+        """The switch away failed or was cancelled: requests stream normally again."""
+        self.migrating = False
 
     async def Abort(self, request: worker_pb2.AbortRequest, context):  # noqa: N802
         return worker_pb2.AbortResponse(aborted=await self.engine.abort(request.request_id))
 
     async def Info(self, request: worker_pb2.InfoRequest, context):  # noqa: N802
-        return worker_info(self.engine, self.engine_id, "decode", self.compat, self.server.in_flight.draining,
-                           self.epoch)
+        return worker_info(self.engine, self.engine_id, self.switch, self.compat, self.server.in_flight.draining)
 
     async def Probe(self, request: worker_pb2.ProbeRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         """Pull a probe ticket from the prefill worker (probe.py), within the caller's deadline."""
@@ -126,10 +200,15 @@ class DecodeServicer(KVEventsRPCs, worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this decode worker runs no KV probes")
         if not request.prefill_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_address is required")
+        await self.admit_role("decode", context)
         async with self.server.in_flight.admit(context, "decode worker"):
-            remaining = context.time_remaining()
-            timeout_s = self.prober.timeout_s if remaining is None else min(self.prober.timeout_s, remaining)
-            result = await self.prober.probe(request.prefill_address, timeout_s)
+            self.num_active += 1
+            try:
+                remaining = context.time_remaining()
+                timeout_s = self.prober.timeout_s if remaining is None else min(self.prober.timeout_s, remaining)
+                result = await self.prober.probe(request.prefill_address, timeout_s)
+            finally:
+                self.num_active -= 1
         return result.to_proto()
 
 
@@ -157,9 +236,12 @@ def _attach(context: WorkerContext) -> list[Background]:
     # A READ NIXL could not cancel gets as long again to land before its blocks are reused.
     policy = PullPolicy(context.aengine, puller, context.metrics, reserve_timeout_s=config.kv_transfer_timeout_s,
                         quarantine_s=config.kv_transfer_timeout_s)
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
-        DecodeServicer(context.server, context.aengine, policy, puller.compat, context.engine_id, context.epoch,
-                       context.metrics, _prober(context, puller), context.kv_events), context.server.server)
+    switch = context.switch or RoleSwitch("decode", context.epoch)
+    servicer = DecodeServicer(context.server, context.aengine, policy, puller.compat, context.engine_id,
+                              context.epoch, context.metrics, _prober(context, puller), context.kv_events, switch)
+    servicer.default_drain_timeout_s = config.drain_timeout_s
+    switch.add_side("decode", servicer)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, context.server.server)
     return []
 
 

@@ -42,6 +42,9 @@ def up_worker_specs(args, worker_argv: list[str], placement: Placement) -> list[
     """The :func:`daemons` specs of ``pdserve up``: ``worker_argv`` with each role's tp and block size and
     each worker's ``--device`` from ``placement`` (pure, so tests check it without starting processes)."""
     specs = []
+    if getattr(args, "role_planner", False):
+        check_switchable(args)
+        worker_argv = [*worker_argv, "--role-switching"]
     if getattr(args, "kv_block_order", None) is None and mixed_tp(args):
         worker_argv = _set_flag(worker_argv, "--kv-block-order", "HND")
     for role, devices in (("prefill", placement.prefill), ("decode", placement.decode)):
@@ -49,6 +52,16 @@ def up_worker_specs(args, worker_argv: list[str], placement: Placement) -> list[
         role_argv = _set_flag(role_argv, "--block-size", _role_flag(args, role, "block_size"))
         specs += [(role, None, tuple(_set_flag(role_argv, "--device", device))) for device in devices]
     return specs
+
+
+def check_switchable(args) -> None:
+    """``--role-planner`` switches workers' roles in place, so every worker runs the same engine flags: per-role
+    TP sizes or block sizes that differ would make a switched worker the wrong shape for its new role."""
+    for name in ("tp", "block_size"):
+        if _role_flag(args, "prefill", name) != _role_flag(args, "decode", name):
+            flag = name.replace("_", "-")
+            raise ValueError(f"--role-planner starts every worker with the same engine flags (a worker may serve "
+                             f"either role): --prefill-{flag} and --decode-{flag} must not differ")
 
 
 def mixed_tp(args) -> bool:
@@ -128,9 +141,11 @@ def _worker_restarter(worker: Daemon, extra: tuple[str, ...]) -> StartChild:
 
 
 def up_router_argv(args) -> list[str]:
-    """The router flags of ``pdserve up`` passed on to the router it starts (pure): the served model name and
-    strict disaggregation (``--direct-decode-threshold`` goes through ``start_router``'s own argument)."""
+    """The router flags of ``pdserve up`` passed on to the router it starts (pure): the served model name, the
+    acting P:D planner and strict disaggregation (``--direct-decode-threshold`` goes through ``start_router``'s
+    own argument)."""
     argv = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    argv += ["--role-planner"] if getattr(args, "role_planner", False) else []
     return argv + (["--enforce-disagg"] if getattr(args, "enforce_disagg", False) else [])
 
 

@@ -4,12 +4,18 @@
 blocks pinned and answers with a transfer ticket. The blocks are freed when every reading rank's
 NIXL notification has arrived, on ``Release``/``Abort``, or when the lease expires (counted;
 release.py). The daemon's start-up, drain and shutdown are services/worker/daemon.py's.
+
+On a worker that switches roles (services/worker/role_switch.py) the servicer is also the prefill side of a
+switch: its drain waits for in-flight prompts and every ticket out (pulled, released or expired: the lease
+loop keeps running), and each epoch it serves starts a new exporter (a new ticket key; peers re-handshake).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -29,24 +35,41 @@ from services.worker.daemon import Background, Role, WorkerContext
 from services.worker.daemon import serve as serve_worker
 from services.worker.grpc_server import WorkerServer
 from services.worker.kv_events import KVEventPublisher, KVEventsRPCs
+from services.worker.role_switch import RoleSwitch
+from services.worker.switch_rpc import SwitchRoleRPCs
 from services.worker.worker_info import worker_info
 
 
-class PrefillServicer(KVEventsRPCs, worker_pb2_grpc.PrefillWorkerServicer):
-    """Thin servicer: decode the message, call the engine, encode the answer (KV events: ``KVEventsRPCs``)."""
+class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, worker_pb2_grpc.PrefillWorkerServicer):
+    """Thin servicer: decode the message, call the engine, encode the answer (KV events: ``KVEventsRPCs``;
+    role switching: ``SwitchRoleRPCs``, and this is the prefill ``RoleSide``)."""
+
+    accepts_while_draining = False  # a switch's drain refuses new prompts: only tickets out must end
 
     def __init__(self, server: WorkerServer, engine: AsyncEngine, exporter: KVExporter, address: str,
-                 metrics: WorkerMetrics, kv_events: KVEventPublisher) -> None:
+                 metrics: WorkerMetrics, kv_events: KVEventPublisher, switch: RoleSwitch | None = None,
+                 new_exporter: Callable[[int], KVExporter] | None = None, lease_s: float = 30.0) -> None:
+        """``new_exporter``: the exporter of a new epoch (a role switch back to prefill)."""
         self.server = server
         self.kv_events = kv_events
         self.engine = engine
         self.exporter = exporter
         self.address = address
         self.metrics = metrics
+        self.switch = switch or RoleSwitch("prefill", exporter.epoch)
+        self._new_exporter = new_exporter
+        self.lease_s = lease_s
+        self.release_loop = ReleaseLoop(engine, exporter, metrics, lease_s)
+        self.num_prefilling = 0  # Prefill calls in flight
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        await self.admit_role("prefill", context)
         async with self.server.in_flight.admit(context, "prefill worker"):
-            return await self._prefill(request, context, time.monotonic())
+            self.num_prefilling += 1
+            try:
+                return await self._prefill(request, context, time.monotonic())
+            finally:
+                self.num_prefilling -= 1
 
     async def _prefill(self, request: worker_pb2.PrefillRequest, context, started: float):
         rid = request.request_id
@@ -89,8 +112,33 @@ class PrefillServicer(KVEventsRPCs, worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.AbortResponse(aborted=aborted or released)
 
     async def Info(self, request: worker_pb2.InfoRequest, context):  # noqa: N802
-        return worker_info(self.engine, self.exporter.engine_id, "prefill", self.exporter.compat,
-                           self.server.in_flight.draining, self.exporter.epoch)
+        return worker_info(self.engine, self.exporter.engine_id, self.switch, self.exporter.compat,
+                           self.server.in_flight.draining)
+
+    # ---- the prefill side of a role switch (services/worker/role_switch.py) ----------------------------------
+
+    def outstanding(self) -> int:
+        """Prompts being prefilled and tickets not yet pulled, released or expired."""
+        return self.num_prefilling + self.exporter.num_outstanding
+
+    async def evict(self) -> int:
+        return 0  # never called: the drain waits for the lease instead
+
+    def start_epoch(self, epoch: int) -> None:
+        """Serve prefill again under ``epoch``: a new exporter (ticket key, handshake epoch), its lease loop."""
+        if self._new_exporter is None:
+            raise RuntimeError("this prefill servicer cannot start another epoch")
+        self.exporter = self._new_exporter(epoch)
+        self.release_loop = ReleaseLoop(self.engine, self.exporter, self.metrics, self.lease_s)
+
+    def resume(self) -> None:
+        pass  # a prefill drain changed nothing: the refusal of new prompts ends with the switch
+
+    async def run_release_loop(self, stop: asyncio.Event) -> None:
+        """The current epoch's lease loop (a background task of the daemon)."""
+        while not stop.is_set():
+            await self.release_loop.tick()
+            await asyncio.sleep(POLL_INTERVAL_S)
 
 
 def _first_token_only(params: SamplingParams) -> SamplingParams:
@@ -116,14 +164,21 @@ def _first_token_response(final: RequestOutput, num_prompt_tokens: int) -> worke
 def _attach(context: WorkerContext) -> list[Background]:
     """Publish the engine's KV (exporter and handshake), serve Prefill, and keep the leases."""
     engine, config = context.engine, context.config
-    exporter = KVExporter(engine_id=context.engine_id, model_name=engine.source.name, ranks=context.ranks,
-                          epoch=context.epoch, identity=context.identity)
-    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-        PrefillServicer(context.server, context.aengine, exporter, context.address, context.metrics,
-                        context.kv_events),
-        context.server.server)
-    add_handshake_service(context.server.server, HandshakeServicer(exporter.describe, config.kv_auth_token))
-    return [ReleaseLoop(context.aengine, exporter, context.metrics, config.kv_lease_s).run]
+
+    def exporter_of(epoch: int) -> KVExporter:
+        return KVExporter(engine_id=context.engine_id, model_name=engine.source.name, ranks=context.ranks,
+                          epoch=epoch, identity=context.identity)
+
+    switch = context.switch or RoleSwitch("prefill", context.epoch)
+    servicer = PrefillServicer(context.server, context.aengine, exporter_of(switch.epoch), context.address,
+                               context.metrics, context.kv_events, switch, exporter_of, config.kv_lease_s)
+    servicer.default_drain_timeout_s = config.drain_timeout_s
+    switch.add_side("prefill", servicer)
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, context.server.server)
+    # The current epoch's description (a switch back to prefill starts a new one).
+    add_handshake_service(context.server.server, HandshakeServicer(lambda: servicer.exporter.describe(),
+                                                                   config.kv_auth_token))
+    return [servicer.run_release_loop]
 
 
 # Engine stats reach the gauges as often as the lease loop polls, so pinned blocks show at once.

@@ -25,6 +25,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.router.admin import ADMIN_PATHS, add_admin_routes
 from services.router.answers import ChatAnswer, CompletionAnswer, answer_for
 from services.router.choices import Choice, stream_choices
 from services.router.config import RouterConfig
@@ -37,6 +38,8 @@ from services.router.metrics import CONTENT_TYPE, RouterMetrics
 from services.router.openapi import openapi_document
 from services.router.pair_probes import PairProbe, PairProbeTable, PairState
 from services.router.pairing import PairingPolicy, Role, ServingStatus, WorkerIdentity, WorkerState
+from services.router.planner import Planner, PlannerConfig
+from services.router.planner_loop import PlannerLoop, RoleSwitcher
 from services.router.prefix_index import PrefixIndex
 from services.router.protocol import (
     ChatCompletionRequest,
@@ -54,6 +57,7 @@ from services.router.responses import (
     join_deltas,
     usage_of,
 )
+from services.router.role_switch import RoleSwitching
 from services.router.routes import ROUTE_HEADER, Route, worst_route
 from services.router.scoring import ScoringConfig
 from services.router.streaming import DONE_EVENT, SSEResponse, run_until_disconnect, sse_event
@@ -66,6 +70,7 @@ from services.router.tokenizing import (
     prompt_token_ids,
     resolve_max_tokens,
 )
+from services.router.traffic import TrafficWindow
 from services.router.workers import WorkerPool
 from services.text.tokenizer import Tokenizer
 
@@ -76,7 +81,7 @@ STARTUP_PROBE_WAIT_S = 5.0
 ChunkT = TypeVar("ChunkT", CompletionChunk, ChatCompletionChunk)
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-              "/detokenize")
+              "/detokenize", *ADMIN_PATHS)
 # Status reported for a request whose client went away (nginx's convention); nobody reads it.
 _CLIENT_CLOSED = 499
 
@@ -95,6 +100,9 @@ class RouterRuntime:
     dispatcher: Dispatcher
     metrics: RouterMetrics
     created: int
+    index: PrefixIndex | None
+    planner: PlannerLoop
+    switching: RoleSwitching | None = None  # in-place role switches (role_switch.py)
 
     def max_model_len(self) -> int | None:
         return self.config.max_model_len or self.policy.max_model_len()
@@ -111,13 +119,15 @@ def create_app(
     resolver: Resolver = resolve,
     pair_prober: PairProber | None = None,
     kv_source: KVSource | None = None,
+    role_switcher: RoleSwitcher | None = None,
 ) -> FastAPI:
     """The router app. The tokenizer is loaded now (a bad ``--model`` fails before serving).
 
     ``probe`` (default: the worker's ``Info`` RPC through the pool), ``resolver`` (default: the
     system resolver), ``pair_prober`` (default: the decode worker's ``Probe`` RPC through the pool) and
     ``kv_source`` (default: the workers' ``KVEvents``/``KVSnapshot`` through the pool) are the seams
-    discovery is tested through.
+    discovery is tested through. ``role_switcher``: what the P:D planner calls to switch a worker's role
+    under ``--role-planner`` (default: the router's own in-place switch, ``role_switch.py``).
     """
     tokenizer = tokenizer_loader(config.model)
     if config.enforce_disagg and config.direct_decode_threshold:
@@ -146,6 +156,11 @@ def create_app(
                           health_interval_s=config.health_interval_s, health_timeout_s=config.health_timeout_s,
                           resolver=resolver, on_removed=pool.close, pair_prober=pair_prober or pool.probe,
                           pair_probe_timeout_s=config.pair_probe_timeout_s, kv_subscriptions=subscriptions)
+    traffic = TrafficWindow(config.planner_window_s)
+    switching = RoleSwitching(policy, pool, discovery)  # role_switch.py: the planner's hook, POST /admin/.../role
+    planner = PlannerLoop(Planner(planner_config(config)), policy, traffic, metrics, index=index,
+                          interval_s=config.planner_interval_s, acting=config.role_planner,
+                          switcher=role_switcher or switching.switch_role, busy=lambda: switching.busy)
     is_dummy = bool(config.model and config.model.startswith("dummy:"))
     runtime = RouterRuntime(
         config=config,
@@ -156,9 +171,12 @@ def create_app(
         policy=policy,
         pool=pool,
         discovery=discovery,
-        dispatcher=Dispatcher(config, policy, pool, tokenizer, metrics),
+        dispatcher=Dispatcher(config, policy, pool, tokenizer, metrics, traffic),
         metrics=metrics,
         created=int(time.time()),
+        index=index,
+        planner=planner,
+        switching=switching,
     )
 
     @asynccontextmanager
@@ -166,12 +184,14 @@ def create_app(
         await discovery.refresh()  # know the workers (and, bounded, their pairs' probes) before the first request
         await discovery.wait_for_probes(min(STARTUP_PROBE_WAIT_S, config.pair_probe_timeout_s))
         refresher = asyncio.create_task(discovery.run(), name="pdserve-router-discovery")
+        planning = asyncio.create_task(planner.run(), name="pdserve-router-planner")
         try:
             yield
         finally:
-            refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await refresher
+            for task in (planning, refresher):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await discovery.close()
             await pool.close_all()
 
@@ -185,14 +205,25 @@ def create_app(
     app.add_middleware(_CountRequests, metrics=metrics)
     app.add_middleware(RequestIds)
     _add_routes(app)
+    add_admin_routes(app)
     return app
 
 
 def scoring_config(config: RouterConfig) -> ScoringConfig:
     """The KV-aware scoring settings of the router's flags."""
     return ScoringConfig(host_hit_cost=config.kv_host_hit_cost, overload_queue_tokens=config.kv_overload_queue_tokens,
+                         overload_factor=config.kv_overload_factor,
                          default_prefill_tokens_per_s=config.kv_default_prefill_tokens_per_s,
                          direct_max_uncached_tokens=config.direct_decode_max_uncached)
+
+
+def planner_config(config: RouterConfig) -> PlannerConfig:
+    """The P:D planner's settings of the router's flags."""
+    return PlannerConfig(slo_ttft_s=config.planner_slo_ttft_ms / 1e3, slo_itl_s=config.planner_slo_itl_ms / 1e3,
+                         hysteresis_evaluations=config.planner_hysteresis_evaluations,
+                         margin_workers=config.planner_margin_workers, min_dwell_s=config.planner_min_dwell_s,
+                         default_prefill_tokens_per_s=config.kv_default_prefill_tokens_per_s,
+                         default_decode_tokens_per_s=config.planner_decode_tokens_per_s)
 
 
 def _runtime(request: Request) -> RouterRuntime:

@@ -70,9 +70,12 @@ class RouterConfig:
                                            "its KV events confirm it (default 10)", parse=float)
     kv_host_hit_cost: float = flag(0.25, "cost of a host-tier cache hit relative to computing the token, in TTFT "
                                          "estimates (default 0.25)", parse=float)
-    kv_overload_queue_tokens: int = flag(8192, "overload valve: a prefill worker with more queued prompt tokens "
-                                               "than this yields to colder workers, whatever its cache holds "
-                                               "(default 8192)", parse=int, metavar="TOKENS")
+    kv_overload_queue_tokens: int = flag(2048, "overload valve floor: a prefill worker holding a prompt's prefix "
+                                               "yields to colder workers when its queued prompt tokens exceed both "
+                                               "this and --kv-overload-factor times the median worker's "
+                                               "(default 2048)", parse=int, metavar="TOKENS")
+    kv_overload_factor: float = flag(2.0, "overload valve: how many times the median prefill queue a prefix holder "
+                                          "may have before colder workers compete (default 2)", parse=float)
     kv_default_prefill_tokens_per_s: float = flag(4096.0, "prefill rate assumed for a worker that has not "
                                                           "reported one yet (default 4096)", parse=float)
     kv_events_stale_s: float = flag(10.0, "a worker's KV event stream without a batch (events or heartbeat) "
@@ -118,6 +121,30 @@ class RouterConfig:
                             negated=True)
     pair_probe_timeout_s: float = 30.0
     pair_probe_retry_s: float = 15.0
+    # The P:D planner (planner.py, planner_loop.py): always evaluated and exported; acted on with role_planner.
+    role_planner: bool = flag(False, "act on the P:D planner: switch a worker's role in place when the traffic "
+                                     "calls for another prefill:decode split (default: advisory, the planner only "
+                                     "logs and exports its decisions, e.g. for a Kubernetes HPA)")
+    planner_interval_s: float = flag(10.0, "evaluate the P:D planner this often (default 10)", parse=float)
+    planner_window_s: float = flag(60.0, "the planner sizes the roles by the requests that ended in this last "
+                                         "window (default 60)", parse=float)
+    planner_slo_ttft_ms: float = flag(2000.0, "TTFT target the planner sizes prefill workers for (default 2000)",
+                                      parse=float, metavar="MS")
+    planner_slo_itl_ms: float = flag(50.0, "inter-token latency target the planner sizes decode workers for "
+                                           "(default 50)", parse=float, metavar="MS")
+    planner_hysteresis_evaluations: int = flag(3, "switch only after the planner called for the same change this "
+                                                  "many evaluations in a row (default 3)", parse=int, metavar="N")
+    planner_margin_workers: float = flag(0.25, "switch only when the ideal split is this many workers past the "
+                                               "rounding boundary (default 0.25)", parse=float, metavar="WORKERS")
+    planner_min_dwell_s: float = flag(300.0, "at least this long between two role switches (default 300)",
+                                      parse=float)
+    planner_decode_tokens_per_s: float = flag(1024.0, "output tokens/s one decode worker delivers within the ITL "
+                                                      "target, assumed until the planner has measured it "
+                                                      "(default 1024)", parse=float)
+    # The operator API (admin.py). Without an API key it is closed unless this says otherwise.
+    admin_without_api_key: bool = flag(False, "serve /admin/* although no --api-key is set (default: /admin/* "
+                                              "answers 403 without an API key; only for a router nobody else can "
+                                              "reach)")
     # mTLS to the workers (services/common/tls.py): the router's certificate and the cluster CA.
     tls: TLSConfig | None = field(default=None, repr=False)
 
@@ -131,6 +158,8 @@ class RouterConfig:
                              f"{self.direct_decode_threshold}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if not self.kv_overload_factor >= 1:
+            raise ValueError(f"kv_overload_factor must be >= 1, got {self.kv_overload_factor}")
         for name in ("direct_decode_max_uncached", "kv_overload_queue_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -143,6 +172,14 @@ class RouterConfig:
                      "kv_unsupported_retry_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("planner_interval_s", "planner_window_s", "planner_slo_ttft_ms", "planner_slo_itl_ms",
+                     "planner_decode_tokens_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.planner_hysteresis_evaluations < 1:
+            raise ValueError(f"planner_hysteresis_evaluations must be >= 1, got {self.planner_hysteresis_evaluations}")
+        if self.planner_margin_workers < 0 or self.planner_min_dwell_s < 0:
+            raise ValueError("planner_margin_workers and planner_min_dwell_s must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_inflight_requests is not None and self.max_inflight_requests < 1:

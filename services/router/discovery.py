@@ -5,10 +5,16 @@ address it resolves to, the way a Kubernetes headless Service lists its pods; it
 every ``dns_refresh_s``, and a failed lookup keeps the previous answer rather than dropping every
 worker behind the name. Each ``health_interval_s`` every known worker is asked for its ``Info``
 with a short timeout: one that answers (with the role it was listed under) is put in rotation,
-one that does not is taken out until it answers again. The request flow also takes out a worker
+one that does not is taken out until it answers again. A worker no source lists any more leaves the table at once
+but keeps its channel until the requests the router sent it are done (a pod being deleted finishes
+them; its SIGTERM drain waits for them on its side). The request flow also takes out a worker
 whose RPC failed; the next health check decides when it comes back. A healthy worker that no
 healthy worker of the other role can pair with (different model, TP that cannot shard the KV
 heads, ...) is logged once, with the reasons, each time that changes.
+
+Role switching: a worker that reports another role than the one it is listed under is refused, unless it can
+switch roles (``Info.roles``): then it switched, under this router (``move``, from ``role_switch.py``) or
+another, or it was restarted in its launch role, and the table lists it under the role it serves now.
 
 Pair probes: after each health round, every compatible pair of available workers that is new, whose
 either side's epoch changed, or whose probe failed ``pair_probe_retry_s`` ago, is probed (the decode
@@ -35,7 +41,7 @@ from typing import Protocol
 
 from services.common.addresses import join_host_port, split_host_port
 from services.router.pair_probes import PairProbe, ProbeOutcome
-from services.router.pairing import PairingPolicy, Role, WorkerIdentity
+from services.router.pairing import PairingPolicy, Role, WorkerIdentity, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +103,8 @@ class Discovery:
         pair_probe_timeout_s: float = 30.0,
         kv_subscriptions: Subscriptions | None = None,
     ) -> None:
-        """``on_removed`` is awaited for an address no role lists any more (to close its channel).
+        """``on_removed`` is awaited for an address no role lists any more (to close its channel), once the
+        router has no request outstanding on it.
         ``pair_prober`` probes the pairs of the policy's probe table (none without either).
         ``kv_subscriptions``: kept to the listed workers after each health round."""
         self._policy = policy
@@ -117,25 +124,59 @@ class Discovery:
         self._probe_tasks: set[asyncio.Task[None]] = set()
         self._unprobed_decodes: set[str] = set()  # decode workers logged as predating Probe
         self._kv_subscriptions = kv_subscriptions
+        # Dropped workers whose channel stays open while the router has requests outstanding on them.
+        self._leaving: dict[str, list[WorkerState]] = {}
+        self._listed: dict[Role, list[str]] = {role: [] for role in Role}  # the sources' addresses, by role
+        self._role_of: dict[str, Role] = {}  # workers that switched roles: the role they serve now
 
     # ---- endpoints -------------------------------------------------------------------------------
 
     async def refresh_endpoints(self) -> None:
         """Re-resolve DNS entries and make the table list exactly the current endpoints."""
-        removed: set[str] = set()
+        listed: dict[Role, list[str]] = {role: [] for role in Role}
         for source in self._sources:
-            addresses = list(source.static)
+            listed[source.role] += source.static
             for entry in source.dns:
-                addresses += await self._resolve(entry)
-            added, gone = self._policy.set_addresses(source.role, addresses)
-            if added or gone:
-                log.info("%s workers: +%s -%s", source.role, added, gone)
-            removed.update(gone)
-        still_listed = {w.address for w in self._policy.workers()}
-        for address in sorted(removed - still_listed):
-            if self._on_removed is not None:
-                await self._on_removed(address)
+                listed[source.role] += await self._resolve(entry)
+        self._listed = listed
+        self._apply_listing()
+        await self._close_left()
         self._next_dns_at = self._clock() + self._dns_refresh_s
+
+    def _apply_listing(self) -> None:
+        """Make the table's workers of each role the listed ones, each under the role it serves now: a worker
+        that switched roles (``move``) leaves its listed role's entries for the other's."""
+        by_role: dict[Role, list[str]] = {role: [] for role in Role}
+        for role, addresses in self._listed.items():
+            for address in addresses:
+                by_role[self._role_of.get(address, role)].append(address)
+        for role, addresses in by_role.items():
+            before = {w.address: w for w in self._policy.workers(role)}
+            added, gone = self._policy.set_addresses(role, addresses)
+            if added or gone:
+                log.info("%s workers: +%s -%s", role, added, gone)
+            for address in gone:
+                self._leaving.setdefault(address, []).append(before[address])
+
+    def move(self, address: str, role: Role) -> None:
+        """The worker at ``address`` serves ``role`` now (it switched in place): list it there from now on, as a
+        new, not yet healthy entry (the next health check, or the caller, marks it)."""
+        self._role_of[address] = role
+        self._apply_listing()
+
+    async def _close_left(self) -> None:
+        """Close the channel of each worker no role lists any more once the router has nothing outstanding on
+        it: a worker that leaves the DNS answers (its pod is being deleted: scaled down, rolled) first
+        finishes what it was sent; one listed again keeps its channel."""
+        listed = {w.address for w in self._policy.workers()}
+        for address in sorted(self._leaving):
+            states = self._leaving[address]
+            if address in listed:
+                del self._leaving[address]
+            elif not any(state.outstanding_requests for state in states):
+                del self._leaving[address]
+                if self._on_removed is not None:
+                    await self._on_removed(address)
 
     async def _resolve(self, entry: str) -> list[str]:
         try:
@@ -150,8 +191,14 @@ class Discovery:
         """Probe every known worker at once; mark each healthy or not by its answer."""
         workers = self._policy.workers()
         results = await asyncio.gather(*(self._check(w.role, w.address) for w in workers))
+        moved = []
         for worker, (identity, error) in zip(workers, results, strict=True):
             was_healthy = worker.healthy
+            if identity is not None and identity.role != worker.role:
+                if identity.switchable and identity.role in tuple(Role):
+                    moved.append((worker, identity))  # it switched roles (under another router, or restarted)
+                    continue
+                identity, error = None, f"listed as {worker.role} but reports role {identity.role!r}"
             if identity is not None:
                 self._policy.mark_healthy(worker.role, worker.address, identity)
                 if not was_healthy:
@@ -160,6 +207,11 @@ class Discovery:
                 self._policy.mark_unhealthy(worker.role, worker.address, error)
                 if was_healthy:
                     log.warning("%s worker %s is down: %s", worker.role, worker.address, error)
+        for worker, identity in moved:
+            log.info("%s worker %s serves the %s role now (engine %s, epoch %d)", worker.role, worker.address,
+                     identity.role, identity.engine_id, identity.epoch)
+            self.move(worker.address, Role(identity.role))
+            self._policy.mark_healthy(Role(identity.role), worker.address, identity)
         self._log_unpaired()
         self.probe_pairs()
         if self._kv_subscriptions is not None:
@@ -188,9 +240,7 @@ class Discovery:
             return None, f"no answer within {self._health_timeout_s:g} s"
         except Exception as exc:  # any failure of the probe means "not healthy", never a crash of the loop
             return None, f"{type(exc).__name__}: {exc}"
-        if identity.role != role:
-            return None, f"listed as {role} but reports role {identity.role!r}"
-        return identity, ""
+        return identity, ""  # another role than listed: check_health decides (a switchable worker moves)
 
     # ---- pair probes -----------------------------------------------------------------------------
 
@@ -257,6 +307,8 @@ class Discovery:
         """One round: endpoints when due (always the first time), then health (which starts due pair probes)."""
         if self._next_dns_at is None or self._clock() >= self._next_dns_at:
             await self.refresh_endpoints()
+        else:
+            await self._close_left()
         await self.check_health()
 
     async def run(self) -> None:

@@ -19,6 +19,12 @@ The decode stream of a ticketed ``Generate`` starts with the ticket's first toke
 ``complete_external_kv`` reports it as the request's first output); the client already has it,
 so the router skips it there.
 
+A decode worker switching roles may give a request back unfinished (its drain ran past the bound; the
+stream's last chunk says ``migrated``): the request goes on, in the same client stream, on another decode
+worker, as a ``Generate`` without a ticket whose prompt is the prompt plus every token generated so far and
+whose ``max_tokens`` is what is left; that worker prefills it (as its own recompute path would) and goes on
+exactly where the first stopped under greedy sampling. Counted in ``pdserve_router_migrated_requests_total``.
+
 Whatever ends the stream early (the client went away, a worker failed, the router found a stop
 string first), the ``finally`` aborts the decode request and releases the prefill worker's pinned
 blocks, shielded from the cancellation that got it there, and uncounts the pair's outstanding work.
@@ -51,6 +57,7 @@ from services.router.metrics import RouterMetrics
 from services.router.pairing import Assignment, PairingPolicy, Role
 from services.router.prefix_index import PromptKeys
 from services.router.routes import Route
+from services.router.traffic import FinishedRequest, TrafficWindow
 from services.router.workers import WorkerPool
 from services.text.stream import TextStream
 from services.text.tokenizer import Tokenizer
@@ -104,6 +111,7 @@ class Outcome:
     recomputed_locally: bool = False
     finish_reason: str | None = None
     workers: Workers | None = None  # the pair that served it (once one was picked)
+    first_token_s: float | None = None  # monotonic time its first token left (the planner's decode time)
 
 
 @dataclass(frozen=True)
@@ -118,12 +126,14 @@ class Dispatcher:
     """Runs requests over the workers; one per app, holding the shared pool, table and metrics."""
 
     def __init__(self, config: RouterConfig, policy: PairingPolicy, pool: WorkerPool,
-                 tokenizer: Tokenizer | None, metrics: RouterMetrics) -> None:
+                 tokenizer: Tokenizer | None, metrics: RouterMetrics, traffic: TrafficWindow | None = None) -> None:
+        """``traffic``: where each ended request is recorded for the P:D planner (``traffic.py``)."""
         self.config = config
         self.policy = policy
         self.pool = pool
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.traffic = traffic
         self.num_in_flight = 0
 
     async def stream(self, request: GenerationRequest, outcome: Outcome,
@@ -173,6 +183,8 @@ class Dispatcher:
                 if outcome.route:  # the final route, once per request that took one
                     self.metrics.routes.labels(outcome.route).inc()
                 _log_request(request, assignment, outcome, outcome.finish_reason or ending)
+                if self.traffic is not None:
+                    self.traffic.record(_finished(assignment, outcome))
 
     def _count_decisions(self, request: GenerationRequest, assignment: Assignment) -> None:
         """Why these workers and this route: metric labels, and the scores in the debug log."""
@@ -205,6 +217,14 @@ def _log_request(request: GenerationRequest, assignment: Assignment, outcome: Ou
              (time.monotonic() - request.arrival_s) * 1e3)
 
 
+def _finished(assignment: Assignment, outcome: Outcome) -> FinishedRequest:
+    """What the P:D planner's traffic window keeps of an ended request."""
+    now = time.monotonic()
+    decode_s = now - outcome.first_token_s if outcome.first_token_s is not None else 0.0
+    return FinishedRequest(now, outcome.num_prompt_tokens, outcome.num_generated_tokens, assignment.decode, decode_s,
+                           outcome.num_cached_tokens or 0)
+
+
 async def _timed(deltas: AsyncIterator[Delta], metrics: RouterMetrics, arrival_s: float,
                  outcome: Outcome) -> AsyncIterator[Delta]:
     """Observe TTFT, inter-token and end-to-end latency as deltas leave the flow."""
@@ -215,6 +235,7 @@ async def _timed(deltas: AsyncIterator[Delta], metrics: RouterMetrics, arrival_s
             if delta.token_ids:
                 if last_token_s is None:
                     metrics.ttft.labels(outcome.route).observe(now - arrival_s)
+                    outcome.first_token_s = now
                 else:
                     gap = (now - last_token_s) / len(delta.token_ids)
                     for _ in delta.token_ids:
@@ -241,6 +262,8 @@ class _Run:
     decode_call: grpc.aio.UnaryStreamCall | None = None
     decode_finished: bool = False
     require_pull: bool = False  # the Generate call carries require_pull (--enforce-disagg, with a ticket)
+    output_token_ids: list[int] = field(default_factory=list)  # every token sent on so far (a migration replays them)
+    migrated: bool = False  # the last decode stream ended with the worker giving the request back
     # Workers that failed this request: broken or gone, they are not asked to clean up.
     failed: set[Role] = field(default_factory=set)
     text: TextStream = field(init=False)
@@ -267,9 +290,28 @@ class _Run:
             yield first
             if first.finish_reason is not None:
                 return  # done at the first token; clean_up releases blocks if a stop string ended it
-        async with aclosing(self._decode(self.assignment.decode, ticket)) as deltas:
-            async for delta in deltas:
-                yield delta
+        while True:
+            async with aclosing(self._decode(self.assignment.decode, ticket)) as deltas:
+                async for delta in deltas:
+                    yield delta
+            if not self.migrated:
+                return
+            ticket = None  # the next decode worker replays prompt + output instead
+            self._migrate()
+
+    def _migrate(self) -> None:
+        """Move the request to another decode worker (its own gave it back): counted there from now on."""
+        old = self.assignment.decode
+        self.migrated = False
+        self.decode_call = None
+        new = self.owner.policy.move_decode(self.assignment)
+        if new is None:
+            raise NoHealthyWorkers(f"decode worker {old} gave request {self.request.request_id} back (a role "
+                                   "switch) and no other decode worker is available",
+                                   retry_after_s=self.owner.config.retry_after_s)
+        self.owner.metrics.migrated_requests.inc()
+        log.info("request %s: decode worker %s gave it back (role switch) after %d tokens; continuing on %s",
+                 self.request.request_id, old, len(self.output_token_ids), new)
 
     # ---- prefill ---------------------------------------------------------------------------------
 
@@ -302,6 +344,7 @@ class _Run:
     def _first_delta(self, response: worker_pb2.PrefillResponse) -> Delta:
         self.outcome.num_cached_tokens = response.num_cached_tokens
         self.outcome.num_generated_tokens = 1
+        self.output_token_ids.append(response.first_token_id)
         finished = response.finished
         text = self.text.feed([response.first_token_id], final=finished)
         finish_reason = (response.finish_reason or "stop") if finished else None
@@ -319,21 +362,38 @@ class _Run:
 
     # ---- decode ----------------------------------------------------------------------------------
 
-    async def _decode(self, address: str, ticket: kv_pb2.TransferTicket | None) -> AsyncIterator[Delta]:
+    def _decode_input(self, ticket: kv_pb2.TransferTicket | None) -> tuple[list[int], worker_pb2.SamplingParams]:
+        """The prompt and params of the next ``Generate``: the request's own, or after a migration the prompt
+        plus the output so far with only what is left to generate (as a decode worker's local recompute)."""
         params = self.request.params
-        if ticket is not None and params.HasField("prompt_logprobs"):
-            # The prefill worker reported them; the decode worker never computes this prompt (or, if its
-            # pull fails, recomputes it only to go on).
+        done = len(self.output_token_ids)
+        if (ticket is not None or done) and params.HasField("prompt_logprobs"):
+            # The prefill worker (or the first decode worker) reported them; they are not asked again.
             params = worker_pb2.SamplingParams()
             params.CopyFrom(self.request.params)
             params.ClearField("prompt_logprobs")
+        if not done or ticket is not None:
+            return self.request.prompt_token_ids, params
+        rest = worker_pb2.SamplingParams()
+        rest.CopyFrom(params)
+        rest.max_tokens = max(params.max_tokens - done, 1)
+        rest.min_tokens = max(params.min_tokens - done, 0)
+        return [*self.request.prompt_token_ids, *self.output_token_ids], rest
+
+    async def _decode(self, address: str, ticket: kv_pb2.TransferTicket | None) -> AsyncIterator[Delta]:
+        prompt, params = self._decode_input(ticket)
+        num_output_tokens = len(prompt) - len(self.request.prompt_token_ids)
         self.require_pull = ticket is not None and self.owner.config.enforce_disagg
-        call = self.owner.pool.generate(address, self.request.request_id, self.request.prompt_token_ids,
-                                        params, ticket, timeout_s=self._remaining_s(), require_pull=self.require_pull)
+        call = self.owner.pool.generate(address, self.request.request_id, prompt, params, ticket,
+                                        timeout_s=self._remaining_s(), require_pull=self.require_pull,
+                                        num_output_tokens=num_output_tokens)
         self.decode_call = call
         skip_first = ticket is not None
         try:
             async for chunk in call:
+                if chunk.migrated:  # the worker gave the request back (its role switch): go on elsewhere
+                    self.migrated = True
+                    return
                 token_ids, logprobs = list(chunk.token_ids), list(chunk.logprobs)
                 top = [alternatives_of(e) for e in chunk.top_logprobs]
                 if skip_first and token_ids:
@@ -370,6 +430,7 @@ class _Run:
             outcome.recomputed_locally = True
             outcome.route = Route.FALLBACK
         outcome.num_generated_tokens += len(token_ids)
+        self.output_token_ids += token_ids
         if outcome.num_cached_tokens is None and chunk.num_prompt_tokens:
             outcome.num_cached_tokens = chunk.num_cached_tokens
         text = self.text.feed(token_ids, final=chunk.finished)

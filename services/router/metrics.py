@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from services.router.pair_probes import PairState
 from services.router.pairing import PairingPolicy, Role, ServingStatus
+from services.router.planner import Decision, DecisionReason
 from services.router.prefix_index import PrefixIndex
 from services.router.routes import Route
 from services.router.scoring import Reason, RouteReason
@@ -149,6 +150,9 @@ class RouterMetrics:
                                      registry=r)
         self.generation_tokens = Counter("pdserve_router_generation_tokens", "Tokens sent to clients",
                                          registry=r)
+        self.migrated_requests = Counter("pdserve_router_migrated_requests", "Requests a decode worker gave back "
+                                         "unfinished during its role switch, continued on another decode worker",
+                                         registry=r)
         self.worker_failures = Counter("pdserve_router_worker_failures", "Worker RPCs that failed, by role",
                                        ["role"], registry=r)
         self.client_disconnects = Counter("pdserve_router_client_disconnects",
@@ -181,9 +185,43 @@ class RouterMetrics:
                                                       RouteReason.ENFORCED))):
             for reason in reasons:
                 self.route_decisions.labels(route.value, reason.value)
+        self._add_planner_metrics()
         r.register(_WorkerCollector(policy, decode_only))
         if index is not None:
             r.register(_IndexCollector(index))
+
+    def _add_planner_metrics(self) -> None:
+        """The P:D planner's outputs (planner.py, planner_loop.py); every series exists from the start."""
+        r = self.registry
+        self.planner_decisions = Counter("pdserve_planner_decisions", "P:D planner evaluations by outcome: balanced, "
+                                         "pending (hysteresis), dwell, switch, switch_in_progress, no_traffic, "
+                                         "too_few_workers", ["reason"], registry=r)
+        self.planner_desired = Gauge("pdserve_planner_desired_workers", "Workers each role needs at the SLO "
+                                     "targets, rounded up, at least 1 (what a Kubernetes HPA scales on)", ["role"],
+                                     registry=r)
+        self.planner_target = Gauge("pdserve_planner_target_workers", "The split of the router's available "
+                                    "workers the traffic calls for (what --role-planner moves toward)", ["role"],
+                                    registry=r)
+        self.planner_demand = Gauge("pdserve_planner_demand_workers", "Each role's demand in workers at the SLO "
+                                    "targets, unrounded (arrival rate x mean length / one worker's capacity)",
+                                    ["role"], registry=r)
+        self.planner_switches = Counter("pdserve_planner_switches", "Role switches the planner started, by the new "
+                                        "role and result (ok, failed, unavailable: no role switching in this "
+                                        "router)", ["role", "result"], registry=r)
+        for reason in DecisionReason:
+            self.planner_decisions.labels(reason.value)
+        for role in Role:
+            for result in ("ok", "failed", "unavailable"):
+                self.planner_switches.labels(role.value, result)
+
+    def observe_planner(self, decision: Decision) -> None:
+        """Export one planner evaluation."""
+        self.planner_decisions.labels(decision.reason.value).inc()
+        for role in Role:
+            self.planner_desired.labels(role.value).set(decision.desired.of(role))
+            self.planner_target.labels(role.value).set(decision.target.of(role))
+        self.planner_demand.labels(Role.PREFILL.value).set(decision.estimate.prefill_need)
+        self.planner_demand.labels(Role.DECODE.value).set(decision.estimate.decode_need)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -77,6 +77,12 @@ class WorkerIdentity:
     epoch: int = 0
     # The fields the hash was computed from (KV heads per group, dtype, ...): they explain a refusal.
     compat_fields: Mapping[str, str] = field(default_factory=dict, hash=False)
+    roles: tuple[str, ...] = ()  # the roles it can serve (both: it can switch in place); () from an older worker
+    switching_to: str = ""  # while its role switch drains: the role it is switching to
+
+    @property
+    def switchable(self) -> bool:
+        return len(self.roles) > 1
 
     def pair_side(self) -> PairSide:
         return PairSide(self.compat_hash, self.compat_fields, self.tp_size, self.block_size)
@@ -96,11 +102,12 @@ class WorkerState:
     queued_prefill_tokens: int = 0  # estimated prefill work (uncached prompt tokens) outstanding (prefill side)
     # Breaks ties between equally loaded workers, so sequential requests rotate.
     num_picks: int = 0
+    switching: bool = False  # this router is switching its role: no new work for any role until it is done
 
     @property
     def available(self) -> bool:
-        """May take new work: answered its last health check and is not draining."""
-        return self.healthy and self.identity is not None and not self.identity.draining
+        """May take new work: answered its last health check and is neither draining nor switching roles."""
+        return self.healthy and self.identity is not None and not self.identity.draining and not self.switching
 
 
 @dataclass
@@ -287,9 +294,12 @@ class PairingPolicy:
 
     def worker_state(self, worker: WorkerState) -> str:
         """One word for ``/health``: healthy, unpaired (healthy, but no live worker of the other role can
-        pair with it), draining, unhealthy (its last probe failed) or unknown (never answered yet)."""
+        pair with it), switching (its role, in place), draining, unhealthy (its last probe failed) or unknown
+        (never answered yet)."""
         if worker.available:
             return "unpaired" if self.unpaired_reason(worker) else "healthy"
+        if worker.healthy and (worker.switching or (worker.identity is not None and worker.identity.switching_to)):
+            return "switching"
         if worker.healthy:
             return "draining"
         return "unhealthy" if worker.last_error else "unknown"
@@ -424,6 +434,20 @@ class PairingPolicy:
             _decode_state=decode,
             _prefill_state=prefill,
         )
+
+    def move_decode(self, assignment: Assignment) -> str | None:
+        """Another available decode worker for a request its decode worker gave back (a role switch's
+        migration): counted there instead; its address, or None when there is none (nothing changes)."""
+        decodes = [d for d in self._available(Role.DECODE) if d.address != assignment.decode]
+        if not decodes:
+            return None
+        decode = min(decodes, key=lambda w: (w.outstanding_requests, w.num_picks, w.address))
+        self.finish_decode(assignment)
+        decode.outstanding_requests += 1
+        decode.outstanding_tokens += assignment.num_prompt_tokens
+        decode.num_picks += 1
+        assignment.decode, assignment._decode_state = decode.address, decode
+        return decode.address
 
     def finish_prefill(self, assignment: Assignment) -> None:
         """The prefill worker is done with the request (answered, failed or was abandoned). Idempotent."""

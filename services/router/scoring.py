@@ -1,21 +1,32 @@
 """KV-aware scores: which prefill worker, which decode worker, and whether to disaggregate at all.
 
-Prefill workers are scored by estimated time to first token, in seconds::
+Prefill workers: the one holding the longest cached prefix of the prompt takes it, unless the overload
+valve is open for it; among several such holders, and among all workers when no worker holds any of
+the prompt or every holder is overloaded, the lowest estimated time to first token wins::
 
     work_tokens  = uncached + host_hit_cost * host_hit      (uncached = prompt - device_hit - host_hit)
     queued       = max(router's queued prefill work there, the engine's waiting_prefill_tokens)
-    ttft_s       = (work_tokens + queued) / prefill_tokens_per_s   (measured; a default until it is)
+    ttft_s       = (work_tokens + queued) / fleet_rate
+
+``fleet_rate`` is one rate for every candidate: the median of the prefill rates they report (a default
+until one does). Each worker's own measured rate is not used: it depends on what the worker happened
+to run (short cached chunks are mostly step overhead), and routing by it feeds back: a worker that
+looks fast gets the uncached prompts, holds more than its pool and evicts (measured with
+``bench/routing.py``). The TTFT estimate alone is not the rule either: an idle cold worker beats a
+holder as soon as the holder has a prompt queued, and the prefix is then recomputed and evicted in a
+cascade. Stickiness is what keeps caches useful; the valve is what keeps it from piling load.
 
 ``host_hit_cost`` is what loading a host-tier token costs relative to computing it (default 0.25: Dynamo
 weighs a host hit 0.75 of a device hit, the same thing seen from the other side). The queue takes the
 larger of the router's own count (its requests, as estimated work, are known at once) and the engine's
 (which also sees other router replicas' requests, a batch interval late).
 
-Overload valve: a worker whose queue exceeds ``overload_queue_tokens`` is left out while any other is
-under it, even if its cache makes its estimate the lowest: the estimate trusts a measured rate and a
-queue that lag, and a hot prefix would otherwise pile every request of its group on one worker. Ties
-(equal estimates, e.g. nothing cached and nothing queued) go to the fewest outstanding requests, then
-the least picked, so a cold start spreads.
+Overload valve: a worker is overloaded when its queue exceeds both ``overload_queue_tokens`` (a floor,
+so light load never splits a prefix) and ``overload_factor`` times the candidates' median queue. An
+overloaded holder yields: the other workers compete on the estimate (reason ``overload_valve``), so a
+hot prefix spills onto colder workers and every queue stays within about that factor of the median.
+Ties (equal estimates, e.g. nothing cached and nothing queued) go to the fewest outstanding requests,
+then the least picked, so a cold start spreads.
 
 Decode workers are scored in requests: ``max(router's outstanding, engine's running + waiting)`` plus the
 share of the prompt it must pull (0 when it holds the whole prefix, 1 when none: a pull costs the worker
@@ -72,7 +83,8 @@ class RouteReason(enum.StrEnum):
 @dataclass(frozen=True)
 class ScoringConfig:
     host_hit_cost: float = 0.25
-    overload_queue_tokens: int = 8192
+    overload_queue_tokens: int = 2048
+    overload_factor: float = 2.0
     default_prefill_tokens_per_s: float = 4096.0
     direct_max_uncached_tokens: int = 32
 
@@ -81,6 +93,8 @@ class ScoringConfig:
             raise ValueError(f"host_hit_cost must be in [0, 1], got {self.host_hit_cost}")
         if self.overload_queue_tokens < 0:
             raise ValueError(f"overload_queue_tokens must be >= 0, got {self.overload_queue_tokens}")
+        if not self.overload_factor >= 1:
+            raise ValueError(f"overload_factor must be >= 1, got {self.overload_factor}")
         if not self.default_prefill_tokens_per_s > 0:
             raise ValueError(f"default_prefill_tokens_per_s must be > 0, got {self.default_prefill_tokens_per_s}")
         if self.direct_max_uncached_tokens < 0:
@@ -108,8 +122,10 @@ class Choice:
     detail: str  # every candidate's score, for the debug log
 
 
-def prefill_ttft_s(c: Candidate, num_prompt_tokens: int, config: ScoringConfig) -> float:
-    return (work_tokens(c.hit, num_prompt_tokens, config) + queued_tokens(c)) / prefill_rate(c.load, config)
+def prefill_ttft_s(c: Candidate, num_prompt_tokens: int, config: ScoringConfig, rate: float | None = None) -> float:
+    """Estimated seconds to the first token on ``c``: its work and queue over ``rate`` (default: its own)."""
+    rate = prefill_rate(c.load, config) if rate is None else rate
+    return (work_tokens(c.hit, num_prompt_tokens, config) + queued_tokens(c)) / rate
 
 
 def work_tokens(hit: CacheHit, num_prompt_tokens: int, config: ScoringConfig) -> float:
@@ -127,25 +143,41 @@ def prefill_rate(load: Load | None, config: ScoringConfig) -> float:
     return rate if rate > 0 else config.default_prefill_tokens_per_s
 
 
+def fleet_rate(candidates: Sequence[Candidate], config: ScoringConfig) -> float:
+    """The median of the prefill rates the candidates report (the default when none has): one rate for all."""
+    rates = sorted(c.load.prefill_tokens_per_s for c in candidates
+                   if c.load is not None and c.load.prefill_tokens_per_s > 0)
+    return rates[len(rates) // 2] if rates else config.default_prefill_tokens_per_s
+
+
+def overload_bound(candidates: Sequence[Candidate], config: ScoringConfig) -> float:
+    """Queued tokens above which a worker is overloaded: the floor, or the factor times the median queue."""
+    queues = sorted(queued_tokens(c) for c in candidates)
+    return max(float(config.overload_queue_tokens), config.overload_factor * queues[len(queues) // 2])
+
+
 def choose_prefill(candidates: Sequence[Candidate], num_prompt_tokens: int, config: ScoringConfig) -> Choice:
-    """The prefill worker with the lowest TTFT estimate, the overload valve applied (module docstring)."""
+    """The longest prefix holder unless overloaded, else the lowest TTFT estimate (module docstring)."""
     if not candidates:
         raise ValueError("choose_prefill needs at least one candidate")
-    scores = {c.address: prefill_ttft_s(c, num_prompt_tokens, config) for c in candidates}
-    open_ = [c for c in candidates if queued_tokens(c) <= config.overload_queue_tokens] or list(candidates)
-    best = min(open_, key=lambda c: (scores[c.address], c.outstanding_requests, c.num_picks, c.address))
+    rate = fleet_rate(candidates, config)
+    scores = {c.address: prefill_ttft_s(c, num_prompt_tokens, config, rate) for c in candidates}
+    bound = overload_bound(candidates, config)
+    under = [c for c in candidates if queued_tokens(c) <= bound]
     most = max(c.hit.tokens for c in candidates)
-    if most > 0 and best.hit.tokens == most:
-        reason = Reason.PREFIX_HIT
-    elif most > 0 and all(queued_tokens(c) > config.overload_queue_tokens
-                          for c in candidates if c.hit.tokens == most):
-        reason = Reason.OVERLOAD_VALVE
+    holders = [c for c in under if most > 0 and c.hit.tokens == most]
+    if holders:
+        pool, reason = holders, Reason.PREFIX_HIT
     elif most > 0:
-        reason = Reason.LEAST_LOADED
+        pool, reason = under or list(candidates), Reason.OVERLOAD_VALVE
     else:
-        reason = _blind_reason(candidates)
-    detail = " ".join(f"{c.address}:ttft_s={scores[c.address]:.4f},hit={c.hit.device_tokens}+"
-                      f"{c.hit.host_tokens}h,queued={queued_tokens(c)},{c.hit.state}" for c in candidates)
+        pool, reason = under or list(candidates), _blind_reason(candidates)
+    best = min(pool, key=lambda c: (scores[c.address], c.outstanding_requests, c.num_picks, c.address))
+    if reason is Reason.OVERLOAD_VALVE and best.hit.tokens == most:
+        reason = Reason.PREFIX_HIT  # every worker over the bound: the holder keeps it on its estimate
+    detail = f"rate={rate:.0f}/s bound={bound:.0f} " + " ".join(
+        f"{c.address}:ttft_s={scores[c.address]:.4f},hit={c.hit.device_tokens}+{c.hit.host_tokens}h,"
+        f"queued={queued_tokens(c)},{c.hit.state}" for c in candidates)
     return Choice(best.address, reason, scores[best.address], detail)
 
 

@@ -38,6 +38,8 @@ def identity_from_info(info: worker_pb2.WorkerInfo) -> WorkerIdentity:
         draining=info.draining,
         epoch=info.epoch,
         compat_fields=dict(info.compat_fields),
+        roles=tuple(info.roles),
+        switching_to=info.switching_to,
     )
 
 
@@ -102,11 +104,13 @@ class WorkerPool:
 
     def generate(self, address: str, request_id: str, prompt_token_ids: list[int],
                  params: worker_pb2.SamplingParams, ticket: kv_pb2.TransferTicket | None,
-                 timeout_s: float, require_pull: bool = False) -> grpc.aio.UnaryStreamCall:
+                 timeout_s: float, require_pull: bool = False, num_output_tokens: int = 0) -> grpc.aio.UnaryStreamCall:
         """Start decoding; iterate the call for TokenChunks, ``cancel()`` it to stop. ``require_pull``: the
-        worker fails the call (FAILED_PRECONDITION) rather than recompute a prompt it could not pull."""
+        worker fails the call (FAILED_PRECONDITION) rather than recompute a prompt it could not pull.
+        ``num_output_tokens``: the prompt ends with that many tokens of the request's output (a migration)."""
         request = worker_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                             params=params, ticket=ticket, require_pull=require_pull)
+                                             params=params, ticket=ticket, require_pull=require_pull,
+                                             num_output_tokens=num_output_tokens)
         return self._decode(address).Generate(request, timeout=timeout_s)
 
     async def probe(self, prefill: str, decode: str, timeout_s: float) -> ProbeOutcome:
@@ -122,6 +126,13 @@ class WorkerPool:
                 return ProbeOutcome(False, f"the decode worker's probe gave no answer within {timeout_s:g} s")
             return ProbeOutcome(False, f"the decode worker's Probe RPC failed: {e.code().name}: {e.details()}")
         return ProbeOutcome(answer.ok, answer.reason, answer.prefill_engine_id, answer.prefill_epoch, answer.seconds)
+
+    async def switch_role(self, role: Role, address: str, new_role: Role, drain_timeout_s: float,
+                          timeout_s: float) -> worker_pb2.SwitchRoleResponse:
+        """Switch the worker (serving ``role`` now) to ``new_role``: it answers once drained and switched."""
+        stub = self._prefill(address) if role == Role.PREFILL else self._decode(address)
+        request = worker_pb2.SwitchRoleRequest(role=new_role.value, drain_timeout_s=drain_timeout_s)
+        return await stub.SwitchRole(request, timeout=timeout_s)
 
     def kv_events(self, role: Role, address: str) -> grpc.aio.UnaryStreamCall:
         """Subscribe to the worker's KV events (no deadline: the stream lives until cancelled or broken);

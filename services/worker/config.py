@@ -42,4 +42,19 @@ class DecodeConfig(WorkerConfig):
     kv_transfer_timeout_s: float = flag(30.0, "give up on a KV pull after this", parse=float)
 
 
+@dataclass(frozen=True)
+class SwitchableConfig(PrefillConfig, DecodeConfig):
+    """Either daemon's command line: both roles' settings, and whether the worker may switch between them.
+
+    A worker started with ``--role-switching`` serves its command's role first and the other after a
+    ``SwitchRole`` (services/worker/role_switch.py); the engine flags stay as started, so they must suit both
+    roles (``pdserve up --role-planner`` starts every worker with the same ones). Without it, the other role's
+    settings are unused.
+    """
+
+    role_switching: bool = flag(
+        False, "serve either role: start in this command's role, switch in place when a router asks (SwitchRole); "
+        "the engine flags must suit both roles")
+
+
 CONFIG_OF_ROLE: dict[str, type[WorkerConfig]] = {"prefill": PrefillConfig, "decode": DecodeConfig}

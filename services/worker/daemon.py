@@ -5,6 +5,9 @@ address peers can dial, an engine id and epoch, one KV rank per TP rank, prefix-
 with the compatibility hash, the KV event publisher, the engine's thread, the /metrics server, the
 ready line) and stop the same way (SIGTERM drains, a dead TP rank fails the
 worker). Only what they serve differs: :class:`Role` says that, and :func:`serve` does the rest.
+
+A worker started with role switching attaches both roles over the one engine: each role's calls are
+gated by the :class:`~services.worker.role_switch.RoleSwitch` in the context, which ``SwitchRole`` drives.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from services.worker.config import WorkerConfig
 from services.worker.grpc_server import WorkerServer
 from services.worker.kv_events import KVEventPublisher
 from services.worker.kv_ranks import close_kv_ranks, go_down_with_tp_group, kv_identity, open_kv_ranks
+from services.worker.role_switch import RoleSwitch
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,8 @@ class WorkerContext:
     identity: KVIdentity  # the engine's KV identity, for the exporter or the puller
     kv_events: KVEventPublisher  # the KVEvents/KVSnapshot RPCs' publisher (services/worker/kv_events.py)
     faults: dict[str, int] = field(default_factory=dict)  # PDSERVE_FAULT_INJECT's (services.common.fault_inject)
+    # The role served now and the current epoch (a role switch changes both; ``epoch`` above is the start's).
+    switch: RoleSwitch | None = None
 
 
 @dataclass(frozen=True)
@@ -69,15 +75,20 @@ class Role:
     stats_interval_s: float
 
 
-async def serve(config: WorkerConfig, engine: LLMEngine, role: Role) -> str | None:
-    """Run the daemon until drained (SIGTERM/SIGINT); the failure that stopped it, if one did."""
+async def serve(config: WorkerConfig, engine: LLMEngine, role: Role, others: Sequence[Role] = ()) -> str | None:
+    """Run the daemon until drained (SIGTERM/SIGINT); the failure that stopped it, if one did.
+
+    ``role`` is served first; ``others`` are attached too, for a worker that can switch to them in place.
+    """
     metrics = WorkerMetrics(role.name)
     tls = config.tls
-    server = WorkerServer(list(role.service_names), config.kv_auth_token, tls)
+    roles = [role, *others]
+    server = WorkerServer(list(dict.fromkeys(name for r in roles for name in r.service_names)),
+                          config.kv_auth_token, tls)
     port = server.bind(config.host, config.port)
     address = join_host_port(config.advertise_host or advertised_host(config.host), port)
     epoch = time.time_ns()
-    engine_id = config.engine_id or f"{role.name}@{address}"
+    engine_id = config.engine_id or f"{role.name if not others else 'worker'}@{address}"
     ranks = open_kv_ranks(engine, engine_id, epoch)
     identity = kv_identity(engine, config.kv_digest)
     # Prefix-cache keys salted with the compatibility hash Info reports: a router computes the same keys.
@@ -85,9 +96,11 @@ async def serve(config: WorkerConfig, engine: LLMEngine, role: Role) -> str | No
     aengine = AsyncEngine(engine)
     publisher = KVEventPublisher(aengine, engine_id, epoch, metrics)
     server.before_stop.append(publisher.close)  # event streams end cleanly, not cut by the server's grace
+    switch = RoleSwitch(role.name, epoch, tuple(r.name for r in roles), metrics)
+    switch.on_epoch.append(publisher.restart)  # subscribers resubscribe and snapshot the new epoch
     context = WorkerContext(config, engine, aengine, server, metrics, tls, address, engine_id, epoch, ranks,
-                            identity, publisher, log_fault_injection())
-    background = [*role.attach(context), publisher.run]
+                            identity, publisher, log_fault_injection(), switch)
+    background = [*(task for r in roles for task in r.attach(context)), publisher.run]
     aengine.start()
     metrics.set_info(engine.source.name, engine_id, engine.config.parallel.tp_size, engine.config.block_size,
                      len(engine.kv_layout.groups))

@@ -13,6 +13,10 @@ its stream will carry. A router subscribes, waits for that message, then asks ``
 snapshot reflects every event up to its ``seq``, so it applies the stream's events after ``seq``;
 any other jump in the numbers (events dropped at the engine, see ``kv_cache/events.py``) means
 resync. The engine records events only while at least one subscriber is connected.
+
+A role switch gives the worker a new epoch (:meth:`KVEventPublisher.restart`): every stream ends, and the
+numbering starts from 1 again for the new epoch (the engine's own numbers continue; the publisher subtracts
+where the epoch began), so a subscriber resubscribes and snapshots as it does for a restarted worker.
 """
 
 from __future__ import annotations
@@ -115,7 +119,8 @@ class KVEventPublisher:
         self.max_queue_batches = max_queue_batches
         self._subscribers: list[Subscriber] = []
         self._someone = asyncio.Event()  # set while there are subscribers: run() idles without
-        self._next_seq = 1  # the first number the next batch carries
+        self._next_seq = 1  # the engine's number of the next event to publish
+        self._base_seq = 0  # the engine's last number before this epoch: published numbers are relative to it
         self._last_sent = time.monotonic()
         self._num_dropped = 0  # the engine log's drops already counted
         self.closed = False
@@ -149,6 +154,15 @@ class KVEventPublisher:
 
     def _count_subscribers(self) -> None:
         self.metrics.kv_event_subscribers.labels(self.metrics.role).set(len(self._subscribers))
+
+    def restart(self, epoch: int) -> None:
+        """A new epoch (a role switch): end every stream, number the new epoch's events from 1."""
+        for sub in list(self._subscribers):
+            sub.end()
+            self.unsubscribe(sub)
+        self.epoch = epoch
+        self._base_seq = max(self.log.last_seq, self._next_seq - 1)
+        self._next_seq = self._base_seq + 1
 
     def close(self) -> None:
         """The worker stops: every stream ends cleanly (OK), later subscriptions are refused."""
@@ -191,7 +205,8 @@ class KVEventPublisher:
 
     def _batch(self, events: list[KVEvent]) -> worker_pb2.KVEventBatch:
         return worker_pb2.KVEventBatch(
-            engine_id=self.engine_id, epoch=self.epoch, first_seq=events[0].seq if events else self._next_seq,
+            engine_id=self.engine_id, epoch=self.epoch,
+            first_seq=(events[0].seq if events else self._next_seq) - self._base_seq,
             events=[event_to_proto(e.kind, e.group_id, e.tier, e.block_size, e.block_keys) for e in events],
             load=load_to_proto(self.aengine.stats))
 
@@ -207,7 +222,8 @@ class KVEventPublisher:
     async def snapshot(self) -> worker_pb2.KVSnapshotResponse:
         """Every key cached now (taken on the engine thread) and the last event number it reflects."""
         seq, contents = await self.aengine.kv_snapshot()
-        return worker_pb2.KVSnapshotResponse(engine_id=self.engine_id, epoch=self.epoch, seq=seq,
+        return worker_pb2.KVSnapshotResponse(engine_id=self.engine_id, epoch=self.epoch,
+                                             seq=max(seq - self._base_seq, 0),
                                              stored=[_stored(c) for c in contents],
                                              load=load_to_proto(self.aengine.stats))
 

@@ -8,7 +8,8 @@
 - Validate: kubernetes-validate --strict against the OpenAPI schemas of Kubernetes 1.30 (the chart's
   minimum) and 1.37. It knows no CRDs, so the ServiceMonitor and PrometheusRule are checked here in Python.
 - Check: every container command line parses with the real `pdserve` parser, the router's DNS names are
-  the headless Services (names, namespace, ports), probes, grace periods, GPUs, the KV token, the model.
+  the headless Services (names, namespace, ports), probes, preStop and grace periods, GPUs, the KV token, the
+  model, the HPAs on the routers' P:D planner metric.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import yaml
 
 from services.cli import build_parser
 from services.router.cli_args import router_config_from_args
+from tests.deploy import promql
 from tests.deploy.tools import DEPLOY, REPO, helm_sdk_python, tool
 
 CHART = DEPLOY / "helm" / "pdserve"
@@ -44,6 +46,7 @@ SCENARIOS = {
     "image-model": "ci/image-model-values.yaml",
     "monitoring": "ci/monitoring-values.yaml",
     "existing-secret": "ci/existing-secret-values.yaml",
+    "autoscaling": "ci/autoscaling-values.yaml",
 }
 RULE_FILES = ("pdserve-recording.yml", "pdserve-alerts.yml")
 LINKS = {
@@ -256,6 +259,8 @@ def test_schema_is_draft_07_and_covers_exactly_the_values():
     (["--set", "gpu.enabled=yes-please"], "gpu.enabled: Invalid type. Expected: boolean, given: string"),
     (["--set", "model.source=s3"], "model.source"),
     (["--set", "prefill.port=70000"], "prefill.port"),
+    (["--set", "autoscaling.prefill.maxReplica=3"], "Additional property maxReplica is not allowed"),
+    (["--set", "autoscaling.decode.minReplicas=0"], "autoscaling.decode.minReplicas"),
 ])
 def test_schema_rejects_typos_and_wrong_types(flags, message):
     for command in (template_args("default", *flags), ["lint", "--strict", ".", *flags]):
@@ -271,6 +276,8 @@ def test_schema_rejects_typos_and_wrong_types(flags, message):
     (["--set", "gpu.enabled=true", "--set", "prefill.tp=2", "--set", "prefill.gpus=1"], "prefill.gpus (1) is less"),
     (["--set", "decode.enabled=false"], "the router needs decode workers"),
     (["--set", "kvAuth.token=t", "--set", "kvAuth.existingSecret=s"], "either token or existingSecret"),
+    (["--set", "autoscaling.enabled=true", "--set", "autoscaling.decode.minReplicas=5"],
+     "autoscaling.decode: minReplicas (5) is above maxReplicas (4)"),
 ])
 def test_template_refuses_inconsistent_values(flags, message):
     result = helm(*template_args("default", *flags))
@@ -389,9 +396,11 @@ def test_probes_and_graceful_termination(scenario):
             assert container[probe]["grpc"] == {"port": args.port}, probe
         startup = container["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # time to load a model
-        drain = v[name]["drainTimeoutSeconds"]
+        drain, sleep = v[name]["drainTimeoutSeconds"], v[name]["preStopSleepSeconds"]
         assert args.drain_timeout_s == drain
-        assert pod["terminationGracePeriodSeconds"] == drain + v["terminationMarginSeconds"] > drain
+        assert pod["terminationGracePeriodSeconds"] == sleep + drain + v["terminationMarginSeconds"] > sleep + drain
+        # Serving on until the routers dropped the pod: a DNS refresh and a health round (2 s) at most.
+        assert container["lifecycle"]["preStop"]["sleep"]["seconds"] == sleep > v["router"]["dnsRefreshSeconds"] + 2
         liveness = container["livenessProbe"]
         assert liveness["periodSeconds"] * liveness["failureThreshold"] > drain  # draining answers NOT_SERVING
 
@@ -435,6 +444,59 @@ def test_disruption_budgets_are_configurable():
     assert set(pdbs) == {"prefill", "decode"}
     assert pdbs["decode"]["spec"] == {**pdbs["decode"]["spec"], "minAvailable": "50%"}
     assert "maxUnavailable" not in pdbs["decode"]["spec"]
+
+
+def test_worker_pre_stop_can_be_off():
+    result = helm(*template_args("default", "--set", "decode.preStopSleepSeconds=0"))
+    assert result.returncode == 0, result.stderr
+    decode = workloads(list(yaml.safe_load_all(result.stdout)))["decode"]
+    assert "lifecycle" not in main_container(decode)
+    v = values("default")
+    assert decode["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == \
+        v["decode"]["drainTimeoutSeconds"] + v["terminationMarginSeconds"]
+
+
+# --- autoscaling ------------------------------------------------------------------------------------------
+
+
+def test_hpas_scale_each_role_on_the_planner_metric():
+    docs = render("autoscaling")
+    v = values("autoscaling")["autoscaling"]
+    deployments = workloads(docs)
+    hpas = {component(h): h for h in by_kind(docs, "HorizontalPodAutoscaler").values()}
+    assert set(hpas) == {"prefill", "decode"}
+    for role, hpa in hpas.items():
+        assert hpa["apiVersion"] == "autoscaling/v2"
+        spec = hpa["spec"]
+        target = deployments[role]
+        assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                          "name": target["metadata"]["name"]}
+        assert (spec["minReplicas"], spec["maxReplicas"]) == (v[role]["minReplicas"], v[role]["maxReplicas"])
+        [metric] = spec["metrics"]
+        assert metric["type"] == "External"
+        external = metric["external"]
+        # The metric the router exports, one series per role; AverageValue 1: replicas = the planner's count.
+        assert external["metric"] == {"name": "pdserve_planner_desired_workers",
+                                      "selector": {"matchLabels": {"role": role, "service": "pd-pdserve-router"}}}
+        assert external["target"] == {"type": "AverageValue", "averageValue": "1"}
+        assert spec["behavior"] == v["behavior"]
+        assert "replicas" not in target["spec"]  # left to the HPA: an upgrade must not reset it
+    assert "pdserve_planner_desired_workers" in promql.defined_metric_names()
+    assert "replicas" in deployments["router"]["spec"]
+
+
+def test_no_hpa_by_default():
+    docs = render("default")
+    assert not by_kind(docs, "HorizontalPodAutoscaler")
+    for name, deployment in workloads(docs).items():
+        assert deployment["spec"]["replicas"] == values("default")[name]["replicas"]
+
+
+def test_hpa_only_for_deployed_roles():
+    result = helm(*template_args("default", "--set", "autoscaling.enabled=true", "--set", "prefill.enabled=false"))
+    assert result.returncode == 0, result.stderr
+    hpas = by_kind(list(yaml.safe_load_all(result.stdout)), "HorizontalPodAutoscaler")
+    assert {component(h) for h in hpas.values()} == {"decode"}
 
 
 # --- GPUs, model, token -----------------------------------------------------------------------------------

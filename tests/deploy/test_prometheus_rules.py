@@ -213,7 +213,7 @@ def test_dashboard_panels_use_the_datasource_variable_and_rate_interval() -> Non
 
 def test_dashboard_worker_queries_follow_the_instance_variable() -> None:
     worker_series = {n for family, exposed in promql.defined_metrics().items() for n in exposed
-                     if not family.startswith(("pdserve_router_", "pdserve_up_"))}
+                     if not family.startswith(("pdserve_router_", "pdserve_up_", "pdserve_planner_"))}  # the router's
     worker_series.add("instance:pdserve_kv_blocks_used:ratio")
     for q in promql.panel_queries():
         for name in promql.metric_names(q.expr) & worker_series:
@@ -234,7 +234,8 @@ def test_dashboard_has_the_panels_the_deployment_needs() -> None:
         "pdserve_kv_transfer_descriptors_total", "pdserve_kv_transfer_seconds_bucket",
         "pdserve_kv_handshake_failures_total", "pdserve_kv_transfer_failures_total",
         "pdserve_local_recompute_fallbacks_total", "pdserve_kv_lease_expiries_total",
-        "pdserve_up_worker_restarts_total", "pdserve_router_workers"}
+        "pdserve_up_worker_restarts_total", "pdserve_router_workers", "pdserve_planner_desired_workers",
+        "pdserve_planner_decisions_total"}
 
 
 def test_dashboard_queries_parse(tmp_path: Path) -> None:

@@ -98,6 +98,18 @@ def test_up_per_role_flags() -> None:
     assert "--decode-gpus 3,2" in explanation
 
 
+def test_up_role_planner_starts_switchable_workers_with_one_engine_shape() -> None:
+    from services.launch.up import up_router_argv
+
+    specs, _ = _up_specs("--role-planner --num-prefill 1 --num-decode 2", num_gpus=0)
+    assert [role for role, _, _ in specs] == ["prefill", "decode", "decode"]
+    assert all("--role-switching" in a for _, _, a in specs)
+    assert len({tuple(a) for _, _, a in specs}) == 1  # the same flags for every worker
+    assert "--role-planner" in up_router_argv(build_parser().parse_args(["up", "--role-planner"]))
+    with pytest.raises(ValueError, match="--prefill-tp and --decode-tp"):
+        _up_specs("--role-planner --prefill-tp 2", num_gpus=4)
+
+
 def test_up_explicit_device_cpu_wins_over_gpus() -> None:
     specs, explanation = _up_specs("--device cpu --tp 2", num_gpus=8)
     assert [_flag(a, "--device") for _, _, a in specs] == ["cpu", "cpu"]
@@ -170,9 +182,10 @@ def test_engine_flags_are_the_config_fields_and_reach_a_child_whole() -> None:
 
 
 def test_worker_flags_are_the_role_config_fields(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each role's flags come from its config type; the cluster token defaults to $PDSERVE_KV_AUTH_TOKEN."""
+    """Each role's flags come from its config type (both roles' with --role-switching); the cluster token
+    defaults to $PDSERVE_KV_AUTH_TOKEN."""
     from services.common.config_flags import config_from_args
-    from services.worker.config import DecodeConfig, PrefillConfig
+    from services.worker.config import DecodeConfig, PrefillConfig, SwitchableConfig
 
     monkeypatch.setenv("PDSERVE_KV_AUTH_TOKEN", "s3cret")
     args = build_parser().parse_args(["prefill", "--port", "7001", "--kv-lease-s", "5", "--engine-id", "p0"])
@@ -180,8 +193,12 @@ def test_worker_flags_are_the_role_config_fields(monkeypatch: pytest.MonkeyPatch
                                                                   kv_auth_token="s3cret")
     args = build_parser().parse_args(["decode", "--kv-transfer-timeout-s", "2", "--kv-auth-token", "other"])
     assert config_from_args(DecodeConfig, args) == DecodeConfig(kv_transfer_timeout_s=2.0, kv_auth_token="other")
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["decode", "--kv-lease-s", "5"])  # a prefill flag
+    # A worker that may switch roles (--role-switching) takes the other role's settings too.
+    args = build_parser().parse_args(["decode", "--kv-lease-s", "5", "--role-switching"])
+    assert args.role_switching and config_from_args(SwitchableConfig, args) == SwitchableConfig(
+        kv_lease_s=5.0, role_switching=True, kv_auth_token="s3cret")
+    assert not build_parser().parse_args(["prefill"]).role_switching
+    args = build_parser().parse_args(["decode", "--kv-transfer-timeout-s", "2", "--kv-auth-token", "other"])
     # The KV digest is on unless a worker is told otherwise (both roles take the switch).
     assert config_from_args(DecodeConfig, args).kv_digest
     for role, config in (("prefill", PrefillConfig), ("decode", DecodeConfig)):

@@ -22,7 +22,7 @@ class RefusingPolicy:
     def __init__(self) -> None:
         self.starts: list[bool] = []
 
-    async def start(self, rid, prompt, params, ticket, *, require_pull: bool = False):
+    async def start(self, rid, prompt, params, ticket, *, require_pull: bool = False, num_output_tokens: int = 0):
         self.starts.append(require_pull)
         if require_pull:
             raise PullRequired("KV pull from prefill@a failed (handshake refused)")

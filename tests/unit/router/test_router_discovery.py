@@ -181,6 +181,41 @@ def test_dns_entries_are_refreshed_and_failures_keep_the_last_answer() -> None:
     asyncio.run(scenario())
 
 
+def test_a_dropped_worker_keeps_its_channel_until_its_requests_are_done() -> None:
+    """Scale-down: the pod leaves the DNS answers at once; the requests already on it must not be cut."""
+    async def scenario() -> None:
+        answers = {"decode.svc:7": ["10.0.0.1:7", "10.0.0.2:7"]}
+        closed: list[str] = []
+
+        async def resolver(entry: str) -> list[str]:
+            return answers[entry]
+
+        async def on_removed(address: str) -> None:
+            closed.append(address)
+
+        policy, probe, clock = PairingPolicy(), ScriptedProbe(), FakeClock()
+        discovery = Discovery(policy, [EndpointSource(Role.DECODE, dns=("decode.svc:7",))], probe, dns_refresh_s=10,
+                              resolver=resolver, on_removed=on_removed, clock=clock)
+        for address in answers["decode.svc:7"]:
+            probe.up[address] = _identity(Role.DECODE, address)
+        await discovery.refresh()
+        assignment = policy.acquire(10)
+        leaving = assignment.decode
+        answers["decode.svc:7"] = [a for a in answers["decode.svc:7"] if a != leaving]
+        clock.now = 10
+        await discovery.refresh()
+        assert leaving not in _states(policy) and closed == []  # out of rotation, channel open
+        clock.now = 12
+        await discovery.refresh()
+        assert closed == []
+        policy.finish(assignment)
+        clock.now = 14  # the next round, DNS not due: closed now
+        await discovery.refresh()
+        assert closed == [leaving]
+
+    asyncio.run(scenario())
+
+
 def test_an_address_listed_under_both_roles_keeps_its_channel() -> None:
     async def scenario() -> None:
         closed: list[str] = []

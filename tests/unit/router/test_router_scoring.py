@@ -21,6 +21,7 @@ from services.router.scoring import (
     choose_decode,
     choose_prefill,
     direct_reason,
+    overload_bound,
     prefill_ttft_s,
 )
 from services.text.tokenizer import Tokenizer
@@ -53,19 +54,36 @@ def test_prefill_prefers_the_worker_holding_the_prefix() -> None:
     assert "warm:ttft_s=0.2000" in choice.detail and "cold:ttft_s=1.0000" in choice.detail
 
 
-def test_a_loaded_warm_worker_loses_to_an_idle_cold_one_on_its_estimate() -> None:
+def test_a_warm_worker_keeps_its_prefix_while_its_queue_is_under_the_valve() -> None:
+    # Its estimate (900 uncached + 950 queued) is worse than the idle cold worker's (1000), but moving the
+    # prefix would recompute it there and evict something else: the holder keeps it until the valve opens.
     choice = choose_prefill([cand("cold"), cand("warm", device=100, queued=950)], 1000, CONFIG)
-    assert (choice.address, choice.reason) == ("cold", Reason.LEAST_LOADED)
+    assert (choice.address, choice.reason) == ("warm", Reason.PREFIX_HIT)
 
 
 def test_overload_valve_lets_colder_workers_compete() -> None:
-    # warm's estimate (200 + 1200 queued) is still below cold's 2000, but its queue is over the bound
+    # warm's queue (1200) is over the floor (1000) and over twice the median (2 x 500): colder workers compete
     warm = cand("warm", device=1800, queued=1200)
-    choice = choose_prefill([warm, cand("cold", queued=500)], 2000, CONFIG)
+    choice = choose_prefill([warm, cand("cold", queued=500), cand("idle", queued=500)], 2000, CONFIG)
     assert (choice.address, choice.reason) == ("cold", Reason.OVERLOAD_VALVE)
-    # every worker over the bound: back to the estimate alone
-    choice = choose_prefill([warm, cand("cold", queued=1500)], 2000, CONFIG)
+    # a busy fleet: the bound is twice the median queue, so 1200 against a median of 1500 is not overloaded
+    choice = choose_prefill([warm, cand("cold", queued=1500), cand("idle", queued=1500)], 2000, CONFIG)
     assert (choice.address, choice.reason) == ("warm", Reason.PREFIX_HIT)
+
+
+def test_the_valve_bound_is_the_floor_or_the_factor_times_the_median_queue() -> None:
+    assert overload_bound([cand("a"), cand("b"), cand("c", queued=5000)], CONFIG) == 1000
+    assert overload_bound([cand("a", queued=800), cand("b", queued=900), cand("c", queued=5000)], CONFIG) == 1800
+
+
+def test_one_fleet_rate_so_a_worker_that_looks_fast_does_not_take_every_cold_prompt() -> None:
+    fast = cand("fast", load=Load(prefill_tokens_per_s=9000))
+    slow = [cand(f"s{i}", load=Load(prefill_tokens_per_s=1000)) for i in range(2)]
+    busy_fast = cand("fast", load=Load(prefill_tokens_per_s=9000), queued=500)
+    # Scored at its own rate, 'fast' would win with 500 queued (1500 tokens in 0.17 s against 1 s); at the
+    # fleet's median rate the idle workers win, so cold prompts spread by queue.
+    assert choose_prefill([busy_fast, *slow], 1000, CONFIG).address == "s0"
+    assert "rate=1000/s" in choose_prefill([fast, *slow], 1000, CONFIG).detail
 
 
 def test_reasons_without_any_hit() -> None:

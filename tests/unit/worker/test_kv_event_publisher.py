@@ -140,3 +140,22 @@ async def test_heartbeats_while_idle_and_a_clean_end_on_stop():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="interval_s"):
         _publisher(interval_s=0)
+
+
+async def test_a_new_epoch_ends_every_stream_and_numbers_its_events_from_one():
+    """A role switch (``restart``): subscribers see their stream end, resubscribe, and the new epoch's batches
+    and snapshots start at 1 while the engine's own numbering goes on."""
+    publisher, log, _ = _publisher()
+    sub = publisher.subscribe()
+    _store(log, _key(0), _key(1))
+    publisher.publish()
+    assert log.last_seq >= 1  # the old epoch's numbers
+    publisher.restart(78)
+    assert isinstance(_drain(sub)[-1], _End) and publisher.num_subscribers == 0 and not log.enabled
+    again = publisher.subscribe()
+    (hello,) = _drain(again)
+    assert (hello.epoch, hello.first_seq) == (78, 1)
+    _store(log, _key(2))
+    publisher.publish()
+    (batch,) = _drain(again)
+    assert (batch.epoch, batch.first_seq, len(batch.events)) == (78, 1, 1)

@@ -69,7 +69,9 @@ metadata:
   labels:
     {{- include "pdserve.componentLabels" . | nindent 4 }}
 spec:
+  {{- if not $v.autoscaling.enabled }}
   replicas: {{ $w.replicas }}
+  {{- end }}
   strategy:
     {{- toYaml $w.strategy | nindent 4 }}
   selector:
@@ -91,8 +93,9 @@ spec:
       {{- if and $v.gpu.enabled $v.gpu.runtimeClassName }}
       runtimeClassName: {{ $v.gpu.runtimeClassName }}
       {{- end }}
-      # The drain (--drain-timeout-s) plus a margin to close the engine and its TP ranks.
-      terminationGracePeriodSeconds: {{ add $w.drainTimeoutSeconds $v.terminationMarginSeconds }}
+      # The preStop sleep (routers stop sending it work), the drain (--drain-timeout-s), a margin to close the
+      # engine and its TP ranks.
+      terminationGracePeriodSeconds: {{ add $w.preStopSleepSeconds $w.drainTimeoutSeconds $v.terminationMarginSeconds }}
       {{- with (include "pdserve.modelInitContainers" $root | trim) }}
       {{- . | nindent 6 }}
       {{- end }}
@@ -139,6 +142,14 @@ spec:
             grpc:
               port: {{ $w.port }}
             {{- include "pdserve.probeTiming" $w.probes.liveness | nindent 12 }}
+          {{- if $w.preStopSleepSeconds }}
+          # Serve on while the routers drop the terminating pod (out of the headless Service at once, out of
+          # their table at their next DNS refresh); SIGTERM then drains what they had already sent.
+          lifecycle:
+            preStop:
+              sleep:
+                seconds: {{ $w.preStopSleepSeconds }}
+          {{- end }}
           {{- with $resources }}
           resources:
             {{- toYaml . | nindent 12 }}
