@@ -86,7 +86,8 @@ def _start_up(tmp: Path, targets_file: Path) -> tuple[subprocess.Popen, queue.Qu
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--model", MODEL, "--device", "cpu",
          "--prometheus-sd-file", str(targets_file), "--metrics-port", "0",
-         "--kv-offload-gib", "0.05"],  # a host KV tier on each worker: its series get data
+         "--kv-offload-gib", "0.05",  # a host KV tier on each worker: its series get data
+         "--direct-decode-threshold", "0"],  # every request disaggregated (not the cost-based choice)
         stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         start_new_session=True)
     lines: queue.Queue = queue.Queue()
