@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import TypeVar
 
 import grpc
 import msgspec
@@ -156,6 +157,8 @@ WORKER_FAULT_CODES = frozenset({
     grpc.StatusCode.DATA_LOSS, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNIMPLEMENTED,
 })
 
+T = TypeVar("T")
+
 _MSGSPEC_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _MISSING_FIELD = re.compile(r"missing required field `(?P<field>[^`]+)`")
 
@@ -180,6 +183,14 @@ def from_decode_error(exc: msgspec.DecodeError | UnicodeError | RecursionError) 
     if missing:
         path = f"{path}.{missing['field']}" if path else missing["field"]
     return InvalidRequest(message, param=path or None)
+
+
+def decode_json(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
+    """A JSON body through ``decoder``, or a 400 naming the field at fault (``from_decode_error``)."""
+    try:
+        return decoder.decode(body)
+    except (msgspec.DecodeError, UnicodeError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deeply
+        raise from_decode_error(exc) from None
 
 
 def from_rpc_error(exc: grpc.aio.AioRpcError, role: str, address: str, *,

@@ -28,7 +28,7 @@ from services.contract.sampling_params import (
 from services.contract.structured import StructuredOutputError, check_spec
 from services.contract.wire import sampling_to_proto
 from services.proto_gen.pdserve.v1 import worker_pb2
-from services.router.errors import InvalidRequest, from_decode_error
+from services.router.errors import InvalidRequest, decode_json
 
 _MAX_U31 = 2**31 - 1
 _TOKEN_ID_KEY = re.compile(r"[0-9]+")
@@ -366,10 +366,7 @@ _DECODERS = {kind: msgspec.json.Decoder(kind) for kind in (CompletionRequest, Ch
 
 def decode_request(body: bytes, kind: type[RequestT]) -> RequestT:
     """Decode and check a request body; raise InvalidRequest (400) naming the parameter at fault."""
-    try:
-        request = _DECODERS[kind].decode(body)
-    except (msgspec.DecodeError, UnicodeError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deeply
-        raise from_decode_error(exc) from None
+    request = decode_json(_DECODERS[kind], body)
     request.check()
     return request
 

@@ -27,7 +27,7 @@ import grpc
 import msgspec
 
 from services.router.discovery import Discovery
-from services.router.errors import RouterError, from_decode_error
+from services.router.errors import RouterError, decode_json
 from services.router.pairing import PairingPolicy, Role, WorkerState
 from services.router.workers import WorkerPool
 
@@ -73,10 +73,7 @@ _REQUEST_DECODER = msgspec.json.Decoder(RoleSwitchRequest)
 
 def decode_switch_request(body: bytes) -> RoleSwitchRequest:
     """The body, or a 400 naming the field at fault."""
-    try:
-        return _REQUEST_DECODER.decode(body)
-    except (msgspec.DecodeError, UnicodeError, RecursionError) as exc:
-        raise from_decode_error(exc) from None
+    return decode_json(_REQUEST_DECODER, body)
 
 
 @dataclass(frozen=True)

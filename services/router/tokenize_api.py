@@ -12,7 +12,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from services.router.errors import InvalidRequest, from_decode_error
+from services.router.errors import InvalidRequest, decode_json
 from services.router.protocol import ChatMessage, TokenId
 from services.text.tokenizer import Tokenizer
 
@@ -51,10 +51,7 @@ _DECODERS = {kind: msgspec.json.Decoder(kind) for kind in (TokenizeRequest, Deto
 
 def decode_body(body: bytes, kind: type[TokenizeRequest] | type[DetokenizeRequest]):
     """The request, or a 400 naming the field at fault (bad JSON, bad UTF-8 and deep nesting included)."""
-    try:
-        return _DECODERS[kind].decode(body)
-    except (msgspec.DecodeError, UnicodeError, RecursionError) as exc:
-        raise from_decode_error(exc) from None
+    return decode_json(_DECODERS[kind], body)
 
 
 def tokenize(request: TokenizeRequest, tokenizer: Tokenizer | None, max_model_len: int | None) -> TokenizeResponse:
