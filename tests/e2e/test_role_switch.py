@@ -105,7 +105,10 @@ def _stream(url: str, prompt: list[int], max_tokens: int, started: threading.Eve
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                choice = json.loads(line[6:])["choices"]
+                event = json.loads(line[6:])
+                if "choices" not in event:  # an error event: say which
+                    raise AssertionError(f"error event in the stream: {event}")
+                choice = event["choices"]
                 if choice and choice[0].get("logprobs"):
                     tokens += [int(t.removeprefix("token_id:")) for t in choice[0]["logprobs"]["tokens"]]
                     if started is not None and len(tokens) >= 4:
