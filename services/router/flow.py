@@ -384,6 +384,7 @@ class _Run:
         prompt, params = self._decode_input(ticket)
         num_output_tokens = len(prompt) - len(self.request.prompt_token_ids)
         self.require_pull = ticket is not None and self.owner.config.enforce_disagg
+        self.owner.policy.generate_sent(self.assignment)
         call = self.owner.pool.generate(address, self.request.request_id, prompt, params, ticket,
                                         timeout_s=self._remaining_s(), require_pull=self.require_pull,
                                         num_output_tokens=num_output_tokens)

@@ -100,6 +100,9 @@ class WorkerState:
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
     queued_prefill_tokens: int = 0  # estimated prefill work (uncached prompt tokens) outstanding (prefill side)
+    # Requests counted here whose Generate has not been sent yet (their prefill runs): a role switch waits for
+    # them, since the worker's own drain cannot see a request that has not reached it.
+    unsent_generates: int = 0
     # Breaks ties between equally loaded workers, so sequential requests rotate.
     num_picks: int = 0
     switching: bool = False  # this router is switching its role: no new work for any role until it is done
@@ -126,6 +129,7 @@ class Assignment:
     detail: str = ""  # the scores behind the choice, for the debug log
     # The states counted on: a worker that leaves and comes back is a new state, never uncounted.
     _decode_state: WorkerState | None = field(default=None, repr=False)
+    _generate_unsent: bool = field(default=False, repr=False)  # counted in _decode_state.unsent_generates
     _prefill_state: WorkerState | None = field(default=None, repr=False)
 
     @property
@@ -421,6 +425,7 @@ class PairingPolicy:
                 worker.num_picks += 1
         if prefill is not None:
             prefill.queued_prefill_tokens += work
+        decode.unsent_generates += 1
         return Assignment(
             decode=decode.address,
             prefill=prefill.address if prefill else None,
@@ -433,6 +438,7 @@ class PairingPolicy:
             detail=detail,
             _decode_state=decode,
             _prefill_state=prefill,
+            _generate_unsent=True,
         )
 
     def move_decode(self, assignment: Assignment) -> str | None:
@@ -446,8 +452,15 @@ class PairingPolicy:
         decode.outstanding_requests += 1
         decode.outstanding_tokens += assignment.num_prompt_tokens
         decode.num_picks += 1
-        assignment.decode, assignment._decode_state = decode.address, decode
+        decode.unsent_generates += 1
+        assignment.decode, assignment._decode_state, assignment._generate_unsent = decode.address, decode, True
         return decode.address
+
+    def generate_sent(self, assignment: Assignment) -> None:
+        """The request's Generate is on its way to its decode worker (whose drain now sees it). Idempotent."""
+        if assignment._generate_unsent and assignment._decode_state is not None:
+            assignment._decode_state.unsent_generates -= 1
+        assignment._generate_unsent = False
 
     def finish_prefill(self, assignment: Assignment) -> None:
         """The prefill worker is done with the request (answered, failed or was abandoned). Idempotent."""
@@ -458,6 +471,7 @@ class PairingPolicy:
 
     def finish_decode(self, assignment: Assignment) -> None:
         """The decode worker is done with the request. Idempotent."""
+        self.generate_sent(assignment)
         _uncount(assignment._decode_state, assignment.num_prompt_tokens)
         assignment._decode_state = None
 

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 #: How long the SwitchRole call may take: a prefill drain waits for its tickets' lease (--kv-lease-s, 30 s by
 #: default), a decode drain for its bound plus the migrations.
 SWITCH_RPC_TIMEOUT_S = 600.0
+#: How long a switch waits for requests paired with the worker to send their Generate (their prefill's time).
+UNSENT_WAIT_S = 30.0
 
 
 class SwitchRefused(RouterError):
@@ -128,6 +130,14 @@ class RoleSwitching:
         if not any(w.available for w in self.policy.workers(worker.role) if w is not worker):
             raise SwitchRefused(f"worker {worker.address} is the only available {worker.role} worker")
 
+    async def _wait_for_unsent(self, worker: WorkerState) -> None:
+        """Wait (bounded) until every request this router already paired with ``worker`` as its decode worker
+        has sent its Generate: one whose prefill was still running would otherwise reach the worker after its
+        drain ended, in its new role, and fail after the client had its first token."""
+        deadline = time.monotonic() + UNSENT_WAIT_S
+        while worker.unsent_generates > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
     async def switch_role(self, address: str, new_role: Role, drain_timeout_s: float = 0.0) -> SwitchOutcome:
         """Switch the worker at ``address`` (or with that engine id) to ``new_role``; see the module docstring.
 
@@ -145,6 +155,7 @@ class RoleSwitching:
             started = time.monotonic()
             log.info("role switch: %s worker %s -> %s", old, worker.address, new_role)
             try:
+                await self._wait_for_unsent(worker)
                 answer = await self.pool.switch_role(old, worker.address, new_role, drain_timeout_s,
                                                      self.rpc_timeout_s)
             except grpc.aio.AioRpcError as exc:

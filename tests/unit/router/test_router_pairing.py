@@ -260,3 +260,21 @@ def test_identity_carries_the_compat_fields() -> None:
     assert identity.compat_fields == info.fields and (identity.tp_size, identity.block_size) == (4, 32)
     assert identity.pair_side().compat_fields == info.fields
     hash(identity)  # still usable as a key (the fields are left out of the hash)
+
+
+def test_requests_not_yet_sent_to_their_decode_worker_are_counted_until_sent_finished_or_moved() -> None:
+    """What a role switch waits for: requests paired with a decode worker whose Generate has not left yet."""
+    policy = _policy({"p1": "h1"}, {"d1": "h1", "d2": "h1"})
+    unsent = lambda: {w.address: w.unsent_generates for w in policy.workers(Role.DECODE)}  # noqa: E731
+    a, b = policy.acquire(100), policy.acquire(100)
+    assert sorted(unsent().values()) == [1, 1]
+    policy.generate_sent(a)
+    policy.generate_sent(a)  # idempotent
+    assert unsent()[a.decode] == 0 and unsent()[b.decode] == 1
+    policy.finish(b)  # abandoned before its Generate: uncounted too
+    assert unsent() == {"d1": 0, "d2": 0}
+    old = a.decode
+    assert policy.move_decode(a) not in (None, old)  # a migration's Generate goes to the new worker
+    assert unsent()[a.decode] == 1 and unsent()[old] == 0
+    policy.finish(a)
+    assert unsent() == {"d1": 0, "d2": 0}
