@@ -225,13 +225,16 @@ class SimPrefill:
         self._queue_tokens -= job.cached_tokens
 
     def _store(self, job: Job) -> None:
+        """Cache the prompt's blocks, freed tail first as the engine frees them (``KVCacheManager.free``): a
+        prompt's last blocks are evicted before its first, so a shared prefix outlives the questions."""
         stored = []
-        for key in job.keys.keys(self.block_size, self.salt):
+        for key in reversed(job.keys.keys(self.block_size, self.salt)):
             if key in self.cache:
                 self.cache.move_to_end(key)
             else:
                 self.cache[key] = None
                 stored.append(key)
+        stored.reverse()
         removed = []
         while len(self.cache) > self.capacity_blocks:
             removed.append(self.cache.popitem(last=False)[0])

@@ -212,7 +212,7 @@ def create_app(
 def scoring_config(config: RouterConfig) -> ScoringConfig:
     """The KV-aware scoring settings of the router's flags."""
     return ScoringConfig(host_hit_cost=config.kv_host_hit_cost, overload_queue_tokens=config.kv_overload_queue_tokens,
-                         overload_factor=config.kv_overload_factor,
+                         overload_factor=config.kv_overload_factor, valve_gain=config.kv_valve_gain,
                          default_prefill_tokens_per_s=config.kv_default_prefill_tokens_per_s,
                          direct_max_uncached_tokens=config.direct_decode_max_uncached)
 

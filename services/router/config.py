@@ -76,6 +76,9 @@ class RouterConfig:
                                                "(default 2048)", parse=int, metavar="TOKENS")
     kv_overload_factor: float = flag(2.0, "overload valve: how many times the median prefill queue a prefix holder "
                                           "may have before colder workers compete (default 2)", parse=float)
+    kv_valve_gain: float = flag(1.5, "overload valve: an overloaded prefix holder yields only when its estimated "
+                                     "time to first token is this many times the best colder worker's, which "
+                                     "computes the prefix again (default 1.5)", parse=float)
     kv_default_prefill_tokens_per_s: float = flag(4096.0, "prefill rate assumed for a worker that has not "
                                                           "reported one yet (default 4096)", parse=float)
     kv_events_stale_s: float = flag(10.0, "a worker's KV event stream without a batch (events or heartbeat) "
@@ -160,6 +163,8 @@ class RouterConfig:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         if not self.kv_overload_factor >= 1:
             raise ValueError(f"kv_overload_factor must be >= 1, got {self.kv_overload_factor}")
+        if not self.kv_valve_gain >= 1:
+            raise ValueError(f"kv_valve_gain must be >= 1, got {self.kv_valve_gain}")
         for name in ("direct_decode_max_uncached", "kv_overload_queue_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

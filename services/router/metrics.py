@@ -158,8 +158,8 @@ class RouterMetrics:
         self.client_disconnects = Counter("pdserve_router_client_disconnects",
                                           "Requests whose client went away before the end", registry=r)
         self.routing_decisions = Counter("pdserve_router_routing_decisions", "Workers picked, by role and why "
-                                         "(prefix_hit, least_loaded, overload_valve, cache_unknown, no_events, "
-                                         "affinity, least_outstanding)", ["role", "reason"], registry=r)
+                                         "(prefix_hit, least_loaded, overload_valve, cache_room, cache_unknown, "
+                                         "no_events, affinity, least_outstanding)", ["role", "reason"], registry=r)
         self.route_decisions = Counter("pdserve_router_route_decisions", "Requests disaggregated or served "
                                        "directly on a decode worker, and why", ["route", "reason"], registry=r)
         self.kv_resyncs = Counter("pdserve_router_kv_resyncs", "KV event streams dropped and resynced, by reason "

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from services.contract.prefix_keys import cache_salt_for
 from services.kv.pair_support import PairSide, pair_refusal
 from services.router.pair_probes import PairKey, PairProbe, PairProbeTable, PairState
-from services.router.prefix_index import PrefixIndex, PromptKeys, full_attention_groups
+from services.router.prefix_index import UNKNOWN_ROOM, PrefixIndex, PromptKeys, full_attention_groups
 from services.router.scoring import (
     Candidate,
     Reason,
@@ -412,8 +412,13 @@ class PairingPolicy:
         assert identity is not None and self.index is not None  # available workers have answered
         hit = self.index.lookup(worker.address, identity.epoch, cache_salt_for(identity.compat_hash), prompt,
                                 _full_groups(identity.compat_fields.get("kv_groups")), now_s)
+        room = UNKNOWN_ROOM
+        if worker.role == Role.PREFILL and identity.block_size:
+            needed = -(-max(len(prompt) - hit.tokens, 0) // identity.block_size)
+            room = self.index.cache_room(worker.address, identity.epoch, needed, now_s)
         return Candidate(worker.address, hit, worker.outstanding_requests, worker.queued_prefill_tokens,
-                         worker.num_picks, self.index.load(worker.address, identity.epoch), identity.block_size or 0)
+                         worker.num_picks, self.index.load(worker.address, identity.epoch), identity.block_size or 0,
+                         room)
 
     def _count(self, num_prompt_tokens: int, decode: WorkerState, prefill: WorkerState | None, work: int,
                reasons: list[tuple[Role, Reason]], route: RouteReason, detail: str) -> Assignment:

@@ -24,6 +24,13 @@ the worker before its STORED events arrive. They expire ``predicted_ttl_s`` afte
 unless a STORED event for the same key confirms them. They are this router's own guesses; another
 router replica has its own (and converges from the same events).
 
+Cache room (:meth:`PrefixIndex.cache_room`): where a prompt no worker holds should go. Per worker the
+index keeps its device-tier keys (confirmed and predicted) in the order they were last stored or routed
+to, with that time: a worker whose pool has room for the prompt's blocks evicts nothing, and among full
+ones the worker whose least recently used key is oldest evicts what the fleet needs least (the fleet's
+pools then behave like one LRU cache). Uses another router replica routes there are seen only through
+STORED events, so a replica's recency is approximate; the engine still evicts by its own LRU.
+
 Memory is bounded: one LRU over every key of every worker (confirmed and predicted); past
 ``capacity_keys`` the least recently stored or used keys are forgotten (a forgotten key is a missed
 hit, never a wrong one). Pure: no I/O and no clock; callers pass ``now_s``.
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,6 +83,22 @@ class Load:
     def of(cls, load: worker_pb2.WorkerLoad) -> Load:
         return cls(load.num_running, load.num_waiting, load.waiting_prefill_tokens, load.kv_blocks_free,
                    load.kv_blocks_total, load.prefill_tokens_per_s)
+
+
+@dataclass(frozen=True)
+class CacheRoom:
+    """What caching a prompt's blocks on a worker would evict: nothing (``free_blocks`` left after it, >= 0),
+    or keys last used ``evict_age_s`` ago. Ordered: more room, then older victims, rank higher."""
+
+    free_blocks: int = 0  # pool blocks left after the prompt's (negative: it must evict that many)
+    evict_age_s: float = 0.0  # seconds since the least recently used key was used (when it must evict)
+
+    @property
+    def rank(self) -> tuple[int, float]:
+        return (1, self.free_blocks) if self.free_blocks >= 0 else (0, self.evict_age_s)
+
+
+UNKNOWN_ROOM = CacheRoom(-1, 0.0)  # a worker whose pool size or cache is unknown: never preferred for room
 
 
 @dataclass(frozen=True)
@@ -133,6 +157,8 @@ class _Worker:
     groups: dict[tuple[int, int], _Group] = field(default_factory=dict)  # (group id, tier) -> its keys
     predicted: dict[bytes, float] = field(default_factory=dict)  # key -> expiry (monotonic seconds)
     predicted_block_size: int = 0
+    # Device-tier keys (confirmed or predicted) by when they were last stored or routed to, oldest first.
+    recency: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
     next_seq: int = 1
     last_batch_s: float | None = None
     load: Load | None = None
@@ -172,7 +198,7 @@ class PrefixIndex:
         if snapshot.HasField("load"):
             worker.load = Load.of(snapshot.load)
         for event in snapshot.stored:
-            self._apply(address, worker, event)
+            self._apply(address, worker, event, now_s)
         self._bound()
 
     def apply_batch(self, address: str, batch: worker_pb2.KVEventBatch, now_s: float) -> BatchResult:
@@ -188,7 +214,7 @@ class PrefixIndex:
             self.mark_unknown(address)
             return BatchResult.GAP
         for event in batch.events[worker.next_seq - batch.first_seq:]:
-            self._apply(address, worker, event)
+            self._apply(address, worker, event, now_s)
         worker.next_seq = max(worker.next_seq, batch.first_seq + len(batch.events))
         worker.last_batch_s = now_s
         if batch.HasField("load"):
@@ -235,6 +261,19 @@ class PrefixIndex:
         host, _ = self._tier_prefix(worker, HOST, salt, prompt, groups, limit, now_s)
         return CacheHit(device, max(host - device, 0), worker.state, confirmed)
 
+    def cache_room(self, address: str, epoch: int, num_blocks: int, now_s: float) -> CacheRoom:
+        """What caching ``num_blocks`` more blocks on the worker would evict (module docstring); unknown
+        (never preferred) until the worker, of ``epoch``, reports its pool size."""
+        worker = self._workers.get(address)
+        if (worker is None or worker.state is not CacheState.SYNCED or worker.load is None
+                or not worker.load.kv_blocks_total or worker.epoch != epoch):
+            return UNKNOWN_ROOM
+        groups = max(sum(1 for slot in worker.groups if slot[1] == DEVICE), 1)
+        free = worker.load.kv_blocks_total - groups * (len(worker.recency) + num_blocks)
+        if free >= 0 or not worker.recency:
+            return CacheRoom(free, math.inf if free < 0 else 0.0)
+        return CacheRoom(free, now_s - next(iter(worker.recency.values())))
+
     def predict(self, address: str, epoch: int, salt: bytes, block_size: int, prompt: PromptKeys,
                 now_s: float) -> None:
         """The router sent ``prompt`` to the worker: its blocks will be cached there (until the TTL, unless
@@ -253,6 +292,7 @@ class PrefixIndex:
         confirmed = [(slot, g.keys) for slot, g in worker.groups.items()
                      if slot[1] == DEVICE and g.block_size == block_size]
         for key in prompt.keys(block_size, salt):
+            _touch(worker, key, now_s)
             touched = False
             for slot, keys in confirmed:
                 if key in keys:
@@ -272,6 +312,7 @@ class PrefixIndex:
             for key in stale:
                 del worker.predicted[key]
                 self._lru.pop((address, _PREDICTED, key), None)
+                _forget_if_gone(worker, key)
             gone += len(stale)
         return gone
 
@@ -330,36 +371,43 @@ class PrefixIndex:
             best = tokens if best is None else (min(best[0], tokens[0]), min(best[1], tokens[1]))
         return best or (0, 0)
 
-    def _apply(self, address: str, worker: _Worker, event: worker_pb2.KVCacheEvent) -> None:
+    def _apply(self, address: str, worker: _Worker, event: worker_pb2.KVCacheEvent, now_s: float) -> None:
         slot = (event.group_id, event.tier)
         if event.kind == worker_pb2.KVCacheEvent.CLEARED:
             group = worker.groups.pop(slot, None)
             for key in group.keys if group is not None else ():
                 self._lru.pop((address, slot, key), None)
+                _forget_if_gone(worker, key)
             return
         if event.block_size < 1:
             return  # malformed: a key with no tokens names nothing
         group = worker.groups.get(slot)
         if group is None or group.block_size != event.block_size:
             if group is not None:  # the worker changed the group's block size: its old keys mean nothing
+                worker.groups.pop(slot)
                 for key in group.keys:
                     self._lru.pop((address, slot, key), None)
+                    _forget_if_gone(worker, key)
             group = worker.groups[slot] = _Group(event.block_size)
         if event.kind == worker_pb2.KVCacheEvent.STORED:
-            self._store(address, worker, slot, group, event.block_keys)
+            self._store(address, worker, slot, group, event.block_keys, now_s)
         else:
             for key in event.block_keys:
                 group.keys.discard(key)
                 self._lru.pop((address, slot, key), None)
+                _forget_if_gone(worker, key)
 
     def _store(self, address: str, worker: _Worker, slot: tuple[int, int], group: _Group,
-               keys: Iterable[bytes]) -> None:
-        confirms = slot[1] == DEVICE and group.block_size == worker.predicted_block_size
+               keys: Iterable[bytes], now_s: float) -> None:
+        device = slot[1] == DEVICE
+        confirms = device and group.block_size == worker.predicted_block_size
         for key in keys:
             group.keys.add(key)
             lru_key = (address, slot, key)
             self._lru[lru_key] = None
             self._lru.move_to_end(lru_key)
+            if device:
+                _touch(worker, key, now_s)
             if confirms and worker.predicted.pop(key, None) is not None:
                 self._lru.pop((address, _PREDICTED, key), None)
 
@@ -371,6 +419,8 @@ class PrefixIndex:
             for key in group.keys:
                 self._lru.pop((address, slot, key), None)
         worker.groups.clear()
+        for key in [k for k in worker.recency if k not in worker.predicted]:
+            del worker.recency[key]
 
     def _bound(self) -> None:
         while len(self._lru) > self.capacity_keys:
@@ -383,3 +433,17 @@ class PrefixIndex:
                 worker.predicted.pop(key, None)
             elif (group := worker.groups.get(slot)) is not None:
                 group.keys.discard(key)
+            _forget_if_gone(worker, key)
+
+
+def _touch(worker: _Worker, key: bytes, now_s: float) -> None:
+    """The key was stored or routed to on the worker now: the most recently used of its device keys."""
+    worker.recency[key] = now_s
+    worker.recency.move_to_end(key)
+
+
+def _forget_if_gone(worker: _Worker, key: bytes) -> None:
+    """Drop the key from the worker's recency once no device group and no prediction holds it."""
+    if key in worker.predicted or any(key in g.keys for slot, g in worker.groups.items() if slot[1] == DEVICE):
+        return
+    worker.recency.pop(key, None)

@@ -23,10 +23,20 @@ larger of the router's own count (its requests, as estimated work, are known at 
 
 Overload valve: a worker is overloaded when its queue exceeds both ``overload_queue_tokens`` (a floor,
 so light load never splits a prefix) and ``overload_factor`` times the candidates' median queue. An
-overloaded holder yields: the other workers compete on the estimate (reason ``overload_valve``), so a
-hot prefix spills onto colder workers and every queue stays within about that factor of the median.
-Ties (equal estimates, e.g. nothing cached and nothing queued) go to the fewest outstanding requests,
-then the least picked, so a cold start spreads.
+overloaded holder yields when yielding pays for the recompute it causes: its estimate is over
+``valve_gain`` times the best colder worker's, whose estimate counts computing the whole prefix again.
+Then the other workers compete on the estimate (reason ``overload_valve``), so a hot prefix spills onto
+colder workers and every queue stays within about that factor of the median. Without the gain a holder
+with one long cold prompt queued (a burst, not overload) would shed its prefixes, each copy evicting
+another prefix somewhere (``bench/routing_sim.py``: 0.58 of the ideal against 0.90 at 256 workers).
+Where a prompt goes that no available holder takes (nothing cached anywhere, or the valve open): among the
+workers whose estimate is within ``room_tolerance`` prompt-computes of the lowest (so waiting behind a
+little more queue is accepted, once, for a prefix that will be reused), the one with the most cache room
+(``PrefixIndex.cache_room``: a pool with room for the prompt's blocks, else the one whose least recently
+used blocks are oldest) takes it, reason ``cache_room`` when that is not the lowest estimate. Without it
+new prefixes land on the shortest queue, some pools get more prefixes than they hold and evict each
+other's in a cascade (``bench/routing_sim.py``). Ties (equal estimates and room, e.g. a cold start) go to
+the fewest outstanding requests, then the least picked, so a cold start spreads.
 
 Decode workers are scored in requests: ``max(router's outstanding, engine's running + waiting)`` plus the
 share of the prompt it must pull (0 when it holds the whole prefix, 1 when none: a pull costs the worker
@@ -54,7 +64,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.router.prefix_index import CacheHit, CacheState, Load
+from services.router.prefix_index import UNKNOWN_ROOM, CacheHit, CacheRoom, CacheState, Load
 
 
 class Reason(enum.StrEnum):
@@ -62,6 +72,7 @@ class Reason(enum.StrEnum):
 
     PREFIX_HIT = "prefix_hit"  # it holds the longest cached prefix and was not over the valve's bound
     LEAST_LOADED = "least_loaded"  # no better cache elsewhere (or its lower load outweighed one)
+    CACHE_ROOM = "cache_room"  # nobody took it as a holder: it has the most cache room within the tolerance
     OVERLOAD_VALVE = "overload_valve"  # the worker holding the longest prefix was over the queue bound
     CACHE_UNKNOWN = "cache_unknown"  # nothing known cached anywhere, and some worker's cache is unknown
     NO_EVENTS = "no_events"  # no candidate publishes KV events: cache-blind
@@ -87,6 +98,8 @@ class ScoringConfig:
     overload_factor: float = 2.0
     default_prefill_tokens_per_s: float = 4096.0
     direct_max_uncached_tokens: int = 32
+    room_tolerance: float = 1.0  # prompt-computes of extra wait a cold prompt accepts for cache room
+    valve_gain: float = 1.5  # an overloaded holder yields only when its estimate is this many times a colder one's
 
     def __post_init__(self) -> None:
         if not 0 <= self.host_hit_cost <= 1:
@@ -99,6 +112,10 @@ class ScoringConfig:
             raise ValueError(f"default_prefill_tokens_per_s must be > 0, got {self.default_prefill_tokens_per_s}")
         if self.direct_max_uncached_tokens < 0:
             raise ValueError(f"direct_max_uncached_tokens must be >= 0, got {self.direct_max_uncached_tokens}")
+        if not self.valve_gain >= 1:
+            raise ValueError(f"valve_gain must be >= 1, got {self.valve_gain}")
+        if not self.room_tolerance >= 0:
+            raise ValueError(f"room_tolerance must be >= 0, got {self.room_tolerance}")
 
 
 @dataclass(frozen=True)
@@ -112,6 +129,7 @@ class Candidate:
     num_picks: int = 0
     load: Load | None = None
     block_size: int = 0  # 0: unknown
+    room: CacheRoom = UNKNOWN_ROOM  # what caching the prompt there would evict (prefill candidates)
 
 
 @dataclass(frozen=True)
@@ -166,6 +184,8 @@ def choose_prefill(candidates: Sequence[Candidate], num_prompt_tokens: int, conf
     under = [c for c in candidates if queued_tokens(c) <= bound]
     most = max(c.hit.tokens for c in candidates)
     holders = [c for c in under if most > 0 and c.hit.tokens == most]
+    if not holders and most > 0 and not _valve_pays(candidates, under, most, scores, config):
+        holders = [c for c in candidates if c.hit.tokens == most]  # spilling would cost more than it saves
     if holders:
         pool, reason = holders, Reason.PREFIX_HIT
     elif most > 0:
@@ -175,10 +195,35 @@ def choose_prefill(candidates: Sequence[Candidate], num_prompt_tokens: int, conf
     best = min(pool, key=lambda c: (scores[c.address], c.outstanding_requests, c.num_picks, c.address))
     if reason is Reason.OVERLOAD_VALVE and best.hit.tokens == most:
         reason = Reason.PREFIX_HIT  # every worker over the bound: the holder keeps it on its estimate
+    elif reason is not Reason.PREFIX_HIT:
+        roomiest = _roomiest(pool, scores, best, num_prompt_tokens, rate, config)
+        if roomiest is not best:
+            best, reason = roomiest, Reason.CACHE_ROOM
     detail = f"rate={rate:.0f}/s bound={bound:.0f} " + " ".join(
         f"{c.address}:ttft_s={scores[c.address]:.4f},hit={c.hit.device_tokens}+{c.hit.host_tokens}h,"
-        f"queued={queued_tokens(c)},{c.hit.state}" for c in candidates)
+        f"queued={queued_tokens(c)},room={c.room.free_blocks}/{c.room.evict_age_s:.1f}s,{c.hit.state}"
+        for c in candidates)
     return Choice(best.address, reason, scores[best.address], detail)
+
+
+def _valve_pays(candidates: Sequence[Candidate], under: Sequence[Candidate], most: int, scores: dict[str, float],
+                config: ScoringConfig) -> bool:
+    """Whether spilling from the overloaded holders saves enough: the best holder's estimate is over
+    ``valve_gain`` times the best colder worker's, which recomputes the prefix (and evicts for it)."""
+    if not under:
+        return False
+    holder = min(scores[c.address] for c in candidates if c.hit.tokens == most)
+    return holder > config.valve_gain * min(scores[c.address] for c in under)
+
+
+def _roomiest(pool: Sequence[Candidate], scores: dict[str, float], best: Candidate, num_prompt_tokens: int,
+              rate: float, config: ScoringConfig) -> Candidate:
+    """Among the workers within the tolerance of ``best``'s estimate, the one with the most cache room
+    (``best`` itself unless another has strictly more)."""
+    slack = config.room_tolerance * work_tokens(best.hit, num_prompt_tokens, config) / rate
+    near = [c for c in pool if scores[c.address] <= scores[best.address] + slack]
+    roomiest = max(near, key=lambda c: c.room.rank)
+    return best if roomiest.room.rank <= best.room.rank else roomiest
 
 
 def decode_load(c: Candidate, num_prompt_tokens: int) -> float:

@@ -9,7 +9,9 @@ from services.proto_gen.pdserve.v1 import worker_pb2
 from services.router.prefix_index import (
     DEVICE,
     HOST,
+    UNKNOWN_ROOM,
     BatchResult,
+    CacheRoom,
     CacheState,
     PrefixIndex,
     PromptKeys,
@@ -31,10 +33,11 @@ def event(kind: int, block_keys: list[bytes], group: int = 0, tier: int = DEVICE
     return worker_pb2.KVCacheEvent(kind=kind, group_id=group, tier=tier, block_size=block_size, block_keys=block_keys)
 
 
-def snapshot(*stored: worker_pb2.KVCacheEvent, seq: int = 0, epoch: int = 1,
-             engine: str = "e1") -> worker_pb2.KVSnapshotResponse:
+def snapshot(*stored: worker_pb2.KVCacheEvent, seq: int = 0, epoch: int = 1, engine: str = "e1",
+             pool_blocks: int = 0) -> worker_pb2.KVSnapshotResponse:
     return worker_pb2.KVSnapshotResponse(engine_id=engine, epoch=epoch, seq=seq, stored=stored,
-                                         load=worker_pb2.WorkerLoad(prefill_tokens_per_s=1000.0))
+                                         load=worker_pb2.WorkerLoad(prefill_tokens_per_s=1000.0,
+                                                                    kv_blocks_total=pool_blocks))
 
 
 def batch(first_seq: int, *events: worker_pb2.KVCacheEvent, epoch: int = 1,
@@ -186,6 +189,30 @@ def test_memory_is_bounded_by_an_lru_over_every_key() -> None:
     assert hit(index).device_tokens == 0  # the oldest keys (the prefix's start) went first: no leading run
     index.predict("w2", 1, SALT, 4, PromptKeys(PROMPT), now_s=0.0)
     assert sum(index.num_keys().values()) == 6
+
+
+def test_cache_room_is_free_pool_blocks_else_the_age_of_what_would_be_evicted() -> None:
+    index = PrefixIndex(predicted_ttl_s=5.0)
+    k = keys(PROMPT)
+    index.load_snapshot("w1", snapshot(event(STORED, k[:4]), pool_blocks=12), now_s=0.0)
+    assert index.cache_room("w1", 1, 6, now_s=1.0) == CacheRoom(2, 0.0)  # 4 held + 6 new of 12
+    index.predict("w1", 1, SALT, 4, PromptKeys(PROMPT), now_s=2.0)  # predicted blocks take room too
+    assert index.cache_room("w1", 1, 6, now_s=3.0) == CacheRoom(-4, 1.0)  # oldest key last used at 2.0
+    # A worker whose keys were last used long ago evicts less valuable blocks: it ranks higher.
+    index.load_snapshot("w2", snapshot(event(STORED, k[:10]), pool_blocks=12, engine="e2"), now_s=0.0)
+    assert index.cache_room("w2", 1, 6, now_s=3.0).rank > index.cache_room("w1", 1, 6, now_s=3.0).rank
+    assert CacheRoom(1, 0.0).rank > CacheRoom(-1, 1e9).rank  # room beats any eviction
+    # Removed keys free their room; predictions that expire unconfirmed do too.
+    index.apply_batch("w2", batch(1, event(REMOVED, k[4:10]), engine="e2"), 4.0)
+    assert index.cache_room("w2", 1, 6, now_s=4.0) == CacheRoom(2, 0.0)
+    index.expire(10.0)
+    assert index.cache_room("w1", 1, 6, now_s=10.0).free_blocks == 2
+    # Unknown: no pool size, not synced, another epoch.
+    assert index.cache_room("w1", 2, 6, now_s=10.0) == UNKNOWN_ROOM
+    index.load_snapshot("w3", snapshot(), now_s=0.0)
+    assert index.cache_room("w3", 1, 1, now_s=1.0) == UNKNOWN_ROOM
+    index.mark_unknown("w1")
+    assert index.cache_room("w1", 1, 1, now_s=11.0) == UNKNOWN_ROOM
 
 
 def test_bad_settings_are_refused() -> None:

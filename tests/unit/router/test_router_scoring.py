@@ -11,7 +11,7 @@ from services.proto_gen.pdserve.v1 import worker_pb2
 from services.router.cli_args import add_router_parser, router_config_from_args
 from services.router.config import RouterConfig
 from services.router.pairing import PairingPolicy, Role, WorkerIdentity
-from services.router.prefix_index import CacheHit, CacheState, Load, PrefixIndex, PromptKeys
+from services.router.prefix_index import CacheHit, CacheRoom, CacheState, Load, PrefixIndex, PromptKeys
 from services.router.routes import ROUTE_HEADER
 from services.router.scoring import (
     Candidate,
@@ -35,10 +35,10 @@ SYNCED = CacheState.SYNCED
 
 def cand(address: str, device: int = 0, host: int = 0, queued: int = 0, load: Load | None = None,
          state: CacheState = SYNCED, outstanding: int = 0, confirmed: int | None = None,
-         block_size: int = 4) -> Candidate:
+         block_size: int = 4, room: CacheRoom | None = None) -> Candidate:
     hit = CacheHit(device, host, state, device if confirmed is None else confirmed)
     return Candidate(address, hit, outstanding_requests=outstanding, queued_prefill_tokens=queued, load=load,
-                     block_size=block_size)
+                     block_size=block_size, **({"room": room} if room is not None else {}))
 
 
 def test_ttft_estimate_counts_uncached_and_host_tokens_and_the_queue_over_the_rate() -> None:
@@ -62,13 +62,46 @@ def test_a_warm_worker_keeps_its_prefix_while_its_queue_is_under_the_valve() -> 
 
 
 def test_overload_valve_lets_colder_workers_compete() -> None:
-    # warm's queue (1200) is over the floor (1000) and over twice the median (2 x 500): colder workers compete
-    warm = cand("warm", device=1800, queued=1200)
-    choice = choose_prefill([warm, cand("cold", queued=500), cand("idle", queued=500)], 2000, CONFIG)
+    # warm's queue (5000) is over the floor (1000) and over twice the median (2 x 500), and its estimate
+    # (5.2 s) is over 1.5 times the best colder one's (2.5 s, recomputing the prefix): colder workers compete
+    warm = cand("warm", device=1800, queued=5000)
+    choice = choose_prefill([warm, cand("cold", queued=500), cand("idle", queued=600)], 2000, CONFIG)
     assert (choice.address, choice.reason) == ("cold", Reason.OVERLOAD_VALVE)
-    # a busy fleet: the bound is twice the median queue, so 1200 against a median of 1500 is not overloaded
-    choice = choose_prefill([warm, cand("cold", queued=1500), cand("idle", queued=1500)], 2000, CONFIG)
+    # a busy fleet: the bound is twice the median queue, so 5000 against a median of 3000 is not overloaded
+    choice = choose_prefill([warm, cand("cold", queued=3000), cand("idle", queued=3000)], 2000, CONFIG)
     assert (choice.address, choice.reason) == ("warm", Reason.PREFIX_HIT)
+
+
+def test_an_overloaded_holder_keeps_a_prompt_when_spilling_costs_more_than_it_saves() -> None:
+    # Over the bound (1200 > 1000), but its estimate (1.4 s) is under 1.5 x the colder worker's (2.5 s: the
+    # whole prefix recomputed): a burst, not overload. Spilling would copy the prefix and evict another.
+    warm = cand("warm", device=1800, queued=1200)
+    cold = [cand("cold", queued=500), cand("idle", queued=500)]
+    assert choose_prefill([warm, *cold], 2000, CONFIG).address == "warm"
+    # 2.7 s against 2.5 s: spilling saves a little, not the 1.5x the gain asks; with a gain of 1 it spills.
+    warmer = cand("warm", device=1800, queued=2500)
+    assert choose_prefill([warmer, *cold], 2000, CONFIG).address == "warm"
+    eager = ScoringConfig(overload_queue_tokens=1000, default_prefill_tokens_per_s=1000.0, valve_gain=1.0)
+    assert choose_prefill([warmer, *cold], 2000, eager).reason is Reason.OVERLOAD_VALVE
+
+
+def test_a_prompt_nobody_holds_goes_where_the_cache_has_room_within_the_tolerance() -> None:
+    full = CacheRoom(-10, 5.0)  # must evict blocks last used 5 s ago
+    stale = CacheRoom(-10, 60.0)  # must evict blocks last used a minute ago
+    roomy = CacheRoom(200, 0.0)
+    # 'b' is one queued prompt behind (within one prompt-compute of the best estimate) and has room: it wins.
+    choice = choose_prefill([cand("a", room=full), cand("b", queued=900, room=roomy)], 1000, CONFIG)
+    assert (choice.address, choice.reason) == ("b", Reason.CACHE_ROOM)
+    # Among full pools, the one whose least recently used blocks are oldest.
+    assert choose_prefill([cand("a", room=full), cand("b", room=stale)], 1000, CONFIG).address == "b"
+    # Beyond the tolerance the estimate wins, and so does it with room_tolerance 0.
+    choice = choose_prefill([cand("a", room=full), cand("b", queued=1100, room=roomy)], 1000, CONFIG)
+    assert (choice.address, choice.reason) == ("a", Reason.LEAST_LOADED)
+    strict = ScoringConfig(default_prefill_tokens_per_s=1000.0, room_tolerance=0.0)
+    assert choose_prefill([cand("a", room=full), cand("b", queued=900, room=roomy)], 1000, strict).address == "a"
+    # A holder under the bound is never moved for room.
+    choice = choose_prefill([cand("a", device=500, room=full), cand("b", room=roomy)], 1000, CONFIG)
+    assert (choice.address, choice.reason) == ("a", Reason.PREFIX_HIT)
 
 
 def test_the_valve_bound_is_the_floor_or_the_factor_times_the_median_queue() -> None:
@@ -137,6 +170,10 @@ def test_bad_scoring_settings_are_refused() -> None:
         ScoringConfig(host_hit_cost=1.5)
     with pytest.raises(ValueError, match="default_prefill_tokens_per_s"):
         ScoringConfig(default_prefill_tokens_per_s=0)
+    with pytest.raises(ValueError, match="valve_gain"):
+        ScoringConfig(valve_gain=0.5)
+    with pytest.raises(ValueError, match="room_tolerance"):
+        ScoringConfig(room_tolerance=-1)
     with pytest.raises(ValueError, match="at least one"):
         choose_prefill([], 10, CONFIG)
 
@@ -264,10 +301,12 @@ def test_routing_flags_parse_and_validate() -> None:
     add_router_parser(parser.add_subparsers())
     args = parser.parse_args(["router", "--decode", "d:1", "--prefill", "p:1", "--direct-decode-threshold", "0",
                               "--direct-decode-threshold", "auto", "--routing", "least-outstanding",
-                              "--kv-overload-queue-tokens", "4096", "--kv-host-hit-cost", "0.5"])
+                              "--kv-overload-queue-tokens", "4096", "--kv-host-hit-cost", "0.5",
+                              "--kv-valve-gain", "3"])
     config = router_config_from_args(args)
     assert config.direct_decode_threshold is None and config.pairing_threshold is None
     assert not config.kv_aware and config.kv_overload_queue_tokens == 4096 and config.kv_host_hit_cost == 0.5
+    assert config.kv_valve_gain == 3
     default = router_config_from_args(parser.parse_args(["router", "--decode", "d:1"]))
     assert default.kv_aware and default.direct_decode_threshold is None
     with pytest.raises(SystemExit):
@@ -278,6 +317,8 @@ def test_routing_flags_parse_and_validate() -> None:
         RouterConfig(decode=("d:1",), routing="random")
     with pytest.raises(ValueError, match="kv_index_capacity"):
         RouterConfig(decode=("d:1",), kv_index_capacity=0)
+    with pytest.raises(ValueError, match="kv_valve_gain"):
+        RouterConfig(decode=("d:1",), kv_valve_gain=0.9)
 
 
 @pytest.mark.anyio

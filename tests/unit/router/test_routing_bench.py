@@ -87,7 +87,9 @@ def test_simulated_worker_caches_in_whole_blocks_evicts_lru_and_reports_events()
     batch = worker.take_batch(0.2)  # one new block stored: 4 > 3, the least recently used one removed
     kinds = [(e.kind, len(e.block_keys)) for e in batch.events]
     assert batch.first_seq == 2 and kinds == [(0, 1), (1, 1)] and len(worker.cache) == 3
-    assert batch.events[1].block_keys[0] == first.keys.keys(8, worker.salt)[0]
+    # Freed tail first, as the engine frees a request's blocks: the prompt's last block goes before its first.
+    assert batch.events[1].block_keys[0] == again.keys.keys(8, worker.salt)[3]
+    assert list(worker.cache) == again.keys.keys(8, worker.salt)[2::-1]
     assert (worker.prompt_tokens, worker.computed_tokens) == (25 + 33, 25 + 9)
 
 
