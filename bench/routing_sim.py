@@ -43,9 +43,11 @@ were cached (N x rate / prompt tokens per request; multi-turn: per conversation,
 
 Reported per (workers, workload, policy): hit rate (cached / prompt tokens), cached / ideal (the ideal as
 ``routing_workloads`` defines it: each group's prefix, each turn's history, computed once), load
-imbalance as max / median over workers of prompt tokens served, of tokens computed, and of the
-time-averaged queue (prompt tokens waiting or in progress), TTFT p50 / p90, and the prefill decision
-reasons. Everything runs in one process, deterministic for a seed.
+imbalance as max / median over workers of prompt tokens served, of tokens computed, of the
+time-averaged queue (tokens to compute, waiting or in progress: a waiting prompt counts what its cache
+hit at arrival leaves to compute, so a queue of cheap cache hits is not mistaken for overload) and of
+the workers' mean TTFT, TTFT p50 / p90 / p99, and the prefill decision reasons. Everything runs in one
+process, deterministic for a seed.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class Job:
     address: str = ""
     assignment: Assignment | None = None
     remaining: int | None = None  # tokens still to compute; None until its first chunk
+    expected_hit: int = 0  # cached tokens when it was queued (the queue metric's estimate until admitted)
     cached_tokens: int = 0
     done_s: float | None = None
 
@@ -149,7 +152,8 @@ class SimPrefill:
     def enqueue(self, job: Job, now_s: float) -> None:
         self._account(now_s)
         self.queue.append(job)
-        self._queue_tokens += job.num_tokens
+        job.expected_hit = self._leading_hit(job) * self.block_size
+        self._queue_tokens += job.num_tokens - job.expected_hit
         self.prompt_tokens += job.num_tokens
 
     def step(self) -> tuple[float, list[tuple[Job, int]]]:
@@ -213,16 +217,22 @@ class SimPrefill:
 
     def _admit(self, job: Job) -> None:
         """The prompt's first chunk: its leading cached blocks are a hit (touched), the rest is computed."""
+        hit = self._leading_hit(job)
+        for key in job.keys.keys(self.block_size, self.salt)[:hit]:
+            self.cache.move_to_end(key)
+        job.cached_tokens = hit * self.block_size
+        job.remaining = job.num_tokens - job.cached_tokens
+        self._queue_tokens -= job.cached_tokens - job.expected_hit
+
+    def _leading_hit(self, job: Job) -> int:
+        """Leading blocks of the prompt in the cache now (at most ``prompt - 1`` tokens)."""
         limit = (job.num_tokens - 1) // self.block_size
         hit = 0
         for key in job.keys.keys(self.block_size, self.salt)[:limit]:
             if key not in self.cache:
                 break
-            self.cache.move_to_end(key)
             hit += 1
-        job.cached_tokens = hit * self.block_size
-        job.remaining = job.num_tokens - job.cached_tokens
-        self._queue_tokens -= job.cached_tokens
+        return hit
 
     def _store(self, job: Job) -> None:
         """Cache the prompt's blocks, freed tail first as the engine frees them (``KVCacheManager.free``): a
@@ -476,13 +486,18 @@ def summarize(sim: Simulation) -> dict:
     ideal = sum(j.ideal_tokens for j in jobs)
     workers = list(sim.workers.values())
     ttft = [j.done_s - j.arrival_s for j in jobs]
+    by_worker: dict[str, list[float]] = {}
+    for job in jobs:
+        by_worker.setdefault(job.address, []).append(job.done_s - job.arrival_s)
     return {
         "requests": len(jobs), "prompt_tokens": prompt, "cached_tokens": cached, "ideal_tokens": ideal,
         "hit_rate": cached / prompt, "of_ideal": cached / ideal if ideal else None,
         "prompt_spread": spread([w.prompt_tokens for w in workers]),
         "computed_spread": spread([w.computed_tokens for w in workers]),
         "queue_spread": spread([w.mean_queue_tokens(sim.now_s) for w in workers]),
+        "worker_ttft_spread": spread([statistics.mean(v) for v in by_worker.values()]),
         "ttft_p50_ms": percentile(ttft, 0.5) * 1e3, "ttft_p90_ms": percentile(ttft, 0.9) * 1e3,
+        "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
         "duration_s": sim.now_s, "decisions": dict(sim.router.decisions),
         "capacity_blocks": workers[0].capacity_blocks,
     }
@@ -535,6 +550,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "measuring it as the engine does (services/engine/load.py PrefillRate over their steps)")
     ap.add_argument("--overload-queue-tokens", type=int, default=ScoringConfig.overload_queue_tokens,
                     help="the router's --kv-overload-queue-tokens (default as the router's)")
+    ap.add_argument("--valve-gain", type=float, default=ScoringConfig.valve_gain,
+                    help="the router's --kv-valve-gain (default as the router's)")
     ap.add_argument("--json", action="store_true", help="print JSON lines instead of the table")
     ap.add_argument("--json-out", default=None, help="also write the JSON lines here")
     return ap.parse_args(argv)
@@ -545,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     p = SimParams(**{name: getattr(args, name) for name in vars(SimParams())})
     costs = Costs(args.prefill_tokens_per_s, args.step_floor_s, H100_DECODE_STEP_S, args.max_batched_tokens,
                   measured_rate=not args.true_rate)
-    scoring = ScoringConfig(overload_queue_tokens=args.overload_queue_tokens)
+    scoring = ScoringConfig(overload_queue_tokens=args.overload_queue_tokens, valve_gain=args.valve_gain)
     print(header(p, costs, scoring), file=sys.stderr if args.json else sys.stdout, flush=True)
     rows = list(runs(args, p, costs, scoring))
     if not emit_json(rows, args.json_out, args.json):
@@ -557,7 +574,8 @@ def header(p: SimParams, costs: Costs, scoring: ScoringConfig) -> str:
     return (f"# routing_sim: prefill {costs.prefill_tokens_per_s:.0f} tok/s per worker, step floor "
             f"{costs.step_floor_s * 1e3:.2f} ms, <= {costs.max_batched_tokens} tokens a step, reported rate "
             f"{'measured (PrefillRate)' if costs.measured_rate else 'true'}; load {p.load:g} of the "
-            f"no-cache capacity; block {p.block_size}; overload valve {scoring.overload_queue_tokens} queued tokens\n"
+            f"no-cache capacity; block {p.block_size}; overload valve {scoring.overload_queue_tokens} queued tokens, "
+            f"gain {scoring.valve_gain:g}\n"
             f"# shared: {p.groups_per_worker} groups/worker x {p.prefix_len}-token prefix + {p.question_len}-token "
             f"question, {p.requests_per_worker} requests/worker, zipf skew {p.zipf_skew:g}; multi-turn: "
             f"{p.conversations_per_worker} conversations/worker x {p.turns} turns, system {p.system_len}, message "
@@ -570,12 +588,14 @@ def _fmt(value: float | None, fmt: str) -> str:
 
 def print_table(rows: list[dict]) -> None:
     cols = (("workers", 7), ("workload", 14), ("policy", 17), ("reqs", 6), ("hit", 6), ("/ideal", 6),
-            ("prompt max/med", 14), ("computed", 8), ("queue", 6), ("TTFT p50", 9), ("p90 ms", 9))
+            ("prompt max/med", 14), ("computed", 8), ("queue", 6), ("TTFT", 6), ("TTFT p50", 9), ("p90", 6),
+            ("p99 ms", 7))
     print(" ".join(f"{name:>{width}}" for name, width in cols) + "  prefill reasons")
     for r in rows:
         cells = (r["workers"], r["workload"], r["policy"], r["requests"], _fmt(r["hit_rate"], ".3f"),
                  _fmt(r["of_ideal"], ".3f"), _fmt(r["prompt_spread"], ".2f"), _fmt(r["computed_spread"], ".2f"),
-                 _fmt(r["queue_spread"], ".2f"), _fmt(r["ttft_p50_ms"], ".1f"), _fmt(r["ttft_p90_ms"], ".1f"))
+                 _fmt(r["queue_spread"], ".2f"), _fmt(r["worker_ttft_spread"], ".2f"), _fmt(r["ttft_p50_ms"], ".1f"),
+                 _fmt(r["ttft_p90_ms"], ".1f"), _fmt(r["ttft_p99_ms"], ".1f"))
         reasons = " ".join(f"{k}={v}" for k, v in sorted(r["decisions"].items()))
         print(" ".join(f"{c!s:>{width}}" for c, (_, width) in zip(cells, cols, strict=True)) + f"  {reasons}")
 
