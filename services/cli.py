@@ -1,4 +1,4 @@
-"""The one entry point: ``pdserve generate|...``."""
+"""The one entry point: ``pdserve generate|prefill|decode|router|up|drain``."""
 
 from __future__ import annotations
 
@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     from services.router.cli_args import add_router_parser
 
     add_router_parser(sub)
+
+    from services.launch.drain import add_drain_parser
+
+    add_drain_parser(sub)
 
     up = sub.add_parser("up", help="start a router, N prefill and M decode workers here; Ctrl-C stops all")
     up.add_argument("--host", default="127.0.0.1", help="router address (default 127.0.0.1)")

@@ -15,11 +15,12 @@ The stream's first chunk is the ticket's first token, so a client of this servic
 output; the router, which already sent that token, skips it. The daemon's start-up, drain and
 shutdown are services/worker/daemon.py's.
 
-On a worker that switches roles (services/worker/role_switch.py) the servicer is also the decode side of a
-switch: its drain waits for Generate and Probe calls; past the bound, every request still streaming is
-aborted here and its stream ends with a ``migrated`` chunk (nothing new in it): the router replays the
-prompt plus the tokens it has on another decode worker. A Generate that starts after that is given back
-the same way as soon as it would stream.
+The servicer is the decode side of a drain (services/worker/role_switch.py): a role switch's, and on every
+worker the one that stops it (the ``Drain`` RPC, SIGTERM). Its drain keeps taking Generate calls (a router that
+has not seen it yet loses nothing) and waits for them and for Probe calls; past the bound, every request still
+streaming is aborted here and its stream ends with a ``migrated`` chunk (nothing new in it): the router replays
+the prompt plus the tokens it has on another decode worker. A Generate that starts after that is given back the
+same way as soon as it would stream. A drain to stop refuses new probes.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.config import DecodeConfig
 from services.worker.daemon import Background, Role, WorkerContext
 from services.worker.daemon import serve as serve_worker
+from services.worker.drain_rpc import DrainRPCs
 from services.worker.grpc_server import WorkerServer
 from services.worker.kv_events import KVEventPublisher, KVEventsRPCs
 from services.worker.role_switch import RoleSwitch
@@ -55,9 +57,10 @@ from services.worker.worker_info import worker_info
 PULL_REQUIRED_OUTCOME = "pull_required"
 
 
-class DecodeServicer(KVEventsRPCs, SwitchRoleRPCs, worker_pb2_grpc.DecodeWorkerServicer):
+class DecodeServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.DecodeWorkerServicer):
     """Thin servicer: decode the message, start the request (pull_policy.py), encode the stream (KV events:
-    ``KVEventsRPCs``; role switching: ``SwitchRoleRPCs``, and this is the decode ``RoleSide``)."""
+    ``KVEventsRPCs``; role switching: ``SwitchRoleRPCs``, and this is the decode ``RoleSide``, which stopping
+    drains too: ``DrainRPCs``)."""
 
     accepts_while_draining = True  # a request a router sends during the drain is migrated, never lost
 
@@ -201,6 +204,8 @@ class DecodeServicer(KVEventsRPCs, SwitchRoleRPCs, worker_pb2_grpc.DecodeWorkerS
         if not request.prefill_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_address is required")
         await self.admit_role("decode", context)
+        if self.switch.stopping:  # a probe would only hold up the drain: the worker is going away
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this decode worker is draining to stop")
         async with self.server.in_flight.admit(context, "decode worker"):
             self.num_active += 1
             try:
@@ -262,5 +267,6 @@ DECODE = Role("decode", ("pdserve.v1.DecodeWorker",), _attach, stats_interval_s=
 
 
 async def serve(config: DecodeConfig, engine: LLMEngine) -> str | None:
-    """Run the decode daemon until drained (SIGTERM/SIGINT); the failure that stopped it, if one did."""
+    """Run the decode daemon until stopped (SIGTERM/SIGINT, after its drain); the failure that stopped it, if
+    one did."""
     return await serve_worker(config, engine, DECODE)

@@ -5,9 +5,11 @@ blocks pinned and answers with a transfer ticket. The blocks are freed when ever
 NIXL notification has arrived, on ``Release``/``Abort``, or when the lease expires (counted;
 release.py). The daemon's start-up, drain and shutdown are services/worker/daemon.py's.
 
-On a worker that switches roles (services/worker/role_switch.py) the servicer is also the prefill side of a
-switch: its drain waits for in-flight prompts and every ticket out (pulled, released or expired: the lease
-loop keeps running), and each epoch it serves starts a new exporter (a new ticket key; peers re-handshake).
+The servicer is the prefill side of a drain (services/worker/role_switch.py): a role switch's, and on every
+worker the one that stops it (the ``Drain`` RPC, SIGTERM). Its drain refuses new prompts and waits for in-flight
+ones and every ticket out (pulled, released or expired: the lease loop keeps running, and the handshake and
+``Release`` keep being answered). On a worker that switches roles each epoch it serves starts a new exporter (a
+new ticket key; peers re-handshake).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.config import PrefillConfig
 from services.worker.daemon import Background, Role, WorkerContext
 from services.worker.daemon import serve as serve_worker
+from services.worker.drain_rpc import DrainRPCs
 from services.worker.grpc_server import WorkerServer
 from services.worker.kv_events import KVEventPublisher, KVEventsRPCs
 from services.worker.role_switch import RoleSwitch
@@ -40,9 +43,10 @@ from services.worker.switch_rpc import SwitchRoleRPCs
 from services.worker.worker_info import worker_info
 
 
-class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, worker_pb2_grpc.PrefillWorkerServicer):
+class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.PrefillWorkerServicer):
     """Thin servicer: decode the message, call the engine, encode the answer (KV events: ``KVEventsRPCs``;
-    role switching: ``SwitchRoleRPCs``, and this is the prefill ``RoleSide``)."""
+    role switching: ``SwitchRoleRPCs``, and this is the prefill ``RoleSide``, which stopping drains too:
+    ``DrainRPCs``)."""
 
     accepts_while_draining = False  # a switch's drain refuses new prompts: only tickets out must end
 
@@ -187,5 +191,6 @@ PREFILL = Role("prefill", ("pdserve.v1.PrefillWorker", "pdserve.v1.KVHandshake")
 
 
 async def serve(config: PrefillConfig, engine: LLMEngine) -> str | None:
-    """Run the prefill daemon until drained (SIGTERM/SIGINT); the failure that stopped it, if one did."""
+    """Run the prefill daemon until stopped (SIGTERM/SIGINT, after its drain); the failure that stopped it, if
+    one did."""
     return await serve_worker(config, engine, PREFILL)

@@ -25,7 +25,10 @@ class WorkerConfig:
     kv_auth_token: str | None = flag(
         None, "shared token: KV agent metadata is only exchanged with peers presenting it (default: "
         "$PDSERVE_KV_AUTH_TOKEN, which keeps it out of the process list)", env="PDSERVE_KV_AUTH_TOKEN", secret=True)
-    drain_timeout_s: float = flag(30.0, "SIGTERM: how long in-flight work may finish", parse=float)
+    drain_timeout_s: float = flag(
+        30.0, "the drain before a stop (SIGTERM, `pdserve drain`): how long decode requests may finish before the "
+        "rest move to another decode worker; a prefill worker waits at most this for its tickets to be pulled "
+        "(keep it at least --kv-lease-s)", parse=float)
     kv_digest: bool = flag(
         True, "do not checksum transferred KV (the digest a prefill worker puts in each ticket and the decode "
         "worker checks before decoding); both workers of a pair must agree", name="--no-kv-digest", negated=True)

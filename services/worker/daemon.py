@@ -3,8 +3,9 @@
 Both daemons start the same way (a grpc.aio server with health and the cluster token or mTLS, an
 address peers can dial, an engine id and epoch, one KV rank per TP rank, prefix-cache keys salted
 with the compatibility hash, the KV event publisher, the engine's thread, the /metrics server, the
-ready line) and stop the same way (SIGTERM drains, a dead TP rank fails the
-worker). Only what they serve differs: :class:`Role` says that, and :func:`serve` does the rest.
+ready line) and stop the same way (the ``Drain`` RPC or SIGTERM drains the role served now by its own
+rules, as a role switch does; a dead TP rank fails the worker). Only what they serve differs:
+:class:`Role` says that, and :func:`serve` does the rest.
 
 A worker started with role switching attaches both roles over the one engine: each role's calls are
 gated by the :class:`~services.worker.role_switch.RoleSwitch` in the context, which ``SwitchRole`` drives.
@@ -76,7 +77,7 @@ class Role:
 
 
 async def serve(config: WorkerConfig, engine: LLMEngine, role: Role, others: Sequence[Role] = ()) -> str | None:
-    """Run the daemon until drained (SIGTERM/SIGINT); the failure that stopped it, if one did.
+    """Run the daemon until stopped (SIGTERM/SIGINT, after its drain); the failure that stopped it, if one did.
 
     ``role`` is served first; ``others`` are attached too, for a worker that can switch to them in place.
     """
@@ -98,6 +99,7 @@ async def serve(config: WorkerConfig, engine: LLMEngine, role: Role, others: Seq
     server.before_stop.append(publisher.close)  # event streams end cleanly, not cut by the server's grace
     switch = RoleSwitch(role.name, epoch, tuple(r.name for r in roles), metrics)
     switch.on_epoch.append(publisher.restart)  # subscribers resubscribe and snapshot the new epoch
+    server.role_drain = switch.drain_to_stop  # stopping drains the role served now, as a switch would
     context = WorkerContext(config, engine, aengine, server, metrics, tls, address, engine_id, epoch, ranks,
                             identity, publisher, log_fault_injection(), switch)
     background = [*(task for r in roles for task in r.attach(context)), publisher.run]

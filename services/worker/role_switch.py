@@ -18,6 +18,11 @@ change together, the new role's side starts its epoch (a new ticket key, a new K
 re-handshake for), and the ``on_epoch`` hooks run (the KV event streams restart). Nothing of the engine
 changes: the model, the KV pool and its NIXL registrations stay, so a worker meant to switch is started
 with engine settings valid for both roles.
+
+Stopping a worker drains it the same way (``drain_to_stop``, which the daemon's ``Drain`` RPC and SIGTERM run
+through services/worker/grpc_server.py), for a worker of either kind: the role served now drains as above, no
+switch starts any more, and the drain is bounded by ``drain_timeout_s`` as a whole (a prefill worker's tickets
+are given up past it; a decode worker's requests are migrated at it, then get ``STOP_EVICT_GRACE_S`` to end).
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ DRAIN_POLL_S = 0.01
 #: After evicting, how long the given-back streams (and calls still starting: a pull waits up to
 #: --kv-transfer-timeout-s) may take to end before the switch fails.
 EVICT_GRACE_S = 60.0
+#: The same when the worker is being stopped: the stop cuts what is left after it (a pod's grace period is
+#: its drain bound plus a margin this fits in).
+STOP_EVICT_GRACE_S = 5.0
 
 
 class SwitchRefused(RuntimeError):
@@ -78,6 +86,15 @@ class SwitchResult:
     num_migrated: int
 
 
+@dataclass(frozen=True)
+class StopDrain:
+    """How the role's drain of a worker being stopped ended."""
+
+    role: str
+    num_migrated: int
+    num_left: int  # outstanding work given up at the bound (0: drained)
+
+
 class RoleSwitch:
     """The role a worker serves now, its epoch, and the switch between roles (one at a time)."""
 
@@ -91,6 +108,7 @@ class RoleSwitch:
         self.epoch = epoch
         self.roles = roles
         self.switching_to: str | None = None
+        self.stopping = False  # draining (or drained) to stop: no switch starts, Info says draining
         self.metrics = metrics
         self._clock = clock
         self._sides: dict[str, RoleSide] = {}
@@ -110,12 +128,16 @@ class RoleSwitch:
         side = self._sides.get(role)
         if self.switching_to is not None and (side is None or not side.accepts_while_draining):
             return f"this worker is switching from the {role} role to {self.switching_to}"
+        if self.stopping and (side is None or not side.accepts_while_draining):
+            return f"this {role} worker is draining to stop"
         return None
 
     def check(self, new_role: str) -> None:
         """Raise if a switch to ``new_role`` cannot start now: ValueError (not a role), SwitchRefused."""
         if new_role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {new_role!r}")
+        if self.stopping:
+            raise SwitchRefused("this worker is draining to stop")
         if not self.switchable:
             raise SwitchRefused(f"this worker serves only the {self.role} role (start it with --role-switching)")
         if new_role not in self.roles or new_role not in self._sides:
@@ -153,18 +175,45 @@ class RoleSwitch:
                  drain_s, num_migrated, epoch)
         return SwitchResult(old, new_role, epoch, drain_s, seconds, num_migrated)
 
-    async def _drain(self, side: RoleSide, drain_timeout_s: float) -> int:
-        """Wait for the side's work to end; past ``drain_timeout_s``, evict what is left (a side that accepts
-        work while draining; the other kind has its own bound, the prefill lease) and wait for that."""
+    async def drain_to_stop(self, drain_timeout_s: float) -> StopDrain:
+        """The drain of a worker being stopped: the role served now drains as for a switch, within
+        ``drain_timeout_s`` as a whole; no switch starts from now on. A switch under way ends first (within the
+        bound; past it the role served then is drained as it is)."""
+        self.stopping = True
         deadline = self._clock() + drain_timeout_s
-        while side.outstanding() > 0 and (not side.accepts_while_draining or self._clock() < deadline):
+        while self.switching_to is not None and self._clock() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        if side.outstanding() == 0:
+        role = self.role
+        side = self._sides.get(role)
+        if side is None:
+            return StopDrain(role, 0, 0)
+        log.info("draining the %s role to stop (%d outstanding, bound %.1fs)", role, side.outstanding(),
+                 drain_timeout_s)
+        num_migrated = await self._drain(side, max(deadline - self._clock(), 0.0), stopping=True)
+        left = side.outstanding()
+        if left:
+            log.warning("stopping with %d outstanding %s work (past the drain bound of %.1fs)", left, role,
+                        drain_timeout_s)
+        return StopDrain(role, num_migrated, left)
+
+    async def _drain(self, side: RoleSide, drain_timeout_s: float, stopping: bool = False) -> int:
+        """Wait for the side's work to end; past ``drain_timeout_s``, evict what is left (a side that accepts
+        work while draining; the other kind has its own bound, the prefill lease) and wait for that.
+
+        ``stopping`` (the worker is being stopped): the bound holds for both kinds, and what has not ended
+        ``STOP_EVICT_GRACE_S`` after the eviction is left to the stop (no error)."""
+        deadline = self._clock() + drain_timeout_s
+        while side.outstanding() > 0 and (not (side.accepts_while_draining or stopping)
+                                          or self._clock() < deadline):
+            await asyncio.sleep(DRAIN_POLL_S)
+        if side.outstanding() == 0 or not side.accepts_while_draining:
             return 0
         num_migrated = await side.evict()
-        grace = self._clock() + EVICT_GRACE_S
+        grace = self._clock() + (STOP_EVICT_GRACE_S if stopping else EVICT_GRACE_S)
         while side.outstanding() > 0:
             if self._clock() > grace:
+                if stopping:
+                    break
                 raise TimeoutError(f"{side.outstanding()} requests still running {EVICT_GRACE_S:g}s after they "
                                    "were given back")
             await asyncio.sleep(DRAIN_POLL_S)

@@ -398,9 +398,15 @@ def test_probes_and_graceful_termination(scenario):
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # time to load a model
         drain, sleep = v[name]["drainTimeoutSeconds"], v[name]["preStopSleepSeconds"]
         assert args.drain_timeout_s == drain
-        assert pod["terminationGracePeriodSeconds"] == sleep + drain + v["terminationMarginSeconds"] > sleep + drain
+        grace = pod["terminationGracePeriodSeconds"]
+        assert grace == sleep + drain + v["terminationMarginSeconds"] > sleep + drain
+        hook = pre_stop_drain(container)
         # Serving on until the routers dropped the pod: a DNS refresh and a health round (2 s) at most.
-        assert container["lifecycle"]["preStop"]["sleep"]["seconds"] == sleep > v["router"]["dnsRefreshSeconds"] + 2
+        assert hook.after_s == sleep > v["router"]["dnsRefreshSeconds"] + 2
+        # Then the drain, waited for past the worker's own bound but never past the grace period.
+        assert drain < hook.timeout_s and sleep + hook.timeout_s <= grace
+        if v["kvAuth"]["enabled"]:  # the hook dials with the token the worker checks
+            assert "PDSERVE_KV_AUTH_TOKEN" in {e["name"] for e in container["env"]}
         liveness = container["livenessProbe"]
         assert liveness["periodSeconds"] * liveness["failureThreshold"] > drain  # draining answers NOT_SERVING
 
@@ -446,14 +452,31 @@ def test_disruption_budgets_are_configurable():
     assert "maxUnavailable" not in pdbs["decode"]["spec"]
 
 
-def test_worker_pre_stop_can_be_off():
+def pre_stop_drain(container: dict):
+    """The worker's preStop hook, parsed by the real CLI: `pdserve drain` dialing the container's own gRPC port
+    (127.0.0.1; the cluster token from the container's env, which exec hooks inherit)."""
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["pdserve", "drain"], command
+    try:
+        hook = build_parser().parse_args(command[1:])
+    except SystemExit as e:
+        raise AssertionError(f"{container['name']}: `{' '.join(command)}` does not parse (exit {e.code})") from e
+    assert hook.host == "127.0.0.1"
+    assert hook.port == parse(container).port == {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
+    assert "--kv-auth-token" not in command  # never on a command line
+    return hook
+
+
+def test_worker_pre_stop_sleep_can_be_off():
+    """No time to serve on: the hook drains at once, and the grace period is the drain's and the margin."""
     result = helm(*template_args("default", "--set", "decode.preStopSleepSeconds=0"))
     assert result.returncode == 0, result.stderr
     decode = workloads(list(yaml.safe_load_all(result.stdout)))["decode"]
-    assert "lifecycle" not in main_container(decode)
+    hook = pre_stop_drain(main_container(decode))
     v = values("default")
-    assert decode["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == \
-        v["decode"]["drainTimeoutSeconds"] + v["terminationMarginSeconds"]
+    grace = decode["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace == v["decode"]["drainTimeoutSeconds"] + v["terminationMarginSeconds"]
+    assert hook.after_s == 0 and v["decode"]["drainTimeoutSeconds"] < hook.timeout_s <= grace
 
 
 # --- autoscaling ------------------------------------------------------------------------------------------

@@ -25,6 +25,18 @@ Called as (dict "root" $ "component" "prefill").
 {{- toYaml $args -}}
 {{- end -}}
 
+{{/*
+The worker's preStop hook: `pdserve drain` on its own gRPC port (the cluster token comes from the container's
+env). It lets the worker serve on for preStopSleepSeconds, drains it and waits until it is drained, giving up
+when the pod's grace period would be over anyway.
+*/}}
+{{- define "pdserve.workerPreStop" -}}
+{{- $v := .root.Values -}}
+{{- $w := index $v .component -}}
+{{- toYaml (list "pdserve" "drain" "--port" (toString $w.port) "--after-s" (toString $w.preStopSleepSeconds)
+      "--timeout-s" (toString (add $w.drainTimeoutSeconds $v.terminationMarginSeconds))) -}}
+{{- end -}}
+
 {{- define "pdserve.worker" -}}
 {{- $root := .root -}}
 {{- $v := $root.Values -}}
@@ -93,8 +105,8 @@ spec:
       {{- if and $v.gpu.enabled $v.gpu.runtimeClassName }}
       runtimeClassName: {{ $v.gpu.runtimeClassName }}
       {{- end }}
-      # The preStop sleep (routers stop sending it work), the drain (--drain-timeout-s), a margin to close the
-      # engine and its TP ranks.
+      # The preStop hook: serving on (routers stop sending it work), then the drain (--drain-timeout-s); a margin
+      # for the requests a decode drain migrates to end and to close the engine and its TP ranks.
       terminationGracePeriodSeconds: {{ add $w.preStopSleepSeconds $w.drainTimeoutSeconds $v.terminationMarginSeconds }}
       {{- with (include "pdserve.modelInitContainers" $root | trim) }}
       {{- . | nindent 6 }}
@@ -142,14 +154,15 @@ spec:
             grpc:
               port: {{ $w.port }}
             {{- include "pdserve.probeTiming" $w.probes.liveness | nindent 12 }}
-          {{- if $w.preStopSleepSeconds }}
           # Serve on while the routers drop the terminating pod (out of the headless Service at once, out of
-          # their table at their next DNS refresh); SIGTERM then drains what they had already sent.
+          # their table at their next DNS refresh), then drain and wait until drained: a prefill worker until its
+          # tickets are pulled, released or expired, a decode worker until its requests finish or, past
+          # drainTimeoutSeconds, move to another decode worker. The SIGTERM that follows stops it at once.
           lifecycle:
             preStop:
-              sleep:
-                seconds: {{ $w.preStopSleepSeconds }}
-          {{- end }}
+              exec:
+                command:
+                  {{- include "pdserve.workerPreStop" . | nindent 18 }}
           {{- with $resources }}
           resources:
             {{- toYaml . | nindent 12 }}
