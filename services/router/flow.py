@@ -111,7 +111,10 @@ class Outcome:
     recomputed_locally: bool = False
     finish_reason: str | None = None
     workers: Workers | None = None  # the pair that served it (once one was picked)
-    first_token_s: float | None = None  # monotonic time its first token left (the planner's decode time)
+    # The planner's decode time: when the second token-bearing delta left (the first one the decode worker
+    # generated after its pull), and how many tokens left after it (one inter-token gap each).
+    decode_start_s: float | None = None
+    num_decode_gaps: int = 0
 
 
 @dataclass(frozen=True)
@@ -220,9 +223,9 @@ def _log_request(request: GenerationRequest, assignment: Assignment, outcome: Ou
 def _finished(assignment: Assignment, outcome: Outcome) -> FinishedRequest:
     """What the P:D planner's traffic window keeps of an ended request."""
     now = time.monotonic()
-    decode_s = now - outcome.first_token_s if outcome.first_token_s is not None else 0.0
+    decode_s = now - outcome.decode_start_s if outcome.decode_start_s is not None else 0.0
     return FinishedRequest(now, outcome.num_prompt_tokens, outcome.num_generated_tokens, assignment.decode, decode_s,
-                           outcome.num_cached_tokens or 0)
+                           outcome.num_cached_tokens or 0, outcome.num_decode_gaps)
 
 
 async def _timed(deltas: AsyncIterator[Delta], metrics: RouterMetrics, arrival_s: float,
@@ -235,8 +238,11 @@ async def _timed(deltas: AsyncIterator[Delta], metrics: RouterMetrics, arrival_s
             if delta.token_ids:
                 if last_token_s is None:
                     metrics.ttft.labels(outcome.route).observe(now - arrival_s)
-                    outcome.first_token_s = now
                 else:
+                    if outcome.decode_start_s is None:
+                        outcome.decode_start_s = now  # after the pull: the decode worker's steps from here
+                    else:
+                        outcome.num_decode_gaps += len(delta.token_ids)
                     gap = (now - last_token_s) / len(delta.token_ids)
                     for _ in delta.token_ids:
                         metrics.inter_token.observe(gap)

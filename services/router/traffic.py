@@ -2,16 +2,18 @@
 
 Each request that ends is recorded once (``Dispatcher.stream``'s ``finally``): its prompt and output
 lengths, how much of the prompt a prefix cache held, the decode worker that generated it and how long
-that worker took from the request's first token to its last. Over the last ``window_s`` this gives the
-arrival rate and mean lengths (the load on each role), and per decode worker the tokens it delivered
-per second, its mean inter-token gap and, by Little's law, the mean number of sequences it ran at once
-(their decode seconds over the window):
+that worker took from the second token it streamed to its last, with the gaps in between. Over the last
+``window_s`` this gives the arrival rate and mean lengths (the load on each role), and per decode worker the
+tokens it delivered per second, its mean inter-token gap and, by Little's law, the mean number of sequences it
+ran at once (their decode seconds over the window):
 
-    concurrency = sum(decode_s) / window_s        itl_s = sum(decode_s) / sum(tokens - 1)
+    concurrency = sum(decode_s) / window_s        itl_s = sum(decode_s) / sum(decode gaps)
 
-The gaps are what the client sees: the first one of a disaggregated request includes the KV pull, so short
-outputs read as a slower decode than the engine's steps. Requests are counted when they end, not when they
-arrive: in a steady state the two rates are equal,
+The gaps are what the client sees, from the second token on: the first gap of a disaggregated request is
+the KV pull and the decode worker's queue, not a decode step (measured from the first token, prefill-heavy
+traffic with two-token outputs read as a decode running at a fraction of a token per second and pulled
+workers into decode), so a request with fewer than three tokens gives no gap. Requests are counted when
+they end, not when they arrive: in a steady state the two rates are equal,
 and only the end knows the output length. Pure: callers pass the time; memory is bounded by
 ``max_requests`` (the oldest are dropped first, which only shortens the window under a flood).
 """
@@ -31,8 +33,9 @@ class FinishedRequest:
     num_prompt_tokens: int
     num_output_tokens: int
     decode: str | None = None  # the decode worker's address (None: refused before one was picked)
-    decode_s: float = 0.0  # first token to last token (0 with fewer than two tokens)
+    decode_s: float = 0.0  # second token to last token (0 with fewer than three tokens)
     num_cached_tokens: int = 0  # prompt tokens a prefix cache served (not computed)
+    num_decode_gaps: int | None = None  # gaps ``decode_s`` spans (None: num_output_tokens - 2)
 
 
 @dataclass(frozen=True)
@@ -118,8 +121,9 @@ class TrafficWindow:
             if r.decode is None:
                 continue
             tokens[r.decode] = tokens.get(r.decode, 0) + r.num_output_tokens
-            if r.num_output_tokens > 1 and r.decode_s > 0:
-                gaps[r.decode] = gaps.get(r.decode, 0) + r.num_output_tokens - 1
+            num_gaps = r.num_decode_gaps if r.num_decode_gaps is not None else r.num_output_tokens - 2
+            if num_gaps > 0 and r.decode_s > 0:
+                gaps[r.decode] = gaps.get(r.decode, 0) + num_gaps
                 busy[r.decode] = busy.get(r.decode, 0.0) + r.decode_s
         decode = {address: DecodeSample(tokens[address] / window_s, busy[address] / gaps[address],
                                         busy[address] / window_s)

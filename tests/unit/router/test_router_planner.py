@@ -190,16 +190,18 @@ def test_decision_json_and_summary_carry_the_inputs():
 def test_traffic_window_rates_and_decode_samples():
     window = TrafficWindow(window_s=10.0)
     window.start(0.0)
-    for i in range(10):  # ten requests on d0, each 11 tokens decoded over 0.5 s
-        window.record(FinishedRequest(10.0 + i * 0.1, 100, 11, "d0", 0.5))
+    for i in range(10):  # ten requests on d0, each 11 tokens: from the second, 9 gaps over 0.45 s
+        window.record(FinishedRequest(10.0 + i * 0.1, 100, 11, "d0", 0.45))
     window.record(FinishedRequest(10.5, 50, 1, "d1", 0.0))  # one token: no gap to measure
+    # Two tokens: the only gap is the KV pull and the decode queue, not a decode step: not a sample.
+    window.record(FinishedRequest(10.5, 50, 2, "d2", 0.0, num_decode_gaps=0))
     stats = window.stats(11.0)
-    assert stats.num_requests == 11 and stats.rate_rps == pytest.approx(1.1)
-    assert stats.mean_prompt_tokens == pytest.approx(1050 / 11)
+    assert stats.num_requests == 12 and stats.rate_rps == pytest.approx(1.2)
+    assert stats.mean_prompt_tokens == pytest.approx(1100 / 12)
     sample = stats.decode["d0"]
     assert sample.tokens_per_s == pytest.approx(11.0) and sample.itl_s == pytest.approx(0.05)
-    assert sample.concurrency == pytest.approx(0.5)
-    assert "d1" not in stats.decode
+    assert sample.concurrency == pytest.approx(0.45)
+    assert "d1" not in stats.decode and "d2" not in stats.decode
     assert window.stats(25.0).num_requests == 0  # all older than the window
 
 
