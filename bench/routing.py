@@ -113,14 +113,16 @@ class Scale:
     mix_rate: float
     output_len: int = 4  # shared-prefix answers
     zipf_skew: float = 1.0
-    overload_queue_tokens: int | None = 1024  # the routers' --kv-overload-queue-tokens; None: the router's default
+    # The routers' --kv-overload-queue-tokens (None: the router's default, sized for GPU prefill rates). On CPU
+    # a worker prefills ~100-300 tokens/s, so 256 tokens is already 1-2 s of queue.
+    overload_queue_tokens: int | None = 256
 
 
 SCALES = {
     "quick": Scale(num_prefill=2, groups=4, prefix_len=128, question_len=32, shared_requests=12, shared_rate=1.5,
                    conversations=3, conversation_rate=1.0, turns=3, system_len=48, message_len=48, answer_len=8,
                    think_s=0.3, mix="64:8,256:4", mix_requests=6, mix_rate=1.0),
-    "cpu": Scale(num_prefill=3, groups=6, prefix_len=192, question_len=32, shared_requests=30, shared_rate=1.2,
+    "cpu": Scale(num_prefill=3, groups=6, prefix_len=192, question_len=32, shared_requests=60, shared_rate=1.2,
                  conversations=6, conversation_rate=1.0, turns=4, system_len=64, message_len=48, answer_len=8,
                  think_s=0.5, mix="64:16,256:32,512:8", mix_requests=12, mix_rate=1.0),
     "gpu": Scale(num_prefill=4, groups=16, prefix_len=2048, question_len=128, shared_requests=240, shared_rate=8.0,

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Serving-level benchmarks on one lent GPU, in device calls of under 10 minutes each. Carry .whl/,
+# services/proto_gen/pdserve and build/routing_whl/ (the router's and the bench client's wheels the image lacks:
+# fastapi, starlette, pydantic, uvicorn, httpx, tokenizers and their dependencies; see bench/RESULTS.md):
+#   bash bench/gpu_serve_run.sh routing_shared   bench/routing.py, shared-prefix workloads, both policies:
+#                                                4 prefill + 1 decode workers of dummy Llama-3.1-8B on one GPU
+#                                                (about 80 GB of weights: an H200)
+#   bash bench/gpu_serve_run.sh routing_chat     the same for the multi-turn workloads (one and two routers)
+#   SETUPS=planner,disagg bash bench/gpu_serve_run.sh shifting
+#                                                bench/serve.py's shifting workload (40 s phases) with three
+#                                                workers of dummy Llama-3.1-8B on GPU 0: the planner-on setup,
+#                                                1P2D, 3 colocated replicas (SETUPS picks them: one device call
+#                                                holds about two setups)
+set -uo pipefail
+source bench/gpu_env.sh
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    build/routing_whl/*.whl || exit 1
+ROUTING=(python3 bench/routing.py --device cuda --model dummy:llama-3.1-8b --scale gpu --num-prefill 4
+         --decode-kv-blocks 4096 --worker-args=--enforce-eager --records)
+for part in "$@"; do
+  case "$part" in
+    routing_shared)
+      timeout 560 "${ROUTING[@]}" --workloads shared-uniform,shared-zipf --json-out "$OUT/routing_shared_gpu.jsonl" \
+          2>&1 | grep -v "NIXL INFO" | tee "$OUT/routing_shared_gpu.txt" ;;
+    routing_chat)
+      timeout 560 "${ROUTING[@]}" --workloads multi-turn,multi-turn-2routers --json-out "$OUT/routing_chat_gpu.jsonl" \
+          2>&1 | grep -v "NIXL INFO" | tee "$OUT/routing_chat_gpu.txt" ;;
+    shifting)
+      timeout 580 python3 bench/serve.py --workload shifting --device cuda --model dummy:llama-3.1-8b --num-workers 3 \
+          --gpus 0,0,0 --num-kv-blocks 2048 --phase-duration-s 40 --setups "${SETUPS:-disagg,colocated,planner}" \
+          --json-out "$OUT/shifting_gpu.jsonl" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/shifting_gpu.txt" ;;
+  esac
+done
