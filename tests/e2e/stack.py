@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -93,3 +97,14 @@ def metric_total(d: Daemon, name: str, label: str = "") -> float:
 def finished_requests(d: Daemon) -> float:
     """``pdserve_requests_total{outcome="finished"}`` scraped from the worker's /metrics endpoint."""
     return metric_total(d, "pdserve_requests_total", 'outcome="finished"')
+
+
+def stop_up(proc: subprocess.Popen) -> None:
+    """Stop a ``pdserve up`` started in its own session as Ctrl-C would, then kill whatever of it is left."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+    if proc.poll() is None or subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode == 0:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

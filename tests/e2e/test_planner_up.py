@@ -15,12 +15,10 @@ time (the planner sizes prefill by the prompt tokens caches did not hold) and ne
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -30,6 +28,7 @@ import httpx
 import pytest
 
 from services.launch.spawn import free_port
+from tests.e2e.stack import stop_up
 
 KEY = "planner-up-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -139,14 +138,6 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return sum(found)
 
 
-def _stop_up(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=60)
-    if proc.poll() is None or subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode == 0:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 @pytest.mark.slow
@@ -227,4 +218,4 @@ def test_role_planner_moves_a_decode_worker_to_prefill_under_prefill_heavy_load(
     finally:
         for c in clients:
             c.stop.set()
-        _stop_up(proc)
+        stop_up(proc)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -15,7 +14,7 @@ import pytest
 
 from services.launch.spawn import free_port
 from tests.checkpoints import colocated_tokens, make_checkpoint
-from tests.e2e.stack import completion_tokens
+from tests.e2e.stack import completion_tokens, stop_up
 
 
 def test_up_serves_the_default_model_and_stops_on_ctrl_c() -> None:
@@ -58,14 +57,6 @@ def _start_up(*flags: str) -> tuple[subprocess.Popen, str]:
     return proc, proc.stdout.readline()
 
 
-def _stop_up(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=60)
-    if proc.poll() is None or subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode == 0:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
@@ -156,4 +147,4 @@ def test_a_killed_worker_comes_back_and_serves(checkpoint: str) -> None:
             transferred, recomputed = pulled()
             assert transferred > transferred_before and recomputed == 0
     finally:
-        _stop_up(proc)
+        stop_up(proc)
