@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,13 +92,22 @@ def make_checkpoint(arch: str, directory: Path, seed: int = 0):
     return directory, model
 
 
-def colocated_tokens(model: str, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens of one engine doing prefill and decode on CPU in float32, as test workers run: the
-    reference a disaggregated answer must equal."""
+def colocated_reference(model: str, num_kv_blocks: int = 256) -> Callable[[list[int], int], list[int]]:
+    """Greedy tokens ``(prompt, max_tokens)`` of one engine doing prefill and decode on CPU in float32, as
+    test workers run: the reference a disaggregated answer must equal. One engine serves every call."""
     from services.contract.sampling_params import SamplingParams
     from services.engine.engine_config import EngineConfig
     from services.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=16))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return engine.generate([prompt], params)[0].token_ids
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=num_kv_blocks))
+
+    def tokens(prompt: list[int], max_tokens: int) -> list[int]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return engine.generate([prompt], params)[0].token_ids
+
+    return tokens
+
+
+def colocated_tokens(model: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """One prompt's reference (``colocated_reference``) from an engine of its own."""
+    return colocated_reference(model, num_kv_blocks=16)(prompt, max_tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import grpc
 import httpx
 
 from services.launch.spawn import Daemon, Router, daemons, start_router, stop_router
-from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 
 # Small pools and blocks so prompts span several blocks; prefill and decode differ in layout and
 # block size on purpose (both are reconciled by the transfer). float32 on any device: the colocated
@@ -49,6 +50,22 @@ def stack(model: str | None, num_prefill: int = 1, num_decode: int = 1, *router_
             yield Stack(router, prefill, decode)
         finally:
             stop_router(router)
+
+
+def random_prompt(seed: int, n: int = 20) -> list[int]:
+    """``n`` seeded token ids inside the test checkpoints' vocabulary."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+def hold_ticket(stub: worker_pb2_grpc.PrefillWorkerStub, request_id: str, prompt: list[int],
+                params: worker_pb2.SamplingParams) -> kv_pb2.TransferTicket:
+    """Prefill ``prompt`` straight on a prefill worker for a decode reader of block size 8 (DECODE_ARGS) and
+    return its ticket, unpulled: the worker holds the blocks until a pull, a Release or the lease."""
+    held = stub.Prefill(worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, params=params,
+                                                  reader_tp_size=1, reader_block_size=8), timeout=30)
+    assert held.HasField("ticket")
+    return held.ticket
 
 
 def info(d: Daemon) -> worker_pb2.WorkerInfo:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import random
 import signal
 import subprocess
 import sys
@@ -26,13 +25,10 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.contract.sampling_params import SamplingParams
-from services.engine.engine_config import EngineConfig
-from services.engine.llm_engine import LLMEngine
 from services.launch.spawn import daemons, start_router, stop_router
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, info, metric_total
+from tests.checkpoints import colocated_reference, make_checkpoint
+from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, hold_ticket, info, metric_total, random_prompt
 
 
 @pytest.fixture(scope="module")
@@ -43,18 +39,7 @@ def model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(model: str) -> Callable[[list[int], int], list[int]]:
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=256))
-
-    def tokens(prompt: list[int], max_tokens: int) -> list[int]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        return engine.generate([prompt], params)[0].token_ids
-
-    return tokens
-
-
-def _prompt(seed: int, n: int = 20) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 300) for _ in range(n)]
+    return colocated_reference(model)
 
 
 def _drain_command(port: int, *args: str) -> subprocess.Popen:
@@ -117,7 +102,7 @@ def test_decode_drain_migrates_running_streams_token_exact(model, reference) -> 
             url = router.url
             _wait("both pairs to be probed", lambda: _probed_pairs(url) == 2)
             migrated_before = _migrated(url)
-            prompts = [_prompt(100 + i) for i in range(6)]
+            prompts = [random_prompt(100 + i) for i in range(6)]
             max_tokens = 480  # prompt + output within the checkpoint's 512 positions; long past the drain's bound
             started = [threading.Event() for _ in prompts]
             with ThreadPoolExecutor(len(prompts)) as pool:
@@ -152,16 +137,13 @@ def test_decode_drain_migrates_running_streams_token_exact(model, reference) -> 
 def test_prefill_drain_waits_for_unpulled_tickets(model, reference) -> None:
     prefill_args = (*PREFILL_ARGS, "--role-switching", "--kv-lease-s", "120", "--drain-timeout-s", "120")
     params = worker_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    prompts = {"held-pulled": _prompt(7, 28), "held-released": _prompt(8, 28)}
+    prompts = {"held-pulled": random_prompt(7, 28), "held-released": random_prompt(8, 28)}
     with daemons(("prefill", model, prefill_args), ("decode", model, DECODE_ARGS)) as (prefill, decode), \
             grpc.insecure_channel(prefill.address) as channel:
         stub = worker_pb2_grpc.PrefillWorkerStub(channel)
         tickets = {}
         for rid, prompt in prompts.items():
-            held = stub.Prefill(worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params,
-                                                          reader_tp_size=1, reader_block_size=8), timeout=30)
-            assert held.HasField("ticket")
-            tickets[rid] = held.ticket
+            tickets[rid] = hold_ticket(stub, rid, prompt, params)
         pinned = info(prefill).kv_blocks_pinned
         assert pinned > 0
         command = _drain_command(prefill.port, "--timeout-s", "90")
@@ -171,7 +153,7 @@ def test_prefill_drain_waits_for_unpulled_tickets(model, reference) -> None:
         now = info(prefill)
         assert now.draining and now.kv_blocks_pinned == pinned
         with pytest.raises(grpc.RpcError) as refused:
-            stub.Prefill(worker_pb2.PrefillRequest(request_id="late", prompt_token_ids=_prompt(9), params=params),
+            stub.Prefill(worker_pb2.PrefillRequest(request_id="late", prompt_token_ids=random_prompt(9), params=params),
                          timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         # The SIGTERM the kubelet sends when a hook outlasts its time joins the same drain: nothing stops yet.

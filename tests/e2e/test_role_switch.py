@@ -10,7 +10,6 @@ ticket is still pulled fine, then the switch completes); the admin POST refuses 
 from __future__ import annotations
 
 import json
-import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,13 +18,10 @@ import grpc
 import httpx
 import pytest
 
-from services.contract.sampling_params import SamplingParams
-from services.engine.engine_config import EngineConfig
-from services.engine.llm_engine import LLMEngine
 from services.launch.spawn import daemons, start_router, stop_router
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import DECODE_ARGS, metric_total
+from tests.checkpoints import colocated_reference, make_checkpoint
+from tests.e2e.stack import DECODE_ARGS, hold_ticket, metric_total, random_prompt
 
 KEY = "role-switch-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -40,13 +36,7 @@ def model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(model: str):
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=256))
-
-    def tokens(prompt: list[int], max_tokens: int) -> list[int]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        return engine.generate([prompt], params)[0].token_ids
-
-    return tokens
+    return colocated_reference(model)
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +50,6 @@ def cluster(model: str):
             yield router, {d.address: d for d in started}
         finally:
             stop_router(router)
-
-
-def _prompt(seed: int, n: int = 20) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 300) for _ in range(n)]
 
 
 def _roles(url: str) -> dict[str, tuple[str, str]]:
@@ -138,7 +123,7 @@ def test_switch_each_way_under_load_loses_nothing(cluster, reference) -> None:
     def load(seed: int) -> None:
         n = 0
         while not stop.is_set():
-            prompt = _prompt(seed * 1000 + n)
+            prompt = random_prompt(seed * 1000 + n)
             n += 1
             try:
                 results.append((prompt, _stream(url, prompt, 12)))
@@ -176,7 +161,7 @@ def test_decode_drain_past_its_bound_migrates_token_exact(cluster, reference) ->
     decodes = sorted(_wait_healthy(url, "decode", 2))
     assert len(decodes) == 2
     before = _migrated(url)
-    prompts = [_prompt(100 + i) for i in range(6)]
+    prompts = [random_prompt(100 + i) for i in range(6)]
     max_tokens = 300
     started = [threading.Event() for _ in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -200,14 +185,11 @@ def test_prefill_switch_waits_for_unpulled_tickets(cluster, reference) -> None:
     prefill = sorted(_wait_healthy(url, "prefill", 2))
     decode = _wait_healthy(url, "decode", 1)[0]
     owner = prefill[0]
-    prompt = _prompt(7, 28)
+    prompt = random_prompt(7, 28)
     params = worker_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     with grpc.insecure_channel(owner) as channel:
         stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-        held = stub.Prefill(worker_pb2.PrefillRequest(request_id="held-ticket", prompt_token_ids=prompt,
-                                                      params=params, reader_tp_size=1, reader_block_size=8),
-                            timeout=30)
-        assert held.HasField("ticket")
+        ticket = hold_ticket(stub, "held-ticket", prompt, params)
         switching = stub.SwitchRole.future(worker_pb2.SwitchRoleRequest(role="decode"), timeout=60)
         time.sleep(1.0)
         info = stub.Info(worker_pb2.InfoRequest(), timeout=5)
@@ -217,7 +199,7 @@ def test_prefill_switch_waits_for_unpulled_tickets(cluster, reference) -> None:
         with grpc.insecure_channel(decode) as decode_channel:
             chunks = list(worker_pb2_grpc.DecodeWorkerStub(decode_channel).Generate(
                 worker_pb2.GenerateRequest(request_id="held-ticket", prompt_token_ids=prompt, params=params,
-                                           ticket=held.ticket, require_pull=True), timeout=30))
+                                           ticket=ticket, require_pull=True), timeout=30))
         tokens = [t for c in chunks for t in c.token_ids]
         assert tokens == reference(prompt, 8)
         assert not any(c.recomputed_locally for c in chunks)
@@ -234,14 +216,11 @@ def test_a_worker_dying_mid_switch_is_handled_like_any_dead_worker(cluster) -> N
     router, workers = cluster
     url = router.url
     victim = _wait_healthy(url, "prefill", 1)[0]
-    prompt = _prompt(9, 24)
+    prompt = random_prompt(9, 24)
     params = worker_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     with grpc.insecure_channel(victim) as channel:
         stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-        held = stub.Prefill(worker_pb2.PrefillRequest(request_id="never-pulled", prompt_token_ids=prompt,
-                                                      params=params, reader_tp_size=1, reader_block_size=8),
-                            timeout=30)
-        assert held.HasField("ticket")  # its drain waits for this ticket (a 30 s lease)
+        hold_ticket(stub, "never-pulled", prompt, params)  # its drain waits for this ticket (a 30 s lease)
         switching = stub.SwitchRole.future(worker_pb2.SwitchRoleRequest(role="decode"), timeout=60)
         time.sleep(0.5)
         assert stub.Info(worker_pb2.InfoRequest(), timeout=5).switching_to == "decode"
@@ -252,4 +231,4 @@ def test_a_worker_dying_mid_switch_is_handled_like_any_dead_worker(cluster) -> N
     while _roles(url)[victim][1] != "unhealthy" and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _roles(url)[victim][1] == "unhealthy"
-    assert _stream(url, _prompt(10), 6) and httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert _stream(url, random_prompt(10), 6) and httpx.get(f"{url}/health", timeout=10).status_code == 200
