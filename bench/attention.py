@@ -4,11 +4,20 @@
     python bench/attention.py --json-out att.jsonl    # + one JSON object per row
     python bench/attention.py --sweep                 # + triton_paged tile/split sweep per case
     python bench/attention.py --device cpu --quick    # CI smoke: tiny shapes, Triton interpreted
+    python bench/attention.py --backends triton_paged,triton_dense,cudnn_sdpa --batches "" --contexts "" \
+        --prefills 512,1024,2048,8192 --chunks 2048@6144     # prefill attention against cuDNN
 
 Shape: 32 query heads, 8 KV heads, head dim 128, bf16, 16-token blocks, the K/V views of one layer
 of a cross-layer cache (``--layout``/``--order`` for others), block tables scattered over the pool.
 Cases: decode at batch 1/8/32 x context 512/2k/8k (one new token per request, the context already
-cached), prefill of 512/2k/8k tokens (no prefix).
+cached), prefill of 512/2k/8k tokens (no prefix); ``--chunks Q@P``: a Q-token chunk after P tokens of
+context already cached (a chunked prefill's later chunk, or a prefix-cache hit).
+
+Backends: ``torch_sdpa``; ``triton_paged`` with its dense path off (every key through the paged
+kernel); ``triton_dense``, the same backend with the dense path on for every chunk (the fresh tokens
+through ``dense_causal``: cuDNN, the context before the chunk through the paged kernel, merged);
+``cudnn_sdpa``, torch's SDPA on its cuDNN backend over the chunk's own contiguous q/k/v (prefill
+without a prefix only: the reference the issue sets).
 
 Per case and backend: ``us`` is one layer's ``forward`` (the K/V write is the same scatter for
 every backend and is left out), timed on CUDA from a CUDA graph of ``--reps`` calls (what the
@@ -43,8 +52,10 @@ class Case:
 
     @property
     def label(self) -> str:
-        return f"{self.kind} bs={self.batch} ctx={self.context}" if self.kind == "decode" \
-            else f"prefill {self.query} tok"
+        if self.kind == "decode":
+            return f"decode bs={self.batch} ctx={self.context}"
+        prefix = self.context - self.query
+        return f"prefill {self.query} tok" + (f" @{prefix}" if prefix else "")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -56,6 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batches", default=None, help="decode batch sizes (default 1,8,32; --quick: 1,2)")
     ap.add_argument("--contexts", default=None, help="decode contexts (default 512,2048,8192; --quick: 40,100)")
     ap.add_argument("--prefills", default=None, help="prefill lengths (default 512,2048,8192; --quick: 24,48)")
+    ap.add_argument("--chunks", default="", help="Q@P,...: a Q-token chunk after P cached tokens")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -78,9 +90,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.warmup, args.iters, args.reps = 0, 1, 1
     sizes = ("1,2", "40,100", "24,48", "float32") if args.quick else ("1,8,32", "512,2048,8192", "512,2048,8192",
                                                                        "bfloat16")
-    args.batches, args.contexts, args.prefills, args.dtype = (
-        given or default for given, default in zip((args.batches, args.contexts, args.prefills, args.dtype), sizes,
-                                                   strict=True))
+    args.batches, args.contexts, args.prefills, args.dtype = (  # "" given: none of those cases
+        default if given is None else given
+        for given, default in zip((args.batches, args.contexts, args.prefills, args.dtype), sizes, strict=True))
     return args
 
 
@@ -115,6 +127,9 @@ class Bench:
         self.args, self.device, self.dtype = args, device, dtype
         self.cases = [Case("decode", b, c, 1) for b in _ints(args.batches) for c in _ints(args.contexts)]
         self.cases += [Case("prefill", 1, t, t) for t in _ints(args.prefills)]
+        for chunk in filter(None, args.chunks.split(",")):
+            q_len, prefix = (int(x) for x in chunk.split("@"))
+            self.cases.append(Case("prefill", 1, prefix + q_len, q_len))
         max_tokens = max(c.batch * c.context for c in self.cases)
         bs = args.block_size
         num_blocks = -(-max_tokens // bs) + len(self.cases) + 1
@@ -137,26 +152,42 @@ class Bench:
 
     # ---- problems ------------------------------------------------------------------------------
     def problem(self, case: Case):
-        """(step batch without groups, block tables, q) for one case; tables scattered over the pool."""
+        """(step batch without groups, block tables, q, fresh (k, v)) for one case; tables scattered over
+        the pool. q/k/v are views of one projection output, as a layer has them, and the fresh k/v are
+        also what the cache holds at the step's positions."""
         torch = self.torch
         from services.engine.attention import step_batch
 
-        bs = self.args.block_size
+        a, bs = self.args, self.args.block_size
         per_req = -(-case.context // bs)
         gen = torch.Generator().manual_seed(case.batch * 100003 + case.context)
         ids = torch.randperm(self.num_blocks - 1, generator=gen)[: case.batch * per_req]
         tables = ids.view(case.batch, per_req).to(self.device)
         step = step_batch([case.query] * case.batch, [case.context] * case.batch, self.device)
-        q = torch.randn(case.batch * case.query, self.args.heads, self.args.head_dim, device=self.device,
-                        dtype=self.dtype)
-        return step, tables, q
+        tokens = case.batch * case.query
+        qkv = torch.randn(tokens, (a.heads + 2 * a.kv_heads) * a.head_dim, device=self.device, dtype=self.dtype)
+        q, k, v = qkv.split([a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], dim=-1)
+        q = q.view(tokens, a.heads, a.head_dim)
+        k, v = k.view(tokens, a.kv_heads, a.head_dim), v.view(tokens, a.kv_heads, a.head_dim)
+        positions = torch.arange(case.context - case.query, case.context, device=self.device).repeat(case.batch)
+        rows = torch.arange(case.batch, device=self.device).repeat_interleave(case.query)
+        blocks = tables[rows, positions // bs]
+        self.k_cache[blocks, positions % bs] = k
+        self.v_cache[blocks, positions % bs] = v
+        return step, tables, q, (k, v)
 
     def backend(self, name: str, splits: int | None = None, config=None):
         from services.engine.attention import BACKENDS
         from services.engine.attention.triton_paged import TritonPagedBackend
 
-        if name == TritonPagedBackend.name:
-            return TritonPagedBackend(num_splits=splits or self.args.splits, config=config)
+        if name in (TritonPagedBackend.name, "triton_dense"):
+            backend = TritonPagedBackend(num_splits=splits or self.args.splits, config=config,
+                                         dense_min_query=1 if name == "triton_dense" else 0,
+                                         dense_max_prefix_ratio=float("inf"))
+            backend.label = name
+            return backend
+        if name == "cudnn_sdpa":
+            return CudnnReference()
         return BACKENDS[name]()
 
     # ---- timing --------------------------------------------------------------------------------
@@ -213,7 +244,7 @@ class Bench:
         del graph
         return statistics.median(times)
 
-    def measure(self, case: Case, backend, step, tables, q) -> tuple[dict, object]:
+    def measure(self, case: Case, backend, step, tables, q, fresh) -> tuple[dict, object]:
         torch = self.torch
         none = torch.empty(0, dtype=torch.long, device=self.device)
         scale = self.args.head_dim ** -0.5
@@ -225,7 +256,7 @@ class Bench:
         batch = step.with_groups((meta,))
 
         def forward():
-            return backend.forward(q, self.k_cache, self.v_cache, batch, meta, scale, None)
+            return backend.forward(q, self.k_cache, self.v_cache, batch, meta, scale, None, fresh)
 
         with torch.inference_mode():
             out = forward()
@@ -238,10 +269,10 @@ class Bench:
             eager_s = self._time_eager(forward)
             meta_s = self._time_eager(build)
         seconds = graph_s if graph_s is not None else eager_s
-        row = self._row(case, backend.name, seconds)
+        row = self._row(case, getattr(backend, "label", backend.name), seconds)
         row.update(eager_us=round(eager_s * 1e6, 2), meta_us=round(meta_s * 1e6, 2),
                    graph=graph_s is not None)
-        if backend.name == "triton_paged":
+        if backend.name == "triton_paged" and meta.dense is None:
             config, _, splits = backend.plan(batch, self.args.heads, self.args.kv_heads, self.args.head_dim,
                                              self.dtype, self.device)
             row.update(splits=splits, block_m=config.block_m, block_n=config.block_n, num_warps=config.num_warps,
@@ -261,8 +292,8 @@ class Bench:
                 floor = kv_bytes / self.peak_bw
                 row.update(floor_us=round(floor * 1e6, 2), x_floor=round(seconds / floor, 2))
         else:
-            t = case.query
-            flops = 4 * a.heads * a.head_dim * t * (t + 1) // 2
+            t, prefix = case.query, case.context - case.query
+            flops = 4 * a.heads * a.head_dim * (t * prefix + t * (t + 1) // 2)
             row.update(flops=flops, tflops=round(flops / seconds / 1e12, 2))
             if self.peak_flops:
                 row.update(mfu=round(flops / seconds / self.peak_flops, 3))
@@ -275,27 +306,33 @@ class Bench:
         rows: list[dict] = []
         names = [n.strip() for n in self.args.backends.split(",") if n.strip()]
         for case in self.cases:
-            step, tables, q = self.problem(case)
+            step, tables, q, fresh = self.problem(case)
             outs = {}
             for name in names:
-                row, outs[name] = self.measure(case, self.backend(name), step, tables, q)
+                if name == "cudnn_sdpa" and (case.kind != "prefill" or case.context != case.query):
+                    continue  # the reference runs on a prompt's own contiguous q/k/v only
+                if name == "triton_dense" and case.kind != "prefill":
+                    continue
+                row, outs[name] = self.measure(case, self.backend(name), step, tables, q, fresh)
                 rows.append(row)
-            ref = outs["torch_sdpa"].float() if "torch_sdpa" in outs else None
-            if ref is not None:
-                for row in rows[-len(names):]:
-                    row.update(_diff(outs[row["backend"]], ref))
+            ref_name = next((n for n in ("torch_sdpa", "triton_paged") if n in outs), None)
+            if ref_name is not None:
+                ref = outs[ref_name].float()
+                for row in rows[-len(outs):]:
+                    row.update(_diff(outs[row["backend"]], ref), diff_against=ref_name)
             if self.args.sweep and "triton_paged" in names:
                 configs = _sweep_configs(case, self.args.head_dim, KernelConfig)
                 for splits, config in configs:
                     try:
-                        row, out = self.measure(case, self.backend("triton_paged", splits, config), step, tables, q)
+                        row, out = self.measure(case, self.backend("triton_paged", splits, config), step, tables, q,
+                                                fresh)
                     except Exception as e:  # a config the GPU cannot run (shared memory): say so, go on
                         print(f"sweep {case.label} splits={splits} {config}: {type(e).__name__}: {e}",
                               file=sys.stderr)
                         continue
-                    row.update(sweep=True, **(_diff(out, ref) if ref is not None else {}))
+                    row.update(sweep=True, **(_diff(out, ref) if ref_name is not None else {}))
                     rows.append(row)
-            del step, tables, q, outs
+            del step, tables, q, fresh, outs
         return rows
 
     def table(self, rows: list[dict]) -> str:
@@ -322,6 +359,26 @@ class Bench:
                              f"block_n={r['block_n']} warps={r['num_warps']} stages={r['num_stages']}"
                              f"  rel_diff={r.get('rel_diff', float('nan')):.1e}")
         return "\n".join(lines)
+
+
+class CudnnReference:
+    """torch SDPA on its cuDNN backend over the chunk's own q/k/v (grouped heads as they are)."""
+
+    name = "cudnn_sdpa"
+
+    def build_metadata(self, batch, block_tables, write_blocks, write_offsets, sliding_window):
+        return None
+
+    def forward(self, q, k_cache, v_cache, batch, meta, scale, softcap, fresh):
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        k, v = fresh
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2),
+                is_causal=True, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
 
 def _sweep_configs(case: Case, head_dim: int, kernel_config_cls) -> list[tuple[int | None, object]]:

@@ -6,6 +6,9 @@
 #   bash bench/gpu_speed_run.sh engine    dummy Llama-3.1-8B bf16: prefill 512/2k/8k and decode bs 1/8/32 at 2k
 #                                         with triton_paged, beside the floors and HF transformers on the same
 #                                         weights; then the same engine with torch_sdpa
+#   bash bench/gpu_speed_run.sh prefill   the dense prefill path: its CUDA tests (cuDNN against the CPU maths and
+#                                         the paged kernel), one layer's prefill attention paged / dense / torch's
+#                                         cuDNN SDPA, then the engine's prefill with the dense path on and off
 #   bash bench/gpu_speed_run.sh pull      the in-service KV pull beside a raw NIXL READ of the same bytes
 #   bash bench/gpu_speed_run.sh async     pipelined decode steps: their tests and the CUDA-graph/parity tests on
 #                                         CUDA, the e2e serving tests on the GPU, and decode steps pipelined vs sync
@@ -22,9 +25,23 @@ source bench/gpu_env.sh
 for part in "$@"; do
   case "$part" in
     kernels)
-      PDSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/unit/test_attention_backends.py \
-          tests/unit/test_cuda_graphs.py tests/unit/test_engine_parity.py 2>&1 | tee "$OUT/kernels_tests.log" | tail -15
+      PDSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_attention_backends.py \
+          tests/unit/engine/test_cuda_graphs.py tests/unit/engine/test_engine_parity.py 2>&1 | tee "$OUT/kernels_tests.log" | tail -15
       timeout 200 python3 bench/attention.py --json-out "$OUT/attention.jsonl" 2>&1 | tee "$OUT/attention.txt" ;;
+    prefill)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_attention_backends.py 2>&1 \
+          | tee "$OUT/prefill_tests.log" | tail -8
+      timeout 150 python3 bench/attention.py --backends triton_paged,triton_dense,cudnn_sdpa --batches "" --contexts "" \
+          --prefills 512,1024,2048,4096,8192 --chunks 2048@6144,2048@2048,2048@1024,4096@4096 --json-out "$OUT/attention_prefill.jsonl" \
+          2>&1 | tee "$OUT/attention_prefill.txt" ;;
+    prefill_engine)
+      for dense in 1024 0; do
+        hf=$([ "$dense" = 0 ] && echo --hf)
+        PDSERVE_DENSE_MIN_QUERY=$dense timeout 280 python3 bench/engine.py --model dummy:llama-3.1-8b --dtype bfloat16 \
+            --device cuda --prefill-lens 512,2048,8192 --batch-sizes 1 --decode-contexts 2048 --decode-steps 8 \
+            --rounds 2 $hf --json-out "$OUT/engine_dense$dense.jsonl" 2>&1 | grep -v Warning \
+            | tee "$OUT/engine_dense$dense.txt"
+      done ;;
     engine)
       for backend in triton_paged torch_sdpa; do
         hf=$([ "$backend" = triton_paged ] && echo --hf)
@@ -34,7 +51,7 @@ for part in "$@"; do
             | grep -v Warning | tee "$OUT/engine_$backend.txt"
       done ;;
     offload)
-      PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_offload.py \
+      PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_kv_offload.py \
           2>&1 | tee "$OUT/offload_tests.log" | tail -8
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_kv_offload_serving.py 2>&1 \
           | tee "$OUT/offload_e2e.log" | tail -8
@@ -44,8 +61,8 @@ for part in "$@"; do
             | grep -v Warning | tee "$OUT/offload_f$factor.txt"
       done ;;
     async)
-      PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_async_scheduling.py \
-          tests/unit/test_cuda_graphs.py tests/unit/test_engine_parity.py 2>&1 | tee "$OUT/async_tests.log" | tail -8
+      PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_async_scheduling.py \
+          tests/unit/engine/test_cuda_graphs.py tests/unit/engine/test_engine_parity.py 2>&1 | tee "$OUT/async_tests.log" | tail -8
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_serving.py 2>&1 | tee "$OUT/serving_e2e.log" \
           | tail -8
       timeout 250 python3 bench/engine.py --model dummy:llama-3.1-8b --dtype bfloat16 --device cuda --prefill-lens 512 \

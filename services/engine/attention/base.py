@@ -41,6 +41,37 @@ class GroupAttentionMetadata:
     # slot of each token in the padded [num_reqs * max_query_len] query batch.
     mask: torch.Tensor | None = None
     query_slots: torch.Tensor | None = None
+    # triton_paged only: the requests whose fresh tokens attend to each other through a dense kernel.
+    dense: DensePlan | None = None
+
+
+@dataclass(frozen=True)
+class DenseRequest:
+    """A request whose chunk is long enough for a dense causal kernel over its own fresh tokens."""
+
+    index: int  # in the step's requests
+    token_start: int  # its first row of the step's flattened tokens
+    num_tokens: int  # its query length
+    prefix_len: int  # context before the chunk (prefix-cache hits, earlier chunks): read from the pages
+
+
+@dataclass(frozen=True)
+class DensePlan:
+    """How one group's attention splits for a prefill-shaped step.
+
+    The fresh tokens of each dense request attend to each other through a dense causal kernel on
+    this step's contiguous K/V; their earlier context, if any, through the paged kernel, and the two
+    halves merge by their log-sum-exp. ``modes`` [num_reqs] int32 tells the paged kernel what to do
+    per request: ``PAGED`` (everything, as without a plan), ``PREFIX_MERGE`` (the prefix only, then
+    merge with the dense half already in the output) or ``SKIP`` (no prefix: the dense half is all).
+    """
+
+    requests: tuple[DenseRequest, ...]
+    modes: torch.Tensor
+    any_paged: bool  # some request needs the paged kernel at all
+
+
+PAGED, PREFIX_MERGE, SKIP = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -60,6 +91,8 @@ class AttentionBatch:
     query_lens: torch.Tensor  # [num_reqs]
     context_lens: torch.Tensor  # [num_reqs] tokens in context after this step (cached + new)
     groups: tuple[GroupAttentionMetadata, ...] = ()
+    # (query lens, context lens) on the host: known for eager steps, None in a captured graph.
+    host_lens: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def with_groups(self, groups: tuple[GroupAttentionMetadata, ...]) -> AttentionBatch:
         return replace(self, groups=groups)
@@ -75,6 +108,7 @@ def step_batch(query_lens: Sequence[int], context_lens: Sequence[int], device: t
     return AttentionBatch(
         num_reqs=n, num_tokens=starts[-1], max_query_len=max(query_lens), max_context_len=max(context_lens),
         query_start=packed[: n + 1], query_lens=packed[n + 1: 2 * n + 1], context_lens=packed[2 * n + 1:],
+        host_lens=(tuple(query_lens), tuple(context_lens)),
     )
 
 
@@ -119,9 +153,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-                meta: GroupAttentionMetadata, scale: float, softcap: float | None) -> torch.Tensor:
+                meta: GroupAttentionMetadata, scale: float, softcap: float | None,
+                fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Attention of ``q`` [num_tokens, heads, head_dim] over the cache (this step's K/V already
-        written). Returns [num_tokens, heads * head_dim] in ``q``'s dtype."""
+        written). ``fresh``: this step's K/V rows as computed (absent in layers that write none), for a
+        backend that attends to them without the pages. Returns [num_tokens, heads * head_dim] in
+        ``q``'s dtype."""
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -149,6 +186,7 @@ def paged_attention(
     become ``softcap * tanh(scores / softcap)`` before the mask (Gemma-2).
     Returns [num_tokens, heads * head_dim].
     """
-    if k is not None:
-        write_kv(k, v, k_cache, v_cache, meta)
-    return meta.backend.forward(q, k_cache, v_cache, batch, meta, scale, softcap)
+    if k is None:
+        return meta.backend.forward(q, k_cache, v_cache, batch, meta, scale, softcap)
+    write_kv(k, v, k_cache, v_cache, meta)
+    return meta.backend.forward(q, k_cache, v_cache, batch, meta, scale, softcap, fresh=(k, v))

@@ -74,7 +74,8 @@ class TorchSDPABackend(AttentionBackend):
         )
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-                meta: GroupAttentionMetadata, scale: float, softcap: float | None) -> torch.Tensor:
+                meta: GroupAttentionMetadata, scale: float, softcap: float | None,
+                fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         b, qm, lm = batch.num_reqs, batch.max_query_len, batch.max_context_len
         kv_heads = k_cache.shape[2]

@@ -23,6 +23,11 @@ in base 2 (flash-attention style); keys past a row's position, older than the wi
 the program's range get -inf. Only the keys some row of the tile can see are visited: from the
 window start of the tile's first token to the tile's last token.
 
+With ``MODES`` (a ``DensePlan``: long prefill chunks whose fresh tokens a dense kernel already
+attended to, its output in ``Out`` and its log-sum-exp in ``Lse``) each request has a mode: paged
+as above, prefix only (keys before the chunk, then the two halves merged by their log-sum-exp in
+the epilogue), or skipped (no prefix: the dense half is the answer).
+
 With ``SPLIT`` the visited key range is cut into ``num_splits`` contiguous parts (multiples of
 BLOCK_N), one per program; each stores its unnormalised accumulator, running max and sum, and
 ``_reduce_kernel`` merges them (flash-decoding). The partition is computed from the request's
@@ -45,11 +50,13 @@ _sum = tl.sum
 def _attention_kernel(
     Q, K, V, Out, PartAcc, PartMax, PartSum,
     BlockTables, QueryStart, ContextLens,
+    Modes, Lse,  # used with MODES: per-request mode, and the dense half's log-sum-exp (natural log)
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt,
     stride_ot, stride_oh, stride_od,
+    stride_lh, stride_lt,
     num_heads, num_splits, q_tiles,
     qk_scale,  # scale * log2(e); with SOFTCAP, scale alone
     softcap,  # used with SOFTCAP
@@ -64,6 +71,7 @@ def _attention_kernel(
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
+    MODES: tl.constexpr,  # a DensePlan's per-request modes: 0 paged, 1 prefix then merge, 2 skip
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32 rounding); 16-bit inputs ignore it
 ):
     pid = tl.program_id(0)
@@ -71,6 +79,9 @@ def _attention_kernel(
     split = tl.program_id(2)
     req = pid // q_tiles
     tile = pid % q_tiles
+    mode = tl.load(Modes + req) if MODES else 0
+    if mode == 2:
+        return
 
     q_start = tl.load(QueryStart + req)
     q_len = tl.load(QueryStart + req + 1) - q_start
@@ -94,6 +105,8 @@ def _attention_kernel(
     # Keys some row of this tile can see: [k_lo, k_hi).
     last_tok = tl.minimum(q_len, first_tok + TOKENS_PER_TILE) - 1
     k_hi = first_pos + last_tok + 1
+    if mode == 1:  # the fresh tokens were attended densely: only the prefix is left
+        k_hi = first_pos
     k_lo = tl.maximum(first_pos + first_tok - window + 1, 0) if WINDOW else 0
     start = (k_lo // BLOCK_N) * BLOCK_N
     per_split = ((k_hi - start + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
@@ -145,9 +158,19 @@ def _attention_kernel(
         tl.store(PartMax + part, m_i, mask=row_ok)
         tl.store(PartSum + part, l_i, mask=row_ok)
     else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
-                 out.to(Out.dtype.element_ty), mask=out_mask)
+        out_ptrs = Out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
+        if mode == 1:
+            # Merge with the dense half in Out: both halves weighted by their sums of exp (base 2),
+            # the prefix's kept as (acc, m_i, l_i) unnormalised, the dense half's as its LSE.
+            dense = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+            lse = tl.load(Lse + head * stride_lh + token * stride_lt, mask=row_ok, other=0.0) * _LOG2E
+            top = tl.maximum(m_i, lse)
+            w_prefix = tl.exp2(m_i - top)
+            w_dense = tl.exp2(lse - top)
+            out = (acc * w_prefix[:, None] + dense * w_dense[:, None]) / (l_i * w_prefix + w_dense)[:, None]
+        else:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=out_mask)
 
 
 def _reduce_kernel(

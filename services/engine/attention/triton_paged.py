@@ -18,11 +18,22 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
 
-from services.engine.attention.base import AttentionBackend, AttentionBatch, GroupAttentionMetadata
+from services.engine.attention.base import (
+    PAGED,
+    PREFIX_MERGE,
+    SKIP,
+    AttentionBackend,
+    AttentionBatch,
+    DensePlan,
+    DenseRequest,
+    GroupAttentionMetadata,
+)
+from services.engine.attention.dense_causal import dense_causal, dense_unsupported_reason
 
 # Head dims up to this compile to tiles without register spills on sm_90 (512: Gemma-4's full
 # layers, with 16-32 row tiles of 16 keys); a group with wider heads falls back to torch_sdpa.
@@ -34,6 +45,17 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 2
+
+# A chunk of at least this many fresh tokens attends to itself through the dense kernel
+# (``dense_causal``) on CUDA; shorter ones stay in the paged kernel, where a dense call's host cost
+# (~80 us per layer in eager mode) would outweigh what it saves. Chosen by ``bench/attention.py``;
+# ``PDSERVE_DENSE_MIN_QUERY`` overrides it (0: never), the A/B switch of ``bench/engine.py`` runs.
+DENSE_MIN_QUERY_ENV = "PDSERVE_DENSE_MIN_QUERY"
+DENSE_MIN_QUERY = int(os.environ.get(DENSE_MIN_QUERY_ENV, "1024"))
+# A chunk after more cached context than this many times its own length stays paged: the merge
+# costs about what the dense triangle saves once the prefix's rectangle dominates (H100: a
+# 2048-token chunk after 6144 cached tokens took 1048 us split and merged against 1010 us paged).
+DENSE_MAX_PREFIX_RATIO = 1.0
 
 
 @dataclass(frozen=True)
@@ -105,15 +127,24 @@ def triton_import_error() -> str | None:
 
 
 class TritonPagedBackend(AttentionBackend):
-    """``num_splits``/``config``: fixed instead of chosen per step (tests and the benchmark)."""
+    """``num_splits``/``config``: fixed instead of chosen per step (tests and the benchmark).
+    ``dense_min_query``: the chunk length from which fresh tokens go through ``dense_causal``
+    (default ``DENSE_MIN_QUERY`` on CUDA, off on CPU; 0 turns it off); ``dense_max_prefix_ratio``:
+    cached context per fresh token beyond which a chunk stays paged."""
 
     name = "triton_paged"
 
-    def __init__(self, num_splits: int | None = None, config: KernelConfig | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, config: KernelConfig | None = None,
+                 dense_min_query: int | None = None, dense_max_prefix_ratio: float = DENSE_MAX_PREFIX_RATIO
+                 ) -> None:
         if num_splits is not None and not 1 <= num_splits <= 1024:
             raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
+        if dense_min_query is not None and dense_min_query < 0:
+            raise ValueError(f"dense_min_query must be >= 0, got {dense_min_query}")
         self.num_splits = num_splits
         self.config = config
+        self.dense_min_query = dense_min_query
+        self.dense_max_prefix_ratio = dense_max_prefix_ratio
 
     def unsupported_reason(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
         error = triton_import_error()
@@ -131,7 +162,47 @@ class TritonPagedBackend(AttentionBackend):
                        write_offsets: torch.Tensor, sliding_window: int | None) -> GroupAttentionMetadata:
         # Everything the kernel reads is already in the batch (query_start, context_lens) or here.
         return GroupAttentionMetadata(backend=self, write_blocks=write_blocks, write_offsets=write_offsets,
-                                      block_tables=block_tables, sliding_window=sliding_window)
+                                      block_tables=block_tables, sliding_window=sliding_window,
+                                      dense=self._dense_plan(batch, sliding_window, block_tables.device))
+
+    def _dense_plan(self, batch: AttentionBatch, sliding_window: int | None, device: torch.device
+                    ) -> DensePlan | None:
+        """Which requests' fresh tokens go through the dense kernel this step (eager steps with a
+        long chunk only; a windowed group keeps the paged kernel, which skips what the window hides)."""
+        threshold = self.dense_min_query
+        if threshold is None:
+            threshold = DENSE_MIN_QUERY if device.type == "cuda" else 0
+        if not threshold or batch.host_lens is None or batch.max_query_len < threshold or sliding_window:
+            return None
+        requests, modes = [], []
+        start = 0
+        for i, (q_len, ctx) in enumerate(zip(*batch.host_lens, strict=True)):
+            if q_len >= threshold and ctx - q_len <= self.dense_max_prefix_ratio * q_len:
+                requests.append(DenseRequest(i, start, q_len, ctx - q_len))
+                modes.append(PREFIX_MERGE if ctx > q_len else SKIP)
+            else:
+                modes.append(PAGED)
+            start += q_len
+        if not requests:
+            return None
+        return DensePlan(tuple(requests), torch.tensor(modes, dtype=torch.int32, device=device),
+                         any_paged=any(m != SKIP for m in modes))
+
+    def _dense_half(self, q: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor], plan: DensePlan,
+                    num_reqs: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out with every dense request's rows filled, lse [heads, num_tokens] where a prefix follows)."""
+        k, v = fresh
+        num_tokens, num_heads, head_dim = q.shape
+        if num_reqs == 1:  # the whole step is one chunk: its dense output is the output
+            return dense_causal(q, k, v, scale)
+        out = q.new_empty(num_tokens, num_heads, head_dim)
+        lse = torch.empty(num_heads, num_tokens, dtype=torch.float32, device=q.device)
+        for req in plan.requests:
+            rows = slice(req.token_start, req.token_start + req.num_tokens)
+            out[rows], part_lse = dense_causal(q[rows], k[rows], v[rows], scale)
+            if req.prefix_len:
+                lse[:, rows] = part_lse
+        return out, lse
 
     def plan(self, batch: AttentionBatch, num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
              device: torch.device) -> tuple[KernelConfig, int, int]:
@@ -150,18 +221,32 @@ class TritonPagedBackend(AttentionBackend):
         return config, q_tiles, splits
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-                meta: GroupAttentionMetadata, scale: float, softcap: float | None) -> torch.Tensor:
+                meta: GroupAttentionMetadata, scale: float, softcap: float | None,
+                fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         from services.engine.attention.triton_kernels import LOG2E, kernels
 
         num_tokens, num_heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         if num_heads % kv_heads or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
             raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not fit a {kv_heads}-head {k_cache.dtype} cache")
-        out = q.new_empty(num_tokens, num_heads, head_dim)
         if num_tokens == 0:
-            return out.view(0, num_heads * head_dim)
+            return q.new_empty(0, num_heads * head_dim)
+        plan = meta.dense
+        if plan is not None and (fresh is None or softcap is not None
+                                 or dense_unsupported_reason(head_dim, q.dtype, q.device) is not None):
+            plan = None  # a layer that writes no KV, a softcapped one, or a shape the dense kernel lacks
+        if plan is not None:
+            out, lse = self._dense_half(q, fresh, plan, batch.num_reqs, scale)
+            if not plan.any_paged:
+                return out.reshape(num_tokens, num_heads * head_dim)
+            modes = plan.modes
+        else:
+            out = q.new_empty(num_tokens, num_heads, head_dim)
+            lse = modes = out  # not read
         group = num_heads // kv_heads
         config, q_tiles, splits = self.plan(batch, num_heads, kv_heads, head_dim, q.dtype, q.device)
+        if plan is not None and splits > 1:
+            raise ValueError("a dense plan needs an unsplit launch (fix num_splits to 1)")
         block_d = max(16, _next_pow2(head_dim))
         attention_kernel, reduce_kernel = kernels(q.device.type)
         if splits > 1:
@@ -173,15 +258,16 @@ class TritonPagedBackend(AttentionBackend):
         window = meta.sliding_window
         attention_kernel[(batch.num_reqs * q_tiles, kv_heads, splits)](
             q, k_cache, v_cache, out, part_acc, part_max, part_sum,
-            meta.block_tables, batch.query_start, batch.context_lens,
+            meta.block_tables, batch.query_start, batch.context_lens, modes, lse,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), meta.block_tables.stride(0), *out.stride(),
+            *(lse.stride() if plan is not None else (0, 0)),
             num_heads, splits, q_tiles,
             float(scale) if softcap is not None else float(scale) * LOG2E,
             float(softcap) if softcap is not None else 0.0,
             int(window) if window is not None else 0,
             BLOCK_SIZE=block_size, GROUP=group, TOKENS_PER_TILE=config.block_m // group, HEAD_DIM=head_dim,
             BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SOFTCAP=softcap is not None,
-            WINDOW=window is not None, SPLIT=splits > 1,
+            WINDOW=window is not None, SPLIT=splits > 1, MODES=plan is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
@@ -190,4 +276,4 @@ class TritonPagedBackend(AttentionBackend):
                 out, part_acc, part_max, part_sum, *out.stride(), num_heads, splits,
                 HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=_next_pow2(splits), num_warps=4,
             )
-        return out.view(num_tokens, num_heads * head_dim)
+        return out.reshape(num_tokens, num_heads * head_dim)

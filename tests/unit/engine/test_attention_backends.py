@@ -114,19 +114,32 @@ class Problem:
         self.window = window
 
     def run(self, backend, tables: torch.Tensor, cache: KVCache, softcap: float | None,
-            step: AttentionBatch | None = None) -> torch.Tensor:
+            step: AttentionBatch | None = None, fresh: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor:
         step = step or self.step
         none = torch.empty(0, dtype=torch.long, device=DEVICE)
         meta = backend.build_metadata(step, tables, none, none, self.window)
         k_cache, v_cache = cache.views[1]
         scale = self.q.shape[-1] ** -0.5
-        return backend.forward(self.q, k_cache, v_cache, step.with_groups((meta,)), meta, scale, softcap)
+        return backend.forward(self.q, k_cache, v_cache, step.with_groups((meta,)), meta, scale, softcap, fresh)
+
+    def fresh(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's K/V rows as the layer computed them: each request's last query-length positions."""
+        k_view, v_view = self.ref_cache.views[1]
+        rows = []
+        for i, (q_len, ctx) in enumerate(zip(*self.step.host_lens, strict=True)):
+            positions = torch.arange(ctx - q_len, ctx, device=DEVICE)
+            blocks = self.ref_tables[i][positions // k_view.shape[1]]
+            rows.append((blocks, positions % k_view.shape[1]))
+        blocks, slots = torch.cat([b for b, _ in rows]), torch.cat([s for _, s in rows])
+        return k_view[blocks, slots], v_view[blocks, slots]
 
     def reference(self, softcap: float | None) -> torch.Tensor:
         return self.run(TorchSDPABackend(), self.ref_tables, self.ref_cache, softcap)
 
-    def kernel(self, backend: TritonPagedBackend, softcap: float | None, step: AttentionBatch | None = None):
-        return self.run(backend, self.kernel_tables, self.kernel_cache, softcap, step)
+    def kernel(self, backend: TritonPagedBackend, softcap: float | None, step: AttentionBatch | None = None,
+               fresh: tuple[torch.Tensor, torch.Tensor] | None = None):
+        return self.run(backend, self.kernel_tables, self.kernel_cache, softcap, step, fresh)
 
 
 def _rel_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -167,6 +180,58 @@ def test_triton_matches_sdpa_16_bit(dtype: torch.dtype) -> None:
     got = problem.kernel(TritonPagedBackend(num_splits=2), softcap=4.0)
     assert got.dtype == dtype
     assert _rel_error(got, expected) < TOLERANCE[dtype]
+
+
+# (requests, heads, kv_heads, head_dim, dense_min_query): long chunks after a prefix merge the dense
+# half with the paged prefix; a fresh one is the dense half alone; short rows stay paged.
+DENSE_CASES = {
+    "mixed": (MIXED, 4, 2, 16, 5),  # (7, 37): prefix + merge; (9, 9): dense only; decode rows paged
+    "one-chunk-after-prefix": (((12, 40),), 8, 2, 32, 8),  # the step is the one request: no copy
+    "one-fresh-chunk": (((12, 12),), 4, 1, 16, 8),  # no paged launch at all
+    "two-long-chunks": (((10, 26), (1, 3), (11, 11)), 4, 4, 16, 10),
+}
+
+
+@pytest.mark.parametrize("name", list(DENSE_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dense_fresh_tokens_merge_with_the_paged_prefix(name: str, dtype: torch.dtype) -> None:
+    """The fresh tokens through ``dense_causal`` (cuDNN on CUDA, torch maths on CPU), the context
+    before the chunk through the paged kernel, merged by log-sum-exp: equal to the whole-context
+    reference. Without the fresh K/V (a KV-shared layer) or with a softcap, the plan is ignored."""
+    requests, heads, kv_heads, head_dim, threshold = DENSE_CASES[name]
+    dtype = dtype if dtype != torch.float32 or ON_CPU else torch.bfloat16  # cuDNN: 16-bit only
+    problem = Problem(requests, heads, kv_heads, head_dim, 16, NHD_CROSS, dtype, window=None)
+    backend = TritonPagedBackend(dense_min_query=threshold, dense_max_prefix_ratio=float("inf"))
+    meta = backend.build_metadata(problem.step, problem.kernel_tables, torch.empty(0), torch.empty(0), None)
+    assert meta.dense is not None and meta.dense.requests
+    expected = problem.reference(None)
+    got = problem.kernel(backend, None, fresh=problem.fresh())
+    assert got.shape == expected.shape
+    assert _rel_error(got, expected) < TOLERANCE[dtype]
+    assert _rel_error(problem.kernel(backend, None), expected) < TOLERANCE[dtype]  # no fresh K/V: paged
+    capped = problem.kernel(backend, 3.0, fresh=problem.fresh())
+    assert _rel_error(capped, problem.reference(3.0)) < TOLERANCE[dtype]
+
+
+def test_dense_plan_rules() -> None:
+    batch = step_batch([1, 7, 9, 3], [37, 37, 9, 40], DEVICE)
+    tables = torch.zeros(4, 3, dtype=torch.long, device=DEVICE)
+    plan = TritonPagedBackend(dense_min_query=5, dense_max_prefix_ratio=5).build_metadata(
+        batch, tables, tables, tables, None).dense
+    assert [(r.index, r.token_start, r.num_tokens, r.prefix_len) for r in plan.requests] == [(1, 1, 7, 30),
+                                                                                           (2, 8, 9, 0)]
+    assert plan.modes.tolist() == [0, 1, 2, 0] and plan.any_paged
+    # a chunk after more cached context than its own length stays paged by default
+    plan = TritonPagedBackend(dense_min_query=5).build_metadata(batch, tables, tables, tables, None).dense
+    assert [r.index for r in plan.requests] == [2] and plan.modes.tolist() == [0, 0, 2, 0]
+    assert TritonPagedBackend(dense_min_query=10).build_metadata(batch, tables, tables, tables, None).dense is None
+    assert TritonPagedBackend(dense_min_query=5).build_metadata(batch, tables, tables, tables, 16).dense is None
+    assert TritonPagedBackend(dense_min_query=0).build_metadata(batch, tables, tables, tables, None).dense is None
+    graph_like = AttentionBatch(4, 20, 9, 40, batch.query_start, batch.query_lens, batch.context_lens)
+    assert TritonPagedBackend(dense_min_query=5).build_metadata(graph_like, tables, tables, tables, None).dense is None
+    cpu_default = TritonPagedBackend().build_metadata(step_batch([4096], [4096], torch.device("cpu")),
+                                                      tables.cpu(), tables.cpu(), tables.cpu(), None)
+    assert cpu_default.dense is None  # on CPU only when asked for
 
 
 def test_upper_bound_context_and_tile_override() -> None:
@@ -210,19 +275,21 @@ from tests.sm90_compile import compile_for_sm90 as compile_
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 attention, reduce = triton.jit(tk._attention_kernel), triton.jit(tk._reduce_kernel)
 
-for dtype, head_dim, group, max_q in ((torch.bfloat16, 128, 4, 1), (torch.bfloat16, 128, 4, 512),
-                                      (torch.float16, 256, 2, 1), (torch.bfloat16, 512, 8, 64),
-                                      (torch.float32, 64, 1, 512)):
+for dtype, head_dim, group, max_q, modes in ((torch.bfloat16, 128, 4, 1, False), (torch.bfloat16, 128, 4, 512, False),
+                                             (torch.bfloat16, 128, 4, 2048, True), (torch.float16, 256, 2, 1, False),
+                                             (torch.bfloat16, 512, 8, 64, False), (torch.float32, 64, 1, 512, False)):
     c = kernel_config(head_dim, group, max_q, dtype)
     t = TYPES[dtype]
     pointers = dict(Q=t, K=t, V=t, Out=t, PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32", BlockTables="*i64",
-                    QueryStart="*i32", ContextLens="*i32", qk_scale="fp32", softcap="fp32")
+                    QueryStart="*i32", ContextLens="*i32", Modes="*i32", Lse="*fp32", qk_scale="fp32",
+                    softcap="fp32")
     constexprs = dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, BLOCK_SIZE=16, GROUP=group,
                       TOKENS_PER_TILE=c.block_m // group, HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)),
-                      BLOCK_M=c.block_m, BLOCK_N=c.block_n, SOFTCAP=True, WINDOW=True, SPLIT=max_q == 1,
+                      BLOCK_M=c.block_m, BLOCK_N=c.block_n, SOFTCAP=not modes, WINDOW=not modes,
+                      SPLIT=max_q == 1, MODES=modes,
                       DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
     aligned = [n for n in pointers if n.isupper() or n[0].isupper()] + ["stride_kb", "stride_ks", "stride_kh"]
-    print("attention", dtype, head_dim, group, max_q, c, compile_(attention, pointers, constexprs, aligned,
+    print("attention", dtype, head_dim, group, max_q, modes, c, compile_(attention, pointers, constexprs, aligned,
                                                                   c.num_warps, c.num_stages))
 print("reduce", compile_(reduce, dict(Out="*bf16", PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32"),
                          dict(stride_od=1, HEAD_DIM=128, BLOCK_D=128, SPLITS=16), [], 4, 2))
@@ -232,7 +299,7 @@ print("reduce", compile_(reduce, dict(Out="*bf16", PartAcc="*fp32", PartMax="*fp
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_without_spills() -> None:
     lines = compile_script_lines(_COMPILE_FOR_SM90)
-    assert len(lines) == 6 and lines[-1].startswith("reduce"), lines
+    assert len(lines) == 7 and lines[-1].startswith("reduce"), lines
 
 
 # ---- choosing backends -----------------------------------------------------------------------------
@@ -306,6 +373,27 @@ def test_engine_greedy_parity(checkpoint: str, monkeypatch: pytest.MonkeyPatch) 
         for (start, expected), (got_start, chunk) in zip(ref.logits, got.logits, strict=True):
             assert start == got_start
             assert _rel_error(chunk, expected) < TOLERANCE[torch.float32]
+
+
+def test_engine_dense_prefill_matches_paged(checkpoint: str) -> None:
+    """Prefill chunks through the dense path (fresh tokens dense, earlier chunks and prefix-cache hits
+    paged, merged) give the paged kernel's greedy tokens and logits: float32 through the CPU maths,
+    float16 through cuDNN on CUDA. Gemma-2's soft-capped layers keep the paged kernel throughout."""
+    dtype = "float32" if ON_CPU else "float16"
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, return_logits=True)
+    runs = {}
+    for threshold in (0, 4):
+        engine = _engine(checkpoint, "triton_paged", dtype=dtype)
+        for backend in engine.runner.group_backends:
+            backend.dense_min_query, backend.dense_max_prefix_ratio = threshold, float("inf")
+        prompts = _prompts(engine.model_config.vocab_size)
+        _, first = run_to_completion(engine, prompts, params)
+        _, second = run_to_completion(engine, prompts, params)  # prefix-cache hits
+        runs[threshold] = first + second
+    for ref, got in zip(runs[0], runs[4], strict=True):
+        assert got.token_ids == ref.token_ids
+        for (_, expected), (_, chunk) in zip(ref.logits, got.logits, strict=True):
+            assert _rel_error(chunk, expected) < TOLERANCE[getattr(torch, dtype)]
 
 
 def test_engine_decode_graph_path(checkpoint: str) -> None:
