@@ -69,9 +69,11 @@ workers' ``pdserve_role_switches_total``, ``pdserve_router_migrated_requests_tot
 Metrics per setup: completed and failed requests (a request fails on an HTTP error, an error event in
 the stream, a broken connection, the ``--request-timeout-s`` deadline, or fewer tokens than asked
 for; failures are counted and listed, never dropped), duration (first arrival to last completion),
-request and output-token throughput, TTFT, ITL and end-to-end latency p50/p99. TTFT is from sending
-the request to the first token's chunk; ITL is the gap between token chunks, split evenly over the
-tokens of a chunk that carries several.
+request and output-token throughput, TTFT, time to the second token (T2T), ITL and end-to-end latency p50/p99.
+TTFT is from sending the request to the first token's chunk; T2T is the second token's arrival minus the first's
+(0 when one chunk carries both): on a disaggregated setup the KV transfer not hidden behind the prefill shows
+there (``--router-args --no-kv-parts`` pulls a prompt's KV in one piece after its prefill instead of per prefill
+chunk); ITL is the gap between token chunks, split evenly over the tokens of a chunk that carries several.
 
 SLO and goodput: a request meets the SLO when it completed, its TTFT <= ``--slo-ttft-ms`` and its
 *mean* ITL (TPOT: (last token - first token) / (tokens - 1)) <= ``--slo-itl-ms``. Goodput is the
@@ -275,7 +277,9 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ma
         return _failed(f"{tokens} of {max_tokens} tokens", started)
     itl = [(b - a) / n for (a, _), (b, n) in zip(chunks, chunks[1:], strict=False) for _ in range(n)]
     first, last = chunks[0][0], chunks[-1][0]
-    return {"ok": True, "ttft": first - started, "itl": itl, "tpot": (last - first) / (tokens - 1) if tokens > 1
+    second = first if chunks[0][1] > 1 or len(chunks) < 2 else chunks[1][0]
+    return {"ok": True, "ttft": first - started, "t2t": second - first if tokens > 1 else None,
+            "itl": itl, "tpot": (last - first) / (tokens - 1) if tokens > 1
             else 0.0, "latency": done - started, "tokens": tokens}
 
 
@@ -324,6 +328,7 @@ def summarize(results: list[dict], duration: float, slo_ttft_s: float, slo_itl_s
     ok = [r for r in results if r["ok"]]
     good = [r for r in ok if r["ttft"] <= slo_ttft_s and r["tpot"] <= slo_itl_s]
     ttft, itl = [r["ttft"] for r in ok], [x for r in ok for x in r["itl"]]
+    t2t = [r["t2t"] for r in ok if r.get("t2t") is not None]
     latency, tpot = [r["latency"] for r in ok], [r["tpot"] for r in ok]
     goodput = len(good) / duration
     return {
@@ -334,6 +339,7 @@ def summarize(results: list[dict], duration: float, slo_ttft_s: float, slo_itl_s
         "slo_met": len(good), "goodput_req_s": goodput, "goodput_per_gpu_req_s": goodput / num_gpus if num_gpus
         else None,
         "ttft_p50_ms": percentile(ttft, 0.5) * 1e3, "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
+        "t2t_p50_ms": percentile(t2t, 0.5) * 1e3, "t2t_p99_ms": percentile(t2t, 0.99) * 1e3,
         "itl_p50_ms": percentile(itl, 0.5) * 1e3, "itl_p99_ms": percentile(itl, 0.99) * 1e3,
         "tpot_p50_ms": percentile(tpot, 0.5) * 1e3, "tpot_p99_ms": percentile(tpot, 0.99) * 1e3,
         "e2e_p50_ms": percentile(latency, 0.5) * 1e3, "e2e_p99_ms": percentile(latency, 0.99) * 1e3,
@@ -486,12 +492,14 @@ def run_setup(kind: str, args, devices: list[str], worker_argv: tuple[str, ...],
             prefill = [d.address for d in started if d.role == "prefill"]
             decode = [d for d in started if d.role == "decode"]
             threshold = NO_DIRECT if prefill else ALWAYS_DIRECT
-            router = start_router(args.model, prefill, [d.address for d in decode], direct_decode_threshold=threshold)
+            router = start_router(args.model, prefill, [d.address for d in decode], *args.router_args.split(),
+                                  direct_decode_threshold=threshold)
             try:
                 asyncio.run(warm_up(router.url, [len(r.prompt) for r in workload], args.request_timeout_s))
                 if kind == "planner":  # a fresh router: the planner's window must not start with the warm-up
                     stop_router(router)
                     router = start_router(args.model, prefill, [d.address for d in decode], *router_argv,
+                                          *args.router_args.split(),
                                           direct_decode_threshold=threshold)
                 counted = started if kind == "planner" else decode
                 before = [finished_on(d, kind == "planner") for d in counted]
@@ -505,6 +513,7 @@ def run_setup(kind: str, args, devices: list[str], worker_argv: tuple[str, ...],
                 row["per_request"] = [
                     {"phase": req.phase, "arrival_s": round(req.arrival_s, 3), "prompt": len(req.prompt),
                      "output": req.output_len, "ok": r["ok"], "ttft_ms": round(r["ttft"] * 1e3, 1) if r["ok"] else None,
+                     "t2t_ms": round(r["t2t"] * 1e3, 1) if r["ok"] and r["t2t"] is not None else None,
                      "tpot_ms": round(r["tpot"] * 1e3, 2) if r["ok"] else None}
                     for req, r in zip(workload, results, strict=True)]
                 if phases:
@@ -564,7 +573,7 @@ def planner_report(watch: PlannerWatch, router_url: str, workers: list[Daemon], 
     return report
 
 
-RATIO_FIELDS = ("req_s", "output_tok_s", "goodput_req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+RATIO_FIELDS = ("req_s", "output_tok_s", "goodput_req_s", "ttft_p50_ms", "ttft_p99_ms", "t2t_p50_ms", "itl_p50_ms",
                 "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
 
 
@@ -674,6 +683,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-kv-blocks", type=int, default=None,
                     help="every worker's --num-kv-blocks (needed when workers share a GPU)")
     ap.add_argument("--worker-args", default="", help='more worker flags, e.g. "--enforce-eager"')
+    ap.add_argument("--router-args", default="", help='more router flags, e.g. "--no-kv-parts"')
     ap.add_argument("--request-timeout-s", type=float, default=600.0, help="a request slower than this fails")
     ap.add_argument("--setups", default=None,
                     help="which of disagg, colocated, planner (or their names, e.g. 1p1d) to run (default: the "
@@ -800,7 +810,8 @@ def print_table(rows: list[dict], ratios: list[dict], note: str | None) -> None:
     cols = [("ok", "completed", "d"), ("fail", "failed", "d"), ("dur s", "duration_s", ".1f"),
             ("req/s", "req_s", ".2f"), ("tok/s", "output_tok_s", ".1f"), ("good/s", "goodput_req_s", ".2f"),
             ("good/GPU", "goodput_per_gpu_req_s", ".2f"), ("TTFT p50", "ttft_p50_ms", ".0f"),
-            ("p99", "ttft_p99_ms", ".0f"), ("ITL p50", "itl_p50_ms", ".1f"), ("p99", "itl_p99_ms", ".1f"),
+            ("p99", "ttft_p99_ms", ".0f"), ("T2T p50", "t2t_p50_ms", ".0f"), ("p99", "t2t_p99_ms", ".0f"),
+            ("ITL p50", "itl_p50_ms", ".1f"), ("p99", "itl_p99_ms", ".1f"),
             ("E2E p50", "e2e_p50_ms", ".0f"), ("p99", "e2e_p99_ms", ".0f")]
     width = max([17, *(len(r["setup"]) for r in rows + ratios)])
     print(f"{'setup':>{width}} " + " ".join(f"{name:>9}" for name, _, _ in cols) + "   (ms for latencies)")

@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 # The outcomes each role counts in pdserve_requests_total.
 # decode "pull_required": refused because its pull was required (the router's --enforce-disagg) and failed;
 # decode "migrated": given back unfinished by a role switch's drain (the router finished it elsewhere)
-REQUEST_OUTCOMES = {"prefill": ("ticket", "finished", "invalid"),
+REQUEST_OUTCOMES = {"prefill": ("ticket", "kv_part", "finished", "invalid"),
                     "decode": ("finished", "invalid", "pull_required", "migrated")}
 # pdserve_role_switches_total's results (services/worker/role_switch.py): switched, failed (the drain could
 # not end), cancelled (the caller gave up during the drain; the worker kept its role).
@@ -151,7 +151,7 @@ class WorkerMetrics:
                 self.pull_stage_seconds.labels(self.role, stage)
             for result in PROBE_RESULTS:
                 self.kv_probes.labels(self.role, result)
-        kind, reasons = ("ticket", ("signature", "mismatch", "digest")) if self.role == "decode" else \
+        kind, reasons = ("ticket", ("signature", "mismatch", "digest", "part")) if self.role == "decode" else \
             ("notification", ("unknown", "duplicate"))
         for reason in reasons:
             self.kv_refused.labels(self.role, kind, reason)

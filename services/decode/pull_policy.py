@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,6 +88,31 @@ class StartedRequest:
     recomputed_locally: bool = False
 
 
+class PartPulls:
+    """How far a request's part tickets came (``start_parts``): each must start where the one before ended and
+    name this request and prompt; the last ends at the prompt's end and carries the first token."""
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.end = 0  # tokens covered by the parts so far
+        self.last: kv_pb2.TransferTicket | None = None
+        self.failure: str | None = None
+        self.num_pulled = 0
+
+    def accept(self, ticket: kv_pb2.TransferTicket, rid: str) -> str | None:
+        """Take the next part; why it does not fit, if it does not (it is not pulled then)."""
+        whole = max(ticket.num_prompt_tokens, ticket.num_tokens)
+        problem = None
+        if ticket.request_id != rid or whole != self.num_prompt_tokens:
+            problem = f"a KV part of request {ticket.request_id!r} ({whole} tokens)"
+        elif ticket.part_start_token != self.end or not self.end < ticket.num_tokens <= whole:
+            problem = f"a KV part of tokens {ticket.part_start_token}..{ticket.num_tokens} after tokens 0..{self.end}"
+        self.end = max(self.end, ticket.num_tokens)
+        if ticket.num_tokens >= self.num_prompt_tokens:
+            self.last = ticket
+        return None if problem is None else f"{problem} does not continue the prompt's KV; refused"
+
+
 class PullPolicy:
     """Starts decode requests: pulled KV when it can, local prefill when it must (metrics say which)."""
 
@@ -139,6 +164,88 @@ class PullPolicy:
             raise PullRequired(failure)
         log.warning("request %s: %s; prefilling locally", rid, failure)
         return await self._recompute(rid, prompt, params, ticket.first_token_id)
+
+    async def start_parts(self, rid: str, prompt: list[int], params: SamplingParams,
+                          parts: AsyncIterator[kv_pb2.TransferTicket], *, require_pull: bool = False) -> StartedRequest:
+        """Start ``rid`` from its KV in parts (``GenerateParts``): reserve the whole prompt's blocks now, pull
+        each part ticket into them as it arrives (parts.py checks they follow each other), then run with the
+        last part's first token. ValueError for bad input (nothing is left reserved).
+
+        On a failed part the reservation is dropped, the later parts are only read to their end, and the prompt
+        plus the last part's first token is prefilled here (``require_pull``: :class:`PullRequired` at once).
+        Parts that end before the last one (the prefill worker failed: the router has no first token either)
+        leave the prompt to be prefilled here from scratch, as without a ticket."""
+        started = time.perf_counter()
+        request = await self._reserve(rid, prompt, params)  # ValueError here: nothing reserved under this call
+        pulled = PartPulls(len(prompt))
+        if request is None:
+            pulled.failure = f"no KV blocks or sequence seat free for {self.reserve_timeout_s:.0f} s"
+        try:
+            if pulled.failure is None or not require_pull:
+                await self._pull_parts(rid, request, parts, pulled, require_pull, time.perf_counter() - started)
+        except BaseException:
+            # Cancelled (the router gave up), the parts' stream broke, or a bad part: nobody will read this
+            # request, so it must not keep its blocks.
+            await asyncio.shield(self.engine.abort(rid))
+            raise
+        if pulled.failure is None:
+            return StartedRequest()
+        if require_pull:
+            log.warning("request %s: %s; failing it (the router requires pulled KV)", rid, pulled.failure)
+            raise PullRequired(pulled.failure)
+        log.warning("request %s: %s; prefilling locally", rid, pulled.failure)
+        if pulled.last is None:  # no first token came: the prompt is prefilled here from scratch, as without a ticket
+            self.metrics.local_recomputes.labels("decode").inc()
+            await self.engine.add_request(rid, prompt, params)
+            return StartedRequest()
+        return await self._recompute(rid, prompt, params, pulled.last.first_token_id)
+
+    async def _pull_parts(self, rid: str, request: Request | None, parts: AsyncIterator[kv_pb2.TransferTicket],
+                          pulled: PartPulls, require_pull: bool, reserve_s: float) -> None:
+        """Pull each part into the reserved blocks; after the last, complete the request with its first token.
+        On any failure the reservation is dropped (or quarantined) at once; the parts are then read to their
+        end (the last one has the first token a local prefill continues from) unless the pull is required."""
+        async for ticket in parts:
+            problem = pulled.accept(ticket, rid)
+            if pulled.failure is None and problem is not None:
+                pulled.failure = problem
+                self.metrics.kv_refused.labels("decode", "ticket", "part").inc()
+                await self.engine.abort(rid)
+            if pulled.failure is None:
+                await self._pull_part(request, ticket, pulled, reserve_s)
+            if (pulled.failure is not None and require_pull) or pulled.last is not None:
+                break
+        if pulled.failure is not None:
+            return
+        if pulled.last is None:
+            await self.engine.abort(rid)
+            pulled.failure = f"the prompt's KV parts ended at token {pulled.end} of {pulled.num_prompt_tokens}, " \
+                             "before its last part (the prefill worker failed)"
+            return
+        try:
+            await self.engine.complete_external_kv(rid, pulled.last.first_token_id, pulled.last.first_token_logprob)
+        except ValueError as e:  # the last part's first token does not fit (e.g. not in the grammar)
+            await self.engine.abort(rid)
+            pulled.failure = f"the ticket's first token is refused ({e})"
+
+    async def _pull_part(self, request: Request, ticket: kv_pb2.TransferTicket, pulled: PartPulls,
+                         reserve_s: float) -> None:
+        """One part into the request's blocks (what its own prefix cache holds is not read again)."""
+        rid = request.request_id
+        cached = min(max(request.num_cached_tokens, ticket.part_start_token), ticket.num_tokens)
+        try:
+            result = await self.puller.pull(ticket, request.block_ids, cached)
+        except PULL_ERRORS as e:
+            self._count_failure(e)
+            if isinstance(e, TransferTimeout) and not e.aborted:
+                await self._quarantine(rid)
+            else:
+                await self.engine.abort(rid)
+            pulled.failure = f"KV pull of tokens {ticket.part_start_token}..{ticket.num_tokens} from " \
+                             f"{ticket.engine_id} failed ({e})"
+            return
+        self._count_pull(rid, result, 0.0 if pulled.num_pulled else reserve_s, 0.0)
+        pulled.num_pulled += 1
 
     async def _recompute(self, rid: str, prompt: list[int], params: SamplingParams,
                          first_token_id: int) -> StartedRequest:

@@ -118,6 +118,41 @@ class DecodeServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.De
         async for chunk in self._stream(request.request_id, len(prompt), start, started):
             yield chunk
 
+    async def GenerateParts(self, request_iterator: AsyncIterator[worker_pb2.GenerateInput],  # noqa: N802
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.TokenChunk]:
+        """Generate whose KV arrives as part tickets, pulled as they come (``PullPolicy.start_parts``)."""
+        await self.admit_role("decode", context)
+        async with self.server.in_flight.admit(context, "decode worker"):
+            self.num_active += 1
+            try:
+                async for chunk in self._generate_parts(request_iterator, context):
+                    yield chunk
+            finally:
+                self.num_active -= 1
+
+    async def _generate_parts(self, inputs: AsyncIterator[worker_pb2.GenerateInput],
+                              context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.TokenChunk]:
+        started = time.monotonic()
+        first = await anext(aiter(inputs), None)
+        if first is None or not first.HasField("start") or first.start.HasField("ticket"):
+            self.metrics.requests.labels("decode", "invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "GenerateParts starts with a GenerateRequest "
+                                "without a ticket; its KV comes in the part tickets after it")
+        request, prompt = first.start, list(first.start.prompt_token_ids)
+        try:
+            params = sampling_from_proto(request.params)
+            start = await self.policy.start_parts(request.request_id, prompt, params, _part_tickets(inputs),
+                                                  require_pull=request.require_pull)
+        except ValueError as e:
+            self.metrics.requests.labels("decode", "invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except PullRequired as e:
+            self.metrics.requests.labels("decode", PULL_REQUIRED_OUTCOME).inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the KV pull is required and could not be done: {e.reason}")
+        async for chunk in self._stream(request.request_id, len(prompt), start, started):
+            yield chunk
+
     async def _stream(self, rid: str, num_prompt_tokens: int, start: StartedRequest,
                       started: float) -> AsyncIterator[worker_pb2.TokenChunk]:
         """The request's chunks, timed: TTFT here is arrival (pull included) to the first token this
@@ -215,6 +250,14 @@ class DecodeServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.De
             finally:
                 self.num_active -= 1
         return result.to_proto()
+
+
+async def _part_tickets(inputs: AsyncIterator[worker_pb2.GenerateInput]) -> AsyncIterator:
+    """The part tickets after GenerateParts' first message; anything else is a ValueError."""
+    async for message in inputs:
+        if not message.HasField("part") or message.HasField("start"):
+            raise ValueError("every GenerateParts message after the first is one part ticket")
+        yield message.part
 
 
 def _chunk(out: RequestOutput, num_prompt_tokens: int, recomputed: bool) -> worker_pb2.TokenChunk:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from services.contract.sampling_params import SamplingParams
 from services.contract.structured import StructuredOutputError
 from services.engine.kv_cache.events import KVCacheContents
+from services.engine.kv_parts import PartWatch, PinnedPart
 from services.engine.llm_engine import LLMEngine
 from services.engine.offload import HostTierStats
 from services.engine.output_processor import RequestOutput
@@ -60,6 +61,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
+        self._parts = PartWatch()  # prefills whose KV is handed out per chunk (engine thread only)
         self.stats = self._read_stats()
         # A finished host-tier copy wakes the engine thread to take it in.
         engine.external_kv.on_load_finished(lambda: self._commands.put(_wake_up))
@@ -111,18 +113,27 @@ class AsyncEngine:
             raise ValueError(str(exc)) from None
 
     async def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                          hold_kv_on_finish: bool = False, grammar_prefix: Sequence[int] = ()) -> Request:
+                          hold_kv_on_finish: bool = False, grammar_prefix: Sequence[int] = (),
+                          kv_part_align: int = 0) -> Request:
         """Queue a request; read its outputs with :meth:`outputs`. ValueError for bad input.
 
         ``grammar_prefix``: output tokens that are part of the prompt here (a first token sampled by the
         prefill worker, recomputed locally) and already part of the structured output's document.
+        ``kv_part_align`` > 0 (prefill, KV sent per chunk): its prompt's computed blocks are pinned in parts
+        ending on multiples of that many tokens, read with :meth:`outputs_with_parts`.
         """
         grammar = await self._grammar(params, grammar_prefix)
         self._open_stream(request_id)
+
+        def add(e: LLMEngine) -> Request:
+            request = e.add_request(request_id, prompt_token_ids, params, hold_kv_on_finish=hold_kv_on_finish,
+                                    grammar=grammar)
+            if kv_part_align:
+                self._parts.watch(request_id, kv_part_align, len(prompt_token_ids))
+            return request
+
         try:
-            return await self.call(
-                lambda e: e.add_request(request_id, prompt_token_ids, params, hold_kv_on_finish=hold_kv_on_finish,
-                                        grammar=grammar))
+            return await self.call(add)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -181,9 +192,16 @@ class AsyncEngine:
         """``LLMEngine.kv_snapshot`` on the engine thread: the keys cached now and the last event they reflect."""
         return await self.call(lambda e: e.kv_snapshot())
 
-    async def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+    def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Leaving early (cancellation, a client
         that went away) aborts the request on the engine, so nothing is left running or held."""
+        return self._stream_items(request_id)
+
+    def outputs_with_parts(self, request_id: str) -> AsyncIterator[RequestOutput | PinnedPart]:
+        """:meth:`outputs` of a request added with ``kv_part_align``, with its ``PinnedPart``s in step order."""
+        return self._stream_items(request_id)
+
+    async def _stream_items(self, request_id: str) -> AsyncIterator:
         stream = self._streams.get(request_id)
         if stream is None:
             raise KeyError(f"no request {request_id!r} is streaming")
@@ -194,7 +212,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finished:
+                if isinstance(item, RequestOutput) and item.finished:
                     finished = True
                     return
         finally:
@@ -226,6 +244,9 @@ class AsyncEngine:
                 if self._can_step():
                     for out in self.engine.step():
                         self._loop.call_soon_threadsafe(self._deliver, out)
+                    if self._parts:
+                        for part in self._parts.collect(self.engine):
+                            self._loop.call_soon_threadsafe(self._deliver, part)
                     # Waiting requests that do not fit while nothing runs: blocks come back only through a
                     # command (a pull completing, held KV released, an abort), so wait for one, not spin.
                     stalled = not self.engine.last_step_ran
@@ -268,7 +289,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._streams[request_id] = asyncio.Queue()
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, out: RequestOutput | PinnedPart) -> None:
         stream = self._streams.get(out.request_id)
         if stream is not None:
             stream.put_nowait(out)

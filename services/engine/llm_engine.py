@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from services.contract.outputs import TopLogprobs
 from services.contract.sampling_params import SamplingParams
 from services.contract.structured import StructuredOutputError
@@ -280,8 +282,19 @@ class LLMEngine:
         self.external_kv.pull_failed(request_id)
 
     def release_held_kv(self, request_id: str) -> bool:
-        """Prefill side: free the blocks a finished ``hold_kv_on_finish`` request kept for a pull."""
+        """Prefill side: free the blocks a finished ``hold_kv_on_finish`` request kept for a pull, and the
+        blocks its part tickets pinned (``pin_kv_part``)."""
         return self.external_kv.release_held(request_id)
+
+    def pin_kv_part(self, request_id: str, start: int, end: int, num_prompt_tokens: int) -> list[list[int]] | None:
+        """Prefill side, KV sent per chunk: pin a running request's computed blocks of tokens ``start .. end``
+        for a part ticket (``kv_parts.py``); its tables to ``end``, or None when it is not running with them."""
+        return self.scheduler.pin_computed(request_id, start, end, num_prompt_tokens)
+
+    def wait_for_kv_writes(self) -> None:
+        """Block until every step launched so far has written its KV on the device (a reader may read it next)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def quarantine_external_kv(self, request_id: str) -> str:
         """Decode side: retire a request whose READ may still write its blocks; they stay out of the pool

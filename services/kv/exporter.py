@@ -24,7 +24,7 @@ from services.kv.notifications import NotificationTracker
 from services.kv.pair_support import group_heads_from_fields
 from services.kv.rank import KVRank
 from services.kv.topology import group_rank_reads, group_readers_per_remote_rank
-from services.kv.wire import notification_key, notification_request, ticket_signature
+from services.kv.wire import notification_key, notification_parts, notification_request, ticket_signature
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 
@@ -48,7 +48,6 @@ class KVExporter:
         self.identity = identity
         self.epoch = epoch if epoch is not None else time.time_ns()
         self._ticket_key = secrets.token_bytes(32)  # this epoch's; readers get it in the handshake
-        self._nonces: dict[str, str] = {}  # request id -> its ticket's notification nonce
         self._ranks = list(ranks)
         self.compat = CompatInfo.of_identity(identity)
         self._description = EngineDescription(
@@ -64,8 +63,10 @@ class KVExporter:
         # The model's total KV heads per group: each group is sharded by its own (Gemma-4's differ).
         self._group_heads = group_heads_from_fields(self.compat.fields)
         self._trackers = [NotificationTracker() for _ in ranks]
-        # request id -> (owner rank, host tier) sources still expecting readers
-        self._waiting: dict[str, set[tuple[int, bool]]] = {}
+        # request id -> (owner rank, host tier, nonce) sources still expecting readers, over all its tickets
+        self._waiting: dict[str, set[tuple[int, bool, str]]] = {}
+        self._nonces: dict[str, list[str]] = {}  # request id -> its tickets' notification nonces
+        self._open: dict[str, int] = {}  # request id -> end of its last part ticket, while its last is not out
 
     @property
     def tp_size(self) -> int:
@@ -87,47 +88,76 @@ class KVExporter:
         host_block_ids: Sequence[Sequence[int]] = (),
         num_host_tokens: int = 0,
         reader_block_size: int = 0,
+        part_start_token: int = 0,
+        num_prompt_tokens: int = 0,
     ) -> kv_pb2.TransferTicket:
-        """The ticket for a finished prefill whose blocks stay pinned until read (or the lease ends).
+        """The ticket for a prefill whose blocks stay pinned until read (or the lease ends).
 
         ``num_host_tokens`` > 0: the prompt's first tokens are read from the host tier's
         ``host_block_ids`` (per group, from token 0), and each reader notifies once per source.
         With the KV digest on, the ticket carries it per group and reading rank (computed on every
         owner rank, where the KV lives); ``reader_block_size`` (the reader's block size, or the gcd of
         its groups'; 0: this engine's) sets its unit, which must divide both sides' block sizes.
+
+        A part ticket (KV sent per prefill chunk) holds tokens ``part_start_token .. num_tokens`` of a
+        prompt of ``num_prompt_tokens``: the request's parts follow each other (each starts where the one
+        before ended), each with its own nonce, and the request counts as released only once its last part
+        (``num_tokens == num_prompt_tokens``) is out and every part was read. A part after the request was
+        abandoned (Release, Abort, a part's lease) is a ValueError: its earlier blocks are gone.
         """
-        if request_id in self._waiting:
+        whole = num_prompt_tokens or num_tokens
+        if not 0 <= part_start_token < num_tokens <= whole and not (num_tokens == whole == part_start_token == 0):
+            raise ValueError(f"a part of tokens {part_start_token}..{num_tokens} of a {whole}-token prompt")
+        opened = self._open.get(request_id)
+        if part_start_token != (opened or 0):
+            raise ValueError(f"request {request_id!r}: a part from token {part_start_token}, "
+                             + (f"its parts so far end at {opened}" if opened else "but it has no parts out"))
+        if opened is None and request_id in self._waiting:
             raise ValueError(f"request {request_id!r} already has a ticket out")
         if num_host_tokens and self._ranks[0].host_layout is None:
             raise ValueError("a ticket names host-tier blocks but this engine has no host tier")
         digests = await self._digests(block_ids, host_block_ids, num_tokens, num_host_tokens, reader_tp_size,
-                                      reader_block_size) if self.identity.digest_on and num_tokens else []
-        sources = (False, True) if num_host_tokens else (False,)
-        readers = group_readers_per_remote_rank(reader_tp_size, self.tp_size, self._group_heads)
-        nonce = secrets.token_hex(8)
-        waiting = set()
-        for rank, n in enumerate(readers):
-            for host in sources if n else ():
-                self._trackers[rank].expect(notification_key(request_id, host, nonce), n)
-                waiting.add((rank, host))
-        self._waiting[request_id] = waiting
-        self._nonces[request_id] = nonce
+                                      reader_block_size, part_start_token, whole) \
+            if self.identity.digest_on and num_tokens else []
+        if self._open.get(request_id) != opened:  # abandoned (or another part went out) while digesting
+            raise ValueError(f"request {request_id!r} was abandoned while its part was digested")
+        nonce = self._expect(request_id, reader_tp_size, bool(num_host_tokens))
+        if num_tokens < whole:
+            self._open[request_id] = num_tokens
+        else:
+            self._open.pop(request_id, None)
         ticket = kv_pb2.TransferTicket(
             engine_id=self.engine_id, epoch=self.epoch, request_id=request_id,
             groups=[kv_pb2.GroupBlocks(group_id=g, block_ids=list(ids)) for g, ids in enumerate(block_ids)],
             num_tokens=num_tokens, first_token_id=first_token_id, first_token_logprob=first_token_logprob,
             handshake_address=handshake_address, num_host_tokens=num_host_tokens,
             host_groups=[kv_pb2.GroupBlocks(group_id=g, block_ids=list(ids)) for g, ids in enumerate(host_block_ids)],
-            notify_nonce=nonce, digests=digests,
+            notify_nonce=nonce, digests=digests, part_start_token=part_start_token,
+            num_prompt_tokens=num_prompt_tokens if num_tokens < whole or part_start_token else 0,
         )
         ticket.signature = ticket_signature(ticket, self._ticket_key)
         return ticket
 
+    def _expect(self, request_id: str, reader_tp_size: int, host: bool) -> str:
+        """Register the notifications one ticket's readers will send (each source of each owner rank a
+        reader reads from); the ticket's new nonce."""
+        sources = (False, True) if host else (False,)
+        readers = group_readers_per_remote_rank(reader_tp_size, self.tp_size, self._group_heads)
+        nonce = secrets.token_hex(8)
+        waiting = self._waiting.setdefault(request_id, set())
+        for rank, n in enumerate(readers):
+            for source in sources if n else ():
+                self._trackers[rank].expect(notification_key(request_id, source, nonce), n)
+                waiting.add((rank, source, nonce))
+        self._nonces.setdefault(request_id, []).append(nonce)
+        return nonce
+
     async def _digests(self, block_ids: Sequence[Sequence[int]], host_block_ids: Sequence[Sequence[int]],
-                       num_tokens: int, num_host_tokens: int, reader_tp_size: int, reader_block_size: int
-                       ) -> list[kv_pb2.GroupDigests]:
-        """Per (group, reading rank): unit digests from token 0, each owner rank adding the heads that
-        reader reads from it (``group_rank_reads``, the planner's own mapping), every rank at once."""
+                       num_tokens: int, num_host_tokens: int, reader_tp_size: int, reader_block_size: int,
+                       begin: int, window_end: int) -> list[kv_pb2.GroupDigests]:
+        """Per (group, reading rank): unit digests from token 0 (0 before ``begin``: a part's), each owner
+        rank adding the heads that reader reads from it (``group_rank_reads``, the planner's own mapping),
+        every rank at once. Sliding groups from the window of a prompt of ``window_end`` tokens."""
         layout = self._ranks[0].layout
         units = {g.group_id: math.gcd(g.block_size, reader_block_size or g.block_size) for g in layout.groups}
         jobs: list[list[tuple[int, int, DigestJob]]] = [[] for _ in self._ranks]  # per owner rank
@@ -136,7 +166,7 @@ class KVExporter:
             for owner, by_group in reads.items():
                 for g, read in by_group.items():
                     group = layout.groups[g]
-                    first_kept = group.first_needed_block(num_tokens) * group.block_size
+                    first_kept = max(group.first_needed_block(window_end) * group.block_size, begin)
                     spans = [(True, host_block_ids[g] if num_host_tokens else (), 0, num_host_tokens),
                              (False, block_ids[g], num_host_tokens, num_tokens)]
                     for host, ids, begin, end in spans:
@@ -157,12 +187,13 @@ class KVExporter:
                 for (g, r), d in sorted(sums.items())]
 
     def poll_released(self) -> list[str]:
-        """Request ids every reader has finished with: their blocks can be freed now."""
+        """Request ids every reader has finished with (of every ticket, the last part out): their blocks can
+        be freed now."""
         for rank, r in enumerate(self._ranks):
             for key in self._trackers[rank].feed(r.poll_notifications()):
-                rid, host = notification_request(key)
-                self._waiting.get(rid, set()).discard((rank, host))
-        done = [rid for rid, ranks in self._waiting.items() if not ranks]
+                rid, host, nonce = notification_parts(key)
+                self._waiting.get(rid, set()).discard((rank, host, nonce))
+        done = [rid for rid, ranks in self._waiting.items() if not ranks and rid not in self._open]
         for rid in done:
             del self._waiting[rid]
             self._nonces.pop(rid, None)
@@ -185,11 +216,13 @@ class KVExporter:
         return sorted(expired)
 
     def abandon(self, request_id: str) -> bool:
-        """Stop waiting for a request's readers (it was aborted or its lease ran out)."""
-        nonce = self._nonces.pop(request_id, "")
-        for tracker in self._trackers:
-            for host in (False, True):
-                tracker.discard(notification_key(request_id, host, nonce))
+        """Stop waiting for a request's readers, of all its tickets (it was aborted or a lease ran out); a
+        later part of it is refused."""
+        for nonce in self._nonces.pop(request_id, []):
+            for tracker in self._trackers:
+                for host in (False, True):
+                    tracker.discard(notification_key(request_id, host, nonce))
+        self._open.pop(request_id, None)
         return self._waiting.pop(request_id, None) is not None
 
     @property

@@ -244,7 +244,7 @@ class KVPuller:
         ticket promises for it (None with the digest off: only the fault injection runs). Checked before any
         READ: a ticket without a usable digest is refused like any other that does not fit."""
         n = ticket.num_tokens
-        starts = self._group_starts(remote, self._ranks[0].layout, n, num_cached_tokens)
+        starts = self._group_starts(remote, self._ranks[0].layout, _window_end(ticket), num_cached_tokens)
         entries = {(e.group_id, e.reader_rank): e for e in ticket.digests}
         jobs = []
         for q, rank in enumerate(self._ranks):
@@ -297,14 +297,15 @@ class KVPuller:
         """Token runs per source (host tier: True) and group. Every local rank shares the block
         tables, so the runs are the same for all of them. The host tier holds the prompt's first
         ``num_host_tokens``, the device blocks the rest."""
-        local = self._ranks[0].layout
+        local, window = self._ranks[0].layout, _window_end(ticket)
         if host_ids is None:
-            return {False: self._pieces(remote, local, ticket.num_tokens, remote_ids, local_ids, num_cached_tokens)}
+            return {False: self._pieces(remote, local, ticket.num_tokens, remote_ids, local_ids, num_cached_tokens,
+                                        window_end=window)}
         split = ticket.num_host_tokens
         return {True: self._pieces(remote, local, ticket.num_tokens, host_ids, local_ids, num_cached_tokens,
-                                   end=split),
+                                   end=split, window_end=window),
                 False: self._pieces(remote, local, ticket.num_tokens, remote_ids, local_ids, num_cached_tokens,
-                                    begin=split)}
+                                    begin=split, window_end=window)}
 
     def _plan_reads(self, remote: EngineDescription, pieces: dict[bool, dict[int, np.ndarray]]
                     ) -> list[PlannedRead]:
@@ -401,13 +402,14 @@ class KVPuller:
 
     @staticmethod
     def _pieces(remote: EngineDescription, local: KVLayoutSpec, num_tokens: int, remote_ids: list[np.ndarray],
-                local_ids: Sequence[np.ndarray], num_cached_tokens: int, begin: int = 0, end: int | None = None
-                ) -> dict[int, np.ndarray]:
+                local_ids: Sequence[np.ndarray], num_cached_tokens: int, begin: int = 0, end: int | None = None,
+                window_end: int | None = None) -> dict[int, np.ndarray]:
         """Token runs per group (``map_block_arrays``) of the prompt's tokens ``begin .. end``: from
         the reader's cached prefix (whole local blocks of that group) or, for a sliding group, the
-        window's start, whichever is later; to ``end`` (the prompt's end by default)."""
+        window's start (of a prompt of ``window_end`` tokens: a part ticket's whole prompt), whichever is
+        later; to ``end`` (the prompt's end by default)."""
         end = num_tokens if end is None else end
-        starts = KVPuller._group_starts(remote, local, num_tokens, num_cached_tokens)
+        starts = KVPuller._group_starts(remote, local, window_end or num_tokens, num_cached_tokens)
         out = {}
         for rg, lg in zip(remote.groups, local.groups, strict=True):
             start = min(max(starts[lg.group_id], begin), end)
@@ -423,6 +425,11 @@ class KVPuller:
         return {lg.group_id: max(num_cached_tokens - num_cached_tokens % lg.block_size,
                                  window_start_token(rg, lg, num_tokens))
                 for rg, lg in zip(remote.groups, local.groups, strict=True)}
+
+
+def _window_end(ticket: kv_pb2.TransferTicket) -> int:
+    """The prompt length sliding windows are clipped for: a part ticket's whole prompt, else its own tokens."""
+    return max(ticket.num_prompt_tokens, ticket.num_tokens)
 
 
 def _ticket_groups(groups: Sequence[kv_pb2.GroupBlocks], remote: EngineDescription, num_blocks: int,

@@ -57,6 +57,14 @@ def notification_request(key: bytes) -> tuple[str, bool]:
     return request_id.decode(), host
 
 
+def notification_parts(key: bytes) -> tuple[str, bool, str]:
+    """(request id, host tier, nonce) of a notification key (the nonce "" when it has none)."""
+    request_id, host = notification_request(key)
+    rest = key.removesuffix(HOST_TIER_NOTIFY_SUFFIX) if host else key
+    nonce = rest[len(request_id.encode()) + len(NONCE_SEPARATOR):] if NONCE_SEPARATOR in rest else b""
+    return request_id, host, nonce.decode()
+
+
 def ticket_signature(ticket: kv_pb2.TransferTicket, key: bytes) -> bytes:
     """HMAC-SHA256 of the ticket without its signature, serialized deterministically."""
     unsigned = kv_pb2.TransferTicket()

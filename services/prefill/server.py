@@ -3,7 +3,10 @@
 ``Prefill`` runs the prompt (prefix cache on), samples the first token, keeps the request's
 blocks pinned and answers with a transfer ticket. The blocks are freed when every reading rank's
 NIXL notification has arrived, on ``Release``/``Abort``, or when the lease expires (counted;
-release.py). The daemon's start-up, drain and shutdown are services/worker/daemon.py's.
+release.py). ``PrefillStream`` does the same with the KV handed out per chunk: a part ticket as each
+chunk's blocks are full (pinned by the engine, services/engine/kv_parts.py), then the answer with the last
+part; the request's blocks are freed once every part was read (or as above). The daemon's start-up, drain and
+shutdown are services/worker/daemon.py's.
 
 The servicer is the prefill side of a drain (services/worker/role_switch.py): a role switch's, and on every
 worker the one that stops it (the ``Drain`` RPC, SIGTERM). Its drain refuses new prompts and waits for in-flight
@@ -16,8 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
@@ -25,10 +29,12 @@ from services.common.metrics import WorkerMetrics
 from services.contract.sampling_params import SamplingParams
 from services.contract.wire import sampling_from_proto, top_logprobs_to_proto
 from services.engine.async_engine import AsyncEngine
+from services.engine.kv_parts import PinnedPart
 from services.engine.llm_engine import LLMEngine
 from services.engine.output_processor import RequestOutput
-from services.engine.sched.request import RequestStatus
+from services.engine.sched.request import Request, RequestStatus
 from services.kv.exporter import KVExporter
+from services.kv.groups import KVCacheGroupSpec
 from services.kv.handshake import HandshakeServicer, add_handshake_service
 from services.prefill.release import POLL_INTERVAL_S, ReleaseLoop
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -77,30 +83,93 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
 
     async def _prefill(self, request: worker_pb2.PrefillRequest, context, started: float):
         rid = request.request_id
-        try:
-            params = sampling_from_proto(request.params)
-            held = await self.engine.add_request(rid, list(request.prompt_token_ids), _first_token_only(params),
-                                                 hold_kv_on_finish=True)
-        except ValueError as e:
-            self.metrics.requests.labels("prefill", "invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        params, held = await self._add(request, context)
         final = None
         async for out in self.engine.outputs(rid):
             final = out
+        return await self._answer(request, params, held, final, started)
+
+    async def PrefillStream(self, request: worker_pb2.PrefillRequest,  # noqa: N802
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillPart]:
+        """Prefill with the KV handed out per chunk (kv_parts.py): a part ticket as each chunk's blocks are
+        full, then the final answer, whose ticket is the last part (a whole one when no part came before)."""
+        await self.admit_role("prefill", context)
+        async with self.server.in_flight.admit(context, "prefill worker"):
+            self.num_prefilling += 1
+            try:
+                async for message in self._prefill_parts(request, context, time.monotonic()):
+                    yield message
+            finally:
+                self.num_prefilling -= 1
+
+    async def _prefill_parts(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
+                             started: float) -> AsyncIterator[worker_pb2.PrefillPart]:
+        """Until the final answer is out, any end (the caller went away, a part refused) releases every block
+        pinned for the request and stops waiting for its readers; the engine aborts it (``outputs``)."""
+        rid, num_prompt_tokens = request.request_id, len(request.prompt_token_ids)
+        align = part_alignment(self.engine.engine.kv_layout.groups, request.reader_block_size)
+        params, held = await self._add(request, context, align)
+        parts_end, answered = 0, False
+        try:
+            final = None
+            async for item in self.engine.outputs_with_parts(rid):
+                if not isinstance(item, PinnedPart):
+                    final = item
+                    continue
+                try:
+                    ticket = await self.exporter.hand_out(
+                        rid, item.block_ids, num_tokens=item.end, first_token_id=0, handshake_address=self.address,
+                        reader_tp_size=request.reader_tp_size or 1, reader_block_size=request.reader_block_size,
+                        part_start_token=parts_end, num_prompt_tokens=num_prompt_tokens)
+                except ValueError as e:  # abandoned meanwhile (Release, Abort, a part's lease)
+                    await context.abort(grpc.StatusCode.ABORTED, f"request {rid}: {e}")
+                parts_end = item.end
+                self.metrics.requests.labels("prefill", "kv_part").inc()
+                yield worker_pb2.PrefillPart(part=ticket)
+            response = await self._answer(request, params, held, final, started, parts_end)
+            answered = True
+            yield worker_pb2.PrefillPart(final=response)
+        finally:
+            if not answered:
+                self.exporter.abandon(rid)
+                await asyncio.shield(self.engine.release_held_kv(rid))
+
+    async def _add(self, request: worker_pb2.PrefillRequest, context,
+                   kv_part_align: int = 0) -> tuple[SamplingParams, Request]:
+        """The request queued for its first token, blocks held when it finishes; INVALID_ARGUMENT for bad input."""
+        try:
+            params = sampling_from_proto(request.params)
+            held = await self.engine.add_request(request.request_id, list(request.prompt_token_ids),
+                                                 _first_token_only(params), hold_kv_on_finish=True,
+                                                 kv_part_align=kv_part_align)
+        except ValueError as e:
+            self.metrics.requests.labels("prefill", "invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return params, held
+
+    async def _answer(self, request: worker_pb2.PrefillRequest, params: SamplingParams, held: Request,
+                      final: RequestOutput, started: float, parts_end: int = 0) -> worker_pb2.PrefillResponse:
+        """The first token and the ticket of the rest of the prompt (from ``parts_end``, where its part tickets
+        ended), or ``finished`` with every block released when the first token is also the last."""
+        rid, num_prompt_tokens = request.request_id, len(request.prompt_token_ids)
         self.metrics.ttft.labels("prefill").observe(time.monotonic() - started)
-        response = _first_token_response(final, len(request.prompt_token_ids))
+        response = _first_token_response(final, num_prompt_tokens)
         stopped = held.status is RequestStatus.FINISHED_STOPPED  # EOS or a stop token
         if stopped or params.max_tokens == 1:  # the first token is also the last: nothing to pull
+            self.exporter.abandon(rid)  # its part tickets, if any went out
             await self.engine.release_held_kv(rid)
             response.finished, response.finish_reason = True, "stop" if stopped else "length"
             self.metrics.requests.labels("prefill", "finished").inc()
             return response
         host_ids, num_host_tokens = held.host_prefix or ((), 0)  # read from the host KV tier, not the device
+        if num_host_tokens <= parts_end:  # the parts covered the host-tier prefix (pinned on the device)
+            host_ids, num_host_tokens = (), 0
         response.ticket.CopyFrom(await self.exporter.hand_out(
-            rid, held.block_ids, num_tokens=len(request.prompt_token_ids), first_token_id=response.first_token_id,
+            rid, held.block_ids, num_tokens=num_prompt_tokens, first_token_id=response.first_token_id,
             first_token_logprob=response.first_logprob, handshake_address=self.address,
             reader_tp_size=request.reader_tp_size or 1, host_block_ids=host_ids, num_host_tokens=num_host_tokens,
-            reader_block_size=request.reader_block_size,
+            reader_block_size=request.reader_block_size, part_start_token=parts_end,
+            num_prompt_tokens=num_prompt_tokens if parts_end else 0,
         ))
         self.metrics.requests.labels("prefill", "ticket").inc()
         return response
@@ -143,6 +212,12 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
         while not stop.is_set():
             await self.release_loop.tick()
             await asyncio.sleep(POLL_INTERVAL_S)
+
+
+def part_alignment(groups: Sequence[KVCacheGroupSpec], reader_block_size: int) -> int:
+    """Tokens a part ticket ends on a multiple of: a block boundary in every group here and at the reader (its
+    block size, or the gcd of its groups'; 0: this engine's), so each part starts where a pull can start."""
+    return math.lcm(*(g.block_size for g in groups), reader_block_size or 1)
 
 
 def _first_token_only(params: SamplingParams) -> SamplingParams:

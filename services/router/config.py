@@ -122,6 +122,12 @@ class RouterConfig:
                                   "real KV transfer (default: probe each new pair, and again when either worker "
                                   "restarts; a pair whose probe fails is not used)", name="--no-pair-probe",
                             negated=True)
+    # KV sent per prefill chunk (kv_parts.py): PrefillStream relayed into GenerateParts, so the decode worker pulls
+    # each chunk's KV while the prefill worker computes the next; only the last chunk's pull is exposed.
+    kv_parts: bool = flag(True, "pull a prompt's KV in one piece after the prefill instead of per prefill chunk "
+                                "(default: per chunk: the decode worker pulls each finished chunk's blocks while "
+                                "the prefill worker computes the next; a one-chunk prompt is one pull either way)",
+                          name="--no-kv-parts", negated=True)
     pair_probe_timeout_s: float = 30.0
     pair_probe_retry_s: float = 15.0
     # The P:D planner (planner.py, planner_loop.py): always evaluated and exported; acted on with role_planner.

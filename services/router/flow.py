@@ -53,6 +53,7 @@ from services.router.errors import (
     WorkerFailure,
     from_rpc_error,
 )
+from services.router.kv_parts import PartRelay
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Assignment, PairingPolicy, Role
 from services.router.prefix_index import PromptKeys
@@ -265,7 +266,9 @@ class _Run:
     prefill_sent: bool = False
     prefill_answered: bool = False
     prefill_holds_blocks: bool = False
-    decode_call: grpc.aio.UnaryStreamCall | None = None
+    prefill_call: grpc.aio.UnaryStreamCall | None = None  # PrefillStream (kv_parts), until it answered
+    parts: PartRelay | None = None  # the part tickets relayed into the decode call, once the first came
+    decode_call: grpc.aio.UnaryStreamCall | grpc.aio.StreamStreamCall | None = None
     decode_finished: bool = False
     require_pull: bool = False  # the Generate call carries require_pull (--enforce-disagg, with a ticket)
     output_token_ids: list[int] = field(default_factory=list)  # every token sent on so far (a migration replays them)
@@ -326,11 +329,15 @@ class _Run:
         --enforce-disagg it fails with DisaggregationFailed instead)."""
         self.prefill_sent = True
         try:
-            response = await self.owner.pool.prefill(
-                address, self.request.request_id, self.request.prompt_token_ids, self.request.params,
-                self.assignment.reader_tp_size, timeout_s=self._remaining_s(),
-                reader_block_size=self.assignment.reader_block_size)
+            response = await self._prefill_parts(address) if self.owner.config.kv_parts else None
+            if response is None:  # per-chunk KV off, or a prefill worker that predates PrefillStream
+                response = await self.owner.pool.prefill(
+                    address, self.request.request_id, self.request.prompt_token_ids, self.request.params,
+                    self.assignment.reader_tp_size, timeout_s=self._remaining_s(),
+                    reader_block_size=self.assignment.reader_block_size)
         except grpc.aio.AioRpcError as exc:
+            if self.parts is not None:
+                self.parts.close()  # no last part: the decode worker prefills the prompt (or is cancelled)
             if exc.code() not in WORKER_FAULT_CODES:
                 raise from_rpc_error(exc, Role.PREFILL, address) from None
             self._worker_failed(Role.PREFILL, address, f"{exc.code().name}: {exc.details()}")
@@ -346,6 +353,47 @@ class _Run:
         self.prefill_answered = True
         self.prefill_holds_blocks = response.HasField("ticket")
         return response
+
+    async def _prefill_parts(self, address: str) -> worker_pb2.PrefillResponse | None:
+        """``PrefillStream``: relay each part ticket to the decode worker (``GenerateParts``, opened at the
+        first), then the final answer's ticket as the last part (kv_parts.py). None when the worker predates
+        the RPC (UNIMPLEMENTED before any part: the caller prefills with ``Prefill``)."""
+        call = self.owner.pool.prefill_stream(
+            address, self.request.request_id, self.request.prompt_token_ids, self.request.params,
+            self.assignment.reader_tp_size, timeout_s=self._remaining_s(),
+            reader_block_size=self.assignment.reader_block_size)
+        self.prefill_call = call
+        try:
+            async for message in call:
+                if not message.HasField("final"):
+                    self._relay(message.part)
+                    continue
+                response = message.final
+                if self.parts is not None:
+                    if response.HasField("ticket"):
+                        self.parts.put(response.ticket)
+                    elif self.decode_call is not None:
+                        self.decode_call.cancel()  # done at the first token: nothing to decode
+                    self.parts.close()
+                return response
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED and self.parts is None:
+                return None
+            raise
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   "PrefillStream ended without its final answer")
+
+    def _relay(self, part: kv_pb2.TransferTicket) -> None:
+        """Pass a part ticket on; the first opens the decode worker's ``GenerateParts``."""
+        if self.parts is None:
+            self.parts = PartRelay()
+            prompt, params = self._decode_input(part)
+            self.require_pull = self.owner.config.enforce_disagg
+            self.owner.policy.generate_sent(self.assignment)
+            self.decode_call = self.owner.pool.generate_parts(
+                self.assignment.decode, self.request.request_id, prompt, params, self.parts,
+                timeout_s=self._remaining_s(), require_pull=self.require_pull)
+        self.parts.put(part)
 
     def _first_delta(self, response: worker_pb2.PrefillResponse) -> Delta:
         self.outcome.num_cached_tokens = response.num_cached_tokens
@@ -387,14 +435,18 @@ class _Run:
         return [*self.request.prompt_token_ids, *self.output_token_ids], rest
 
     async def _decode(self, address: str, ticket: kv_pb2.TransferTicket | None) -> AsyncIterator[Delta]:
-        prompt, params = self._decode_input(ticket)
-        num_output_tokens = len(prompt) - len(self.request.prompt_token_ids)
-        self.require_pull = ticket is not None and self.owner.config.enforce_disagg
-        self.owner.policy.generate_sent(self.assignment)
-        call = self.owner.pool.generate(address, self.request.request_id, prompt, params, ticket,
-                                        timeout_s=self._remaining_s(), require_pull=self.require_pull,
-                                        num_output_tokens=num_output_tokens)
-        self.decode_call = call
+        if self.parts is not None:  # GenerateParts, open since the first part ticket, has every part
+            self.parts = None  # a migration's next decode worker gets a Generate of its own
+            call = self.decode_call
+        else:
+            prompt, params = self._decode_input(ticket)
+            num_output_tokens = len(prompt) - len(self.request.prompt_token_ids)
+            self.require_pull = ticket is not None and self.owner.config.enforce_disagg
+            self.owner.policy.generate_sent(self.assignment)
+            call = self.owner.pool.generate(address, self.request.request_id, prompt, params, ticket,
+                                            timeout_s=self._remaining_s(), require_pull=self.require_pull,
+                                            num_output_tokens=num_output_tokens)
+            self.decode_call = call
         skip_first = ticket is not None
         try:
             async for chunk in call:
@@ -469,6 +521,8 @@ class _Run:
             self.decode_call.cancel()
             if Role.DECODE not in self.failed:
                 calls.append(pool.abort(Role.DECODE, decode, rid, timeout_s))
+        if self.prefill_call is not None and not self.prefill_answered:
+            self.prefill_call.cancel()  # its handler releases what its part tickets pinned
         if prefill is None or Role.PREFILL in self.failed:
             pass
         elif self.prefill_sent and not self.prefill_answered:

@@ -9,6 +9,8 @@ closed when discovery drops the address or the app shuts down. Errors are the st
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 
 from services.common.grpc_auth import token_interceptors
@@ -95,6 +97,32 @@ class WorkerPool:
                                             params=params, reader_tp_size=reader_tp_size,
                                             reader_block_size=reader_block_size)
         return await self._prefill(address).Prefill(request, timeout=timeout_s)
+
+    def prefill_stream(self, address: str, request_id: str, prompt_token_ids: list[int],
+                       params: worker_pb2.SamplingParams, reader_tp_size: int, timeout_s: float,
+                       reader_block_size: int = 0) -> grpc.aio.UnaryStreamCall:
+        """Prefill on ``address`` with the KV handed out per chunk: iterate the call for PrefillParts (part
+        tickets, then the final answer); ``cancel()`` it to stop."""
+        request = worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                            params=params, reader_tp_size=reader_tp_size,
+                                            reader_block_size=reader_block_size)
+        return self._prefill(address).PrefillStream(request, timeout=timeout_s)
+
+    def generate_parts(self, address: str, request_id: str, prompt_token_ids: list[int],
+                       params: worker_pb2.SamplingParams, parts: AsyncIterator[kv_pb2.TransferTicket],
+                       timeout_s: float, require_pull: bool = False) -> grpc.aio.StreamStreamCall:
+        """Start decoding a request whose KV comes in ``parts`` (sent as they come; ending them before the last
+        part, the prefill having failed, makes the worker prefill the prompt itself); read the call for
+        TokenChunks as from ``generate``, ``cancel()`` it to stop."""
+        start = worker_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
+                                           require_pull=require_pull)
+
+        async def inputs() -> AsyncIterator[worker_pb2.GenerateInput]:
+            yield worker_pb2.GenerateInput(start=start)
+            async for ticket in parts:
+                yield worker_pb2.GenerateInput(part=ticket)
+
+        return self._decode(address).GenerateParts(inputs(), timeout=timeout_s)
 
     async def release(self, address: str, request_id: str, timeout_s: float) -> bool:
         """Free a request's pinned blocks on the prefill worker; False when it held none."""

@@ -341,6 +341,17 @@ class KVCacheManager:
         self._held[key] = held
         self._cursors.pop(request.request_id, None)
 
+    def pin(self, key: str, tables: Sequence[Sequence[int]]) -> None:
+        """One more reference on each real block of ``tables`` (per group), kept under ``key`` (added to what
+        it holds already) until ``release(key)``: blocks a peer reads while the request that computed them runs
+        on (a part ticket's), which its preemption or abort must not hand to another request meanwhile."""
+        real = [self.real_blocks(g, table) for g, table in enumerate(tables)]
+        for m, ids in zip(self.managers, real, strict=True):
+            m.pool.touch(ids)
+        held = self._held.setdefault(key, [[] for _ in self.managers])
+        for kept, ids in zip(held, real, strict=True):
+            kept.extend(ids)
+
     def held_block_ids(self, request_id: str) -> list[list[int]] | None:
         """The real blocks held for ``request_id`` per group (no placeholders), or None."""
         tables = self._held.get(request_id)

@@ -524,15 +524,36 @@ class Scheduler:
         return True
 
     def release_held(self, request_id: str) -> bool:
-        """Free the blocks a finished request kept for a pull; False if none are held."""
+        """Free the blocks a finished request kept for a pull, and those its part tickets pinned
+        (``pin_computed``); False if none are held."""
+        parts = self.kv.release(kv_parts_key(request_id))
         request = self._held.pop(request_id, None)
         if request is None:
-            return False
+            return parts
         self.kv.release(request_id)
         if request.host_prefix is not None:
             self.host_tier.unpin(request_id)
         request.block_ids = []
         return True
+
+    def pin_computed(self, request_id: str, start: int, end: int, window_end: int) -> list[list[int]] | None:
+        """Pin a running request's blocks of tokens ``start .. end`` (block boundaries in every group) for a
+        part ticket, under ``kv_parts_key`` until ``release_held``; its tables from token 0 to ``end``
+        (placeholders included). A sliding group pins only the blocks the window of a ``window_end``-token
+        prompt reads. None (nothing pinned) when the request is not running with those tokens computed (it
+        finished, or was preempted and recomputes them)."""
+        request = self._requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING or request.num_computed_tokens < end:
+            return None
+        tables, pins = [], []
+        for spec, table in zip(self.kv.groups, request.block_ids, strict=True):
+            if start % spec.block_size or end % spec.block_size:
+                raise ValueError(f"a part of tokens {start}..{end} is not on {spec.label}'s block boundaries")
+            last = end // spec.block_size
+            pins.append(table[max(start // spec.block_size, spec.first_needed_block(window_end)):last])
+            tables.append(list(table[:last]))
+        self.kv.pin(kv_parts_key(request_id), pins)
+        return tables
 
     # ---- external KV (decode worker pulling a prefill worker's blocks) ----------------------
 
@@ -627,6 +648,11 @@ class Scheduler:
         if request is None:
             raise ValueError(f"request {request_id!r} is not waiting for KV")
         return request
+
+
+def kv_parts_key(request_id: str) -> str:
+    """The key a request's part-ticket pins are held under (never a request id: ids have no NUL)."""
+    return f"{request_id}\0kv-parts"
 
 
 def _chunk(request: Request, num_tokens: int) -> ScheduledChunk:

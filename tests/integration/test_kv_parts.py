@@ -1,0 +1,202 @@
+"""KV sent per prefill chunk, with a real prefill daemon and real NIXL between processes.
+
+The prefill daemon computes in chunks of 8 tokens (block size 4); this process reads each part ticket of
+``PrefillStream`` into an engine of another layout and block size (per-layer, 8) as it arrives, and its
+KV must equal, byte for byte, the KV a colocated engine of the prefill's configuration computes. A prompt
+whose start this reader's prefix cache holds skips those parts (the READs still notify). Then the
+decode daemon's ``GenerateParts``: a prefill that dies mid-stream, or an abort on either side, leaves no
+block pinned or reserved anywhere, and the request still completes (prefilled on the decode worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import grpc
+import pytest
+import torch
+
+from services.contract.sampling_params import SamplingParams
+from services.contract.wire import sampling_to_proto
+from services.engine.engine_config import EngineConfig
+from services.engine.llm_engine import LLMEngine
+from services.kv.layout import LayoutKind
+from services.kv.nixl.agent import TransferAgent
+from services.kv.puller import KVPuller
+from services.kv.rank import LocalKVRank
+from services.launch.spawn import daemons
+from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.worker.kv_ranks import kv_identity
+from tests.checkpoints import make_checkpoint
+
+CHUNK = 8
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PREFILL_ARGS = ("--kv-layout", "cross_layer", "--block-size", "4", "--num-kv-blocks", "256", "--dtype", "float32",
+                "--max-num-batched-tokens", str(CHUNK), "--kv-lease-s", "60")
+DECODE_ARGS = ("--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "128", "--dtype", "float32")
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(37 * i + 11 * seed) % 300 + 3 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    directory, _ = make_checkpoint("llama", tmp_path_factory.mktemp("ckpt"))
+    return str(directory)
+
+
+def _engine(checkpoint: str, layout: LayoutKind, block_size: int, chunk: int = 2048) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=checkpoint, device="cpu", dtype="float32", kv_layout=layout,
+                                  block_size=block_size, num_kv_blocks=128, max_num_batched_tokens=chunk))
+
+
+def _token_kv(engine: LLMEngine, tables: list[list[int]], n: int) -> torch.Tensor:
+    """Every layer's K and V of tokens 0..n-1, read through the request's block tables: [layers, 2, n, h, d]."""
+    out = []
+    for layer, (k, v) in sorted(engine.kv_cache.views.items()):
+        group = engine.kv_layout.group_of_layer(layer)
+        bs, table = group.block_size, tables[group.group_id]
+        rows = [torch.stack([view[table[t // bs], t % bs] for t in range(n)]) for view in (k, v)]
+        out.append(torch.stack(rows))
+    return torch.stack(out)
+
+
+def _colocated(checkpoint: str, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """The prefill's configuration run colocated: the prompt's KV after its prefill, and its greedy tokens."""
+    engine = _engine(checkpoint, LayoutKind.CROSS_LAYER, 4, chunk=CHUNK)
+    held = engine.add_request("ref", prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                              hold_kv_on_finish=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    kv = _token_kv(engine, held.block_ids, len(prompt))
+    tokens = engine.generate([prompt], GREEDY)[0].token_ids
+    return kv, tokens
+
+
+async def _prefill_parts(stub: worker_pb2_grpc.PrefillWorkerStub, rid: str, prompt: list[int]
+                         ) -> list[worker_pb2.PrefillPart]:
+    return [m async for m in stub.PrefillStream(worker_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=prompt, params=sampling_to_proto(GREEDY), reader_tp_size=1,
+        reader_block_size=8))]
+
+
+async def _info(address: str, role: str) -> worker_pb2.WorkerInfo:
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(ch)
+        return await stub.Info(worker_pb2.InfoRequest())
+
+
+def _wait_for(address: str, role: str, done, timeout_s: float = 10.0) -> worker_pb2.WorkerInfo:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = asyncio.run(_info(address, role))
+        if done(info) or time.monotonic() > deadline:
+            return info
+        time.sleep(0.1)
+
+
+def test_parts_pulled_as_they_come_are_byte_exact(checkpoint: str) -> None:
+    reader = _engine(checkpoint, LayoutKind.PER_LAYER, 8)
+    agent = TransferAgent(f"parts-reader-{uuid.uuid4().hex[:8]}")
+    try:
+        puller = KVPuller(engine_id="reader", identity=kv_identity(reader),
+                          ranks=[LocalKVRank(agent, reader.kv_layout, reader.kv_cache.buffers)],
+                          handshake_timeout_s=10, transfer_timeout_s=20)
+        long, held_here = _prompt(1, 37), _prompt(5, 24)
+        reader.generate([held_here], GREEDY)  # in this reader's prefix cache only
+        cases = [("long", long, 4, 0),  # parts end at 8, 16, 24, 32; the final has 32..36
+                 # Both prefix caches hold its first 16 tokens: the prefill computes 16..23 (a part), then the rest.
+                 ("shared", long[:16] + _prompt(2, 14), 1, 16),
+                 # The reader holds 24 tokens: its first three parts are skipped (empty READs, still notifying).
+                 ("skipped", held_here + _prompt(6, 13), 4, 24),
+                 ("short", _prompt(3, 6), 0, 0)]  # one chunk: one whole ticket
+        with daemons(("prefill", checkpoint, PREFILL_ARGS)) as (p,):
+            async def run_all() -> None:
+                async with grpc.aio.insecure_channel(p.address) as channel:
+                    stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+                    for rid, prompt, num_parts, num_cached in cases:
+                        messages = await _prefill_parts(stub, rid, prompt)
+                        tickets = [m.part for m in messages[:-1]] + [messages[-1].final.ticket]
+                        assert [m.HasField("final") for m in messages] == [False] * num_parts + [True]
+                        assert [t.part_start_token for t in tickets] == [0] + [t.num_tokens for t in tickets[:-1]]
+                        assert tickets[-1].num_tokens == len(prompt) and len(tickets) == num_parts + 1
+                        request = reader.add_request_with_external_kv(rid, prompt, GREEDY)
+                        assert request.num_cached_tokens == num_cached
+                        for ticket in tickets:
+                            start = max(request.num_cached_tokens, ticket.part_start_token)
+                            result = await puller.pull(ticket, request.block_ids, min(start, ticket.num_tokens))
+                            assert (result.num_bytes == 0) == (ticket.num_tokens <= num_cached)
+                        kv, tokens = _colocated(checkpoint, prompt)
+                        pulled = _token_kv(reader, request.block_ids, len(prompt))
+                        # Every pulled token byte for byte; the reader's own cached prefix (computed in one chunk,
+                        # not the prefill's chunks of 8) to rounding.
+                        assert torch.equal(pulled[:, :, num_cached:], kv[:, :, num_cached:]), rid
+                        torch.testing.assert_close(pulled[:, :, :num_cached], kv[:, :, :num_cached])
+                        final = messages[-1].final
+                        out = list(reader.complete_external_kv(rid, final.first_token_id,
+                                                               final.first_logprob).new_token_ids)
+                        while reader.has_unfinished_requests():
+                            out += [t for o in reader.step() for t in o.new_token_ids]
+                        assert out == tokens, rid
+
+            asyncio.run(run_all())
+            # Every part was read (the skipped ones' empty READs notify too): nothing stays pinned.
+            info = _wait_for(p.address, "prefill", lambda i: i.kv_blocks_pinned == 0)
+            assert info.kv_blocks_pinned == 0 and info.num_running == 0
+    finally:
+        agent.close()
+
+
+async def _relay_then(prefill: str, decode: str, rid: str, prompt: list[int], after_first_part) -> list[int]:
+    """PrefillStream into GenerateParts by hand, one part relayed, then ``after_first_part(prefill call,
+    parts queue, decode call)``; the decode stream's tokens (none when it was cancelled)."""
+    async with grpc.aio.insecure_channel(prefill) as pc, grpc.aio.insecure_channel(decode) as dc:
+        prefill_call = worker_pb2_grpc.PrefillWorkerStub(pc).PrefillStream(worker_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, params=sampling_to_proto(GREEDY), reader_tp_size=1,
+            reader_block_size=8))
+        first = await prefill_call.read()
+        assert first.HasField("part") and first.part.num_tokens == CHUNK
+        parts: asyncio.Queue = asyncio.Queue()
+        parts.put_nowait(worker_pb2.GenerateInput(start=worker_pb2.GenerateRequest(
+            request_id=rid, prompt_token_ids=prompt, params=sampling_to_proto(GREEDY))))
+        parts.put_nowait(worker_pb2.GenerateInput(part=first.part))
+
+        async def inputs():
+            while (item := await parts.get()) is not None:
+                yield item
+
+        decode_call = worker_pb2_grpc.DecodeWorkerStub(dc).GenerateParts(inputs())
+        await after_first_part(prefill_call, parts, decode_call)
+        if decode_call.cancelled():
+            return []
+        return [t async for chunk in decode_call for t in chunk.token_ids]
+
+
+def test_prefill_dying_mid_stream_or_an_abort_frees_every_block(checkpoint: str) -> None:
+    prompt = _prompt(4, 150)  # many chunks: the prefill is still computing when its first part is read
+    _, reference = _colocated(checkpoint, prompt)
+    with daemons(("prefill", checkpoint, PREFILL_ARGS), ("decode", checkpoint, DECODE_ARGS),
+                 ("prefill", checkpoint, PREFILL_ARGS)) as (p, d, doomed):
+        free_at_start = asyncio.run(_info(d.address, "decode")).kv_blocks_free
+
+        async def kill_prefill(prefill_call, parts, decode_call) -> None:
+            doomed.kill()  # the prefill worker dies mid-stream: its parts end before the last one
+            prefill_call.cancel()
+            parts.put_nowait(None)
+
+        # The decode worker drops its reservation and prefills the prompt itself: the request completes.
+        assert asyncio.run(_relay_then(doomed.address, d.address, "dies", prompt, kill_prefill)) == reference
+
+        async def abort_both(prefill_call, parts, decode_call) -> None:
+            prefill_call.cancel()  # the router's client went away: both calls end mid-stream
+            await asyncio.sleep(0.2)  # the first part is being pulled, or was
+            decode_call.cancel()
+
+        asyncio.run(_relay_then(p.address, d.address, "aborted", prompt, abort_both))
+        info = _wait_for(p.address, "prefill", lambda i: i.kv_blocks_pinned == 0 and i.num_running == 0)
+        assert (info.kv_blocks_pinned, info.num_running, info.num_waiting) == (0, 0, 0)
+        info = _wait_for(d.address, "decode", lambda i: i.kv_blocks_free == free_at_start and i.num_running == 0)
+        assert (info.kv_blocks_free, info.num_running, info.num_waiting) == (free_at_start, 0, 0)
