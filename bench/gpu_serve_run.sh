@@ -11,6 +11,9 @@
 #                                                workers of dummy Llama-3.1-8B on GPU 0: the planner-on setup,
 #                                                1P2D, 3 colocated replicas (SETUPS picks them: one device call
 #                                                holds about two setups)
+#   bash bench/gpu_serve_run.sh kv_parts         32k-token prompts on one GPU (dummy Llama-3.1-8B, P and D on GPU 0):
+#                                                time to the second token with KV sent per chunk, with one pull
+#                                                (--no-kv-parts), and two colocated replicas' inter-token latency
 set -uo pipefail
 source bench/gpu_env.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -29,5 +32,13 @@ for part in "$@"; do
       timeout 580 python3 bench/serve.py --workload shifting --device cuda --model dummy:llama-3.1-8b --num-workers 3 \
           --gpus 0,0,0 --num-kv-blocks 2048 --phase-duration-s 40 --setups "${SETUPS:-disagg,colocated,planner}" \
           --json-out "$OUT/shifting_gpu.jsonl" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/shifting_gpu.txt" ;;
+    kv_parts)
+      for router_args in "" "--no-kv-parts"; do
+        setups=$([ -z "$router_args" ] && echo disagg,colocated || echo disagg)
+        timeout 280 python3 bench/serve.py --device cuda --model dummy:llama-3.1-8b --gpus 0,0 --mix 32768:16 \
+            --num-requests 6 --request-rate 0.25 --num-kv-blocks 6144 --setups "$setups" --router-args="$router_args" \
+            --json-out "$OUT/kv_parts${router_args:+_off}.jsonl" 2>&1 | grep -v "NIXL INFO" \
+            | tee "$OUT/kv_parts${router_args:+_off}.txt" | tail -12
+      done ;;
   esac
 done
