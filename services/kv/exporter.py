@@ -169,11 +169,11 @@ class KVExporter:
                     first_kept = max(group.first_needed_block(window_end) * group.block_size, begin)
                     spans = [(True, host_block_ids[g] if num_host_tokens else (), 0, num_host_tokens),
                              (False, block_ids[g], num_host_tokens, num_tokens)]
-                    for host, ids, begin, end in spans:
-                        begin = max(begin, first_kept)
-                        if begin < end:
+                    for host, ids, span_start, span_end in spans:
+                        start = max(span_start, first_kept)
+                        if start < span_end:
                             jobs[owner].append((g, reader, DigestJob(
-                                g, list(ids), begin, end, units[g], *read.remote_heads, read.local_heads[0],
+                                g, list(ids), start, span_end, units[g], *read.remote_heads, read.local_heads[0],
                                 host_tier=host)))
         answers = await asyncio.gather(*(rank.digest([j for _, _, j in rank_jobs])
                                          for rank, rank_jobs in zip(self._ranks, jobs, strict=True) if rank_jobs))
