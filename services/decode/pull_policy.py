@@ -236,11 +236,7 @@ class PullPolicy:
         try:
             result = await self.puller.pull(ticket, request.block_ids, cached)
         except PULL_ERRORS as e:
-            self._count_failure(e)
-            if isinstance(e, TransferTimeout) and not e.aborted:
-                await self._quarantine(rid)
-            else:
-                await self.engine.abort(rid)
+            await self._drop_failed_pull(rid, e)
             pulled.failure = f"KV pull of tokens {ticket.part_start_token}..{ticket.num_tokens} from " \
                              f"{ticket.engine_id} failed ({e})"
             return
@@ -267,11 +263,7 @@ class PullPolicy:
         try:
             result = await self.puller.pull(ticket, request.block_ids, request.num_cached_tokens)
         except PULL_ERRORS as e:
-            self._count_failure(e)
-            if isinstance(e, TransferTimeout) and not e.aborted:
-                await self._quarantine(rid)
-            else:
-                await self.engine.abort(rid)
+            await self._drop_failed_pull(rid, e)
             return f"KV pull from {ticket.engine_id} failed ({e})"
         pulled = time.perf_counter()
         try:
@@ -294,6 +286,14 @@ class PullPolicy:
                 return request
             await asyncio.sleep(delay_s)
             delay_s = min(2 * delay_s, RESERVE_MAX_DELAY_S)
+
+    async def _drop_failed_pull(self, rid: str, error: Exception) -> None:
+        """Count a failed pull and drop its reservation: quarantined when a READ may still be writing it."""
+        self._count_failure(error)
+        if isinstance(error, TransferTimeout) and not error.aborted:
+            await self._quarantine(rid)
+        else:
+            await self.engine.abort(rid)
 
     async def _quarantine(self, rid: str) -> None:
         """A READ NIXL could not cancel may still write the reserved blocks: keep them out of the pool for

@@ -26,6 +26,7 @@ same way as soon as it would stream. A drain to stop refuses new probes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -86,20 +87,40 @@ class DecodeServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.De
         return self.switch.epoch
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        async with self._serving(context):
+            async for chunk in self._generate(request, context):
+                yield chunk
+
+    @contextlib.asynccontextmanager
+    async def _serving(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """A generation admitted (this role, a seat in flight) and counted active while it streams."""
         await self.admit_role("decode", context)
         async with self.server.in_flight.admit(context, "decode worker"):
             self.num_active += 1
             try:
-                async for chunk in self._generate(request, context):
-                    yield chunk
+                yield
             finally:
                 self.num_active -= 1
+
+    @contextlib.asynccontextmanager
+    async def _refusals_as_status(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Starting a request: bad input ends the call INVALID_ARGUMENT, a required pull that could not be
+        done FAILED_PRECONDITION, each counted."""
+        try:
+            yield
+        except ValueError as e:
+            self.metrics.requests.labels("decode", "invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except PullRequired as e:
+            self.metrics.requests.labels("decode", PULL_REQUIRED_OUTCOME).inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the KV pull is required and could not be done: {e.reason}")
 
     async def _generate(self, request: worker_pb2.GenerateRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.TokenChunk]:
         started = time.monotonic()
         prompt = list(request.prompt_token_ids)
-        try:
+        async with self._refusals_as_status(context):
             params = sampling_from_proto(request.params)
             ticket = request.ticket if request.HasField("ticket") else None
             if request.num_output_tokens > len(prompt):
@@ -108,27 +129,15 @@ class DecodeServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.De
             start = await self.policy.start(request.request_id, prompt, params, ticket,
                                             require_pull=request.require_pull,
                                             num_output_tokens=request.num_output_tokens)
-        except ValueError as e:
-            self.metrics.requests.labels("decode", "invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except PullRequired as e:
-            self.metrics.requests.labels("decode", PULL_REQUIRED_OUTCOME).inc()
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"the KV pull is required and could not be done: {e.reason}")
         async for chunk in self._stream(request.request_id, len(prompt), start, started):
             yield chunk
 
     async def GenerateParts(self, request_iterator: AsyncIterator[worker_pb2.GenerateInput],  # noqa: N802
                             context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.TokenChunk]:
         """Generate whose KV arrives as part tickets, pulled as they come (``PullPolicy.start_parts``)."""
-        await self.admit_role("decode", context)
-        async with self.server.in_flight.admit(context, "decode worker"):
-            self.num_active += 1
-            try:
-                async for chunk in self._generate_parts(request_iterator, context):
-                    yield chunk
-            finally:
-                self.num_active -= 1
+        async with self._serving(context):
+            async for chunk in self._generate_parts(request_iterator, context):
+                yield chunk
 
     async def _generate_parts(self, inputs: AsyncIterator[worker_pb2.GenerateInput],
                               context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.TokenChunk]:
@@ -139,17 +148,10 @@ class DecodeServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.De
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "GenerateParts starts with a GenerateRequest "
                                 "without a ticket; its KV comes in the part tickets after it")
         request, prompt = first.start, list(first.start.prompt_token_ids)
-        try:
+        async with self._refusals_as_status(context):
             params = sampling_from_proto(request.params)
             start = await self.policy.start_parts(request.request_id, prompt, params, _part_tickets(inputs),
                                                   require_pull=request.require_pull)
-        except ValueError as e:
-            self.metrics.requests.labels("decode", "invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except PullRequired as e:
-            self.metrics.requests.labels("decode", PULL_REQUIRED_OUTCOME).inc()
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"the KV pull is required and could not be done: {e.reason}")
         async for chunk in self._stream(request.request_id, len(prompt), start, started):
             yield chunk
 
