@@ -35,6 +35,9 @@ CHUNK = 8
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PREFILL_ARGS = ("--kv-layout", "cross_layer", "--block-size", "4", "--num-kv-blocks", "256", "--dtype", "float32",
                 "--max-num-batched-tokens", str(CHUNK), "--kv-lease-s", "60")
+# The prefill daemon runs on its default device (CUDA where there is one); the colocated reference the
+# pulled bytes are compared with runs there too, the reading engine on CPU.
+PREFILL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DECODE_ARGS = ("--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "128", "--dtype", "float32")
 
 
@@ -48,8 +51,9 @@ def checkpoint(tmp_path_factory) -> str:
     return str(directory)
 
 
-def _engine(checkpoint: str, layout: LayoutKind, block_size: int, chunk: int = 2048) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=checkpoint, device="cpu", dtype="float32", kv_layout=layout,
+def _engine(checkpoint: str, layout: LayoutKind, block_size: int, chunk: int = 2048, device: str = "cpu"
+            ) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=checkpoint, device=device, dtype="float32", kv_layout=layout,
                                   block_size=block_size, num_kv_blocks=128, max_num_batched_tokens=chunk))
 
 
@@ -61,12 +65,12 @@ def _token_kv(engine: LLMEngine, tables: list[list[int]], n: int) -> torch.Tenso
         bs, table = group.block_size, tables[group.group_id]
         rows = [torch.stack([view[table[t // bs], t % bs] for t in range(n)]) for view in (k, v)]
         out.append(torch.stack(rows))
-    return torch.stack(out)
+    return torch.stack(out).cpu()
 
 
 def _colocated(checkpoint: str, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
     """The prefill's configuration run colocated: the prompt's KV after its prefill, and its greedy tokens."""
-    engine = _engine(checkpoint, LayoutKind.CROSS_LAYER, 4, chunk=CHUNK)
+    engine = _engine(checkpoint, LayoutKind.CROSS_LAYER, 4, chunk=CHUNK, device=PREFILL_DEVICE)
     held = engine.add_request("ref", prompt, SamplingParams(max_tokens=1, temperature=0.0),
                               hold_kv_on_finish=True)
     while engine.has_unfinished_requests():
