@@ -8,6 +8,10 @@ from services.contract.outputs import TopLogprobs
 from services.contract.sampling_params import SamplingParams, StructuredSpec
 from services.proto_gen.pdserve.v1 import worker_pb2
 
+# Trailing metadata of a worker's UNAVAILABLE for a call of a role it does not serve now (a role switch ended,
+# a drain that takes no new work): the call did nothing there, so a router may send it elsewhere at once.
+ROLE_REFUSED_KEY = "pdserve-role-refused"
+
 
 def sampling_from_proto(m: worker_pb2.SamplingParams) -> SamplingParams:
     """Validated SamplingParams; ValueError names the bad field (mapped to INVALID_ARGUMENT)."""

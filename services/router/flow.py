@@ -24,6 +24,8 @@ stream's last chunk says ``migrated``): the request goes on, in the same client 
 worker, as a ``Generate`` without a ticket whose prompt is the prompt plus every token generated so far and
 whose ``max_tokens`` is what is left; that worker prefills it (as its own recompute path would) and goes on
 exactly where the first stopped under greedy sampling. Counted in ``pdserve_router_migrated_requests_total``.
+A decode worker that refuses the call for its role (``ROLE_REFUSED_KEY``: its switch ended while this request's
+Generate was on the way, after pairing) is the same case with nothing generated there yet.
 
 Whatever ends the stream early (the client went away, a worker failed, the router found a stop
 string first), the ``finally`` aborts the decode request and releases the prefill worker's pinned
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 import anyio
 import grpc
 
+from services.contract.wire import ROLE_REFUSED_KEY
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2
 from services.router.config import RouterConfig
 from services.router.errors import (
@@ -212,6 +215,12 @@ class Dispatcher:
         return f"{what}, and --enforce-disagg forbids prefilling the prompt on a decode worker"
 
 
+def _refused_for_its_role(exc: grpc.aio.AioRpcError) -> bool:
+    """A worker's UNAVAILABLE for a call of a role it does not serve now (``ROLE_REFUSED_KEY``): not a fault."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and any(
+        key == ROLE_REFUSED_KEY for key, _ in exc.trailing_metadata() or ())
+
+
 def _log_request(request: GenerationRequest, assignment: Assignment, outcome: Outcome, ending: str) -> None:
     """One structured line per request; ``route=none`` when it took none (refused, or failed before)."""
     log.info("request id=%s end=%s route=%s prefill=%s decode=%s prompt_tokens=%d cached_tokens=%s "
@@ -266,6 +275,7 @@ class _Run:
     prefill_sent: bool = False
     prefill_answered: bool = False
     prefill_holds_blocks: bool = False
+    ticket_refused: bool = False  # its decode worker refused the call for its role: the ticket was never read
     prefill_call: grpc.aio.UnaryStreamCall | None = None  # PrefillStream (kv_parts), until it answered
     parts: PartRelay | None = None  # the part tickets relayed into the decode call, once the first came
     decode_call: grpc.aio.UnaryStreamCall | grpc.aio.StreamStreamCall | None = None
@@ -447,12 +457,13 @@ class _Run:
                                             timeout_s=self._remaining_s(), require_pull=self.require_pull,
                                             num_output_tokens=num_output_tokens)
             self.decode_call = call
-        skip_first = ticket is not None
+        skip_first, answered = ticket is not None, False
         try:
             async for chunk in call:
                 if chunk.migrated:  # the worker gave the request back (its role switch): go on elsewhere
                     self.migrated = True
                     return
+                answered = True
                 token_ids, logprobs = list(chunk.token_ids), list(chunk.logprobs)
                 top = [alternatives_of(e) for e in chunk.top_logprobs]
                 if skip_first and token_ids:
@@ -467,6 +478,13 @@ class _Run:
                 if delta.finish_reason is not None:
                     return
         except grpc.aio.AioRpcError as exc:
+            if not answered and _refused_for_its_role(exc):
+                # It switched roles after this request was paired with it (its Generate was on the way when
+                # the drain ended): nothing was done there, so go on elsewhere, as a migration.
+                self.migrated = True
+                if ticket is not None:
+                    self.ticket_refused = True
+                return
             if exc.code() in WORKER_FAULT_CODES:
                 self._worker_failed(Role.DECODE, address, f"{exc.code().name}: {exc.details()}")
             error = from_rpc_error(exc, Role.DECODE, address, pull_required=self.require_pull)
@@ -527,7 +545,7 @@ class _Run:
             pass
         elif self.prefill_sent and not self.prefill_answered:
             calls += [pool.abort(Role.PREFILL, prefill, rid, timeout_s), pool.release(prefill, rid, timeout_s)]
-        elif self.prefill_holds_blocks and not self.decode_finished:
+        elif self.prefill_holds_blocks and (not self.decode_finished or self.ticket_refused):
             # A finished decode pulled the blocks (or recomputed); otherwise nobody will.
             calls.append(pool.release(prefill, rid, timeout_s))
         if not calls:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from services.contract.wire import ROLE_REFUSED_KEY
 from services.proto_gen.pdserve.v1 import worker_pb2
 from services.worker.role_switch import RoleSwitch, SwitchRefused
 
@@ -15,11 +16,11 @@ class SwitchRoleRPCs:
     default_drain_timeout_s: float = 30.0  # the worker's --drain-timeout-s, for a request that names none
 
     async def admit_role(self, role: str, context: grpc.aio.ServicerContext) -> None:
-        """Refuse (UNAVAILABLE: a router takes the worker out and routes elsewhere) a call of a role this worker
-        does not serve now, or one a switch's drain no longer takes."""
+        """Refuse (UNAVAILABLE, marked ``ROLE_REFUSED_KEY``: a router routes elsewhere) a call of a role this
+        worker does not serve now, or one a switch's drain no longer takes."""
         why = self.switch.refusal(role)
         if why is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, why)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, why, trailing_metadata=((ROLE_REFUSED_KEY, role),))
 
     async def SwitchRole(self, request: worker_pb2.SwitchRoleRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> worker_pb2.SwitchRoleResponse:

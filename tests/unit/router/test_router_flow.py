@@ -19,6 +19,7 @@ import grpc
 import httpx
 import pytest
 
+from services.contract.wire import ROLE_REFUSED_KEY
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from services.router.app import RouterRuntime, create_app
 from services.router.config import RouterConfig
@@ -77,9 +78,15 @@ class ScriptedDecode(worker_pb2_grpc.DecodeWorkerServicer):
     requests: list = field(default_factory=list)
     aborted: list = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    # Shared by several servicers: while [n > 0], a Generate is refused as a worker that switched to prefill does.
+    role_refusals: list[int] = field(default_factory=lambda: [0])
 
     async def Generate(self, request, context):  # noqa: N802
         self.requests.append(request)
+        if self.role_refusals[0] > 0:
+            self.role_refusals[0] -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker serves the prefill role now",
+                                trailing_metadata=((ROLE_REFUSED_KEY, "decode"),))
         for i, token_ids in enumerate(self.chunks):
             last = i == len(self.chunks) - 1 and self.then == "finish"
             yield worker_pb2.TokenChunk(token_ids=token_ids, logprobs=[-0.5] * len(token_ids), finished=last,
@@ -112,17 +119,20 @@ class Setup:
 
 @asynccontextmanager
 async def _serving(tokenizer: Tokenizer, prefill: ScriptedPrefill, decode: ScriptedDecode,
-                   **config) -> AsyncIterator[Setup]:
+                   more_decode: tuple[ScriptedDecode, ...] = (), **config) -> AsyncIterator[Setup]:
     server = grpc.aio.server()
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, server)
     prefill_port = server.add_insecure_port("127.0.0.1:0")
-    decode_server = grpc.aio.server()
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, decode_server)
-    decode_port = decode_server.add_insecure_port("127.0.0.1:0")
+    decode_servers, decode_addresses = [], []
+    for servicer in (decode, *more_decode):
+        decode_servers.append(grpc.aio.server())
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, decode_servers[-1])
+        decode_addresses.append(f"127.0.0.1:{decode_servers[-1].add_insecure_port('127.0.0.1:0')}")
     await server.start()
-    await decode_server.start()
+    for decode_server in decode_servers:
+        await decode_server.start()
     try:
-        fields = {"model": "tiny", "prefill": (f"127.0.0.1:{prefill_port}",), "decode": (f"127.0.0.1:{decode_port}",),
+        fields = {"model": "tiny", "prefill": (f"127.0.0.1:{prefill_port}",), "decode": tuple(decode_addresses),
                   "health_interval_s": 3600, **config}
         app = create_app(RouterConfig(**fields), tokenizer_loader=lambda _: tokenizer)
         async with app.router.lifespan_context(app):
@@ -131,7 +141,8 @@ async def _serving(tokenizer: Tokenizer, prefill: ScriptedPrefill, decode: Scrip
                 yield Setup(http, app.state.runtime, app, prefill, decode)
     finally:
         await server.stop(0)
-        await decode_server.stop(0)
+        for decode_server in decode_servers:
+            await decode_server.stop(0)
 
 
 def _events(body: str) -> list:
@@ -187,6 +198,31 @@ async def test_disaggregated_stream(tokenizer: Tokenizer) -> None:
         assert 'pdserve_router_time_to_first_token_seconds_count{route="disaggregated"} 1.0' in metrics
         assert 'pdserve_router_e2e_request_latency_seconds_count{route="disaggregated"} 1.0' in metrics
         assert f"pdserve_router_inter_token_latency_seconds_count {len(ids) - 1}.0" in metrics
+
+
+async def test_a_decode_worker_refusing_for_its_role_is_a_migration_not_a_failure(tokenizer: Tokenizer) -> None:
+    """A decode worker whose role switch ended while the request's Generate was on its way refuses it
+    (UNAVAILABLE marked ``ROLE_REFUSED_KEY``): the request goes on at the other decode worker, replaying
+    prompt + first token, and the refusing worker is not marked failed."""
+    ids = tokenizer.encode(ANSWER)
+    refusals = [1]  # whichever decode worker the request is paired with refuses once
+    workers = (ScriptedDecode(chunks=[ids[1:4], ids[4:]], role_refusals=refusals),
+               ScriptedDecode(chunks=[ids[1:4], ids[4:]], role_refusals=refusals))
+    async with _serving(tokenizer, ScriptedPrefill(first_token_id=ids[0]), workers[0], workers[1:]) as s:
+        response = await s.http.post("/v1/completions", json={"prompt": "hello", "stream": True, "max_tokens": 30})
+        events = _events(response.text)
+        assert response.status_code == 200 and events[-1] == "[DONE]", events
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == ANSWER
+        refused, served = sorted((w.requests for w in workers), key=lambda r: r[0].HasField("ticket"), reverse=True)
+        assert len(refused) == len(served) == 1 and refusals == [0]
+        (prefill_request,) = s.prefill.requests
+        assert refused[0].HasField("ticket") and not served[0].HasField("ticket")
+        assert list(served[0].prompt_token_ids) == [*prefill_request.prompt_token_ids, ids[0]]
+        assert served[0].num_output_tokens == 1 and served[0].params.max_tokens == 29
+        assert all(w.healthy for w in s.runtime.policy.workers(Role.DECODE))
+        assert s.prefill.released == [prefill_request.request_id]  # the unpulled ticket's blocks are freed
+        metrics = (await s.http.get("/metrics")).text
+        assert "pdserve_router_migrated_requests_total 1.0" in metrics
 
 
 async def test_short_prompt_goes_straight_to_decode(tokenizer: Tokenizer) -> None:
