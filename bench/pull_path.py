@@ -6,8 +6,9 @@ For each placement, prompt length and pool, the same bytes move four ways, inter
 repeat so that all four see the same machine:
 
   pull      ``KVPuller.pull`` as the decode worker calls it (handshake cached): ticket checks, block
-            pieces, plan, descriptor rows, the agent's READ with the request id as notification, and the
-            KV digest of what arrived (on by default; its cost is printed as a ratio to the rest of the pull)
+            pieces (unit indices), indices into the descriptor lists prepared for the peer at its first
+            pull (``services.kv.read_lists``), the agent's READ with the request id as notification, and
+            the KV digest of what arrived (on by default; its cost is printed as a ratio to the rest)
   agent     ``TransferAgent.read`` of the planner's rows: the agent alone, through the event loop
   raw_plan  NIXL alone on this thread, the planner's rows: descriptor lists, ``initialize_xfer``,
             ``transfer``, spinning on ``check_xfer_state``
@@ -20,10 +21,12 @@ Pools: ``contiguous`` (consecutive block ids on both sides: one merged descripto
 each placement is reported on its own (``first``: handshake, peer connection, first READ).
 
 Pull stages (``KVPuller.pull``'s ``PullResult.stages``): handshake (peer-cache lookup), check (the
-ticket against the owner's handshake), pieces (token runs per group), plan (descriptors, every
-rank), rows (addresses), and the agent's READ: submit (to its worker thread), prepare (descriptor
-lists + ``initialize_xfer``), post (``transfer``; on DRAM the copy runs inside it), complete (post
-returned -> the awaiting coroutine has the result). ``other`` is what the stages do not cover.
+ticket against the owner's handshake, its signature and digest entries), pieces (unit indices per
+group), plan (indices into the prepared lists, every rank), and the agent's READ: submit (until a
+thread posts it: the caller's for a short post, else the agent's worker thread), prepare
+(``make_prepped_xfer``), post (``transfer``; on DRAM the copy runs inside it), complete (post
+returned -> its end was seen), wake (-> the awaiting coroutine resumed). ``other`` is what the stages
+do not cover. ``--no-prepared-lists`` measures the pull planned from scratch per READ instead.
 
     python bench/pull_path.py                                  # CPU (DRAM), 512/2k/8k tokens
     python bench/pull_path.py --device cuda                    # both processes on cuda:0
@@ -142,7 +145,7 @@ class Case:
     def __init__(self, puller: KVPuller, agent: TransferAgent, ticket: kv_pb2.TransferTicket,
                  local_ids: list[int], block_lists: tuple) -> None:
         self.puller, self.agent, self.ticket, self.local_ids = puller, agent, ticket, local_ids
-        (read,) = puller.planned_reads(ticket, [local_ids])
+        (read,) = puller.planned_reads(ticket, [local_ids], prepared=False)  # rows, for the raw variants
         owner, rank = read.owner, read.rank
         self.remote_rows, self.local_rows = read.remote_rows, read.local_rows
         self.num_bytes, self.num_descriptors = read.num_bytes, read.num_descriptors
@@ -206,7 +209,7 @@ def median_stages(samples: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run_placement(owner_device: str, reader_device: str, tokens: list[int], pools: list[str], repeats: int,
-                  load: bool) -> list[dict]:
+                  load: bool, prepared_lists: bool = True) -> list[dict]:
     cfg = {**SHAPE, "kind": "cross_layer", "num_blocks": 2 * -(-max(tokens) // SHAPE["block_size"]) + 1}
     requests = [{"request_id": f"{n}-{pool}", "num_tokens": n,
                  "block_ids": [block_ids(-(-n // SHAPE["block_size"]), POOLS[pool])]}
@@ -219,7 +222,7 @@ def run_placement(owner_device: str, reader_device: str, tokens: list[int], pool
         layout = layout_for(cfg, 1)
         (rank,) = make_ranks(layout, [reader_device], "pull-path-reader")
         puller = KVPuller(engine_id="pull-path-reader", identity=identity_for(cfg, layout), ranks=[rank],
-                          transfer_timeout_s=TIMEOUT_S)
+                          transfer_timeout_s=TIMEOUT_S, prepared_lists=prepared_lists)
         base = dict(scenario="pull_path", owner_device=owner_device, reader_device=reader_device, load=load)
         prepared: list = []  # the prepared descriptor lists, released under the agent's lock at the end
 
@@ -324,6 +327,8 @@ def main() -> None:
     ap.add_argument("--pools", default="contiguous,fragmented", help=f"of {list(POOLS)}")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--engine-load", action="store_true", help="run a busy engine-like thread in the reader")
+    ap.add_argument("--no-prepared-lists", action="store_true",
+                    help="plan every pull from scratch (KVPuller(prepared_lists=False)), as before prepared lists")
     ap.add_argument("--json", action="store_true", help="one JSON object per row on stdout, no tables")
     ap.add_argument("--json-out", default=None, help="also write the JSON lines to this file")
     args = ap.parse_args()
@@ -340,7 +345,8 @@ def main() -> None:
         os.environ.setdefault(CUDA_IPC_GET_ENV, "y")  # before any agent (and the owners) start
     rows = []
     for owner_device, reader_device in placements:
-        rows += run_placement(owner_device, reader_device, tokens, pools, args.repeats, args.engine_load)
+        rows += run_placement(owner_device, reader_device, tokens, pools, args.repeats, args.engine_load,
+                              not args.no_prepared_lists)
     if not emit_json(rows, args.json_out, args.json):
         print_rows(rows, args.repeats)
 

@@ -368,6 +368,47 @@ def plan_transfer(
     return TransferPlan._owned(read.remote_rank, _merge(cols, pair.src_buffer_bytes))
 
 
+@dataclass(frozen=True, eq=False)
+class UnitRuns:
+    """The copies of one whole unit (``min(block sizes)`` tokens, the heads of one read) of a group, as
+    offsets from the unit's start on each side: what a prepared descriptor list repeats per unit.
+
+    ``src_offset``/``dst_offset`` hold, per run, the buffer offset of the unit at block 0 (heads
+    included); a unit of remote block b, ``j`` units in, adds ``b * src_block_bytes + j * src_unit_bytes``.
+    ``plane_major``: runs come as [planes, grid] and a pull orders them plane by plane (per-layer source,
+    a buffer per layer), else piece by piece (cross-layer source), which is what merges adjacent units.
+    """
+
+    src_buffer: np.ndarray
+    src_offset: np.ndarray
+    dst_buffer: np.ndarray
+    dst_offset: np.ndarray
+    length: np.ndarray
+    num_planes: int
+    plane_major: bool
+    unit: int
+    src_block_bytes: int
+    src_unit_bytes: int
+    dst_block_bytes: int
+    dst_unit_bytes: int
+
+
+def unit_runs(remote: KVLayoutSpec, local: KVLayoutSpec, group_id: int, read: RankRead) -> UnitRuns | None:
+    """The runs :func:`plan_transfer` gives one whole unit of group ``group_id`` (planes folded, rows
+    coalesced), from the same checked spec pair; None for a group without layers to read."""
+    pair = _pair(remote, local, group_id, read, None)
+    if not pair.layers:
+        return None
+    f_sb, f_so, f_db, f_do, f_len, g_src, g_dst = pair.runs(pair.unit)
+    grid = g_src.size
+    return UnitRuns(
+        np.repeat(f_sb, grid), (f_so[:, None] + g_src[None, :]).ravel() + pair.head_base_src,
+        np.repeat(f_db, grid), (f_do[:, None] + g_dst[None, :]).ravel() + pair.head_base_dst,
+        np.repeat(f_len, grid), int(f_sb.size), not pair.piece_major, pair.unit,
+        pair.r_block, pair.unit * pair.r_token, pair.l_block, pair.unit * pair.l_token,
+    )
+
+
 class _Pair:
     """What a plan needs of (remote spec, local spec, group, read, layers), pieces aside: checked and
     computed once per combination, since the same pair recurs for every request between two engines."""

@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -36,10 +37,19 @@ from services.kv.handshake import EngineDescription, PeerCache, RankExport
 from services.kv.layout import BlockOrder, KVLayoutSpec
 from services.kv.nixl.agent import read_stages
 from services.kv.nixl.errors import TransferError
+from services.kv.nixl.prepared import PreparedLists
 from services.kv.pair_support import group_heads_from_fields
 from services.kv.planner import TransferPlan, plan_groups
-from services.kv.rank import KVRank
-from services.kv.topology import RankRead, group_rank_reads, kv_head_range, map_block_arrays, window_start_token
+from services.kv.rank import KVRank, LocalKVRank
+from services.kv.read_lists import ListLayout, list_layout
+from services.kv.topology import (
+    RankRead,
+    group_rank_reads,
+    kv_head_range,
+    map_block_arrays,
+    map_unit_arrays,
+    window_start_token,
+)
 from services.kv.wire import notification_key, ticket_is_signed_by
 from services.proto_gen.pdserve.v1 import kv_pb2
 
@@ -92,6 +102,22 @@ class PlannedRead:
     num_bytes: int
     num_descriptors: int
     host_tier: bool = False  # reads the owner's host KV tier, not its device blocks
+    #: Lists prepared for this (owner rank, local rank, source) (``read_lists``): the rows above are then
+    #: int32 indices into them, and the READ is ``TransferAgent.read_prepared``.
+    lists: PreparedLists | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class _Target:
+    """One READ a pull of this peer issues (local rank, owner rank, source), with what does not depend on
+    the ticket: the groups' head reads, and the prepared lists when it has them."""
+
+    rank: KVRank
+    owner: RankExport
+    host: bool
+    group_reads: dict[int, RankRead]
+    table: ListLayout | None = None
+    lists: PreparedLists | None = None
 
 
 class KVPuller:
@@ -106,10 +132,13 @@ class KVPuller:
         transfer_timeout_s: float = 30.0,
         tls: TLSConfig | None = None,
         corrupt_pulled_kv_after: int | None = None,
+        prepared_lists: bool = True,
     ) -> None:
         """``identity`` is the reading engine's (``KVIdentity.of``); an owner must hash the same to be read.
         ``corrupt_pulled_kv_after``: fault injection (``kv_corrupt:N``): after N pulls, flip bits in every
-        pulled block after its READ, before the digest check (None: never)."""
+        pulled block after its READ, before the digest check (None: never). ``prepared_lists``: read through
+        descriptor lists prepared once per peer where the rank and layouts allow (``read_lists``); off, every
+        pull is planned from scratch."""
         if ranks:
             identity.check_layout(ranks[0].layout)
         self.engine_id = engine_id
@@ -120,6 +149,9 @@ class KVPuller:
         self._corrupt_after = corrupt_pulled_kv_after
         self._num_pulls = 0
         self._reads_of: dict[str, tuple[EngineDescription, list]] = {}  # engine id -> (its description, reads)
+        self._prepared_lists = prepared_lists
+        # engine id -> (its description, {(sources, prepared): the READs of a pull})
+        self._targets_of: dict[str, tuple[EngineDescription, dict[tuple, list[_Target]]]] = {}
         self.peers = PeerCache(
             self.compat, reader_engine_id=engine_id, auth_token=auth_token, timeout_s=handshake_timeout_s,
             validate=self._check_topology, on_evict=self._drop_peers, tls=tls,
@@ -174,6 +206,7 @@ class KVPuller:
 
     def _drop_peers(self, old: EngineDescription) -> None:
         self._reads_of.pop(old.engine_id, None)
+        self._targets_of.pop(old.engine_id, None)  # removing the peers below releases their prepared lists
         for r in self._ranks:
             for remote_rank in old.ranks:
                 r.remove_peer(remote_rank.agent_name)
@@ -208,9 +241,10 @@ class KVPuller:
         digest_jobs = self._digest_jobs(ticket, remote, local_ids, num_cached_tokens, corrupt) if check_digests \
             else []
         t_check = time.perf_counter()
-        pieces = self._source_pieces(ticket, remote, remote_ids, host_ids, local_ids, num_cached_tokens)
+        targets = self._targets(remote, (False,) if host_ids is None else (True, False), self._prepared_lists)
+        units, pieces = self._source_maps(ticket, remote, remote_ids, host_ids, local_ids, num_cached_tokens, targets)
         t_pieces = time.perf_counter()
-        reads = self._plan_reads(remote, pieces)
+        reads = self._plan_reads(targets, units, pieces)
         t_plan = time.perf_counter()
         nonce = ticket.notify_nonce
         try:
@@ -281,68 +315,117 @@ class KVPuller:
                                    f"does not match the ticket's digest in KV group(s) {bad}", bad)
 
     def planned_reads(self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]],
-                      num_cached_tokens: int = 0) -> list[PlannedRead]:
+                      num_cached_tokens: int = 0, *, prepared: bool | None = None) -> list[PlannedRead]:
         """The READs ``pull`` would issue for this ticket (its owner already handshaken), without issuing
-        them: for benchmarks and tests that compare with the same descriptors."""
+        them: for benchmarks and tests that compare with the same descriptors. ``prepared=False``: as
+        descriptor rows from the planner even where ``pull`` reads through prepared lists."""
         remote = self.peers.cached(ticket.engine_id, ticket.epoch)
         if remote is None:
             raise ValueError(f"engine {ticket.engine_id} epoch {ticket.epoch} is not handshaken")
-        remote_ids, host_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
-        pieces = self._source_pieces(ticket, remote, remote_ids, host_ids, local_ids, num_cached_tokens)
-        return self._plan_reads(remote, pieces)
+        return self._reads_for(ticket, remote, local_block_ids, num_cached_tokens,
+                               self._prepared_lists if prepared is None else prepared)
 
-    def _source_pieces(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription, remote_ids: list[np.ndarray],
-                       host_ids: list[np.ndarray] | None, local_ids: list[np.ndarray], num_cached_tokens: int
-                       ) -> dict[bool, dict[int, np.ndarray]]:
-        """Token runs per source (host tier: True) and group. Every local rank shares the block
-        tables, so the runs are the same for all of them. The host tier holds the prompt's first
+    def _reads_for(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription,
+                   local_block_ids: Sequence[Sequence[int]], num_cached_tokens: int, prepared: bool = False
+                   ) -> list[PlannedRead]:
+        """What ``pull`` does before its READs but the signature and digests: check, map, plan."""
+        remote_ids, host_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
+        targets = self._targets(remote, (False,) if host_ids is None else (True, False), prepared)
+        units, pieces = self._source_maps(ticket, remote, remote_ids, host_ids, local_ids, num_cached_tokens, targets)
+        return self._plan_reads(targets, units, pieces)
+
+    def _source_maps(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription, remote_ids: list[np.ndarray],
+                     host_ids: list[np.ndarray] | None, local_ids: list[np.ndarray], num_cached_tokens: int,
+                     targets: list[_Target]) -> tuple[dict[bool, dict[int, tuple]], dict[bool, dict[int, np.ndarray]]]:
+        """(unit indices, token runs) per source (host tier: True) and group, each only when a READ takes
+        that form (prepared lists take units, the planner runs). Every local rank shares the block
+        tables, so they are the same for all of them. The host tier holds the prompt's first
         ``num_host_tokens``, the device blocks the rest."""
         local, window = self._ranks[0].layout, _window_end(ticket)
         if host_ids is None:
-            return {False: self._pieces(remote, local, ticket.num_tokens, remote_ids, local_ids, num_cached_tokens,
-                                        window_end=window)}
-        split = ticket.num_host_tokens
-        return {True: self._pieces(remote, local, ticket.num_tokens, host_ids, local_ids, num_cached_tokens,
-                                   end=split, window_end=window),
-                False: self._pieces(remote, local, ticket.num_tokens, remote_ids, local_ids, num_cached_tokens,
-                                    begin=split, window_end=window)}
+            spans = {False: (remote_ids, 0, None)}
+        else:
+            spans = {True: (host_ids, 0, ticket.num_host_tokens), False: (remote_ids, ticket.num_host_tokens, None)}
+        maps: list[dict] = [{}, {}]
+        for i, (wanted, mapper) in enumerate(((any(t.lists is not None for t in targets), map_unit_arrays),
+                                              (any(t.lists is None for t in targets), map_block_arrays))):
+            if wanted:
+                maps[i] = {host: self._pieces(remote, local, ticket.num_tokens, ids, local_ids, num_cached_tokens,
+                                              begin=begin, end=end, window_end=window, mapper=mapper)
+                           for host, (ids, begin, end) in spans.items()}
+        return maps[0], maps[1]
 
-    def _plan_reads(self, remote: EngineDescription, pieces: dict[bool, dict[int, np.ndarray]]
-                    ) -> list[PlannedRead]:
-        """One READ per (local rank, remote rank, source: device blocks or the owner's host tier).
+    def _targets(self, remote: EngineDescription, sources: tuple[bool, ...], prepared: bool) -> list[_Target]:
+        """The READs of a pull from this peer (one per local rank, owner rank and source), with their
+        prepared lists: built once per peer and sources, again if the agent released the lists."""
+        entry = self._targets_of.get(remote.engine_id)
+        if entry is None or entry[0] is not remote:
+            entry = self._targets_of[remote.engine_id] = (remote, {})
+        targets = entry[1].get((sources, prepared))
+        if targets is None or any(t.lists is not None and t.lists.released for t in targets):
+            targets = entry[1][sources, prepared] = [
+                self._target(remote, local_rank, remote_rank, host, group_reads, prepared)
+                for local_rank, by_owner in enumerate(self._rank_reads(remote))
+                for remote_rank, group_reads in by_owner.items() for host in sources]
+        return targets
 
+    def _target(self, remote: EngineDescription, local_rank: int, remote_rank: int, host: bool,
+                group_reads: dict[int, RankRead], prepared: bool) -> _Target:
+        """One READ's target, its lists prepared when this rank's agent is in this process and the lists
+        stay small (``read_lists.MAX_ENTRIES``); else the planner plans each pull of it."""
+        rank, owner = self._ranks[local_rank], remote.ranks[remote_rank]
+        target = _Target(rank, owner, host, group_reads)
+        if not prepared or not isinstance(rank, LocalKVRank):
+            return target
+        layout, regions = (owner.host_layout, owner.host_regions) if host else (owner.layout, owner.regions)
+        table = list_layout(layout, regions, rank.layout, rank.regions, group_reads)
+        if table is None:
+            return target
+        try:
+            peer = rank.agent.add_peer(owner.agent_metadata)
+            lists = rank.agent.prepare_lists(peer, table.local_rows, table.remote_rows, rank.regions[0].kind,
+                                             remote_mem_kind=regions[0].kind)
+        except TransferError as exc:  # planned READs fail or succeed on their own
+            log.warning("preparing descriptor lists for %s failed, planning each pull instead: %s",
+                        owner.agent_name, exc)
+            return target
+        return _Target(rank, owner, host, group_reads, table, lists)
+
+    def _plan_reads(self, targets: list[_Target], units: dict[bool, dict[int, tuple]],
+                    pieces: dict[bool, dict[int, np.ndarray]]) -> list[PlannedRead]:
+        """One READ per target (local rank, remote rank, source: device blocks or the owner's host tier).
+
+        A target with prepared lists takes its indices (``ListLayout.indices``); the others are planned.
         Ranks whose layouts and head slices match (equal TP sizes: rank r reads rank r) share one
         plan; only the addresses differ. A ticket with a host-tier part gets a READ from each
         source, even an empty one: its notification is what the owner counts.
         """
         plans: dict[tuple, TransferPlan] = {}
-        src_tables: dict[tuple[int, bool], list[tuple[int, int]]] = {}
         reads: list[PlannedRead] = []
-        for local_rank, rank in enumerate(self._ranks):
-            dst = [(r.address, r.device_id) for r in rank.regions]
-            for remote_rank, group_reads in self._rank_reads(remote)[local_rank].items():
-                owner = remote.ranks[remote_rank]
-                for host, source_pieces in pieces.items():
-                    owner_layout, owner_regions = (owner.host_layout, owner.host_regions) if host else \
-                        (owner.layout, owner.regions)
-                    key = (host, id(owner_layout), id(rank.layout),
-                           tuple((g, r.remote_heads, r.local_heads) for g, r in group_reads.items()))
-                    plan = plans.get(key)
-                    if plan is None:
-                        # The prompt's last block is this request's own (partial blocks are never shared),
-                        # and decode overwrites the slots past the prompt before reading them: padding it
-                        # costs no extra descriptors for the stale tail bytes it copies. A host-tier part
-                        # ends mid-prompt, where the device part's READ writes the rest of the block.
-                        plan = plans[key] = plan_groups(owner_layout, rank.layout,
-                                                        {g: source_pieces[g] for g in group_reads}, group_reads,
-                                                        pad_partial_blocks=not host)
-                    src = src_tables.get((remote_rank, host))
-                    if src is None:
-                        src = src_tables[remote_rank, host] = [
-                            (r.address, r.device_id) for r in sorted(owner_regions, key=lambda r: r.buffer_index)]
-                    remote_rows, local_rows = plan.address_rows(src, dst)
-                    reads.append(PlannedRead(rank, owner, local_rows, remote_rows, plan.total_bytes,
-                                             plan.num_descriptors, host_tier=host))
+        for t in targets:
+            if t.table is not None:
+                local_idx, remote_idx, num_bytes, num_descriptors = t.table.indices(
+                    {g: units[t.host][g] for g in t.group_reads})
+                reads.append(PlannedRead(t.rank, t.owner, local_idx, remote_idx, num_bytes, num_descriptors,
+                                         host_tier=t.host, lists=t.lists))
+                continue
+            owner_layout, owner_regions = (t.owner.host_layout, t.owner.host_regions) if t.host else \
+                (t.owner.layout, t.owner.regions)
+            key = (t.host, id(owner_layout), id(t.rank.layout),
+                   tuple((g, r.remote_heads, r.local_heads) for g, r in t.group_reads.items()))
+            plan = plans.get(key)
+            if plan is None:
+                # The prompt's last block is this request's own (partial blocks are never shared),
+                # and decode overwrites the slots past the prompt before reading them: padding it
+                # costs no extra descriptors for the stale tail bytes it copies. A host-tier part
+                # ends mid-prompt, where the device part's READ writes the rest of the block.
+                plan = plans[key] = plan_groups(owner_layout, t.rank.layout,
+                                                {g: pieces[t.host][g] for g in t.group_reads}, t.group_reads,
+                                                pad_partial_blocks=not t.host)
+            src = [(r.address, r.device_id) for r in sorted(owner_regions, key=lambda r: r.buffer_index)]
+            remote_rows, local_rows = plan.address_rows(src, [(r.address, r.device_id) for r in t.rank.regions])
+            reads.append(PlannedRead(t.rank, t.owner, local_rows, remote_rows, plan.total_bytes,
+                                     plan.num_descriptors, host_tier=t.host))
         return reads
 
     def _rank_reads(self, remote: EngineDescription) -> list[dict[int, dict[int, RankRead]]]:
@@ -363,8 +446,17 @@ class KVPuller:
         token = read_stages.set(sub)  # the agent's READ adds its stages here
         kind = (owner.host_regions if read.host_tier else owner.regions)[0].kind
         try:
-            got = await read.rank.read(owner.agent_metadata, read.local_rows, read.remote_rows, notify, kind,
-                                       self.transfer_timeout_s)
+            if read.lists is None:
+                got = await read.rank.read(owner.agent_metadata, read.local_rows, read.remote_rows, notify, kind,
+                                           self.transfer_timeout_s)
+            elif not read.local_rows.size:  # everything was local: only the notification
+                read.rank.agent.send_notification(read.lists.peer, notify)
+                got = (0, 0)
+            else:
+                result = await read.rank.agent.read_prepared(
+                    read.lists, read.local_rows, read.remote_rows, notify, num_bytes=read.num_bytes,
+                    num_descriptors=read.num_descriptors, timeout_s=self.transfer_timeout_s)
+                got = (result.num_bytes, result.num_descriptors)
         finally:
             read_stages.reset(token)
         return got[0], got[1], sub
@@ -403,18 +495,18 @@ class KVPuller:
     @staticmethod
     def _pieces(remote: EngineDescription, local: KVLayoutSpec, num_tokens: int, remote_ids: list[np.ndarray],
                 local_ids: Sequence[np.ndarray], num_cached_tokens: int, begin: int = 0, end: int | None = None,
-                window_end: int | None = None) -> dict[int, np.ndarray]:
-        """Token runs per group (``map_block_arrays``) of the prompt's tokens ``begin .. end``: from
-        the reader's cached prefix (whole local blocks of that group) or, for a sliding group, the
-        window's start (of a prompt of ``window_end`` tokens: a part ticket's whole prompt), whichever is
-        later; to ``end`` (the prompt's end by default)."""
+                window_end: int | None = None, mapper=map_block_arrays) -> dict[int, Any]:
+        """Token runs per group (``map_block_arrays``, or another ``mapper`` of the same arguments) of the
+        prompt's tokens ``begin .. end``: from the reader's cached prefix (whole local blocks of that group)
+        or, for a sliding group, the window's start (of a prompt of ``window_end`` tokens: a part ticket's
+        whole prompt), whichever is later; to ``end`` (the prompt's end by default)."""
         end = num_tokens if end is None else end
         starts = KVPuller._group_starts(remote, local, window_end or num_tokens, num_cached_tokens)
         out = {}
         for rg, lg in zip(remote.groups, local.groups, strict=True):
             start = min(max(starts[lg.group_id], begin), end)
-            out[lg.group_id] = map_block_arrays(remote_ids[rg.group_id], rg.block_size, local_ids[lg.group_id],
-                                                lg.block_size, end, start)
+            out[lg.group_id] = mapper(remote_ids[rg.group_id], rg.block_size, local_ids[lg.group_id], lg.block_size,
+                                      end, start)
         return out
 
     @staticmethod

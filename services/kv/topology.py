@@ -242,6 +242,25 @@ def map_block_arrays(
 ) -> np.ndarray:
     """:func:`map_blocks` as one ``[5, N]`` int64 array (rows: remote block, remote offset, local block,
     local offset, tokens), built without a Python loop per piece: what the planner consumes."""
+    remote_ids, local_ids = _checked_tables(remote_block_ids, remote_block_size, local_block_ids, local_block_size,
+                                            num_tokens, start_token)
+    if start_token == num_tokens:
+        return np.zeros((5, 0), dtype=np.int64)
+
+    small = min(remote_block_size, local_block_size)
+    starts = np.arange(start_token, num_tokens, small, dtype=np.int64)
+    counts = np.minimum(starts + small, num_tokens) - starts
+    r_idx, r_off = np.divmod(starts, remote_block_size)
+    l_idx, l_off = np.divmod(starts, local_block_size)
+    _check_ids(remote_ids[r_idx[0] : r_idx[-1] + 1], "remote")
+    _check_ids(local_ids[l_idx[0] : l_idx[-1] + 1], "local")
+    return np.stack((remote_ids[r_idx], r_off, local_ids[l_idx], l_off, counts))
+
+
+def _checked_tables(remote_block_ids: Sequence[int] | np.ndarray, remote_block_size: int,
+                    local_block_ids: Sequence[int] | np.ndarray, local_block_size: int, num_tokens: int,
+                    start_token: int) -> tuple[np.ndarray, np.ndarray]:
+    """Both block tables as int64 arrays, after checking sizes, the token range and the tables' lengths."""
     if remote_block_size < 1 or local_block_size < 1:
         raise ValueError(f"block sizes must be >= 1, got remote {remote_block_size}, local {local_block_size}")
     small, large = sorted((remote_block_size, local_block_size))
@@ -262,16 +281,45 @@ def map_block_arrays(
         needed = -(-num_tokens // size)
         if ids.size < needed:
             raise ValueError(f"{num_tokens} tokens need {needed} {side} blocks of {size}, got {ids.size}")
-    if start_token == num_tokens:
-        return np.zeros((5, 0), dtype=np.int64)
+    return remote_ids, local_ids
 
-    starts = np.arange(start_token, num_tokens, small, dtype=np.int64)
-    counts = np.minimum(starts + small, num_tokens) - starts
-    r_idx, r_off = np.divmod(starts, remote_block_size)
-    l_idx, l_off = np.divmod(starts, local_block_size)
-    _check_ids(remote_ids[r_idx[0] : r_idx[-1] + 1], "remote")
-    _check_ids(local_ids[l_idx[0] : l_idx[-1] + 1], "local")
-    return np.stack((remote_ids[r_idx], r_off, local_ids[l_idx], l_off, counts))
+
+def map_unit_arrays(
+    remote_block_ids: Sequence[int] | np.ndarray,
+    remote_block_size: int,
+    local_block_ids: Sequence[int] | np.ndarray,
+    local_block_size: int,
+    num_tokens: int,
+    start_token: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The units (``min(block sizes)`` tokens) covering tokens ``[start_token, num_tokens)``, as (remote, local)
+    unit indices: ``block id * units per block + unit inside the block`` on each side.
+
+    The same runs as :func:`map_block_arrays` with a partial last piece widened to its whole unit (the
+    planner's ``pad_partial_blocks``), and the same checks; with equal block sizes a unit is a block and
+    the indices are the tables' entries themselves::
+
+        remote block 16, local block 4, tokens [4, 22) -> units of 4 tokens, 4 per remote block:
+          remote  4*r0 + 1, 4*r0 + 2, 4*r0 + 3, 4*r1 + 0, 4*r1 + 1   (the last one padded: tokens 20..23)
+          local   l1, l2, l3, l4, l5
+    """
+    remote_ids, local_ids = _checked_tables(remote_block_ids, remote_block_size, local_block_ids, local_block_size,
+                                            num_tokens, start_token)
+    unit = min(remote_block_size, local_block_size)
+    first, last = start_token // unit, -(-num_tokens // unit)
+    out = []
+    for side, ids, size in (("remote", remote_ids, remote_block_size), ("local", local_ids, local_block_size)):
+        per_block = size // unit
+        if per_block == 1:
+            units = ids[first:last]
+            _check_ids(units, side)
+        else:
+            pos = np.arange(first, last, dtype=np.int64)
+            blocks, within = np.divmod(pos, per_block)
+            _check_ids(ids[blocks[0] : blocks[-1] + 1] if pos.size else ids[:0], side)
+            units = ids[blocks] * per_block + within
+        out.append(units)
+    return out[0], out[1]
 
 
 # ---- sliding window ----------------------------------------------------------------------------

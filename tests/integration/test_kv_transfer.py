@@ -211,6 +211,48 @@ def test_pull_reproduces_owner_bytes(case: str) -> None:
         assert len(planned) == result.num_reads
         assert sum(p.num_descriptors for p in planned) == result.num_descriptors
         assert sum(p.num_bytes for p in planned) == result.num_bytes
+        # Every rank here has its agent in this process: every READ went through prepared lists, and NIXL's
+        # merge of their entries leaves what the planner plans.
+        assert all(p.lists is not None for p in planned)
+        rows = r.puller.planned_reads(ticket, [local_ids], prepared=False)
+        assert [p.num_descriptors for p in rows] == [p.num_descriptors for p in planned]
+
+
+def test_prepared_lists_are_made_once_per_peer_and_released_with_it() -> None:
+    """The lists are prepared at the first pull from a peer and reused; forgetting the peer (a failed READ
+    does that) releases them with the peer's agent, a READ on them is refused, and the next pull
+    handshakes and prepares afresh. A pull without lists moves the same bytes."""
+    owner_cfg = {**BASE, "engine_id": "owner-lists", "tp": 1, "reader_tp": 1}
+    owner_cfg["requests"] = [_request("a", 29, BASE["block_size"], 3, shuffle=True),
+                             _request("b", 29, BASE["block_size"], 3, shuffle=True)]
+    owner_cfg["reader_block_size"] = BASE["block_size"]
+    local_ids = list(range(1, 9))[::-1]
+    with owner_process(owner_cfg) as owner, reader(BASE, 1) as r:
+        first = asyncio.run(r.puller.pull(owner.tickets["a"], [local_ids]))
+        check_received(owner_cfg, r, owner.tickets["a"], [local_ids], [0])
+        (read,) = r.puller.planned_reads(owner.tickets["a"], [local_ids])
+        lists = read.lists
+        assert lists is not None and r.agents[0]._prepared[lists.peer] == [lists]
+        again = asyncio.run(r.puller.pull(owner.tickets["b"], [local_ids]))
+        assert r.agents[0]._prepared[lists.peer] == [lists]  # reused, not prepared again
+        assert (again.num_bytes, again.num_descriptors) == (first.num_bytes, first.num_descriptors)
+        r.puller.peers.forget("owner-lists")
+        assert lists.released and lists.peer not in r.agents[0]._prepared
+        with pytest.raises(TransferError, match="released"):
+            asyncio.run(r.agents[0].read_prepared(lists, read.local_rows, read.remote_rows, num_bytes=1,
+                                                  num_descriptors=1, timeout_s=5))
+        for b in r.caches[0].buffers:
+            b.fill_(SENTINEL)
+        asyncio.run(r.puller.pull(owner.tickets["a"], [local_ids]))  # a new handshake, new lists
+        check_received(owner_cfg, r, owner.tickets["a"], [local_ids], [0])
+        (fresh,) = r.puller.planned_reads(owner.tickets["a"], [local_ids])
+        assert fresh.lists is not None and fresh.lists is not lists and not fresh.lists.released
+        r.puller._prepared_lists = False
+        for b in r.caches[0].buffers:
+            b.fill_(SENTINEL)
+        planned = asyncio.run(r.puller.pull(owner.tickets["b"], [local_ids]))
+        check_received(owner_cfg, r, owner.tickets["b"], [local_ids], [0])
+        assert (planned.num_bytes, planned.num_descriptors) == (first.num_bytes, first.num_descriptors)
 
 
 def test_sliding_window_group_moves_only_the_window() -> None:

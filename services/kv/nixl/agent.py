@@ -12,9 +12,12 @@ every READ in flight: tightly for the first milliseconds (a GPU READ of a prompt
 then backing off, and wakes the waiting coroutine once, when it finishes. A READ whose post cannot block for long (a few
 descriptors of device memory, where the post only queues the copies, or a small host copy) to a
 peer already read from is posted on the caller's thread instead, if the lock is free at that
-moment, and completes there when the post finishes it. The event loop never waits on the lock
-except to abort a READ that timed out. The synchronous methods (``start_read``,
-``poll_notifications``...) may wait for that lock.
+moment, and completes there when the post finishes it; a device READ posted there is also polled
+there for up to ``_INLINE_SPIN_S`` (NIXL's poll holds the GIL, so a busy engine thread cannot delay
+it), so a small GPU copy costs no thread hand-over at all. The event loop never waits on the lock
+except to abort a READ that timed out. ``prepare_lists``/``read_prepared``: lists NIXL prepared once
+per peer (``prepared.PreparedLists``), a READ then being two index arrays (``make_prepped_xfer``).
+The synchronous methods (``start_read``, ``poll_notifications``...) may wait for that lock.
 
 Quirks of nixl 1.5.1 this module works around (checked on the CI machine):
 - ``add_remote_agent`` with a known name but new metadata (a restarted peer) fails with
@@ -38,9 +41,10 @@ Quirks of nixl 1.5.1 this module works around (checked on the CI machine):
   a host-memory READ's notification itself, right after the READ completed, rather than with it; a
   device READ keeps it on the READ (device-memory agents run a progress thread). Either way the peer
   hears only of a completed READ, never of an aborted one.
-- ``make_prepped_xfer`` merges descriptors that are adjacent on both sides; ``initialize_xfer`` does
-  not (the planner merges runs itself, so the two give the same descriptors here). Building the lists
-  and the request costs microseconds either way (~2-10 us for 1-512 rows on the CI machine).
+- ``make_prepped_xfer`` merges consecutive entries that are adjacent on both sides; ``initialize_xfer``
+  does not (the planner merges runs itself, so the two give the same descriptors here). Building the
+  request costs microseconds either way (~2-14 us for 1-512 rows on the CI machine); what prepared lists
+  save is the Python around it (rows, their checks, the lists per READ).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ from services.kv.nixl.descriptors import (
 )
 from services.kv.nixl.errors import TransferError, TransferTimeout, UnknownPeerError, describe
 from services.kv.nixl.handle import TransferHandle, TransferResult
+from services.kv.nixl.prepared import PreparedLists
 from services.kv.nixl.reader import TIMED_OUT, ReadJob, ReadWorker, expire
 
 log = logging.getLogger(__name__)
@@ -85,6 +90,10 @@ _CANCEL_WAIT_S = 2.0
 # A post that may run on the caller's thread: at most this many descriptors, and on host memory (where
 # the post is the copy: ~0.1 ms per MiB here) at most this many bytes.
 _INLINE_MAX_DESCRIPTORS, _INLINE_MAX_HOST_BYTES = 64, 256 << 10
+# How long the caller's thread polls a device READ it posted before handing it to the worker thread: a
+# small GPU copy (0.1-0.3 ms) then completes with no thread hand-over at all. NIXL's poll holds the GIL,
+# so a busy engine thread cannot stretch it; the event loop is held at most this long.
+_INLINE_SPIN_S = 0.5e-3
 
 #: A dict here collects the stage durations (seconds) of ``TransferAgent.read`` calls in this context.
 read_stages: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("read_stages", default=None)
@@ -138,6 +147,7 @@ class TransferAgent:
         self._active: set[TransferHandle] = set()
         self._unreleased: list[Any] = []
         self._warm_peers: set[str] = set()  # peers a READ has completed from (connection and mappings set up)
+        self._prepared: dict[str, list[PreparedLists]] = {}  # peer -> descriptor lists prepared for it
         self._reader: ReadWorker | None = None
         self._closed = False
 
@@ -266,6 +276,8 @@ class TransferAgent:
         self._warm_peers.discard(name)
         try:
             with self._locked():
+                for lists in self._prepared.pop(name, ()):
+                    lists.release()
                 self._nixl.remove_remote_agent(name)
         except Exception as exc:
             log.warning("agent %s: removing peer %s: %s", self.name, name, describe(exc))
@@ -306,12 +318,64 @@ class TransferAgent:
         local_arr, remote_arr = self._prepare(peer, local, remote, notify, mem_kind, remote_mem_kind)
         job = ReadJob(peer, local_arr, remote_arr, notify, mem_kind, remote_mem_kind or mem_kind, timeout_s,
                        asyncio.get_running_loop(), entered)
-        if notify and "DRAM" in (job.mem_kind, job.remote_mem_kind):  # see the module docstring
-            job.notify, job.notify_after = b"", notify
+        return await self._run_read(job)
+
+    def prepare_lists(self, peer: str, local: DescriptorsLike, remote: DescriptorsLike, mem_kind: MemKind = "DRAM",
+                      *, remote_mem_kind: MemKind | None = None) -> PreparedLists:
+        """Prepare ``local`` (this agent's memory) and ``remote`` (``peer``'s) descriptor lists once, for READs
+        by index (``read_prepared``). The lists live until the peer is removed or the agent closes."""
+        self._check_open()
+        self._check_peer(peer)
+        remote_kind = remote_mem_kind or mem_kind
+        for kind in (mem_kind, remote_kind):
+            if kind not in MEM_KINDS:
+                raise ValueError(f"memory kind must be one of {MEM_KINDS}, got {kind!r}")
+        local_arr, remote_arr = as_descriptor_array(local, "local"), as_descriptor_array(remote, "remote")
+        with self._locked():
+            try:
+                local_dl = self._nixl.prep_xfer_dlist("NIXL_INIT_AGENT", local_arr, mem_kind)
+            except Exception as exc:
+                raise TransferError("preparing the local descriptor list failed", peer=peer,
+                                    nixl_state=describe(exc)) from exc
+            try:
+                remote_dl = self._nixl.prep_xfer_dlist(peer, remote_arr, remote_kind)
+            except Exception as exc:
+                local_dl.release()
+                raise TransferError("preparing the remote descriptor list failed", peer=peer,
+                                    nixl_state=describe(exc)) from exc
+            lists = PreparedLists(peer, local_dl, remote_dl, int(local_arr.shape[0]), int(remote_arr.shape[0]),
+                                  mem_kind, remote_kind)
+            self._prepared.setdefault(peer, []).append(lists)
+        return lists
+
+    async def read_prepared(self, lists: PreparedLists, local: np.ndarray, remote: np.ndarray, notify: bytes = b"",
+                            *, num_bytes: int, num_descriptors: int, timeout_s: float) -> TransferResult:
+        """``read`` of entries ``remote[i]`` of the peer's prepared list into entries ``local[i]`` of ours
+        (int32 index arrays of one length; NIXL merges entries that continue each other on both sides).
+        ``num_bytes``/``num_descriptors`` (after that merge) are what the READ reports and is judged by."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        entered = time.perf_counter()
+        self._check_open()
+        if lists.released or lists.peer not in self._peers:
+            raise UnknownPeerError(f"agent {self.name!r}: the lists prepared for {lists.peer!r} were released",
+                                   peer=lists.peer)
+        if local.shape != remote.shape or local.ndim != 1 or not local.size:
+            raise ValueError(f"index arrays must be 1-D, non-empty and of one length: {local.shape}, {remote.shape}")
+        job = ReadJob(lists.peer, local, remote, notify, lists.mem_kind, lists.remote_mem_kind, timeout_s,
+                       asyncio.get_running_loop(), entered, prepared=lists, size=(num_bytes, num_descriptors))
+        return await self._run_read(job)
+
+    async def _run_read(self, job: ReadJob) -> TransferResult:
+        """Post ``job`` on this thread when that is short, else through the worker thread; wait for the end."""
+        if job.notify and "DRAM" in (job.mem_kind, job.remote_mem_kind):  # see the module docstring
+            job.notify, job.notify_after = b"", job.notify
         if self._may_post_inline(job):
             handle = self._post(job, blocking=False)  # None: the lock is busy, the worker takes it
+            if handle is not None and not handle.done and job.mem_kind == job.remote_mem_kind == "VRAM":
+                self._spin(handle)
             if handle is not None:
-                if handle.done:  # finished inside the post: no thread involved at all
+                if handle.done:  # finished here: no thread involved at all
                     self._notify_after(job, handle)
                     job.marks["done"] = job.marks["resumed"] = time.perf_counter()
                     return self._outcome(job, handle)
@@ -388,11 +452,22 @@ class TransferAgent:
 
     def _may_post_inline(self, job: ReadJob) -> bool:
         """Whether the post is short enough for the caller's thread (see module docstring)."""
-        n = job.local.shape[0]
+        n = job.ctx["num_descriptors"]
         if n > _INLINE_MAX_DESCRIPTORS or job.peer not in self._warm_peers:
             return False  # a first READ from a peer sets up its connection and mappings inside the post
         on_device = job.mem_kind == "VRAM" and job.remote_mem_kind == "VRAM"
         return on_device or job.num_bytes <= _INLINE_MAX_HOST_BYTES
+
+    def _spin(self, handle: TransferHandle) -> None:
+        """Poll a READ this thread posted for up to ``_INLINE_SPIN_S`` (while the lock is free)."""
+        until = time.perf_counter() + _INLINE_SPIN_S
+        while not handle.done and time.perf_counter() < until:
+            if not self._lock.acquire(blocking=False):
+                return  # the worker thread is in NIXL: it watches the READ from here on
+            try:
+                self._poll_locked(handle)
+            finally:
+                self._lock.release()
 
     def _post(self, job: ReadJob, blocking: bool) -> TransferHandle | None:
         """Prepare and post ``job``'s READ; None when not ``blocking`` and another call holds the agent."""
@@ -403,23 +478,30 @@ class TransferAgent:
             return None
         try:
             return self._post_locked(job.peer, job.local, job.remote, job.notify, job.mem_kind, job.remote_mem_kind,
-                                     job.marks)
+                                     job.marks, job.prepared, (job.num_bytes, job.ctx["num_descriptors"]))
         finally:
             self._lock.release()
 
     def _post_locked(self, peer: str, local: np.ndarray, remote: np.ndarray, notify: bytes, mem_kind: str,
-                     remote_mem_kind: str, marks: dict[str, float]) -> TransferHandle:
-        """Descriptor lists, request, post (the lock held). The handle may already be DONE or failed."""
+                     remote_mem_kind: str, marks: dict[str, float], prepared: PreparedLists | None = None,
+                     size: tuple[int, int] | None = None) -> TransferHandle:
+        """Descriptor lists (or indices into ``prepared`` ones), request, post (the lock held). The handle may
+        already be DONE or failed."""
         marks["start"] = time.perf_counter()
         started_at = time.monotonic()
         self._check_open()
         self._retry_unreleased()
-        n, num_bytes = int(local.shape[0]), int(local[:, 1].sum())
+        num_bytes, n = size if size is not None else (int(local[:, 1].sum()), int(local.shape[0]))
         ctx = {"peer": peer, "num_descriptors": n, "num_bytes": num_bytes}
+        if prepared is not None and prepared.released:  # the peer was removed while this waited
+            raise UnknownPeerError("the descriptor lists prepared for this peer were released", **ctx)
         try:
-            local_dl = self._nixl.get_xfer_descs(local, mem_kind)
-            remote_dl = self._nixl.get_xfer_descs(remote, remote_mem_kind)
-            xfer = self._nixl.initialize_xfer("READ", local_dl, remote_dl, peer, notify)
+            if prepared is not None:
+                xfer = self._nixl.make_prepped_xfer("READ", prepared.local, local, prepared.remote, remote, notify)
+            else:
+                local_dl = self._nixl.get_xfer_descs(local, mem_kind)
+                remote_dl = self._nixl.get_xfer_descs(remote, remote_mem_kind)
+                xfer = self._nixl.initialize_xfer("READ", local_dl, remote_dl, peer, notify)
         except Exception as exc:
             raise TransferError("preparing READ failed (are the ranges inside registered memory?)",
                                 nixl_state=describe(exc), **ctx) from exc
@@ -496,15 +578,18 @@ class TransferAgent:
         """Ask NIXL for a READ's state and settle the handle (released here once terminal); nothing when
         the handle settled while this waited for the lock."""
         with self._locked():
-            if handle._state != "PROC":  # aborted or settled by another thread while we waited
-                return
-            try:
-                state = self._nixl.check_xfer_state(handle._xfer)
-            except Exception as exc:  # e.g. nixlRemoteDisconnectError
-                state = describe(exc)
-            if state != "PROC":
-                self._release_locked(handle)
-            handle._settle(state, "READ failed")
+            self._poll_locked(handle)
+
+    def _poll_locked(self, handle: TransferHandle) -> None:
+        if handle._state != "PROC":  # aborted or settled by another thread while we waited
+            return
+        try:
+            state = self._nixl.check_xfer_state(handle._xfer)
+        except Exception as exc:  # e.g. nixlRemoteDisconnectError
+            state = describe(exc)
+        if state != "PROC":
+            self._release_locked(handle)
+        handle._settle(state, "READ failed")
 
     def _abort(self, handle: TransferHandle) -> bool:
         with self._locked():

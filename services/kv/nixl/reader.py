@@ -53,12 +53,16 @@ class ReadJob:
     """
 
     def __init__(self, peer: str, local: np.ndarray, remote: np.ndarray, notify: bytes, mem_kind: str,
-                 remote_mem_kind: str, timeout_s: float, loop: asyncio.AbstractEventLoop, entered: float) -> None:
+                 remote_mem_kind: str, timeout_s: float, loop: asyncio.AbstractEventLoop, entered: float,
+                 prepared: Any = None, size: tuple[int, int] | None = None) -> None:
+        """``local``/``remote``: descriptor rows, or with ``prepared`` (``PreparedLists``) index arrays into
+        its lists; then ``size`` is the READ's (bytes, descriptors), which the indices do not show."""
         self.peer, self.local, self.remote, self.notify = peer, local, remote, notify
+        self.prepared = prepared
         self.notify_after = b""  # sent once the READ completed, instead of with it
         self.mem_kind, self.remote_mem_kind = mem_kind, remote_mem_kind
-        self.num_bytes = int(local[:, 1].sum())
-        self.ctx = {"peer": peer, "num_descriptors": int(local.shape[0]), "num_bytes": self.num_bytes}
+        self.num_bytes, num_descriptors = size if size is not None else (int(local[:, 1].sum()), int(local.shape[0]))
+        self.ctx = {"peer": peer, "num_descriptors": num_descriptors, "num_bytes": self.num_bytes}
         self.timeout_s, self.deadline = timeout_s, time.monotonic() + timeout_s
         self.loop, self.future = loop, loop.create_future()
         self.lock = threading.Lock()

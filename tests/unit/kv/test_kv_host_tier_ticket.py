@@ -49,9 +49,7 @@ def _ticket(num_tokens: int, num_host_tokens: int) -> kv_pb2.TransferTicket:
 def test_a_host_tier_part_is_read_from_the_host_layout_and_the_rest_from_device_blocks() -> None:
     puller, remote = _engine(host=True)
     ticket = _ticket(num_tokens=22, num_host_tokens=16)
-    device_ids, host_ids, local_ids = puller._check_ticket(ticket, remote, [list(range(6))])
-    pieces = puller._source_pieces(ticket, remote, device_ids, host_ids, local_ids, num_cached_tokens=4)
-    reads = puller._plan_reads(remote, pieces)
+    reads = puller._reads_for(ticket, remote, [list(range(6))], num_cached_tokens=4)
     assert [read.host_tier for read in reads] == [True, False]  # one READ per source, host first
     host_read, device_read = reads
     owner = remote.ranks[0]
@@ -74,9 +72,7 @@ def test_a_host_tier_part_is_read_from_the_host_layout_and_the_rest_from_device_
 def test_a_reader_already_holding_the_host_part_still_sends_its_notification() -> None:
     puller, remote = _engine(host=True)
     ticket = _ticket(num_tokens=22, num_host_tokens=16)
-    device_ids, host_ids, local_ids = puller._check_ticket(ticket, remote, [list(range(6))])
-    pieces = puller._source_pieces(ticket, remote, device_ids, host_ids, local_ids, num_cached_tokens=20)
-    host_read, device_read = puller._plan_reads(remote, pieces)
+    host_read, device_read = puller._reads_for(ticket, remote, [list(range(6))], num_cached_tokens=20)
     assert host_read.host_tier and len(host_read.local_rows) == 0 and host_read.num_bytes == 0  # notification only
     assert device_read.num_bytes > 0
 
