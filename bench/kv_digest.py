@@ -13,6 +13,10 @@ blocks scattered over the pool) is digested by:
               range or TP slice when the two sides' block sizes or layouts differ.
   adler32-host  zlib's Adler-32 (SGLang's choice, there on the GPU), same limits as crc32.
 
+A second table times the chosen digest the way a pull runs it (a rank's ``DigestRunner``) after the
+device has been idle for a while (``--idle-gaps``, ms): a digest that follows a sub-millisecond copy
+on an otherwise idle GPU pays the device's wake-up, which back-to-back timings hide.
+
     python bench/kv_digest.py                      # CPU
     python bench/kv_digest.py --device cuda        # GPU
 """
@@ -33,7 +37,7 @@ import torch  # noqa: E402
 
 from bench._common import emit_json  # noqa: E402
 from services.kv import digest as D  # noqa: E402
-from services.kv.digest_compute import digest_job  # noqa: E402
+from services.kv.digest_compute import DigestRunner, digest_job  # noqa: E402
 from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind  # noqa: E402
 
@@ -86,17 +90,43 @@ def run(device: torch.device, tokens: int, repeats: int) -> list[dict]:
     return rows
 
 
+def after_idle(device: torch.device, tokens: int, gaps_ms: list[float], repeats: int) -> list[dict]:
+    """The chosen digest through a rank's runner, each call after ``gap`` ms with nothing on the device."""
+    num_blocks = -(-tokens // BLOCK) + 1
+    group = KVCacheGroupSpec(0, AttentionKind.FULL, tuple(range(LAYERS)), BLOCK)
+    layout = KVLayoutSpec(LayoutKind.CROSS_LAYER, BlockOrder.HND, num_blocks, HEADS, HEAD_DIM, "bfloat16", (group,))
+    buffers = [torch.zeros(b.num_bytes // 2, dtype=torch.bfloat16, device=device) for b in layout.buffers()]
+    runner = DigestRunner(layout, buffers)
+    job = D.DigestJob(0, list(range(num_blocks - 1)), 0, tokens, BLOCK, 0, HEADS, 0)
+    rows = []
+    for gap in gaps_ms:
+        samples = []
+        for _ in range(repeats):
+            sync(device)
+            time.sleep(gap / 1e3)
+            t = time.perf_counter()
+            runner.run([job])
+            samples.append(time.perf_counter() - t)
+        rows.append({"scenario": "kv_digest_after_idle", "device": str(device), "tokens": tokens, "gap_ms": gap,
+                     "seconds": statistics.median(samples)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--tokens", default="2048,8192")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--idle-gaps", default="0,0.5,2,20", help="ms of idle device before each digest (second table)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
     rows = [r for n in args.tokens.split(",") for r in run(device, int(n), args.repeats)]
-    if emit_json(rows, args.json_out, args.json):
+    gaps = [float(g) for g in args.idle_gaps.split(",") if g]
+    idle = [r for n in args.tokens.split(",") for r in after_idle(device, int(n), gaps, 4 * args.repeats)] if gaps \
+        else []
+    if emit_json(rows + idle, args.json_out, args.json):
         return
     print(f"# KV digest candidates on {device}: Llama-3.1-8B KV (bf16, block 16, scattered blocks), median of "
           f"{args.repeats}; ratio = time / mix32-sum's")
@@ -107,6 +137,13 @@ def main() -> None:
         for r in mine:
             print(f"{n:>6} {r['bytes'] / 2**20:>6.0f} {r['candidate']:>13} {r['seconds'] * 1e3:>9.3f} "
                   f"{r['gbps']:>8.1f} {r['seconds'] / chosen:>6.2f}")
+    if idle:
+        print(f"\n# mix32-sum through a rank's DigestRunner after the device sat idle, median of {4 * args.repeats}; "
+              "ratio = time / back-to-back (gap 0)")
+        print(f"{'tokens':>6} {'idle ms':>8} {'ms':>9} {'ratio':>6}")
+        for r in idle:
+            base = next(x for x in idle if x["tokens"] == r["tokens"] and x["gap_ms"] == gaps[0])["seconds"]
+            print(f"{r['tokens']:>6} {r['gap_ms']:>8} {r['seconds'] * 1e3:>9.3f} {r['seconds'] / base:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,33 +22,49 @@ import torch
 from services.kv.digest import DigestJob, check_job, corrupt_blocks, digest_units_host, layer_views
 from services.kv.layout import KVLayoutSpec
 
+if TYPE_CHECKING:
+    from services.kv.digest_triton import CudaDigests
+
 
 def digest_job(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], job: DigestJob,
                views_cache: dict | None = None) -> np.ndarray:
     """The job's unit digests (uint64, one per unit from ``start // unit``), computed on the buffers' device
     (on the current stream, waiting for the result)."""
-    return _units(layout, buffers, job, views_cache).cpu().numpy().view(np.uint64)
+    item = _item(layout, buffers, job, {} if views_cache is None else views_cache)
+    return _digest_items([item], None)[0]
 
 
-def _units(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], job: DigestJob,
-           views_cache: dict | None) -> torch.Tensor:
-    """The job's unit digests as an int64 tensor on the buffers' device (not waited for on CUDA).
+Item = tuple[list[tuple[int, int, torch.Tensor]], int, DigestJob]
 
-    ``views_cache``: a dict the owner of ``buffers`` keeps (a rank's buffers never change), so each
-    group's layer views are made once."""
+
+def _item(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], job: DigestJob, views_cache: dict) -> Item:
+    """(layer views, block size, job) for a job the layout can answer, after any fault injection. The views of
+    each group are made once per ``views_cache`` (a rank's buffers never change)."""
     check_job(layout, job)
-    cache = {} if views_cache is None else views_cache
-    views = cache.get((layout, job.group_id))
+    views = views_cache.get((layout, job.group_id))
     if views is None:
-        views = cache[layout, job.group_id] = layer_views(layout, buffers, job.group_id)
+        views = views_cache[layout, job.group_id] = layer_views(layout, buffers, job.group_id)
     block_size = layout.block_size(job.group_id)
     if job.corrupt:
         corrupt_blocks(views, block_size, job, layout.element_size)
-    if views[0][2].is_cuda:
-        from services.kv.digest_triton import digest_units_cuda  # Triton only where a GPU digest runs
+    return views, block_size, job
 
-        return digest_units_cuda(views, block_size, job)
-    return digest_units_host(views, block_size, job)
+
+def _digest_items(items: Sequence[Item], cuda: CudaDigests | None) -> list[np.ndarray]:
+    """Each item's unit digests (uint64): device items through ``cuda`` (one made here if None), together;
+    host items through the host arithmetic."""
+    out: list[np.ndarray | None] = [None] * len(items)
+    on_device = [i for i, (views, _, _) in enumerate(items) if views[0][2].is_cuda]
+    if on_device:
+        from services.kv.digest_triton import CudaDigests  # Triton only where a GPU digest runs
+
+        runner = cuda if cuda is not None else CudaDigests(items[on_device[0]][0][0][2].device)
+        for i, units in zip(on_device, runner.run([items[i] for i in on_device]), strict=True):
+            out[i] = units
+    for i, (views, block_size, job) in enumerate(items):
+        if out[i] is None:
+            out[i] = digest_units_host(views, block_size, job).numpy().view(np.uint64)
+    return out
 
 
 class DigestRunner:
@@ -60,6 +78,12 @@ class DigestRunner:
         self._views: dict[bool, dict] = {False: {}, True: {}}
         on_cuda = bool(buffers) and buffers[0].is_cuda
         self._stream = torch.cuda.Stream(buffers[0].device) if on_cuda else None
+        self._lock = threading.Lock()  # device jobs share one set of buffers; host-tier runs are in threads
+        self._cuda = None
+        if on_cuda:
+            from services.kv.digest_triton import CudaDigests
+
+            self._cuda = CudaDigests(buffers[0].device)
         if on_cuda:
             for group in layout.groups:
                 bs = group.block_size
@@ -73,11 +97,11 @@ class DigestRunner:
 
     def run(self, jobs: Sequence[DigestJob]) -> list[np.ndarray]:
         """Each job's unit digests (uint64 arrays); every kernel is launched before the first result is waited for."""
-        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-            sums = []
+        with self._lock, torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            items = []
             for job in jobs:
                 layout, buffers = self._sources[job.host_tier]
                 if layout is None:
                     raise ValueError("a digest job names the host tier, this rank has none")
-                sums.append(_units(layout, buffers, job, self._views[job.host_tier]))
-            return [s.cpu().numpy().view(np.uint64) for s in sums]
+                items.append(_item(layout, buffers, job, self._views[job.host_tier]))
+            return _digest_items(items, self._cuda)

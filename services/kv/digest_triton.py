@@ -4,13 +4,20 @@ Same arithmetic as ``digest.py``'s host path (which the tests compare it with, h
 CPU interpreter and on a GPU): a program takes one (block, layer and K/V) and walks its heads in
 ``[block_size, words per row]`` tiles of 32-bit words, mixes each word with its position key and adds
 it into a tile of uint32 accumulators (wrapping, as the digest's sum does), reduces that tile once,
-and writes each unit's sum to a cell of its own (no atomics); a torch sum over the cells gives the
-units. Layers reach the kernel as a table of base addresses and strides, so per-layer and
-cross-layer buffers, NHD and HND blocks take the same launch. Imported only when a CUDA digest runs.
+and writes the sums of its units (or of its block) to cells of its own, so every cell of the output is
+written and none contends. ``CudaDigests`` runs a list of jobs with three device calls in all: one copy
+of every job's block ids from pinned memory, the launches, one copy of every cell back; the host adds
+cells into units (each further torch op is 10-20 us of host time, more than the kernel itself at short
+prompts: a digest of 512 tokens moved 64 MiB in ~50 us of kernel). Layers reach the kernel as a table
+of base addresses and strides, so per-layer and cross-layer buffers, NHD and HND blocks take the same
+launch. Imported only when a CUDA digest runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -34,18 +41,17 @@ NUM_WARPS = 2  # on an H100, 2 warps beat 4 and 8 at 2k tokens (0.22 vs 0.31/0.2
 
 
 # Token ranges, heads and slots change per request: not specialised on, so a new value never recompiles.
-@triton.jit(do_not_specialize=["first_block", "start", "end", "first_slot", "head_start", "head_key", "num_heads",
-                               "out_stride"])
+@triton.jit(do_not_specialize=["first_block", "start", "end", "first_unit", "head_start", "head_key", "num_heads"])
 def _digest_kernel(
     Bases, Meta, BlockIds, Out,
-    first_block, start, end, first_slot, head_start, head_key, num_heads, out_stride,
+    first_block, start, end, first_unit, head_start, head_key, num_heads,
     block_size, row_words,
     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, UNIT: tl.constexpr,
 ):
     """Grid (blocks, layer views). ``Meta[v]`` = (offset, block stride, token stride, head stride, position
     key of the view's layer and K/V), in 32-bit words; ``Bases[v]`` the view's buffer address. Each program
-    walks its block's heads and writes the sums of its slots (units, or its block when a unit spans
-    blocks) to its own column of ``Out``, so nothing contends (the caller adds rows and columns)."""
+    walks its block's heads and writes the sums of its slots (units, or its block when a unit spans blocks)
+    to its own column ``v`` of ``Out``'s rows (``num_views`` wide)."""
     blk = tl.program_id(0)
     v = tl.program_id(1)
     block_id = tl.load(BlockIds + first_block + blk).to(tl.int64)
@@ -72,41 +78,99 @@ def _digest_kernel(
         rows += head_stride
         key += _K_HEAD
     sums = tl.sum(acc, axis=1)  # per token, wrapping mod 2**32
+    num_views = tl.num_programs(1)
     if UNIT >= BLOCK_T:  # a slot per block (a unit holds one or more blocks)
-        slot = first_block + blk - first_slot
-        tl.store(Out + slot * out_stride + v, tl.sum(sums, axis=0).to(tl.int64))
+        tl.store(Out + blk * num_views + v, tl.sum(sums, axis=0).to(tl.int64))
     else:  # a slot per unit
         per_unit = tl.sum(tl.reshape(sums, (BLOCK_T // UNIT, UNIT)), axis=1).to(tl.int64)
         units = ((first_block + blk) * block_size) // UNIT + tl.arange(0, BLOCK_T // UNIT)
-        slot = units - first_slot
+        slot = units - first_unit
         unit_ok = (tl.arange(0, BLOCK_T // UNIT) * UNIT < block_size) & (slot >= 0) & (units * UNIT < end)
-        tl.store(Out + slot * out_stride + v, per_unit, mask=unit_ok)
+        tl.store(Out + slot * num_views + v, per_unit, mask=unit_ok)
 
 
 def digest_units_cuda(views: list[tuple[int, int, torch.Tensor]], block_size: int, job: d.DigestJob
                       ) -> torch.Tensor:
-    """int64 [num_units] (each in [0, 2**32)) of ``job`` over ``views`` (``digest.layer_views``), one
-    launch; the host path for a block size or unit that is not a power of two."""
-    if block_size & (block_size - 1) or job.unit & (job.unit - 1):
-        return d.digest_units_host(views, block_size, job)
-    device = views[0][2].device
-    first, last = job.start // block_size, -(-job.end // block_size)
-    if last == first:
-        return torch.zeros(job.num_units, dtype=torch.int64, device=device)
-    bases, meta = _view_table(views)
-    ids = torch.tensor(job.block_ids[:last], dtype=torch.int64).to(device, non_blocking=True)
-    # Slots of the finer of a unit and a block; every program writes its own (slot, view) cells.
-    slot_tokens = min(job.unit, block_size)
-    per_unit = job.unit // slot_tokens
-    partials = torch.zeros(job.num_units * per_unit, len(views), dtype=torch.int64, device=device)
-    row_words = views[0][2].shape[3]
-    _digest_kernel[(last - first, len(views))](
-        bases, meta, ids, partials,
-        first, job.start, job.end, job.start // slot_tokens, job.head_start, job.head_key,
-        job.head_end - job.head_start, len(views), block_size, row_words,
-        BLOCK_T=block_size, BLOCK_W=triton.next_power_of_2(row_words), UNIT=job.unit, num_warps=NUM_WARPS,
-    )
-    return partials.view(job.num_units, -1).sum(dim=1) & d.MASK32
+    """int64 [num_units] (each in [0, 2**32)) of ``job`` over ``views`` (``digest.layer_views``), on the host:
+    ``CudaDigests`` for one job (tests and tools; a rank keeps a ``CudaDigests``)."""
+    return torch.from_numpy(CudaDigests(views[0][2].device).run([(views, block_size, job)])[0].view(np.int64))
+
+
+class CudaDigests:
+    """Runs digest jobs on one device through reused buffers: pinned host memory for the block ids and the
+    cells, device memory for both, grown by doubling (a pinned allocation costs milliseconds, so only the
+    first pulls of a new size pay it). Not thread-safe: a rank's ``DigestRunner`` holds a lock around it.
+    On a CPU device (Triton's interpreter, in tests) the buffers are plain and nothing is waited for."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pinned = device.type == "cuda"
+        self._ids_host = self._ids_dev = self._cells_host = self._cells_dev = None
+        self._done = torch.cuda.Event() if self._pinned else None
+
+    def run(self, items: Sequence[tuple[list[tuple[int, int, torch.Tensor]], int, d.DigestJob]]
+            ) -> list[np.ndarray]:
+        """Each job's unit digests (uint64, masked), on the current stream, waiting for them. A block size or
+        unit that is not a power of two takes the host path."""
+        plans = []  # (item, first block, number of blocks, ids offset, cells offset, slots, views)
+        num_ids = num_cells = 0
+        for views, block_size, job in items:
+            first, last = job.start // block_size, -(-job.end // block_size)
+            slots = last - first if job.unit >= block_size else job.num_units
+            plans.append((first, last, num_ids, num_cells, slots, len(views)))
+            num_ids += last
+            num_cells += slots * len(views)
+        ids_host, ids_dev = self._ids(num_ids)
+        cells_host, cells_dev = self._cells(num_cells)
+        ids_np = ids_host.numpy()
+        for (_, _, job), (_, last, at, *_) in zip(items, plans, strict=True):
+            ids_np[at:at + last] = job.block_ids[:last]
+        ids_dev[:num_ids].copy_(ids_host[:num_ids], non_blocking=True)
+        for (views, block_size, job), (first, last, at, cell_at, _, width) in zip(items, plans, strict=True):
+            if last == first or _host_only(block_size, job):
+                continue
+            bases, meta = _view_table(views)
+            row_words = views[0][2].shape[3]
+            _digest_kernel[(last - first, width)](
+                bases, meta, ids_dev[at:], cells_dev[cell_at:],
+                first, job.start, job.end, job.start // job.unit, job.head_start, job.head_key,
+                job.head_end - job.head_start, block_size, row_words,
+                BLOCK_T=block_size, BLOCK_W=triton.next_power_of_2(row_words), UNIT=job.unit, num_warps=NUM_WARPS,
+            )
+        cells_host[:num_cells].copy_(cells_dev[:num_cells], non_blocking=True)
+        if self._done is not None:
+            self._done.record()
+            self._done.synchronize()
+        cells = cells_host.numpy().view(np.uint64)
+        out = []
+        for (views, block_size, job), (first, last, _, cell_at, slots, width) in zip(items, plans, strict=True):
+            if _host_only(block_size, job):
+                out.append(d.digest_units_host(views, block_size, job).numpy().view(np.uint64))
+                continue
+            sums = cells[cell_at:cell_at + slots * width].reshape(slots, width).sum(axis=1, dtype=np.uint64)
+            if job.unit > block_size and slots:  # blocks into units (the last unit may hold fewer blocks)
+                sums = np.add.reduceat(sums, np.arange(0, slots, job.unit // block_size))
+            out.append(np.zeros(job.num_units, np.uint64) if last == first else sums & np.uint64(d.MASK32))
+        return out
+
+    def _ids(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._ids_host is None or len(self._ids_host) < n:
+            size = 1 << max(n - 1, 255).bit_length()
+            self._ids_host = torch.empty(size, dtype=torch.int64, pin_memory=self._pinned)
+            self._ids_dev = torch.empty(size, dtype=torch.int64, device=self.device)
+        return self._ids_host, self._ids_dev
+
+    def _cells(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cells_host is None or len(self._cells_host) < n:
+            size = 1 << max(n - 1, 4095).bit_length()
+            self._cells_host = torch.empty(size, dtype=torch.int64, pin_memory=self._pinned)
+            self._cells_dev = torch.empty(size, dtype=torch.int64, device=self.device)
+        return self._cells_host, self._cells_dev
+
+
+def _host_only(block_size: int, job: d.DigestJob) -> bool:
+    """The kernel walks power-of-two blocks and units only."""
+    return bool(block_size & (block_size - 1) or job.unit & (job.unit - 1))
 
 
 _TABLES: dict[int, tuple[list, torch.Tensor, torch.Tensor]] = {}
