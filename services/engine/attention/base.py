@@ -13,8 +13,9 @@ Building the metadata is split in two. The runner (or the decode-graph runner, i
 captured forward) makes one ``AttentionBatch`` of device tensors per step, then asks each KV
 group's backend for that group's ``GroupAttentionMetadata`` (``AttentionBackend.build_metadata``):
 only the chosen backend's extras are built (the boolean mask exists only for ``torch_sdpa``). Each
-layer then calls ``paged_attention``, which writes the layer's new K/V into the paged cache and
-runs the group's backend.
+layer then calls ``paged_attention``, which writes the layer's new K/V into the paged cache (one
+fused launch that also applies the layer's RoPE to q and k when given a ``Rope``) and runs the
+group's backend.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
+
+from services.engine import ops
 
 
 @dataclass(frozen=True)
@@ -161,11 +164,21 @@ class AttentionBackend(ABC):
         ``q``'s dtype."""
 
 
+@dataclass(frozen=True)
+class Rope:
+    """The rotate-half RoPE a layer's q and k still need: ``paged_attention`` applies it in the
+    launch that writes K/V. ``cos``/``sin`` and ``positions`` as in ``ops.apply_rope``: a table over
+    positions (with ``positions``), or the step's own per-token angles (without)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor | None = None
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: GroupAttentionMetadata) -> None:
-    """Scatter this step's K/V rows ([num_tokens, kv_heads, head_dim]) into their cache slots."""
-    k_cache[meta.write_blocks, meta.write_offsets] = k
-    v_cache[meta.write_blocks, meta.write_offsets] = v
+    """Store this step's K/V rows ([num_tokens, kv_heads, head_dim]) in their cache slots (one launch)."""
+    ops.write_kv(k, v, k_cache, v_cache, meta.write_blocks, meta.write_offsets)
 
 
 def paged_attention(
@@ -178,15 +191,23 @@ def paged_attention(
     meta: GroupAttentionMetadata,
     scale: float,
     softcap: float | None = None,
+    rope: Rope | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V in the cache, then attend with the group's backend.
 
     ``k_cache``/``v_cache`` are [num_blocks, block_size, kv_heads, head_dim] views (any strides).
     ``k``/``v`` None: a layer that reads another layer's KV and writes none. ``softcap``: scores
-    become ``softcap * tanh(scores / softcap)`` before the mask (Gemma-2).
+    become ``softcap * tanh(scores / softcap)`` before the mask (Gemma-2). ``rope``: q and k are not
+    rotated yet; they are rotated in the same launch that writes K/V (on the Triton path).
     Returns [num_tokens, heads * head_dim].
     """
     if k is None:
+        if rope is not None:
+            q, _ = ops.apply_rope(q, None, rope.cos, rope.sin, rope.positions)
         return meta.backend.forward(q, k_cache, v_cache, batch, meta, scale, softcap)
-    write_kv(k, v, k_cache, v_cache, meta)
+    if rope is None:
+        write_kv(k, v, k_cache, v_cache, meta)
+    else:
+        q, k = ops.rope_and_write_kv(q, k, v, rope.cos, rope.sin, rope.positions, k_cache, v_cache,
+                                     meta.write_blocks, meta.write_offsets)
     return meta.backend.forward(q, k_cache, v_cache, batch, meta, scale, softcap, fresh=(k, v))

@@ -23,7 +23,8 @@ import torch
 
 from services.engine.attention.base import AttentionBackend
 from services.engine.attention.torch_sdpa import TorchSDPABackend
-from services.engine.attention.triton_paged import TritonPagedBackend, triton_import_error
+from services.engine.attention.triton_paged import TritonPagedBackend
+from services.engine.triton_support import triton_import_error
 
 if TYPE_CHECKING:
     from services.engine.kv_cache.buffers import KVCache

@@ -17,7 +17,6 @@ the output (and split partials) and launch. No host sync, so decode graphs captu
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -34,6 +33,7 @@ from services.engine.attention.base import (
     GroupAttentionMetadata,
 )
 from services.engine.attention.dense_causal import dense_causal, dense_unsupported_reason
+from services.engine.triton_support import triton_import_error
 
 # Head dims up to this compile to tiles without register spills on sm_90 (512: Gemma-4's full
 # layers, with 16-32 row tiles of 16 keys); a group with wider heads falls back to torch_sdpa.
@@ -112,18 +112,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1  # the CPU interpreter runs programs one by one: splitting only adds work
-
-
-@functools.cache
-def triton_import_error() -> str | None:
-    """None when Triton imports, else why not."""
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    try:
-        import triton  # noqa: F401
-    except Exception as e:  # a broken install raises anything
-        return f"triton does not import: {e}"
-    return None
 
 
 class TritonPagedBackend(AttentionBackend):

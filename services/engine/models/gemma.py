@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from services.engine import ops
-from services.engine.attention import AttentionBatch, TailBatch, paged_attention
+from services.engine.attention import AttentionBatch, Rope, TailBatch, paged_attention
 from services.engine.model_config.hf import ModelConfig
 from services.engine.models.base import DecoderModel
 from services.engine.models.layers import (
@@ -44,8 +44,6 @@ from services.engine.models.layers import (
     softcap,
 )
 from services.engine.tp.parallel import ParallelConfig, all_reduce
-
-Angles = tuple[torch.Tensor, torch.Tensor]
 
 
 class GemmaAttention(nn.Module):
@@ -76,7 +74,7 @@ class GemmaAttention(nn.Module):
         self.v_norm = (OffsetRMSNorm(self.head_dim, eps, 0.0, dtype, device, with_weight=False)
                        if config.v_norm and self.computes_kv else None)
 
-    def forward(self, x: torch.Tensor, angles: Angles, kv: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
                 batch: AttentionBatch, group: int) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -91,8 +89,7 @@ class GemmaAttention(nn.Module):
                 v = self.v_norm(v)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        q, k = ops.apply_rope(q, k, *angles)
-        out = paged_attention(q, k, v, kv[0], kv[1], batch, batch.groups[group], self.scale, self.softcap)
+        out = paged_attention(q, k, v, kv[0], kv[1], batch, batch.groups[group], self.scale, self.softcap, rope)
         return all_reduce(self.o_proj(out), self.parallel)
 
 
@@ -123,13 +120,13 @@ class GemmaDecoderLayer(nn.Module):
         self.self_attn = GemmaAttention(config, layer_id, parallel, dtype, device)
         self.mlp = GemmaMLP(config, layer_id, parallel, dtype, device)
 
-    def forward(self, h: torch.Tensor, angles: Angles, kv: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, h: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
                 batch: AttentionBatch, group: int) -> torch.Tensor:
         """``h = h + post_attn_norm(attn(input_norm(h))); h + post_ff_norm(mlp(pre_ff_norm(h)))``."""
-        h, out = self.sublayers(h, None, angles, kv, batch, group)
+        h, out = self.sublayers(h, None, rope, kv, batch, group)
         return h + out
 
-    def sublayers(self, residual: torch.Tensor, pending: torch.Tensor | None, angles: Angles,
+    def sublayers(self, residual: torch.Tensor, pending: torch.Tensor | None, rope: Rope,
                   kv: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, group: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on the stream ``residual + pending`` (``pending``: the previous layer's last
@@ -139,7 +136,7 @@ class GemmaDecoderLayer(nn.Module):
             x = self.input_layernorm(residual)
         else:
             x, residual = self.input_layernorm(pending, residual)
-        attn = self.post_attention_layernorm(self.self_attn(x, angles, kv, batch, group))
+        attn = self.post_attention_layernorm(self.self_attn(x, rope, kv, batch, group))
         x, residual = self.pre_feedforward_layernorm(attn, residual)
         return residual, self.post_feedforward_layernorm(self.mlp(x))
 
@@ -178,10 +175,10 @@ class GemmaForCausalLM(DecoderModel):
                 tail: TailBatch | None = None) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm (every layer owns KV: no tail skip)."""
         h = self.embed_tokens[input_ids] * self.embed_scale
-        angles = [rope(positions) for rope in self.ropes]
+        ropes = [Rope(*angles(positions)) for angles in self.ropes]
         pending = None  # the last layer's MLP output, added to h by the next norm
         for i, layer in enumerate(self.layers):
-            h, pending = layer.sublayers(h, pending, angles[self.rope_of_layer[i]], kv_views[i], batch,
+            h, pending = layer.sublayers(h, pending, ropes[self.rope_of_layer[i]], kv_views[i], batch,
                                          layer_groups[i])
         return self.norm(h) if pending is None else self.norm(pending, h)[0]
 

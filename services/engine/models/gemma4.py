@@ -31,9 +31,9 @@ from collections.abc import Iterator
 import torch
 
 from services.engine import ops
-from services.engine.attention import AttentionBatch, TailBatch
+from services.engine.attention import AttentionBatch, Rope, TailBatch
 from services.engine.model_config.hf import ModelConfig
-from services.engine.models.gemma import Angles, GemmaDecoderLayer, GemmaForCausalLM
+from services.engine.models.gemma import GemmaDecoderLayer, GemmaForCausalLM
 from services.engine.models.layers import Linear, OffsetRMSNorm, check_activation, copy_weight, param
 from services.engine.tp.parallel import ParallelConfig
 
@@ -54,9 +54,9 @@ class Gemma4DecoderLayer(GemmaDecoderLayer):
                                                            dtype, device)
             self.activation = check_activation(config.hidden_activation)
 
-    def forward(self, h: torch.Tensor, angles: Angles, kv: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, h: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
                 batch: AttentionBatch, group: int, per_layer_input: torch.Tensor | None = None) -> torch.Tensor:
-        h = super().forward(h, angles, kv, batch, group)
+        h = super().forward(h, rope, kv, batch, group)
         if per_layer_input is not None:
             gated = ops.act_and_mul(self.activation, self.per_layer_input_gate(h), per_layer_input)
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
@@ -118,7 +118,7 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
         """
         h = self.embed_tokens[input_ids] * self.embed_scale
         ple = self._per_layer_inputs(input_ids, h) if self.config.hidden_size_per_layer_input else None
-        angles = [rope(positions) for rope in self.ropes]
+        ropes = [Rope(*angles(positions)) for angles in self.ropes]
         for i, layer in enumerate(self.layers):
             if tail is not None and i == self.first_kv_shared_layer:
                 if tail.batch is None:
@@ -126,8 +126,8 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
                 rows = tail.rows
                 h, batch = h[rows], tail.batch
                 ple = None if ple is None else ple[rows]
-                angles = [(cos[rows], sin[rows]) for cos, sin in angles]
-            h = layer(h, angles[self.rope_of_layer[i]], kv_views[i], batch, layer_groups[i],
+                ropes = [Rope(rope.cos[rows], rope.sin[rows]) for rope in ropes]
+            h = layer(h, ropes[self.rope_of_layer[i]], kv_views[i], batch, layer_groups[i],
                       None if ple is None else ple[:, i])
         return self.norm(h)
 

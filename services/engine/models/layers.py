@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from services.engine import ops
+from services.engine.attention import Rope
 from services.engine.model_config.hf import RopeSpec
 from services.engine.tp.parallel import ParallelConfig
 
@@ -80,7 +81,8 @@ def rope_inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a precomputed fp32 cos/sin table indexed by position."""
+    """Rotate-half RoPE with a precomputed fp32 cos/sin table indexed by position; applied by
+    ``paged_attention`` in the launch that writes the layer's K/V."""
 
     def __init__(self, head_dim: int, rope: RopeSpec, max_positions: int, device: torch.device) -> None:
         super().__init__()
@@ -91,9 +93,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(q, k) [tokens, heads, head_dim] rotated by their positions' angles (one launch for both)."""
-        return ops.apply_rope(q, k, self.cos, self.sin, positions)
+    def forward(self, positions: torch.Tensor) -> Rope:
+        """The rope of a step's tokens at ``positions``: the table and the rows to read."""
+        return Rope(self.cos, self.sin, positions)
 
 
 def row_parallel_bias(bias: torch.Tensor, tp: ParallelConfig) -> torch.Tensor:

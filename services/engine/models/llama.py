@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from services.engine import ops
-from services.engine.attention import AttentionBatch, TailBatch, paged_attention
+from services.engine.attention import AttentionBatch, Rope, TailBatch, paged_attention
 from services.engine.model_config.hf import ModelConfig
 from services.engine.models.base import DecoderModel
 from services.engine.models.layers import (
@@ -49,8 +49,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, group: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
+                group: int) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -58,8 +58,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
-        out = paged_attention(q, k, v, kv[0], kv[1], batch, batch.groups[group], self.scale)
+        out = paged_attention(q, k, v, kv[0], kv[1], batch, batch.groups[group], self.scale, rope=rope)
         return all_reduce(self.o_proj(out), self.parallel)
 
 
@@ -116,13 +115,14 @@ class LlamaForCausalLM(DecoderModel):
         yet added to it.
         """
         residual = self.embed_tokens[input_ids]
+        rope = self.rope(positions)
         out = None
         for i, layer in enumerate(self.layers):
             if out is None:
                 x = layer.input_layernorm(residual)
             else:
                 x, residual = layer.input_layernorm(out, residual)
-            out = layer.self_attn(x, positions, self.rope, kv_views[i], batch, layer_groups[i])
+            out = layer.self_attn(x, rope, kv_views[i], batch, layer_groups[i])
             x, residual = layer.post_attention_layernorm(out, residual)
             out = layer.mlp(x)
         return self.norm(residual) if out is None else self.norm(out, residual)[0]

@@ -8,6 +8,9 @@ each op is one launch:
 * ``rms_norm(x, weight, eps, offset, residual)``: RMSNorm, optionally after adding a residual
   (returning the sum too: the residual stream for the next sublayer);
 * ``apply_rope(q, k, cos, sin, positions)``: rotate-half RoPE of q and k together;
+* ``write_kv(k, v, k_cache, v_cache, write_blocks, write_offsets)``: a step's K and V rows into
+  their paged-cache slots (two ``index_put`` scatters unfused), and ``rope_and_write_kv``, the
+  same launch rotating q and k first (what an attention layer does before attending);
 * ``silu_and_mul`` / ``gelu_tanh_and_mul`` on a fused gate/up projection output, and
   ``act_and_mul`` on separate gate and up tensors.
 
@@ -21,6 +24,10 @@ device and the process-wide backend, set from ``PDSERVE_FUSED_OPS`` at import, e
 * ``0`` / ``torch``: torch everywhere (the A/B switch: the unfused path);
 * ``triton``: Triton everywhere; on CPU that is Triton's interpreter (``TRITON_INTERPRET=1``
   before triton is imported), which is for tests only.
+
+``PDSERVE_FUSED_KV_WRITE=0`` keeps the other fused ops but writes K/V unfused (``apply_rope``, then
+two ``index_put`` scatters): the A/B switch of the K/V write alone (``bench/gpu_speed_run.sh``, part
+``decode_fused``).
 
 An input a kernel does not handle (another dtype, a norm wider than ``MAX_NORM_COLS``) takes the
 torch path. ``triton_ops`` is imported on first use, so a process that never takes a Triton path
@@ -36,14 +43,15 @@ from types import ModuleType
 
 import torch
 
-from services.engine.attention.triton_paged import triton_import_error
 from services.engine.ops import reference
+from services.engine.triton_support import triton_import_error
 
 ENV_VAR = "PDSERVE_FUSED_OPS"
 BACKENDS = ("auto", "torch", "triton")
 _ALIASES = {"": "auto", "1": "auto", "on": "auto", "true": "auto", "auto": "auto",
             "0": "torch", "off": "torch", "false": "torch", "torch": "torch", "triton": "triton"}
 ACTIVATIONS = tuple(reference.ACTIVATIONS)
+KV_WRITE_ENV_VAR = "PDSERVE_FUSED_KV_WRITE"
 
 
 def _backend_from_env() -> str:
@@ -53,7 +61,15 @@ def _backend_from_env() -> str:
     return _ALIASES[value.strip().lower()]
 
 
+def _fused_kv_write_from_env() -> bool:
+    value = os.environ.get(KV_WRITE_ENV_VAR, "1").strip().lower()
+    if value not in ("0", "1"):
+        raise ValueError(f"{KV_WRITE_ENV_VAR}={value!r}: expected 1 (one launch) or 0 (rope, then two scatters)")
+    return value == "1"
+
+
 _backend = _backend_from_env()
+_fused_kv_write = _fused_kv_write_from_env()
 _triton_ops: ModuleType | None = None
 
 
@@ -146,6 +162,33 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: 
     return _dispatch("apply_rope", q, q, k, cos, sin, positions)
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             write_blocks: torch.Tensor, write_offsets: torch.Tensor) -> None:
+    """Store K and V rows ([tokens, kv_heads, head_dim]) in their cache slots: token ``t`` goes to
+    ``cache[write_blocks[t], write_offsets[t]]`` of the [num_blocks, block_size, kv_heads, head_dim]
+    views, whatever their strides (per-layer or cross-layer, NHD or HND, ...). Bytes are copied as
+    they are; a slot written twice in one call (padding rows aimed at the scratch block) holds one
+    of the rows."""
+    if not _fused_kv_write:
+        reference.rope_and_write_kv(None, k, v, None, None, None, k_cache, v_cache, write_blocks, write_offsets)
+        return
+    _dispatch("rope_and_write_kv", k, None, k, v, None, None, None, k_cache, v_cache, write_blocks, write_offsets)
+
+
+def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      positions: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      write_blocks: torch.Tensor, write_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rope(q, k, cos, sin, positions)`` then ``write_kv`` of the rotated k and of v, in one
+    launch: returns the rotated (q, k), k being exactly the bytes the cache got. An attention layer's
+    step between its projection (and q/k norms) and its attention."""
+    if not _fused_kv_write:
+        q, k = apply_rope(q, k, cos, sin, positions)
+        write_kv(k, v, k_cache, v_cache, write_blocks, write_offsets)
+        return q, k
+    return _dispatch("rope_and_write_kv", q, q, k, v, cos, sin, positions, k_cache, v_cache, write_blocks,
+                     write_offsets)
+
+
 def act_and_mul(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``act(gate) * up`` (``activation``: ``silu`` or ``gelu_pytorch_tanh``), the activation rounded
     to the inputs' dtype before the product, as unfused."""
@@ -168,13 +211,16 @@ __all__ = [
     "ACTIVATIONS",
     "BACKENDS",
     "ENV_VAR",
+    "KV_WRITE_ENV_VAR",
     "act_and_mul",
     "apply_rope",
     "gelu_tanh_and_mul",
     "configure",
     "get_backend",
     "rms_norm",
+    "rope_and_write_kv",
     "set_backend",
     "silu_and_mul",
     "use_backend",
+    "write_kv",
 ]

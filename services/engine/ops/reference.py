@@ -46,6 +46,18 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: 
     return q, None if k is None else k * cos + rotate_half(k) * sin
 
 
+def rope_and_write_kv(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
+                      sin: torch.Tensor | None, positions: torch.Tensor | None, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, write_blocks: torch.Tensor, write_offsets: torch.Tensor
+                      ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """See ``services.engine.ops.rope_and_write_kv`` (q None: ``write_kv``, returning (None, k))."""
+    if q is not None:
+        q, k = apply_rope(q, k, cos, sin, positions)
+    k_cache[write_blocks, write_offsets] = k
+    v_cache[write_blocks, write_offsets] = v
+    return q, k
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return nn.functional.gelu(x, approximate="tanh")
 

@@ -77,13 +77,25 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def _rotate_halves(x1, x2, Cos, Sin, angle_row, stride_ct, stride_st, d, mask, dtype, HALF: tl.constexpr):
+    """(first, second) half of ``x * cos + rotate_half(x) * sin`` for fp32 halves ``x1``/``x2`` of a
+    tile of rows, cos/sin cast to ``dtype`` and each product and the sum rounded to it, as torch
+    does: first half ``x1 * c1 - x2 * s1``, second half ``x2 * c2 + x1 * s2`` (fp32 values)."""
+    cos = Cos + (angle_row * stride_ct)[:, None] + d[None, :]
+    sin = Sin + (angle_row * stride_st)[:, None] + d[None, :]
+    c1 = tl.load(cos, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    c2 = tl.load(cos + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    s1 = tl.load(sin, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    s2 = tl.load(sin + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    o1 = (x1 * c1).to(dtype).to(tl.float32) - (x2 * s1).to(dtype).to(tl.float32)
+    o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    return o1, o2
+
+
+@triton.jit
 def _rope_rows(X, Out, Cos, Sin, Positions, stride_xt, stride_xh, stride_ct, stride_st, num_heads, num_rows, block,
                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, HAS_POSITIONS: tl.constexpr):
-    """Rotate-half RoPE of BLOCK_R (token, head) rows of X into contiguous ``Out``.
-
-    ``x * cos + rotate_half(x) * sin`` with cos/sin cast to x's dtype and each product and the sum
-    rounded to it: first half ``x1 * c1 - x2 * s1``, second half ``x2 * c2 + x1 * s2``.
-    """
+    """Rotate-half RoPE of BLOCK_R (token, head) rows of X into contiguous ``Out``."""
     dtype = Out.dtype.element_ty
     rows = block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
@@ -92,17 +104,10 @@ def _rope_rows(X, Out, Cos, Sin, Positions, stride_xt, stride_xh, stride_ct, str
     angle_row = tl.load(Positions + token, mask=row_ok, other=0).to(tl.int64) if HAS_POSITIONS else token
     d = tl.arange(0, BLOCK_HALF)
     mask = row_ok[:, None] & (d < HALF)[None, :]
-    cos = Cos + (angle_row * stride_ct)[:, None] + d[None, :]
-    sin = Sin + (angle_row * stride_st)[:, None] + d[None, :]
-    c1 = tl.load(cos, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    c2 = tl.load(cos + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    s1 = tl.load(sin, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    s2 = tl.load(sin + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
     src = X + (token * stride_xt + head * stride_xh)[:, None] + d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    o1 = (x1 * c1).to(dtype).to(tl.float32) - (x2 * s1).to(dtype).to(tl.float32)
-    o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    o1, o2 = _rotate_halves(x1, x2, Cos, Sin, angle_row, stride_ct, stride_st, d, mask, dtype, HALF)
     dst = Out + rows[:, None] * (2 * HALF) + d[None, :]
     tl.store(dst, o1.to(dtype), mask=mask)
     tl.store(dst + HALF, o2.to(dtype), mask=mask)
@@ -126,6 +131,64 @@ def _rope_kernel(
     else:
         _rope_rows(K, KOut, Cos, Sin, Positions, stride_kt, stride_kh, stride_ct, stride_st, num_k_heads,
                    num_tokens * num_k_heads, pid - q_blocks, HALF, BLOCK_HALF, BLOCK_R, HAS_POSITIONS)
+
+
+@triton.jit
+def _store_slot(Cache, rows_lo, rows_hi, slot_offsets, d, mask, stride_d, HALF: tl.constexpr):
+    """Both halves of BLOCK_R head rows into the cache rows starting at ``slot_offsets``."""
+    dst = Cache + slot_offsets[:, None] + d[None, :] * stride_d
+    tl.store(dst, rows_lo, mask=mask)
+    tl.store(dst + HALF * stride_d, rows_hi, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "q_blocks"])
+def _rope_write_kv_kernel(
+    Q, K, V, QOut, KOut, KCache, VCache, Cos, Sin, Positions, WriteBlocks, WriteOffsets,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
+    stride_kb, stride_ks, stride_kh_cache, stride_kd, stride_vb, stride_vs, stride_vh_cache, stride_vd,
+    num_tokens, num_q_heads, num_kv_heads, q_blocks,
+    HALF: tl.constexpr,  # head_dim // 2
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # (token, head) rows per program
+    HAS_POSITIONS: tl.constexpr,
+    ROPE: tl.constexpr,  # rotate q and k (q_blocks programs for q), else only copy K/V into the cache
+):
+    """The first ``q_blocks`` programs rotate query rows into ``QOut`` (as ``_rope_kernel``); each
+    other program takes BLOCK_R (token, KV head) rows: the key rotated (ROPE) into ``KOut`` and into
+    its cache slot, the value copied into its slot. A token's slot is (``WriteBlocks[t]``,
+    ``WriteOffsets[t]``), addressed through the cache views' own strides (any layout)."""
+    pid = tl.program_id(0)
+    if pid < q_blocks:  # none without ROPE
+        _rope_rows(Q, QOut, Cos, Sin, Positions, stride_qt, stride_qh, stride_ct, stride_st, num_q_heads,
+                   num_tokens * num_q_heads, pid, HALF, BLOCK_HALF, BLOCK_R, HAS_POSITIONS)
+    else:
+        dtype = KCache.dtype.element_ty
+        rows = (pid - q_blocks).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < num_tokens * num_kv_heads
+        token = rows // num_kv_heads
+        head = rows % num_kv_heads
+        d = tl.arange(0, BLOCK_HALF)
+        mask = row_ok[:, None] & (d < HALF)[None, :]
+        block = tl.load(WriteBlocks + token, mask=row_ok, other=0).to(tl.int64)
+        slot = tl.load(WriteOffsets + token, mask=row_ok, other=0).to(tl.int64)
+        k_src = K + (token * stride_kt + head * stride_kh)[:, None] + d[None, :]
+        k1 = tl.load(k_src, mask=mask, other=0.0)
+        k2 = tl.load(k_src + HALF, mask=mask, other=0.0)
+        if ROPE:
+            angle_row = tl.load(Positions + token, mask=row_ok, other=0).to(tl.int64) if HAS_POSITIONS else token
+            o1, o2 = _rotate_halves(k1.to(tl.float32), k2.to(tl.float32), Cos, Sin, angle_row, stride_ct,
+                                    stride_st, d, mask, dtype, HALF)
+            k1, k2 = o1.to(dtype), o2.to(dtype)
+            k_out = KOut + rows[:, None] * (2 * HALF) + d[None, :]
+            tl.store(k_out, k1, mask=mask)
+            tl.store(k_out + HALF, k2, mask=mask)
+        _store_slot(KCache, k1, k2, block * stride_kb + slot * stride_ks + head * stride_kh_cache, d, mask,
+                    stride_kd, HALF)
+        v_src = V + (token * stride_vt + head * stride_vh)[:, None] + d[None, :]
+        v1 = tl.load(v_src, mask=mask, other=0.0)
+        v2 = tl.load(v_src + HALF, mask=mask, other=0.0)
+        _store_slot(VCache, v1, v2, block * stride_vb + slot * stride_vs + head * stride_vh_cache, d, mask,
+                    stride_vd, HALF)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -243,30 +306,50 @@ def _rope_operand(x: torch.Tensor) -> bool:
     return x.ndim == 3 and x.stride(-1) == 1
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-               positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def _rope_declines(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor | None) -> bool:
+    """Whether the RoPE kernels cannot take these inputs (the reference then runs)."""
     if q.ndim != 3:
-        return None
-    num_tokens, num_q_heads, head_dim = q.shape
+        return True
+    num_tokens, _, head_dim = q.shape
     if q.dtype not in _DTYPES or head_dim % 2 or not _rope_operand(q) or not _check_device(q):
-        return None
+        return True
     if k is not None and (not _rope_operand(k) or k.dtype != q.dtype or k.shape[::2] != q.shape[::2]):
-        return None
+        return True
     if (cos.ndim != 2 or sin.ndim != 2 or cos.shape[-1] != head_dim or sin.shape[-1] != head_dim
             or cos.stride(-1) != 1 or sin.stride(-1) != 1 or not cos.is_floating_point()
             or not sin.is_floating_point()):
-        return None
+        return True
     if positions is not None and (positions.shape != (num_tokens,) or positions.stride(0) != 1
                                   or positions.is_floating_point()):
+        return True
+    return positions is None and cos.shape[0] != num_tokens
+
+
+def _rope_tiles(head_dim: int) -> tuple[int, int, int, int]:
+    """(HALF, BLOCK_HALF, BLOCK_R, num_warps) of the RoPE kernels: BLOCK_R half-rows per program."""
+    half = head_dim // 2
+    block_half = _next_pow2(half)
+    block_r = max(1, _tile_elements() // block_half)
+    return half, block_half, block_r, _num_warps(block_r * block_half)
+
+
+def _kv_write_tiles(head_dim: int) -> tuple[int, int, int, int]:
+    """``_rope_tiles`` with twice the warps: a program holds a tile of K rows, V rows and their
+    angles (sm_90, head_dim 128: 234 registers a thread at 4 warps, 106 at 8)."""
+    half, block_half, block_r, _ = _rope_tiles(head_dim)
+    return half, block_half, block_r, _num_warps(2 * block_r * block_half)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+               positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    if _rope_declines(q, k, cos, sin, positions):
         return None
-    if positions is None and cos.shape[0] != num_tokens:
-        return None
+    num_tokens, num_q_heads, head_dim = q.shape
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if k is not None else None
     if num_tokens:
-        half = head_dim // 2
-        block_half = _next_pow2(half)
-        block_r = max(1, _tile_elements() // block_half)
+        half, block_half, block_r, num_warps = _rope_tiles(head_dim)
         num_k_heads = k.shape[1] if k is not None else 0
         q_blocks = triton.cdiv(num_tokens * num_q_heads, block_r)
         k_blocks = triton.cdiv(num_tokens * num_k_heads, block_r)
@@ -276,7 +359,55 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: 
             q.stride(0), q.stride(1), *(k.stride()[:2] if k is not None else (0, 0)), cos.stride(0), sin.stride(0),
             num_tokens, num_q_heads, num_k_heads, q_blocks,
             HALF=half, BLOCK_HALF=block_half, BLOCK_R=block_r, HAS_POSITIONS=positions is not None,
-            num_warps=_num_warps(block_r * block_half),
+            num_warps=num_warps,
+        )
+    return q_out, k_out
+
+
+def _cache_declines(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    write_blocks: torch.Tensor, write_offsets: torch.Tensor) -> bool:
+    """Whether the K/V write kernel cannot take these inputs (the reference then runs)."""
+    if k.ndim != 3 or v.shape != k.shape or not _rope_operand(k) or not _rope_operand(v):
+        return True
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if k.dtype not in _DTYPES or v.dtype != k.dtype or head_dim % 2 or not _check_device(k):
+        return True
+    for cache in (k_cache, v_cache):
+        if (cache.ndim != 4 or tuple(cache.shape[2:]) != (num_kv_heads, head_dim) or cache.dtype != k.dtype
+                or cache.device != k.device):
+            return True
+    return any(index.shape != (num_tokens,) or index.stride(0) != 1 or index.is_floating_point()
+               or index.device != k.device for index in (write_blocks, write_offsets))
+
+
+def rope_and_write_kv(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
+                      sin: torch.Tensor | None, positions: torch.Tensor | None, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, write_blocks: torch.Tensor, write_offsets: torch.Tensor
+                      ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """One launch: (q None) K/V rows copied into their slots, returning (None, k); else q and k
+    rotated first, returning the new (q, k), the k being what the cache got."""
+    if _cache_declines(k, v, k_cache, v_cache, write_blocks, write_offsets):
+        return None
+    rope = q is not None
+    if rope and _rope_declines(q, k, cos, sin, positions):
+        return None
+    num_tokens, num_kv_heads, head_dim = k.shape
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if rope else None
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if rope else k
+    if num_tokens:
+        half, block_half, block_r, num_warps = _kv_write_tiles(head_dim)
+        num_q_heads = q.shape[1] if rope else 0
+        q_blocks = triton.cdiv(num_tokens * num_q_heads, block_r)
+        kv_blocks = triton.cdiv(num_tokens * num_kv_heads, block_r)
+        _rope_write_kv_kernel[(q_blocks + kv_blocks,)](
+            q if rope else k, k, v, q_out if rope else k, k_out, k_cache, v_cache,
+            cos if rope else k, sin if rope else k, positions if positions is not None else k,
+            write_blocks, write_offsets,
+            *(q.stride()[:2] if rope else (0, 0)), *k.stride()[:2], *v.stride()[:2],
+            *((cos.stride(0), sin.stride(0)) if rope else (0, 0)), *k_cache.stride(), *v_cache.stride(),
+            num_tokens, num_q_heads, num_kv_heads, q_blocks,
+            HALF=half, BLOCK_HALF=block_half, BLOCK_R=block_r, HAS_POSITIONS=positions is not None, ROPE=rope,
+            num_warps=num_warps,
         )
     return q_out, k_out
 
