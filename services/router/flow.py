@@ -545,8 +545,10 @@ class _Run:
             pass
         elif self.prefill_sent and not self.prefill_answered:
             calls += [pool.abort(Role.PREFILL, prefill, rid, timeout_s), pool.release(prefill, rid, timeout_s)]
-        elif self.prefill_holds_blocks and (not self.decode_finished or self.ticket_refused):
-            # A finished decode pulled the blocks (or recomputed); otherwise nobody will.
+        elif self.prefill_holds_blocks and (not self.decode_finished or self.ticket_refused
+                                            or self.outcome.recomputed_locally):
+            # A finished decode pulled the blocks; otherwise (it recomputed the prompt after a failed pull, never
+            # read the ticket, or did not finish) nobody will: the parts it did not read would wait for the lease.
             calls.append(pool.release(prefill, rid, timeout_s))
         if not calls:
             return

@@ -1,11 +1,14 @@
 """KV sent per prefill chunk, with a real prefill daemon and real NIXL between processes.
 
-The prefill daemon computes in chunks of 8 tokens (block size 4); this process reads each part ticket of
-``PrefillStream`` into an engine of another layout and block size (per-layer, 8) as it arrives, and its
-KV must equal, byte for byte, the KV a colocated engine of the prefill's configuration computes. A prompt
-whose start this reader's prefix cache holds skips those parts (the READs still notify). Then the
-decode daemon's ``GenerateParts``: a prefill that dies mid-stream, or an abort on either side, leaves no
-block pinned or reserved anywhere, and the request still completes (prefilled on the decode worker).
+The prefill daemon computes in chunks of 8 tokens; this process reads each part ticket of ``PrefillStream``
+into an engine of the other layout and block size (cross-layer 4 -> per-layer 8, and per-layer 8 ->
+cross-layer 4), and its KV must equal, byte for byte, the KV a colocated engine of the prefill's
+configuration computes. A prompt whose start this reader's prefix cache holds skips those parts (the READs
+still notify); a prompt of one chunk gets one whole ticket. A Gemma-style model's sliding-window group
+sends only the blocks the prompt's last window reads: its parts before the window move the full group's
+bytes alone, exactly, and no block out of the window is pinned. Then the decode daemon's
+``GenerateParts``: a prefill that dies mid-stream, or an abort on either side, leaves no block pinned or
+reserved anywhere, and the request still completes (prefilled on the decode worker).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from services.contract.sampling_params import SamplingParams
 from services.contract.wire import sampling_to_proto
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.kv.layout import LayoutKind
+from services.kv.layout import KVLayoutSpec, LayoutKind
 from services.kv.nixl.agent import TransferAgent
 from services.kv.puller import KVPuller
 from services.kv.rank import LocalKVRank
@@ -39,6 +42,15 @@ PREFILL_ARGS = ("--kv-layout", "cross_layer", "--block-size", "4", "--num-kv-blo
 # pulled bytes are compared with runs there too, the reading engine on CPU.
 PREFILL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DECODE_ARGS = ("--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "128", "--dtype", "float32")
+# (prefill layout, prefill block size, reader layout, reader block size): each layout on each side, the
+# coarser blocks on either; parts end on multiples of lcm(4, 8) = 8 tokens (one chunk) in both.
+LAYOUT_PAIRS = {"P-cross4-R-per8": (LayoutKind.CROSS_LAYER, 4, LayoutKind.PER_LAYER, 8),
+                "P-per8-R-cross4": (LayoutKind.PER_LAYER, 8, LayoutKind.CROSS_LAYER, 4)}
+
+
+def _prefill_args(layout: LayoutKind, block_size: int) -> tuple[str, ...]:
+    return ("--kv-layout", layout.value, "--block-size", str(block_size), "--num-kv-blocks", "256",
+            "--dtype", "float32", "--max-num-batched-tokens", str(CHUNK), "--kv-lease-s", "60")
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -59,32 +71,55 @@ def _engine(checkpoint: str, layout: LayoutKind, block_size: int, chunk: int = 2
 
 def _token_kv(engine: LLMEngine, tables: list[list[int]], n: int) -> torch.Tensor:
     """Every layer's K and V of tokens 0..n-1, read through the request's block tables: [layers, 2, n, h, d]."""
-    out = []
+    return torch.stack(list(_layer_kv(engine, tables, n).values()))
+
+
+def _layer_kv(engine: LLMEngine, tables: list[list[int]], n: int) -> dict[int, torch.Tensor]:
+    """Per layer with KV of its own, K and V of tokens 0..n-1 through the request's block tables: [2, n, h, d]
+    (a sliding group's tokens before its window are read through placeholders: compare only the window)."""
+    out = {}
     for layer, (k, v) in sorted(engine.kv_cache.views.items()):
         group = engine.kv_layout.group_of_layer(layer)
         bs, table = group.block_size, tables[group.group_id]
-        rows = [torch.stack([view[table[t // bs], t % bs] for t in range(n)]) for view in (k, v)]
-        out.append(torch.stack(rows))
-    return torch.stack(out).cpu()
+        out[layer] = torch.stack([torch.stack([view[table[t // bs], t % bs] for t in range(n)])
+                                  for view in (k, v)]).cpu()
+    return out
 
 
-def _colocated(checkpoint: str, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """The prefill's configuration run colocated: the prompt's KV after its prefill, and its greedy tokens."""
-    engine = _engine(checkpoint, LayoutKind.CROSS_LAYER, 4, chunk=CHUNK, device=PREFILL_DEVICE)
+def _colocated_run(engine: LLMEngine, prompt: list[int]) -> tuple[LLMEngine, list[list[int]], list[int]]:
+    """``prompt`` prefilled on ``engine`` with its blocks held, and its greedy tokens: (engine, tables, tokens)."""
     held = engine.add_request("ref", prompt, SamplingParams(max_tokens=1, temperature=0.0),
                               hold_kv_on_finish=True)
     while engine.has_unfinished_requests():
         engine.step()
-    kv = _token_kv(engine, held.block_ids, len(prompt))
-    tokens = engine.generate([prompt], GREEDY)[0].token_ids
-    return kv, tokens
+    return engine, held.block_ids, engine.generate([prompt], GREEDY)[0].token_ids
 
 
-async def _prefill_parts(stub: worker_pb2_grpc.PrefillWorkerStub, rid: str, prompt: list[int]
-                         ) -> list[worker_pb2.PrefillPart]:
+def _colocated(checkpoint: str, prompt: list[int], layout: LayoutKind = LayoutKind.CROSS_LAYER,
+               block_size: int = 4) -> tuple[torch.Tensor, list[int]]:
+    """The prefill's configuration run colocated: the prompt's KV after its prefill, and its greedy tokens."""
+    engine, tables, tokens = _colocated_run(
+        _engine(checkpoint, layout, block_size, chunk=CHUNK, device=PREFILL_DEVICE), prompt)
+    return _token_kv(engine, tables, len(prompt)), tokens
+
+
+async def _prefill_parts(stub: worker_pb2_grpc.PrefillWorkerStub, rid: str, prompt: list[int],
+                         reader_block_size: int = 8) -> list[worker_pb2.PrefillPart]:
     return [m async for m in stub.PrefillStream(worker_pb2.PrefillRequest(
         request_id=rid, prompt_token_ids=prompt, params=sampling_to_proto(GREEDY), reader_tp_size=1,
-        reader_block_size=8))]
+        reader_block_size=reader_block_size))]
+
+
+def _tickets(messages: list[worker_pb2.PrefillPart], num_parts: int, num_tokens: int) -> list:
+    """The part tickets then the final answer's, checked to follow each other and to be ``num_parts`` + 1."""
+    tickets = [m.part for m in messages[:-1]] + [messages[-1].final.ticket]
+    assert [m.HasField("final") for m in messages] == [False] * num_parts + [True]
+    assert [t.part_start_token for t in tickets] == [0] + [t.num_tokens for t in tickets[:-1]]
+    assert all(t.num_tokens % CHUNK == 0 for t in tickets[:-1])  # each part ends with a chunk (and a block)
+    assert tickets[-1].num_tokens == num_tokens
+    # A whole ticket (one chunk) says nothing of parts; a part ticket names the whole prompt.
+    assert [t.num_prompt_tokens for t in tickets] == [num_tokens if num_parts else 0] * len(tickets)
+    return tickets
 
 
 async def _info(address: str, role: str) -> worker_pb2.WorkerInfo:
@@ -102,8 +137,10 @@ def _wait_for(address: str, role: str, done, timeout_s: float = 10.0) -> worker_
         time.sleep(0.1)
 
 
-def test_parts_pulled_as_they_come_are_byte_exact(checkpoint: str) -> None:
-    reader = _engine(checkpoint, LayoutKind.PER_LAYER, 8)
+@pytest.mark.parametrize("pair", list(LAYOUT_PAIRS), ids=list(LAYOUT_PAIRS))
+def test_parts_pulled_as_they_come_are_byte_exact(checkpoint: str, pair: str) -> None:
+    prefill_layout, prefill_bs, reader_layout, reader_bs = LAYOUT_PAIRS[pair]
+    reader = _engine(checkpoint, reader_layout, reader_bs)
     agent = TransferAgent(f"parts-reader-{uuid.uuid4().hex[:8]}")
     try:
         puller = KVPuller(engine_id="reader", identity=kv_identity(reader),
@@ -116,24 +153,22 @@ def test_parts_pulled_as_they_come_are_byte_exact(checkpoint: str) -> None:
                  ("shared", long[:16] + _prompt(2, 14), 1, 16),
                  # The reader holds 24 tokens: its first three parts are skipped (empty READs, still notifying).
                  ("skipped", held_here + _prompt(6, 13), 4, 24),
-                 ("short", _prompt(3, 6), 0, 0)]  # one chunk: one whole ticket
-        with daemons(("prefill", checkpoint, PREFILL_ARGS)) as (p,):
+                 ("short", _prompt(3, 6), 0, 0),  # one chunk: one whole ticket, one pull
+                 ("one-chunk", _prompt(7, CHUNK), 0, 0)]  # exactly one chunk: no part either
+        with daemons(("prefill", checkpoint, _prefill_args(prefill_layout, prefill_bs))) as (p,):
             async def run_all() -> None:
                 async with grpc.aio.insecure_channel(p.address) as channel:
                     stub = worker_pb2_grpc.PrefillWorkerStub(channel)
                     for rid, prompt, num_parts, num_cached in cases:
-                        messages = await _prefill_parts(stub, rid, prompt)
-                        tickets = [m.part for m in messages[:-1]] + [messages[-1].final.ticket]
-                        assert [m.HasField("final") for m in messages] == [False] * num_parts + [True]
-                        assert [t.part_start_token for t in tickets] == [0] + [t.num_tokens for t in tickets[:-1]]
-                        assert tickets[-1].num_tokens == len(prompt) and len(tickets) == num_parts + 1
+                        messages = await _prefill_parts(stub, rid, prompt, reader_bs)
+                        tickets = _tickets(messages, num_parts, len(prompt))
                         request = reader.add_request_with_external_kv(rid, prompt, GREEDY)
                         assert request.num_cached_tokens == num_cached
                         for ticket in tickets:
                             start = max(request.num_cached_tokens, ticket.part_start_token)
                             result = await puller.pull(ticket, request.block_ids, min(start, ticket.num_tokens))
                             assert (result.num_bytes == 0) == (ticket.num_tokens <= num_cached)
-                        kv, tokens = _colocated(checkpoint, prompt)
+                        kv, tokens = _colocated(checkpoint, prompt, prefill_layout, prefill_bs)
                         pulled = _token_kv(reader, request.block_ids, len(prompt))
                         # Every pulled token byte for byte; the reader's own cached prefix (computed in one chunk,
                         # not the prefill's chunks of 8) to rounding.
@@ -148,6 +183,88 @@ def test_parts_pulled_as_they_come_are_byte_exact(checkpoint: str) -> None:
 
             asyncio.run(run_all())
             # Every part was read (the skipped ones' empty READs notify too): nothing stays pinned.
+            info = _wait_for(p.address, "prefill", lambda i: i.kv_blocks_pinned == 0)
+            assert info.kv_blocks_pinned == 0 and info.num_running == 0
+    finally:
+        agent.close()
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory) -> str:
+    directory, _ = make_checkpoint("gemma4", tmp_path_factory.mktemp("gemma4"))
+    return str(directory)
+
+
+def _moved_bytes(layout: KVLayoutSpec, window_start: dict[int, int], begin: int, end: int) -> int:
+    """Bytes a pull of tokens ``begin .. end`` moves into ``layout``: every token of a full group, a sliding
+    group's from its window's start (``window_start``) only."""
+    return sum(max(end - max(begin, window_start.get(g.group_id, 0)), 0) * layout.block_bytes(g.group_id)
+               // g.block_size for g in layout.groups)
+
+
+@pytest.mark.parametrize("pair", list(LAYOUT_PAIRS), ids=list(LAYOUT_PAIRS))
+def test_sliding_window_parts_send_only_the_last_window(gemma: str, pair: str) -> None:
+    """Gemma-4-like (a sliding group of window 16 beside a full group, KV-shared layers): a 53-token prompt
+    in parts of 8. Each part moves exactly the full group's new tokens and, of the sliding group, only
+    those in the last window (the later of the two sides' kept blocks: from token 36); the parts before it
+    pin no sliding block; the pulled KV of every window token equals the colocated engine's to the bit."""
+    prefill_layout, prefill_bs, reader_layout, reader_bs = LAYOUT_PAIRS[pair]
+    prompt, twin = _prompt(8, 53), _prompt(9, 53)  # twin: the same length, nothing in common
+    reader = _engine(gemma, reader_layout, reader_bs)
+    sliding = [g for g in reader.kv_layout.groups if g.sliding_window is not None]
+    assert len(sliding) == 1 and len(reader.kv_layout.groups) == 2 and sliding[0].sliding_window == 16
+    # The window's first key is token 53 - 16 = 37: blocks of 4 keep it from token 36, blocks of 8 from 32.
+    window_start = {sliding[0].group_id: 36}
+    agent = TransferAgent(f"parts-gemma-{uuid.uuid4().hex[:8]}")
+    try:
+        puller = KVPuller(engine_id="reader", identity=kv_identity(reader),
+                          ranks=[LocalKVRank(agent, reader.kv_layout, reader.kv_cache.buffers)],
+                          handshake_timeout_s=10, transfer_timeout_s=20)
+        with daemons(("prefill", gemma, _prefill_args(prefill_layout, prefill_bs))) as (p,):
+            async def run() -> None:
+                async with grpc.aio.insecure_channel(p.address) as channel:
+                    stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+                    # What a whole ticket of such a prompt holds pinned (the finished request's blocks) ...
+                    await stub.Prefill(worker_pb2.PrefillRequest(
+                        request_id="twin", prompt_token_ids=twin, params=sampling_to_proto(GREEDY),
+                        reader_tp_size=1, reader_block_size=reader_bs))
+                    held_whole = (await stub.Info(worker_pb2.InfoRequest())).kv_blocks_pinned
+                    await stub.Release(worker_pb2.ReleaseRequest(request_id="twin"))
+                    messages = await _prefill_parts(stub, "gemma", prompt, reader_bs)
+                    tickets = _tickets(messages, 6, len(prompt))  # parts end at 8, ..., 48; the final has 48..52
+                    # ... and what the parts pin on top: the full group's blocks of tokens 0..47, and of the
+                    # sliding group only those of the last window (tokens 36..47, blocks of 4 or 8 on this side).
+                    first_kept = 37 // prefill_bs * prefill_bs
+                    pinned_parts = (await stub.Info(worker_pb2.InfoRequest())).kv_blocks_pinned - held_whole
+                    assert pinned_parts == 48 // prefill_bs + (48 - first_kept) // prefill_bs, pinned_parts
+                    request = reader.add_request_with_external_kv("gemma", prompt, GREEDY)
+                    for ticket in tickets:
+                        result = await puller.pull(ticket, request.block_ids, ticket.part_start_token)
+                        begin, end = ticket.part_start_token, ticket.num_tokens
+                        exact = _moved_bytes(reader.kv_layout, window_start, begin, end)
+                        if end < len(prompt):
+                            assert result.num_bytes == exact, (begin, end, result.num_bytes, exact)
+                        else:  # the prompt's last block is padded to the reader's block
+                            padded = -(-end // reader_bs) * reader_bs
+                            assert exact <= result.num_bytes <= _moved_bytes(reader.kv_layout, window_start,
+                                                                              begin, padded), result.num_bytes
+
+                    engine, tables, tokens = _colocated_run(
+                        _engine(gemma, prefill_layout, prefill_bs, chunk=CHUNK, device=PREFILL_DEVICE), prompt)
+                    reference = _layer_kv(engine, tables, len(prompt))
+                    pulled = _layer_kv(reader, request.block_ids, len(prompt))
+                    for layer, kv in reference.items():
+                        group = reader.kv_layout.group_of_layer(layer)
+                        first = len(prompt) - group.sliding_window if group.sliding_window else 0
+                        assert torch.equal(pulled[layer][:, first:], kv[:, first:]), (layer, group.label)
+                    final = messages[-1].final
+                    out = list(reader.complete_external_kv("gemma", final.first_token_id,
+                                                           final.first_logprob).new_token_ids)
+                    while reader.has_unfinished_requests():
+                        out += [t for o in reader.step() for t in o.new_token_ids]
+                    assert out == tokens
+
+            asyncio.run(run())
             info = _wait_for(p.address, "prefill", lambda i: i.kv_blocks_pinned == 0)
             assert info.kv_blocks_pinned == 0 and info.num_running == 0
     finally:

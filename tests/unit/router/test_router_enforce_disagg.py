@@ -196,7 +196,8 @@ async def test_every_response_carries_its_route(tokenizer: Tokenizer) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_decode_side_recompute_is_reported_as_fallback(tokenizer: Tokenizer, stream: bool) -> None:
     ids = tokenizer.encode(ANSWER)
-    async with _serving(tokenizer, ScriptedPrefill(first_token_id=ids[0]), ScriptedDecode(ids, pull_fails=True)) as s:
+    prefill = ScriptedPrefill(first_token_id=ids[0])
+    async with _serving(tokenizer, prefill, ScriptedDecode(ids, pull_fails=True)) as s:
         response = await s.http.post("/v1/completions", json={
             "prompt": "the capital of France", "max_tokens": 30, "stream": stream,
             "stream_options": {"include_usage": True} if stream else None})
@@ -211,6 +212,9 @@ async def test_a_decode_side_recompute_is_reported_as_fallback(tokenizer: Tokeni
         else:
             assert response.headers[ROUTE_HEADER] == "fallback" and response.json()["choices"][0]["text"] == ANSWER
         assert _routed((await s.http.get("/metrics")).text) == {"disaggregated": 0, "direct": 0, "fallback": 1}
+        # The decode worker recomputed: nobody will read the ticket (or the parts after a failed one), so the
+        # prefill worker frees its blocks now, not at the lease.
+        assert prefill.released == [s.decode.requests[0].request_id]
 
 
 async def test_one_route_per_response_the_worst_of_its_choices(tokenizer: Tokenizer) -> None:
