@@ -9,7 +9,11 @@
 #   bash bench/gpu_speed_run.sh prefill   the dense prefill path: its CUDA tests (cuDNN against the CPU maths and
 #                                         the paged kernel), one layer's prefill attention paged / dense / torch's
 #                                         cuDNN SDPA, then the engine's prefill with the dense path on and off
-#   bash bench/gpu_speed_run.sh pull      the in-service KV pull beside a raw NIXL READ of the same bytes
+#   bash bench/gpu_speed_run.sh pull      the in-service KV pull beside a raw NIXL READ of the same bytes, 512 to
+#                                         32k tokens, contiguous and fragmented pools, with prepared lists and without
+#   bash bench/gpu_speed_run.sh prefill_graphs  prefill CUDA graphs: their tests on CUDA (captured vs eager, fp32 and
+#                                         bf16) with the decode-graph tests, then the engine's prefill at 128/512/2048
+#                                         tokens with the graphs on (default) and off (PDSERVE_PREFILL_GRAPH_TOKENS=0)
 #   bash bench/gpu_speed_run.sh async     pipelined decode steps: their tests and the CUDA-graph/parity tests on
 #                                         CUDA, the e2e serving tests on the GPU, and decode steps pipelined vs sync
 #   bash bench/gpu_speed_run.sh digest    the KV digest: its tests on CUDA (the Triton kernel against the host
@@ -17,6 +21,9 @@
 #                                         the in-service pull (bench/pull_path.py, one GPU)
 #   bash bench/gpu_speed_run.sh digest_tcp  the digest inside a pull over UCX's TCP transport (host staging), a
 #                                         stand-in for a pull between nodes
+#   bash bench/gpu_speed_run.sh decode_fused  the fused K/V write (RoPE of q/k and both cache writes in one launch):
+#                                         its CUDA tests, then dummy Llama-3.1-8B bf16 decode bs 1/32 at 2k with
+#                                         it on and off (PDSERVE_FUSED_KV_WRITE=1/0, the same engine otherwise)
 #   bash bench/gpu_speed_run.sh offload   the host KV tier: its tests on CUDA (pinned memory, copy stream),
 #                                         the e2e serving test (decode reading the prefill's host tier into
 #                                         VRAM), and TTFT/store/load of an 8k prompt (bench/offload.py)
@@ -42,6 +49,15 @@ for part in "$@"; do
             --rounds 2 $hf --json-out "$OUT/engine_dense$dense.jsonl" 2>&1 | grep -v Warning \
             | tee "$OUT/engine_dense$dense.txt"
       done ;;
+    prefill_graphs)
+      PDSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_prefill_graphs.py \
+          tests/unit/engine/test_cuda_graphs.py 2>&1 | tee "$OUT/prefill_graphs_tests.log" | tail -8
+      for tokens in 1024 0; do
+        PDSERVE_PREFILL_GRAPH_TOKENS=$tokens timeout 140 python3 bench/engine.py --model dummy:llama-3.1-8b \
+            --dtype bfloat16 --device cuda --prefill-lens 128,512,2048 --batch-sizes 1 --decode-contexts 512 \
+            --decode-steps 8 --rounds 3 --json-out "$OUT/engine_prefill_graphs$tokens.jsonl" 2>&1 | grep -v Warning \
+            | tee "$OUT/engine_prefill_graphs$tokens.txt"
+      done ;;
     engine)
       for backend in triton_paged torch_sdpa; do
         hf=$([ "$backend" = triton_paged ] && echo --hf)
@@ -49,6 +65,15 @@ for part in "$@"; do
             --attention-backend "$backend" --prefill-lens 512,2048,8192 --batch-sizes 1,8,32 --decode-contexts 2048 \
             --decode-steps 16 --rounds 2 $hf --json-out "$OUT/engine_$backend.jsonl" 2>&1 \
             | grep -v Warning | tee "$OUT/engine_$backend.txt"
+      done ;;
+    decode_fused)  # the K/V write fused with RoPE (1) against RoPE then two index_put scatters (0)
+      PDSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_fused_kv_write.py \
+          tests/unit/engine/test_fused_ops.py tests/unit/engine/test_cuda_graphs.py 2>&1 | tee "$OUT/decode_fused_tests.log" \
+          | tail -8
+      for fused in 1 0; do
+        PDSERVE_FUSED_KV_WRITE=$fused timeout 130 python3 bench/engine.py --model dummy:llama-3.1-8b --dtype bfloat16 \
+            --device cuda --prefill-lens 512 --batch-sizes 1,32 --decode-contexts 2048 --decode-steps 32 --rounds 2 \
+            --json-out "$OUT/engine_kv_write$fused.jsonl" 2>&1 | grep -v Warning | tee "$OUT/engine_kv_write$fused.txt"
       done ;;
     offload)
       PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_kv_offload.py \
@@ -78,7 +103,11 @@ for part in "$@"; do
     digest_tcp)  # the same pull over UCX's TCP transport with host staging: a stand-in for a link between nodes
       UCX_TLS=tcp,cuda_copy timeout 200 python3 bench/pull_path.py --device cuda --tokens 2048,8192 --pools contiguous \
           --repeats 3 --json-out "$OUT/pull_path_digest_tcp.jsonl" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/pull_path_digest_tcp.txt" ;;
-    pull)
-      timeout 400 python3 bench/pull_path.py --placements auto --json-out "$OUT/pull_path_gpu.jsonl" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/pull_path.txt" ;;
+    pull)  # prepared descriptor lists (the default) and, for the A/B, every pull planned from scratch
+      for lists in "" --no-prepared-lists; do
+        timeout 200 python3 bench/pull_path.py --placements auto --tokens 512,2048,8192,32768 \
+            --pools contiguous,fragmented $lists --json-out "$OUT/pull_path_gpu${lists:+_unprepared}.jsonl" 2>&1 \
+            | grep -v "NIXL INFO" | tee "$OUT/pull_path${lists:+_unprepared}.txt"
+      done ;;
   esac
 done

@@ -20,13 +20,16 @@ backwards, so no two blocks merge: one descriptor per block and group):
   ideal             computed, not pulled: full layers every block, sliding layers the blocks
                     covering the last window (first block: (tokens - window) // block_size)
 
-``tp``: Llama-3.1-8B KV shape, cross-layer layout, one ``--tp-tokens`` prompt in contiguous blocks,
-read between a prefill (P) and a decode (D) engine of different TP sizes (``--tp-pairs``: P:D, the
-homogeneous 1:1 always runs as the baseline), per block order (``--tp-orders``). Each side has one
-NIXL agent and one KV shard per TP rank; the puller reads each local rank's heads from the remote
-ranks that hold them (``services.kv.topology.rank_reads``), one READ per (local rank, remote rank).
-Every pair must move the prompt's whole KV, every head exactly once (asserted). A head slice of a
-cross-layer block is one descriptor per (token, layer, K/V) in NHD order, per (layer, K/V) in HND.
+``tp``: Llama-3.1-8B KV shape, one ``--tp-tokens`` prompt in contiguous blocks, read between a
+prefill (P) and a decode (D) engine of different TP sizes (``--tp-pairs``: P:D, the homogeneous 1:1
+always runs as the baseline), per KV layout (``--tp-layouts``) and block order (``--tp-orders``; the
+heads-outer layout holds HND blocks only). Each side has one NIXL agent and one KV shard per TP rank;
+the puller reads each local rank's heads from the remote ranks that hold them
+(``services.kv.topology.rank_reads``), one READ per (local rank, remote rank). Every pair must move
+the prompt's whole KV, every head exactly once (asserted). A head slice of a cross-layer block is one
+descriptor per (token, layer, K/V) in NHD order, per (layer, K/V) in HND, and one per block in the
+heads-outer layout. Each row prints its time and descriptors beside the same layout's 1:1 pull, and a
+summary compares each mixed pair's heads-outer pull with cross-layer HND and with equal TP.
 
 Devices: ``--device`` (cpu or cuda) puts every rank of both sides there; ``--owner-devices`` and
 ``--reader-devices`` (comma lists, rank i takes entry i mod len) place each rank, e.g. the owner on
@@ -35,7 +38,8 @@ GPU 0 and the reader on GPU 1, or TP 2 across both GPUs. Reading VRAM needs UCX'
 
     python bench/transfer.py                    # CPU (DRAM), every scenario, bf16
     python bench/transfer.py --scenario groups  # hybrid shapes only, 8k-token prompt
-    python bench/transfer.py --scenario tp      # TP pairs, 8k-token prompt, NHD and HND
+    python bench/transfer.py --scenario tp      # TP pairs, 8k-token prompt, cross-layer NHD/HND, heads-outer
+    python bench/transfer.py --scenario tp --device cuda --tp-pairs 1:2,2:1 --tp-orders HND  # ranks share GPU 0
     python bench/transfer.py --device cuda      # VRAM, two processes on one GPU
     python bench/transfer.py --scenario tp --owner-devices cuda:0,cuda:1 --reader-devices cuda:1 --tp-pairs 2:1
     python bench/transfer.py --quick --json     # < 1 min on the CI machine, JSON lines
@@ -67,6 +71,7 @@ from bench.kv_synthetic import group_shapes, identity_for, layout_for  # noqa: E
 from services.engine.kv_cache.buffers import KVCache  # noqa: E402
 from services.kv.compat import KVIdentity  # noqa: E402
 from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
+from services.kv.layout import BlockOrder, LayoutKind  # noqa: E402
 from services.kv.nixl.agent import CUDA_IPC_GET_ENV, TransferAgent  # noqa: E402
 from services.kv.nixl.errors import TransferError  # noqa: E402
 from services.kv.puller import KVPuller  # noqa: E402
@@ -320,24 +325,30 @@ def tp_kv_bytes(num_tokens: int) -> int:
     return blocks * SHAPE["block_size"] * SHAPE["num_layers"] * 2 * SHAPE["num_kv_heads"] * SHAPE["head_dim"] * 2
 
 
-def run_tp(pairs: list[tuple[int, int]], orders: list[str], num_tokens: int, repeats: int, device: str,
+def tp_layouts(kinds: list[str], orders: list[str]) -> list[tuple[str, str]]:
+    """(layout kind, block order) of the tp scenario: every kind with every order it can hold."""
+    return [(kind, order) for kind in kinds for order in orders if BlockOrder(order) in LayoutKind(kind).orders]
+
+
+def run_tp(pairs: list[tuple[int, int]], layouts: list[tuple[str, str]], num_tokens: int, repeats: int, device: str,
            owner_devices: list[str], reader_devices: list[str]) -> list[dict]:
     rows = []
     num_blocks = -(-num_tokens // SHAPE["block_size"])
     ids = block_ids(num_blocks, 1)  # contiguous on both sides: whole-head blocks merge into one run
     expected = tp_kv_bytes(num_tokens)
-    cfgs = {order: {**SHAPE, "order": order, "kind": "cross_layer", "num_blocks": num_blocks + 1} for order in orders}
-    owners = {}  # every owner starts at once, so their start-ups overlap; (order, P tp) -> Owner
-    for order, cfg in cfgs.items():
+    cfgs = {(kind, order): {**SHAPE, "order": order, "kind": kind, "num_blocks": num_blocks + 1}
+            for kind, order in layouts}
+    owners = {}  # every owner starts at once, so their start-ups overlap; (kind, order, P tp) -> Owner
+    for (kind, order), cfg in cfgs.items():
         for p_tp in dict.fromkeys(p for p, _ in pairs):
             requests = [{"request_id": f"d{d_tp}", "num_tokens": num_tokens, "block_ids": [ids], "reader_tp": d_tp}
                         for d_tp in dict.fromkeys(d for p, d in pairs if p == p_tp)]
-            owners[order, p_tp] = Owner({
-                **cfg, "engine_id": f"bench-tp{p_tp}-{order}", "tp": p_tp, "reader_tp": 1, "seed": 0, "fill": "none",
-                "devices": rank_devices(owner_devices, p_tp), "requests": requests,
+            owners[kind, order, p_tp] = Owner({
+                **cfg, "engine_id": f"bench-tp{p_tp}-{kind}-{order}", "tp": p_tp, "reader_tp": 1, "seed": 0,
+                "fill": "none", "devices": rank_devices(owner_devices, p_tp), "requests": requests,
             })
     try:
-        for order, cfg in cfgs.items():
+        for (kind, order), cfg in cfgs.items():
             readers, agents = {}, []
             for d_tp in dict.fromkeys(d for _, d in pairs):
                 layout = layout_for(cfg, d_tp)
@@ -347,25 +358,29 @@ def run_tp(pairs: list[tuple[int, int]], orders: list[str], num_tokens: int, rep
                                          ranks=ranks, transfer_timeout_s=120)
             base = None
             for p_tp, d_tp in pairs:
-                row = dict(scenario="tp", device=device, layout="cross_layer", order=order, tokens=num_tokens,
+                row = dict(scenario="tp", device=device, layout=kind, order=order, tokens=num_tokens,
                            p_tp=p_tp, d_tp=d_tp, owner_devices=rank_devices(owner_devices, p_tp),
                            reader_devices=rank_devices(reader_devices, d_tp), kv_bytes=expected)
-                hello = owners[order, p_tp].hello()
+                hello = owners[kind, order, p_tp].hello()
                 ticket = kv_pb2.TransferTicket.FromString(bytes.fromhex(hello["tickets"][f"d{d_tp}"]))
                 try:
                     r = asyncio.run(time_pull(readers[d_tp], ticket, ids, repeats))
                 except TransferError as exc:  # keep the other pairs' figures; main() exits non-zero
-                    print(f"P tp{p_tp} -> D tp{d_tp} ({order}) failed: {exc}", file=sys.stderr)
+                    print(f"P tp{p_tp} -> D tp{d_tp} ({kind} {order}) failed: {exc}", file=sys.stderr)
                     rows.append({**row, "bytes": None, "descriptors": None, "reads": None, "seconds": None,
-                                 "gbps": None, "gbps_vs_tp1": None, "error": str(exc)[:500]})
+                                 "gbps": None, "gbps_vs_tp1": None, "seconds_vs_tp1": None, "tp1_descriptors": None,
+                                 "error": str(exc)[:500]})
                     continue
-                assert r.num_bytes == expected, (
-                    f"P tp{p_tp} -> D tp{d_tp} ({order}) moved {r.num_bytes} bytes, the prompt's KV is {expected}")
+                assert r.num_bytes == expected, (f"P tp{p_tp} -> D tp{d_tp} ({kind} {order}) moved {r.num_bytes} "
+                                                 f"bytes, the prompt's KV is {expected}")
                 gbps = r.num_bytes / r.seconds / 1e9
                 if (p_tp, d_tp) == (1, 1):
-                    base = gbps
+                    base = r
                 rows.append({**row, "bytes": r.num_bytes, "descriptors": r.num_descriptors, "reads": r.num_reads,
-                             "seconds": r.seconds, "gbps": gbps, "gbps_vs_tp1": gbps / base if base else None})
+                             "seconds": r.seconds, "gbps": gbps,
+                             "gbps_vs_tp1": gbps / (base.num_bytes / base.seconds / 1e9) if base else None,
+                             "seconds_vs_tp1": r.seconds / base.seconds if base else None,
+                             "tp1_descriptors": base.num_descriptors if base else None})
             for agent in agents:
                 agent.close()
     finally:
@@ -378,18 +393,41 @@ def print_tp(rows: list[dict], repeats: int) -> None:
         return
     r0 = rows[0]
     print(f"\n# KV transfer across TP sizes, {r0['device']}, Llama-3.1-8B KV shape (8 KV heads, bf16, block 16), "
-          f"cross-layer, {r0['tokens']} tokens ({r0['kv_bytes'] / 2**20:.1f} MiB), best of {repeats}")
-    print(f"{'order':>5} {'P tp':>4} {'D tp':>4} {'P devices':>16} {'D devices':>16} {'MiB':>8} {'descs':>8} "
-          f"{'reads':>5} {'ms':>9} {'GB/s':>7} {'vs 1->1':>7}")
+          f"{r0['tokens']} tokens ({r0['kv_bytes'] / 2**20:.1f} MiB), best of {repeats}; 'vs 1->1': the same "
+          "layout's 1:1 pull")
+    print(f"{'layout':>11} {'order':>5} {'P tp':>4} {'D tp':>4} {'P devices':>16} {'D devices':>16} {'MiB':>8} "
+          f"{'descs':>8} {'1->1 descs':>10} {'reads':>5} {'ms':>9} {'GB/s':>7} {'ms vs 1->1':>10}")
     for r in rows:
-        head = f"{r['order']:>5} {r['p_tp']:>4} {r['d_tp']:>4} {','.join(r['owner_devices']):>16} " \
+        head = f"{r['layout']:>11} {r['order']:>5} {r['p_tp']:>4} {r['d_tp']:>4} {','.join(r['owner_devices']):>16} " \
                f"{','.join(r['reader_devices']):>16}"
         if r.get("error"):
             print(f"{head} failed: {r['error'][:120]}")
             continue
-        ratio = f"{r['gbps_vs_tp1']:>7.2f}" if r["gbps_vs_tp1"] is not None else f"{'-':>7}"
-        print(f"{head} {r['bytes'] / 2**20:>8.1f} {r['descriptors']:>8} {r['reads']:>5} {r['seconds'] * 1e3:>9.2f} "
-              f"{r['gbps']:>7.2f} {ratio}")
+        ratio = f"{r['seconds_vs_tp1']:>9.2f}x" if r["seconds_vs_tp1"] is not None else f"{'-':>10}"
+        base = r["tp1_descriptors"] if r["tp1_descriptors"] is not None else "-"
+        print(f"{head} {r['bytes'] / 2**20:>8.1f} {r['descriptors']:>8} {base:>10} {r['reads']:>5} "
+              f"{r['seconds'] * 1e3:>9.2f} {r['gbps']:>7.2f} {ratio}")
+    print_tp_summary(rows)
+
+
+def print_tp_summary(rows: list[dict]) -> None:
+    """Per mixed pair: the heads-outer pull beside cross-layer HND's and beside equal TP (1:1, same layout)."""
+    ok = {(r["layout"], r["order"], r["p_tp"], r["d_tp"]): r for r in rows if not r.get("error")}
+    mixed = sorted({(p, d) for _, _, p, d in ok if p != d})
+    heads = [(p, d, ok.get(("heads_outer", "HND", p, d)), ok.get(("cross_layer", "HND", p, d))) for p, d in mixed]
+    heads = [h for h in heads if h[2] is not None]
+    if not heads:
+        return
+    print("\n# mixed TP: heads_outer vs equal TP (1:1) and vs cross_layer HND, same pair")
+    print(f"{'P tp':>4} {'D tp':>4} {'descs':>8} {'1->1 descs':>10} {'ms':>9} {'1->1 ms':>9} {'x 1->1':>7} "
+          f"{'cross descs':>11} {'cross ms':>9} {'cross/heads':>11}")
+    for p, d, r, cross in heads:
+        tp1 = r["seconds"] / r["seconds_vs_tp1"]
+        c_descs = f"{cross['descriptors']:>11}" if cross else f"{'-':>11}"
+        c_ms = f"{cross['seconds'] * 1e3:>9.2f}" if cross else f"{'-':>9}"
+        c_ratio = f"{cross['seconds'] / r['seconds']:>10.1f}x" if cross else f"{'-':>11}"
+        print(f"{p:>4} {d:>4} {r['descriptors']:>8} {r['tp1_descriptors']:>10} {r['seconds'] * 1e3:>9.2f} "
+              f"{tp1 * 1e3:>9.2f} {r['seconds_vs_tp1']:>6.2f}x {c_descs} {c_ms} {c_ratio}")
 
 
 def device_list(text: str | None, default: str) -> list[str]:
@@ -420,6 +458,8 @@ def main() -> None:
     ap.add_argument("--tp-pairs", default=None,
                     help=f"P:D TP sizes of the tp scenario, 1:1 always runs (default {TP_PAIRS}, "
                     f"--quick {QUICK_TP_PAIRS})")
+    ap.add_argument("--tp-layouts", default="cross_layer,heads_outer",
+                    help="KV layout kinds of the tp scenario (heads_outer runs with HND blocks only)")
     ap.add_argument("--tp-orders", default="NHD,HND", help="block orders of the tp scenario")
     ap.add_argument("--quick", action="store_true", help="small prompts, one repeat (CI smoke run)")
     ap.add_argument("--json", action="store_true", help="one JSON object per case per line")
@@ -437,9 +477,14 @@ def main() -> None:
         pairs = parse_pairs(args.tp_pairs or (QUICK_TP_PAIRS if args.quick else TP_PAIRS))
     except ValueError as exc:
         ap.error(str(exc))
-    orders = args.tp_orders.split(",")
-    if not set(orders) <= {"NHD", "HND"}:
+    orders, kinds = args.tp_orders.split(","), args.tp_layouts.split(",")
+    if not set(orders) <= {o.value for o in BlockOrder}:
         ap.error(f"unknown block order in {args.tp_orders!r}")
+    if not set(kinds) <= {k.value for k in LayoutKind}:
+        ap.error(f"unknown KV layout in {args.tp_layouts!r}")
+    layouts = tp_layouts(kinds, orders)
+    if "tp" in scenarios and not layouts:
+        ap.error(f"no layout of --tp-layouts {args.tp_layouts} holds --tp-orders {args.tp_orders}")
     tp_tokens = args.tp_tokens or (QUICK_TP_TOKENS if args.quick else 8192)
     if tp_tokens < 1 or tp_tokens % SHAPE["block_size"]:
         ap.error(f"--tp-tokens must be a positive multiple of the block size {SHAPE['block_size']}")
@@ -478,7 +523,7 @@ def main() -> None:
         group_tokens = 512 if args.quick else args.group_tokens
         group_rows = run_groups(shapes, group_tokens, repeats, args.device, owner_devices, reader_devices)
 
-    tp_rows = run_tp(pairs, orders, tp_tokens, repeats, args.device, owner_devices, reader_devices) \
+    tp_rows = run_tp(pairs, layouts, tp_tokens, repeats, args.device, owner_devices, reader_devices) \
         if "tp" in scenarios else []
 
     failed = sum(1 for r in tp_rows if r.get("error"))

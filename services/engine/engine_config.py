@@ -44,12 +44,24 @@ class EngineConfig:
     parallel: ParallelConfig = flag(help="tensor-parallel size: ranks, one process each", name="--tp",
                                     default_factory=ParallelConfig, parse=positive_int, cli_default=1,
                                     to_field=lambda tp: ParallelConfig(tp, 0))
-    kv_layout: LayoutKind = flag(LayoutKind.CROSS_LAYER, "", cli_default="cross_layer", to_field=LayoutKind,
-                                 choices=tuple(k.value for k in LayoutKind))
-    kv_block_order: BlockOrder = flag(
-        BlockOrder.NHD, "token-major (NHD, default) or head-major (HND) KV blocks; HND keeps a head's slice of a "
-        "block contiguous, which pairs of different TP sizes read far faster (pdserve up picks it for them)",
-        cli_default=None, to_field=lambda order: BlockOrder(order or "NHD"), choices=tuple(o.value for o in BlockOrder))
+    # None: auto (kv_layout_choice() resolves both from peer_tp_size)
+    kv_layout: LayoutKind | None = flag(
+        None, "KV cache placement (services/kv/layout.py): per_layer, cross_layer (a block of every layer is one "
+        "run), heads_outer (cross-layer with heads outermost: a head slice of a block is one run, for pulls between "
+        "different TP sizes; HND blocks) or auto (default): heads_outer when --peer-tp-size differs from --tp, "
+        "else cross_layer", cli_default="auto", to_field=lambda kind: None if kind == "auto" else LayoutKind(kind),
+        choices=("auto", *(k.value for k in LayoutKind)))
+    kv_block_order: BlockOrder | None = flag(
+        None, "token-major (NHD) or head-major (HND) KV blocks; HND keeps a head's slice of a block contiguous, "
+        "which pairs of different TP sizes read far faster. Default: HND when --peer-tp-size differs from --tp or "
+        "the layout is heads_outer, else NHD", cli_default=None,
+        to_field=lambda order: BlockOrder(order) if order else None, choices=tuple(o.value for o in BlockOrder))
+    # The TP size of the engines on the other side of KV transfers (decode's for a prefill worker, prefill's
+    # for a decode worker); only the automatic KV layout reads it. pdserve up fills it in.
+    peer_tp_size: int | None = flag(None, "TP size of the workers this one exchanges KV with (the decode workers' "
+                                          "for a prefill worker, the prefill workers' for a decode worker; pdserve "
+                                          "up sets it): a different size than --tp makes --kv-layout auto pick "
+                                          "heads_outer and HND blocks", parse=positive_int)
     # explicit pool size; else sized from the memory budget below
     num_kv_blocks: int | None = flag(None, "KV pool size in blocks (default: from memory)", parse=int)
     kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, a share of free memory on CUDA
@@ -62,6 +74,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # True: no CUDA graphs for decode steps (every step runs eagerly)
     enforce_eager: bool = flag(False, "run decode steps eagerly (no CUDA graphs)")
+    # Prefill steps of up to this many tokens (a few chunks, no dense-attention chunk) replay CUDA
+    # graphs captured per token bucket (runner/prefill_graphs.py); 0 runs them eagerly.
+    prefill_graph_tokens: int = flag(1024, "largest prefill step (tokens) run from CUDA graphs; 0: every prefill "
+                                           "step eager; $PDSERVE_PREFILL_GRAPH_TOKENS overrides it", parse=int)
     # Pipeline decode-graph steps: launch the next before this one's tokens reach the host (LLMEngine.step).
     async_scheduling: bool = flag(True, "wait for each decode step's tokens before launching the next (default: "
                                         "pipelined)", name="--no-async-scheduling", negated=True)
@@ -101,8 +117,16 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
         if self.kv_offload_bytes is not None and self.kv_offload_bytes < 0:
             raise ValueError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
+        if self.peer_tp_size is not None and self.peer_tp_size < 1:
+            raise ValueError(f"peer_tp_size must be >= 1, got {self.peer_tp_size}")
+        kind, order = self.kv_layout_choice()
+        if order not in kind.orders:
+            raise ValueError(f"--kv-layout {kind.value} holds {'/'.join(o.value for o in kind.orders)} blocks: "
+                             f"--kv-block-order {order.value} cannot go with it")
         if self.kv_offload_block_factor < 1:
             raise ValueError(f"kv_offload_block_factor must be >= 1, got {self.kv_offload_block_factor}")
         if self.kv_offload_bytes and not self.enable_prefix_caching:
@@ -114,6 +138,21 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; "
                              f"expected one of {', '.join(ATTENTION_BACKENDS)}")
+
+    def kv_layout_choice(self) -> tuple[LayoutKind, BlockOrder]:
+        """The KV layout kind and block order, with auto resolved: engines of different TP sizes read head
+        slices of each other's blocks, which a heads-outer layout keeps one run per block (``services/kv/
+        layout.py``); equal sizes read whole blocks, which cross-layer NHD does as well. An explicit order
+        that heads-outer cannot hold (NHD) makes auto pick cross-layer."""
+        mixed_tp = self.peer_tp_size is not None and self.peer_tp_size != self.parallel.tp_size
+        kind = self.kv_layout
+        if kind is None:
+            heads_outer = mixed_tp and self.kv_block_order in (None, *LayoutKind.HEADS_OUTER.orders)
+            kind = LayoutKind.HEADS_OUTER if heads_outer else LayoutKind.CROSS_LAYER
+        order = self.kv_block_order
+        if order is None:
+            order = BlockOrder.HND if mixed_tp or BlockOrder.NHD not in kind.orders else BlockOrder.NHD
+        return kind, order
 
     def resolve_device(self) -> torch.device:
         """The device, with an index for CUDA (``cuda`` is the current one), so it can be made current."""

@@ -24,8 +24,10 @@ model's shape and the engine's layout) that the hash, the exporter and the pulle
 
 Not hashed, because they are reconciled rather than required equal: block size (per group, one
 must divide the other; see topology.py and the puller's handshake check), TP size (head slices are
-mapped), and block placement (per-layer or cross-layer buffers: the planner addresses either
-through the layout spec).
+mapped), and block placement (per-layer, cross-layer or heads-outer buffers: the planner addresses any
+of them through the layout spec, so two engines of different kinds still pull; each rank announces
+its kind in the handshake). A heads-outer layout holds HND blocks only, so what it means for the bytes
+is hashed as ``kv_layout``: against an NHD peer the mismatch names ``kv_layout``.
 """
 
 from __future__ import annotations

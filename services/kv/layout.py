@@ -4,7 +4,7 @@ The engine allocates its KV buffers from a :class:`KVLayoutSpec`, attention read
 views the spec describes, and the transfer planner computes byte offsets from the same spec.
 Nobody guesses a layout from a tensor's shape.
 
-Two kinds are supported. In both, a block's tokens and heads are ordered NHD
+Three kinds. In the first two, a block's tokens and heads are ordered NHD
 (``[block_size, heads, head_dim]``) or HND (``[heads, block_size, head_dim]``).
 
 Per-layer: one buffer per layer, K and V split::
@@ -16,6 +16,22 @@ Cross-layer: one buffer per KV group; a block holds every layer's K and V contig
 block is one descriptor (0.5-2.5 MB) instead of ``2 * num_layers`` small ones::
 
     buffer[group] = [num_blocks, num_layers_in_group, 2 (K,V), <block: NHD or HND>]
+
+Heads-outer: one buffer per KV group as cross-layer, but inside a block the heads are outermost,
+so every contiguous range of a block's heads (all layers, K and V) is one run. It is for pulls
+between engines of different TP sizes, where a reader rank reads a head slice of every remote
+block: one descriptor per block instead of ``2 * num_layers`` (HND) or one per token (NHD). A whole
+block is still one run. Each head's tokens are contiguous, so the block order is HND by
+construction (an NHD heads-outer spec is refused)::
+
+    buffer[group] = [num_blocks, heads, num_layers_in_group, 2 (K,V), block_size, head_dim]
+
+    one block, heads h0 h1 ...:  |h0: L0.K L0.V L1.K L1.V ...|h1: L0.K L0.V ...|...
+    a head slice [1, 3) = one run  ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^ from h1 to the end of h2
+
+Every kind gives each (layer, K/V) the same strided view (:class:`KVView`,
+``[num_blocks, block_size, heads, head_dim]``), which is all attention, the K/V write, the digest
+and the host KV tier read; only the strides differ.
 """
 
 from __future__ import annotations
@@ -28,16 +44,26 @@ from services.kv.groups import KVCacheGroupSpec
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-class LayoutKind(enum.Enum):
-    PER_LAYER = "per_layer"
-    CROSS_LAYER = "cross_layer"
-
-
 class BlockOrder(enum.Enum):
     """Order of tokens and heads inside one block."""
 
     NHD = "NHD"
     HND = "HND"
+
+
+class LayoutKind(enum.Enum):
+    """Where a block's (layer, K/V, head) pages sit (placement). Reconciled between engines, not hashed:
+    the planner addresses bytes from each side's spec, so any two kinds of one block order can pull."""
+
+    PER_LAYER = "per_layer"
+    CROSS_LAYER = "cross_layer"
+    #: For pulls between different TP sizes: a reader rank's head slice of a block is one run.
+    HEADS_OUTER = "heads_outer"
+
+    @property
+    def orders(self) -> tuple[BlockOrder, ...]:
+        """The block orders this kind can hold: heads-outer keeps each head's tokens together (HND)."""
+        return (BlockOrder.HND,) if self is LayoutKind.HEADS_OUTER else (BlockOrder.NHD, BlockOrder.HND)
 
 
 @dataclass(frozen=True)
@@ -83,6 +109,9 @@ class KVLayoutSpec:
         for name in ("num_blocks", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.order not in self.kind.orders:
+            raise ValueError(f"a {self.kind.value} KV layout holds {'/'.join(o.value for o in self.kind.orders)} "
+                             f"blocks, not {self.order.value}")
         if not self.groups:
             raise ValueError("a KV layout needs at least one KV-cache group")
         if [g.group_id for g in self.groups] != list(range(len(self.groups))):
@@ -165,10 +194,15 @@ class KVLayoutSpec:
         if self.kind is LayoutKind.PER_LAYER:
             offset = kv * self.num_blocks * page
             block_stride = page
-        else:
+        elif self.kind is LayoutKind.CROSS_LAYER:
             slot = buf.layer_ids.index(layer_id)
             offset = (slot * 2 + kv) * page
             block_stride = 2 * len(buf.layer_ids) * page
+        else:  # heads-outer: [block][head][layer][K/V][token][head_dim]
+            slot = buf.layer_ids.index(layer_id)
+            offset = (slot * 2 + kv) * bs * d
+            head_stride = 2 * len(buf.layer_ids) * bs * d
+            block_stride = h * head_stride
         return KVView(buf.index, offset, (self.num_blocks, bs, h, d), (block_stride, token_stride, head_stride, 1))
 
     def byte_offset(self, layer_id: int, kv: int, block: int, token: int = 0, head: int = 0) -> int:

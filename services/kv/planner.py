@@ -15,7 +15,15 @@ contiguous with that run on BOTH sides::
 
 which gives, coarsest first: a whole page (all heads, whole block), an NHD token run (all heads),
 an HND head-slice of whole blocks, and otherwise one run per token (NHD head slice) or per head
-(HND partial block). Pages themselves are then merged: all runs are ordered by source address and
+(HND partial block). Planes (one (layer, K/V) each) that continue each other by one run on both
+sides then fold into one, and a single folded plane takes in the axes left over the same way: in a
+heads-outer block (``layout.py``) a head's planes are back to back and heads follow each other, so a
+head slice of a whole block is one run however many layers it spans::
+
+    heads-outer  [H, planes, block_size, D]:  run = D -> + tokens (whole block) -> + planes (folded)
+                                              -> + heads (the slice) = one run per block
+
+Pages themselves are then merged: all runs are ordered by source address and
 a run joins its predecessor when it starts where that one ends in the same source buffer AND in
 the same destination buffer. This one rule does the rest: per-layer pages of consecutive block
 ids (on both sides) become one run per (layer, K/V); a cross-layer block (every layer's K and V
@@ -262,9 +270,10 @@ def _fold_planes(planes: Sequence[np.ndarray], run: int) -> list[np.ndarray]:
     """Join planes that continue each other on both sides when each copies one ``run`` per piece.
 
     Planes are sorted by source; plane i+1 joins plane i when it starts ``run`` bytes after it in
-    the same source and destination buffers, so every piece's run in i+1 continues its run in i.
-    A whole cross-layer block (all heads, whole pages) thus becomes one plane of the block's size
-    before the pieces multiply it, instead of ``2 * layers`` runs per piece that ``_merge`` would join.
+    the same source and destination buffers, so every piece's run in i+1 continues its run in i (at
+    every position of the grid left over: the grid shifts both alike). A whole cross-layer block (all
+    heads, whole pages) thus becomes one plane of the block's size before the pieces multiply it,
+    instead of ``2 * layers`` runs per piece that ``_merge`` would join.
     Returns (src buffer, src offset, dst buffer, dst offset, length) per folded plane.
     """
     sb, so, db, do = planes
@@ -423,7 +432,7 @@ class _Pair:
         self.rg, self.lg, self.layers = rg, lg, layers
         self.unit = min(rg.block_size, lg.block_size)
         self.src_buffer_bytes = max(b.num_bytes for b in remote.buffers())
-        self.piece_major = remote.kind is LayoutKind.CROSS_LAYER
+        self.piece_major = remote.kind is not LayoutKind.PER_LAYER  # a block holds every plane
         self.nhd = remote.order is BlockOrder.NHD
         self._runs: dict[int, tuple[np.ndarray, ...]] = {}
         if not layers:
@@ -451,10 +460,10 @@ class _Pair:
             head_axis = _Axis(self.num_heads, self.r_head, self.l_head)
             token_axis = _Axis(tokens, self.r_token, self.l_token)
             run, left = _coalesce(self.row_bytes, [head_axis, token_axis] if self.nhd else [token_axis, head_axis])
-            if left:
-                planes = [*self.planes, np.full(self.planes[0].size, run, dtype=np.int64)]
-            else:
-                planes = _fold_planes(self.planes, run)
+            planes = _fold_planes(self.planes, run)
+            if left and planes[0].size == 1:  # one run per piece so far: the axes left may continue it
+                run, left = _coalesce(int(planes[4][0]), left[::-1])
+                planes[4] = np.full(1, run, dtype=np.int64)
             got = self._runs[tokens] = (*planes, *_grid(left))
         return got
 

@@ -34,7 +34,7 @@ from services.common.tls import TLSConfig
 from services.kv.compat import CompatInfo, KVIdentity
 from services.kv.digest import DigestJob, ticket_units, total
 from services.kv.handshake import EngineDescription, PeerCache, RankExport
-from services.kv.layout import BlockOrder, KVLayoutSpec
+from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.kv.nixl.agent import read_stages
 from services.kv.nixl.errors import TransferError
 from services.kv.nixl.prepared import PreparedLists
@@ -199,10 +199,13 @@ class KVPuller:
                                          f"KV heads, its share of {heads[g.group_id]} is {end - start}")
         for rank in range(self.tp_size):
             group_rank_reads(self.tp_size, rank, remote.tp_size, heads)
-        if self.tp_size != remote.tp_size and local.order is BlockOrder.NHD:
-            log.warning("pulling from %s (tp %d) into tp %d with token-major (NHD) blocks: each rank reads its "
-                        "heads one token at a time; --kv-block-order HND on both sides reads them as whole runs",
-                        remote.engine_id, remote.tp_size, self.tp_size)
+        if self.tp_size != remote.tp_size and (local.kind, owner.kind) != (LayoutKind.HEADS_OUTER,) * 2:
+            log.warning("pulling from %s (tp %d, %s %s) into tp %d (%s %s): each rank reads its heads of a block as "
+                        "%s; the heads_outer KV layout on both sides (--kv-layout heads_outer, or auto with "
+                        "--peer-tp-size) reads them as one run", remote.engine_id, remote.tp_size, owner.kind.value,
+                        owner.order.value, self.tp_size, local.kind.value, local.order.value,
+                        "a run per token, layer and K/V" if local.order is BlockOrder.NHD else
+                        "a run per layer and K/V")
 
     def _drop_peers(self, old: EngineDescription) -> None:
         self._reads_of.pop(old.engine_id, None)

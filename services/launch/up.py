@@ -45,10 +45,10 @@ def up_worker_specs(args, worker_argv: list[str], placement: Placement) -> list[
     if getattr(args, "role_planner", False):
         check_switchable(args)
         worker_argv = [*worker_argv, "--role-switching"]
-    if getattr(args, "kv_block_order", None) is None and mixed_tp(args):
-        worker_argv = _set_flag(worker_argv, "--kv-block-order", "HND")
     for role, devices in (("prefill", placement.prefill), ("decode", placement.decode)):
         role_argv = _set_flag(worker_argv, "--tp", _role_flag(args, role, "tp"))
+        # The other role's TP size: with --kv-layout auto, different sizes pick the heads-outer KV layout.
+        role_argv = _set_flag(role_argv, "--peer-tp-size", _role_flag(args, _PEER_ROLE[role], "tp"))
         role_argv = _set_flag(role_argv, "--block-size", _role_flag(args, role, "block_size"))
         specs += [(role, None, tuple(_set_flag(role_argv, "--device", device))) for device in devices]
     return specs
@@ -64,9 +64,13 @@ def check_switchable(args) -> None:
                              f"either role): --prefill-{flag} and --decode-{flag} must not differ")
 
 
+_PEER_ROLE = {"prefill": "decode", "decode": "prefill"}
+
+
 def mixed_tp(args) -> bool:
     """Prefill and decode workers of different TP sizes: each reader rank reads a head slice of every
-    block, which is one descriptor per token and layer in NHD blocks but one per layer in HND ones."""
+    block, one run per block in the heads-outer KV layout (``--kv-layout auto`` picks it from
+    ``--peer-tp-size``) but one per layer and K/V in cross-layer HND blocks, and per token in NHD ones."""
     return _role_flag(args, "prefill", "tp") != _role_flag(args, "decode", "tp")
 
 
@@ -97,9 +101,10 @@ def run_up(args, worker_argv: list[str]) -> int:
     placement = up_placement(args, visible_gpus(args.device))
     specs = up_worker_specs(args, worker_argv, placement)
     print(f"pdserve up: {placement.explanation}", file=sys.stderr, flush=True)
-    if args.kv_block_order is None and mixed_tp(args):
-        print("pdserve up: prefill and decode TP sizes differ: KV blocks are head-major (--kv-block-order HND) "
-              "so each decode rank reads its heads as whole runs", file=sys.stderr, flush=True)
+    if mixed_tp(args) and args.kv_layout in (None, "auto") and args.kv_block_order in (None, "HND"):
+        print("pdserve up: prefill and decode TP sizes differ: the workers' KV layout is heads-outer (--kv-layout "
+              "auto with --peer-tp-size), so each decode rank reads its heads of a block as one run",
+              file=sys.stderr, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

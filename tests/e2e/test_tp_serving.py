@@ -135,6 +135,31 @@ def test_tp_pairs_equal_colocated_tp1(llama: str, llama_workers, prefill_tp: int
         _wait_unpinned(prefill)
 
 
+def test_auto_layout_is_heads_outer_across_tp_sizes_and_equals_colocated_tp1(llama: str) -> None:
+    """Workers told the other role's TP size (as ``pdserve up`` tells them) pick the heads-outer KV layout
+    when it differs: TP 1 -> 2 and 2 -> 1 pulls keep the greedy tokens, and each READ is one descriptor per
+    block (a head slice of a heads-outer block is one run), not one per block, layer and K/V."""
+    def args(tp: int, peer_tp: int) -> tuple[str, ...]:
+        return ("--tp", str(tp), "--peer-tp-size", str(peer_tp), "--device", "cpu", "--block-size", "16",
+                "--num-kv-blocks", "96", "--max-num-seqs", "8")
+
+    keys = [("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)]
+    specs = [(role, llama, args(tp, 3 - tp)) for role, tp in keys]
+    prompts = _prompts(2, 320, seed=5)
+    expected = _colocated(llama, prompts)
+    with daemons(*specs) as started:
+        workers = _by_key(started, keys)
+        for prefill_tp, decode_tp in ((1, 2), (2, 1)):
+            prefill, decode = workers["prefill", prefill_tp], workers["decode", decode_tp]
+            for i, prompt in enumerate(prompts):
+                before = metric_total(decode, "pdserve_kv_transfer_descriptors_total")
+                rid = f"auto-p{prefill_tp}-d{decode_tp}-{i}"
+                assert _disaggregated(prefill, decode, prompt, rid) == expected[i], rid
+                descriptors = metric_total(decode, "pdserve_kv_transfer_descriptors_total") - before
+                assert descriptors == 2 * -(-len(prompt) // 16), rid  # 2 READs (one per rank pair), a run per block
+            _wait_unpinned(prefill)
+
+
 def test_smollm2_uneven_tp3_pairs_equal_colocated() -> None:
     """SmolLM2: 3 KV heads, so TP3 (one head per rank) against TP1, both ways, and with itself."""
     keys = [("prefill", 1), ("prefill", 3), ("decode", 1), ("decode", 3)]

@@ -174,6 +174,7 @@ def _request(rid: str, num_tokens: int, block_size: int, first_block: int, shuff
     return {"request_id": rid, "num_tokens": num_tokens, "block_ids": [ids]}
 
 
+HEADS_OUTER = {"kind": "heads_outer", "order": "HND"}
 CASES = {
     # name: (owner overrides, reader overrides, owner tp, reader tp)
     "per_layer-to-per_layer": ({}, {}, 1, 1),
@@ -185,6 +186,10 @@ CASES = {
     "tp-2-to-1": ({"kind": "cross_layer"}, {}, 2, 1),
     "tp-2-to-4": ({"order": "HND"}, {"order": "HND"}, 2, 4),
     "tp-2-to-2": ({"kind": "cross_layer"}, {"kind": "cross_layer"}, 2, 2),  # the ranks share one plan
+    "heads_outer-tp-1-to-2": (HEADS_OUTER, HEADS_OUTER, 1, 2),
+    "heads_outer-tp-2-to-1": (HEADS_OUTER, HEADS_OUTER, 2, 1),
+    "heads_outer-to-cross_layer-tp-2-to-1": (HEADS_OUTER, {"kind": "cross_layer", "order": "HND"}, 2, 1),
+    "per_layer-to-heads_outer-tp-1-to-2": ({"order": "HND"}, HEADS_OUTER, 1, 2),
 }
 
 
@@ -216,6 +221,25 @@ def test_pull_reproduces_owner_bytes(case: str) -> None:
         assert all(p.lists is not None for p in planned)
         rows = r.puller.planned_reads(ticket, [local_ids], prepared=False)
         assert [p.num_descriptors for p in rows] == [p.num_descriptors for p in planned]
+
+
+@pytest.mark.parametrize(("owner_tp", "reader_tp"), [(1, 2), (2, 1)])
+def test_heads_outer_pull_between_tp_sizes_reads_one_descriptor_per_block(owner_tp: int, reader_tp: int) -> None:
+    """Between different TP sizes each READ of heads-outer blocks is one descriptor per block (fragmented
+    tables: nothing merges), where cross-layer HND blocks take one per block, layer and K/V
+    (``tests/unit/kv/test_kv_layout.py`` compares the two)."""
+    num_tokens, num_blocks = 32, 8
+    owner_cfg = {**BASE, **HEADS_OUTER, "engine_id": f"owner-heads-{owner_tp}-{reader_tp}", "tp": owner_tp,
+                 "reader_tp": reader_tp}
+    owner_cfg["requests"] = [{"request_id": "h", "num_tokens": num_tokens, "block_ids": [list(range(2, 18, 2))]}]
+    reader_cfg = {**BASE, **HEADS_OUTER}
+    local_ids = list(range(num_blocks, 0, -1))
+    with owner_process(owner_cfg) as owner, reader(reader_cfg, reader_tp) as r:
+        result = asyncio.run(r.puller.pull(owner.tickets["h"], [local_ids]))
+        check_received(owner_cfg, r, owner.tickets["h"], [local_ids], [0])
+        assert result.num_reads == max(owner_tp, reader_tp)
+        assert result.num_descriptors == result.num_reads * num_blocks  # not * 2 * layers
+        owner.wait_released("h")
 
 
 def test_prepared_lists_are_made_once_per_peer_and_released_with_it() -> None:
@@ -500,12 +524,15 @@ def test_hybrid_tp_with_equal_heads_per_group_works() -> None:
         owner.wait_released("t")
 
 
-@pytest.mark.parametrize(("owner_tp", "reader_tp"), [(2, 1), (1, 2), (2, 2)])
-def test_hybrid_tp_with_per_group_heads_works(owner_tp: int, reader_tp: int) -> None:
+@pytest.mark.parametrize(("owner_tp", "reader_tp", "kind"), [(2, 1, "cross_layer"), (1, 2, "cross_layer"),
+                                                       (2, 2, "cross_layer"), (2, 1, "heads_outer"),
+                                                       (1, 2, "heads_outer")])
+def test_hybrid_tp_with_per_group_heads_works(owner_tp: int, reader_tp: int, kind: str) -> None:
     # group 0 has 4 heads, group 1 has 2: each group is sharded by its own head count, and the
     # owner waits for one notification per reading rank whatever group it read
-    cfg = hybrid_cfg("cross_layer")
-    owner_cfg = {**cfg, "engine_id": f"owner-hybrid-tp{owner_tp}-{reader_tp}", "tp": owner_tp, "reader_tp": reader_tp}
+    cfg = hybrid_cfg(kind, order="HND") if kind == "heads_outer" else hybrid_cfg(kind)
+    owner_cfg = {**cfg, "engine_id": f"owner-hybrid-{kind}-tp{owner_tp}-{reader_tp}", "tp": owner_tp,
+                 "reader_tp": reader_tp}
     owner_cfg["requests"] = [{"request_id": "t", "num_tokens": 31,
                               "block_ids": hybrid_tables(cfg, 31, 2, cfg["num_blocks"] - 1)}]
     local_ids = hybrid_tables(cfg, 31, 10, cfg["num_blocks"] - 1)

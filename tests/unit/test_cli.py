@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import build_parser, engine_argv, main
+from services.kv.layout import BlockOrder, LayoutKind
 from services.launch import up
 from services.text.default_model import default_model_path
 
@@ -134,14 +135,32 @@ def test_up_rejects_bad_flags_before_starting(monkeypatch: pytest.MonkeyPatch,
     assert "--prefill-gpus 0: lists 1 GPU(s)" in capsys.readouterr().err
 
 
-def test_up_picks_head_major_blocks_for_mixed_tp_unless_told() -> None:
-    """Different TP sizes read head slices of every block: HND keeps them whole runs."""
-    mixed, _ = _up_specs("--prefill-tp 1 --decode-tp 2 --device cpu", num_gpus=0)
-    assert {_flag(argv, "--kv-block-order") for _, _, argv in mixed} == {"HND"}
-    same, _ = _up_specs("--tp 2 --device cpu", num_gpus=0)
-    assert {_flag(argv, "--kv-block-order") for _, _, argv in same} == {None}
-    told, _ = _up_specs("--prefill-tp 1 --decode-tp 2 --kv-block-order NHD --device cpu", num_gpus=0)
-    assert {_flag(argv, "--kv-block-order") for _, _, argv in told} == {"NHD"}
+def test_up_picks_the_heads_outer_layout_for_mixed_tp_unless_told() -> None:
+    """Each worker learns the other role's TP size (--peer-tp-size); with --kv-layout auto, different sizes
+    give heads-outer HND blocks (a decode rank's head slice of a block is one run), equal ones cross-layer."""
+    from services.cli import engine_config_from_args
+
+    def layouts(cmdline: str) -> dict[str, tuple[str, LayoutKind, BlockOrder]]:
+        specs, _ = _up_specs(cmdline, num_gpus=0)
+        out = {}
+        for role, _, argv in specs:
+            config = engine_config_from_args(build_parser().parse_args([role, *argv]))
+            out[role] = (_flag(argv, "--peer-tp-size"), *config.kv_layout_choice())
+        return out
+
+    heads_outer, cross = (LayoutKind.HEADS_OUTER, BlockOrder.HND), (LayoutKind.CROSS_LAYER, BlockOrder.NHD)
+    assert layouts("--prefill-tp 1 --decode-tp 2 --device cpu") == {"prefill": ("2", *heads_outer),
+                                                                    "decode": ("1", *heads_outer)}
+    assert layouts("--tp 2 --device cpu") == {"prefill": ("2", *cross), "decode": ("2", *cross)}
+    told = layouts("--prefill-tp 1 --decode-tp 2 --kv-block-order NHD --device cpu")
+    assert {v[1:] for v in told.values()} == {(LayoutKind.CROSS_LAYER, BlockOrder.NHD)}
+    told = layouts("--prefill-tp 2 --decode-tp 1 --kv-layout cross_layer --device cpu")
+    assert {v[1:] for v in told.values()} == {(LayoutKind.CROSS_LAYER, BlockOrder.HND)}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["decode", "--peer-tp-size", "0"])
+    with pytest.raises(ValueError, match="--kv-block-order NHD cannot go with it"):
+        engine_config_from_args(build_parser().parse_args(["decode", "--kv-layout", "heads_outer",
+                                                           "--kv-block-order", "NHD"]))
 
 
 def test_host_kv_tier_flags_reach_every_worker_and_the_engine_config() -> None:
@@ -168,9 +187,11 @@ def test_engine_flags_are_the_config_fields_and_reach_a_child_whole() -> None:
 
     cmd = ["prefill", "--model", "dummy:tiny", "--dtype", "float32", "--device", "cpu", "--seed", "3",
            "--block-size", "32", "--tp", "2", "--kv-layout", "per_layer", "--kv-block-order", "HND",
-           "--num-kv-blocks", "64", "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens",
-           "256", "--no-prefix-caching", "--enforce-eager", "--no-async-scheduling", "--no-kv-shared-prefill-skip",
-           "--fused-ops", "torch", "--attention-backend", "torch_sdpa", "--kv-offload-block-factor", "2"]
+           "--peer-tp-size", "1", "--num-kv-blocks", "64", "--max-model-len", "512", "--max-num-seqs", "8",
+           "--max-num-batched-tokens", "256", "--no-prefix-caching", "--enforce-eager", "--no-async-scheduling",
+           "--no-kv-shared-prefill-skip",
+           "--fused-ops", "torch", "--attention-backend", "torch_sdpa", "--kv-offload-block-factor", "2",
+           "--prefill-graph-tokens", "512"]
     parser = build_parser()
     config = engine_config_from_args(parser.parse_args(cmd))
     child = engine_config_from_args(parser.parse_args(["decode", *engine_argv(parser.parse_args(cmd))]))

@@ -21,11 +21,13 @@ from services.engine.attention import (
 from services.engine.kv_cache.buffers import KVCache
 from services.engine.models import DecoderModel
 from services.engine.runner.cuda_graphs import DecodeGraphRunner
+from services.engine.runner.prefill_graphs import PrefillGraphRunner
 from services.engine.runner.step import Chunk, DeviceTokens, StepLogits
 
 
 class ModelRunner:
-    """Runs a step eagerly, or through ``decode_graphs`` when every chunk is one token (decode).
+    """Runs a step through ``decode_graphs`` when every chunk is one token (decode), through
+    ``prefill_graphs`` when it fits one of their buckets (a few short chunks), else eagerly.
 
     ``attention_backend`` (``EngineConfig.attention_backend``) names the attention backend; each
     KV group gets it, or ``torch_sdpa`` where it cannot serve the group (see ``attention.registry``).
@@ -33,21 +35,30 @@ class ModelRunner:
 
     def __init__(self, model: DecoderModel, kv_cache: KVCache, device: torch.device,
                  decode_graphs: DecodeGraphRunner | None = None, kv_shared_prefill_skip: bool = True,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", prefill_graphs: PrefillGraphRunner | None = None) -> None:
         self.model = model
         # EngineConfig.kv_shared_prefill_skip: pass `tail` to a model that can skip to it.
         self.kv_shared_prefill_skip = kv_shared_prefill_skip
         self.kv_cache = kv_cache
         self.device = device
         self.decode_graphs = decode_graphs
+        self.prefill_graphs = prefill_graphs
         spec = kv_cache.spec
         self.groups = spec.groups
         self.kv_views, self.layer_groups = kv_cache.views_by_layer(model.config.kv_sharing, model.config.num_layers)
         self.group_backends: list[AttentionBackend] = cache_group_backends(attention_backend, kv_cache)
 
     def runs_as_graph(self, chunks: Sequence[Chunk]) -> bool:
-        """Whether ``execute`` would run these chunks through the decode graphs."""
+        """Whether ``execute`` would run these chunks through the decode graphs (the steps the engine
+        may pipeline; a prefill-graph step is not one: its tokens come from the host)."""
         return self.decode_graphs is not None and self.decode_graphs.can_run(chunks)
+
+    def runs_as_prefill_graph(self, chunks: Sequence[Chunk]) -> bool:
+        """Whether ``execute`` would run these chunks through the prefill graphs: a step that is not
+        decode-only, fits a bucket, and needs no tail rows (chosen on the host, see ``TailBatch``)."""
+        return (self.prefill_graphs is not None and not self.runs_as_graph(chunks)
+                and not (self.kv_shared_prefill_skip and self.model.skips_to_tail)
+                and self.prefill_graphs.can_run(chunks))
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[Chunk], device_tokens: DeviceTokens | None = None) -> StepLogits:
@@ -58,6 +69,8 @@ class ModelRunner:
             return self._execute_graph(chunks, device_tokens)
         if device_tokens is not None:
             raise ValueError("tokens on the device can only feed a decode-graph step")
+        if self.runs_as_prefill_graph(chunks):
+            return _sampled_rows(chunks, self.prefill_graphs.run(chunks), self.device)
         input_ids, positions, batch = self._prepare(chunks)
         skip = self.kv_shared_prefill_skip and self.model.skips_to_tail
         tail = self._prepare_tail(chunks, positions) if skip else None
@@ -102,12 +115,7 @@ class ModelRunner:
         return TailBatch(torch.tensor(rows, device=dev), step.with_groups(groups))
 
     def _execute_graph(self, chunks: Sequence[Chunk], device_tokens: DeviceTokens | None) -> StepLogits:
-        logits = self.decode_graphs.run(chunks, device_tokens)  # the graph's static output: copy out what is kept
-        sample_rows = [i for i, c in enumerate(chunks) if c.samples]
-        if len(sample_rows) == len(chunks):
-            return StepLogits(sample_rows, logits.clone(), {})
-        rows = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
-        return StepLogits(sample_rows, logits[rows], {})
+        return _sampled_rows(chunks, self.decode_graphs.run(chunks, device_tokens), self.device)
 
     def _prepare(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         ids: list[int] = []
@@ -140,6 +148,15 @@ class ModelRunner:
         tables = [c.block_ids[group_id] for c in chunks]
         padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
         return torch.tensor(padded, device=self.device)
+
+
+def _sampled_rows(chunks: Sequence[Chunk], logits: torch.Tensor, device: torch.device) -> StepLogits:
+    """The sampling chunks' rows of a graph's logits (one row per chunk), copied out of its static output."""
+    sample_rows = [i for i, c in enumerate(chunks) if c.samples]
+    if len(sample_rows) == len(chunks):
+        return StepLogits(sample_rows, logits.clone(), {})
+    rows = torch.tensor(sample_rows, dtype=torch.long).to(device, non_blocking=True)
+    return StepLogits(sample_rows, logits[rows], {})
 
 
 def _num_output_rows(chunk: Chunk) -> int:

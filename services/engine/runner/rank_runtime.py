@@ -20,6 +20,7 @@ from services.engine.loading.weights import dummy_weights
 from services.engine.models import DecoderModel, build_model
 from services.engine.runner.cuda_graphs import DecodeGraphRunner
 from services.engine.runner.model_runner import ModelRunner
+from services.engine.runner.prefill_graphs import PrefillGraphRunner, prefill_graphs_for
 from services.kv.layout import KVLayoutSpec
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -44,9 +45,10 @@ def load_model(config: EngineConfig, source: ModelSource, dtype: str, device: to
 def kv_layout(config: EngineConfig, source: ModelSource, dtype: str, num_blocks: int) -> KVLayoutSpec:
     """This rank's KV layout: its heads of every group, ``num_blocks`` blocks (scratch included)."""
     mc = source.config
+    kind, order = config.kv_layout_choice()
     return KVLayoutSpec(
-        kind=config.kv_layout,
-        order=config.kv_block_order,
+        kind=kind,
+        order=order,
         num_blocks=num_blocks,
         num_kv_heads=config.parallel.num_local_kv_heads(mc.num_kv_heads),
         head_dim=mc.head_dim,
@@ -124,7 +126,8 @@ class RankRuntime:
         self.kv_cache = KVCache(self.kv_layout, self.device, scratch_block=self.num_kv_blocks)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, decode_graphs=self._decode_graphs(),
                                   kv_shared_prefill_skip=config.kv_shared_prefill_skip,
-                                  attention_backend=config.attention_backend)
+                                  attention_backend=config.attention_backend,
+                                  prefill_graphs=self._prefill_graphs())
 
     @functools.cached_property
     def max_model_len(self) -> int:
@@ -139,3 +142,9 @@ class RankRuntime:
             return None
         return DecodeGraphRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len,
                                  attention_backend=config.attention_backend)
+
+    def _prefill_graphs(self) -> PrefillGraphRunner | None:
+        """CUDA graphs for short prefill steps, on CUDA at TP 1 (``prefill_graphs_for`` says when else none)."""
+        if self.device.type != "cuda" or self.config.parallel.tp_size > 1:
+            return None
+        return prefill_graphs_for(self.config, self.model, self.kv_cache, self.max_model_len)

@@ -93,7 +93,7 @@ def test_block_runs_merge_where_both_sides_continue() -> None:
         block_runs([1], [1, 2])
 
 
-@pytest.mark.parametrize("kind", [LayoutKind.CROSS_LAYER, LayoutKind.PER_LAYER])
+@pytest.mark.parametrize("kind", list(LayoutKind))
 def test_block_planes_address_whole_blocks(model: str, kind: LayoutKind) -> None:
     engine = _engine(model, kv_layout=kind)
     layout, buffers = engine.kv_layout, engine.kv_cache.buffers
@@ -106,7 +106,7 @@ def test_block_planes_address_whole_blocks(model: str, kind: LayoutKind) -> None
 
 
 @pytest.mark.parametrize("factor", [1, 2, 4])
-@pytest.mark.parametrize("kind", [LayoutKind.CROSS_LAYER, LayoutKind.PER_LAYER])
+@pytest.mark.parametrize("kind", list(LayoutKind))
 def test_host_hit_after_device_eviction_is_token_identical(model: str, factor: int, kind: LayoutKind) -> None:
     expected = _reference(model, [PROMPT, OTHER], kv_layout=kind)
     engine = _engine(model, factor=factor, kv_layout=kind)

@@ -73,6 +73,22 @@ def test_reconciled_fields_are_not_hashed() -> None:
     check_compatible(local, remote.fields, remote.hash)
 
 
+def test_heads_outer_is_announced_not_hashed_and_its_hnd_blocks_are() -> None:
+    """A heads-outer rank pulls from (and into) cross-layer HND ranks: placement is reconciled; against NHD
+    blocks the mismatch names kv_layout. Its kind travels in the rank's layout; a peer that cannot decode the
+    kind refuses the handshake naming it."""
+    heads_outer = _layout(kind=LayoutKind.HEADS_OUTER, order=BlockOrder.HND)
+    remote = _info(layout=heads_outer)
+    check_compatible(_info(layout=_layout(order=BlockOrder.HND)), remote.fields, remote.hash)
+    with pytest.raises(KVCompatibilityError, match="kv_layout: local 'NHD' vs remote 'HND'"):
+        check_compatible(_info(), remote.fields, remote.hash)
+    m = layout_to_proto(heads_outer)
+    assert m.kind == kv_pb2.HEADS_OUTER and layout_from_proto(m) == heads_outer
+    m.kind = 7  # a kind this peer does not know
+    with pytest.raises(ValueError, match="unknown layout kind 7"):
+        layout_from_proto(m)
+
+
 def test_hash_that_disagrees_with_its_fields_is_refused() -> None:
     local, remote = _info(), _info(layout=_layout(dtype="bfloat16"))
     with pytest.raises(KVCompatibilityError, match="does not match the fields"):

@@ -68,7 +68,8 @@ def units(layout, buffers, group_id, ids, start, end, unit, heads=None, head_key
 
 
 LAYOUTS = [(LayoutKind.PER_LAYER, BlockOrder.NHD), (LayoutKind.PER_LAYER, BlockOrder.HND),
-           (LayoutKind.CROSS_LAYER, BlockOrder.NHD), (LayoutKind.CROSS_LAYER, BlockOrder.HND)]
+           (LayoutKind.CROSS_LAYER, BlockOrder.NHD), (LayoutKind.CROSS_LAYER, BlockOrder.HND),
+           (LayoutKind.HEADS_OUTER, BlockOrder.HND)]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -76,7 +77,7 @@ LAYOUTS = [(LayoutKind.PER_LAYER, BlockOrder.NHD), (LayoutKind.PER_LAYER, BlockO
 def test_the_digest_is_the_same_in_every_layout_block_size_and_order(dtype: str, group_id: int) -> None:
     n = 37  # a partial last block everywhere
     got = []
-    for (kind, order), (bs_s, bs_f) in zip(LAYOUTS, [(4, 8), (8, 4), (16, 16), (4, 4)], strict=True):
+    for (kind, order), (bs_s, bs_f) in zip(LAYOUTS, [(4, 8), (8, 4), (16, 16), (4, 4), (8, 16)], strict=True):
         layout, buffers = make(kind, order, hybrid_groups(bs_s, bs_f), num_blocks=24, dtype=dtype)
         bs = layout.block_size(group_id)
         ids = random.Random(bs).sample(range(24), -(-n // bs))  # scattered, out of order

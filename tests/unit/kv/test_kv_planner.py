@@ -17,7 +17,7 @@ from services.kv.layout import DTYPE_SIZES, BlockOrder, KVLayoutSpec, LayoutKind
 from services.kv.planner import Descriptor, TransferPlan, apply_plan, plan_groups, plan_transfer
 from services.kv.topology import BlockPiece, RankRead, map_block_arrays, map_blocks, rank_reads, window_start_token
 
-PER, CROSS = LayoutKind.PER_LAYER, LayoutKind.CROSS_LAYER
+PER, CROSS, HEADS = LayoutKind.PER_LAYER, LayoutKind.CROSS_LAYER, LayoutKind.HEADS_OUTER
 NHD, HND = BlockOrder.NHD, BlockOrder.HND
 ALL = RankRead(0, (0, 4), (0, 4))
 
@@ -114,10 +114,11 @@ def cases(draw) -> Case:
     heads = draw(st.sampled_from([1, 2, 4]))
     local_bs = small * b
     num_tokens = draw(st.integers(1, 24))
+    remote_kind, local_kind = draw(st.sampled_from(list(LayoutKind))), draw(st.sampled_from(list(LayoutKind)))
     return Case(
-        order=draw(st.sampled_from(list(BlockOrder))),
-        remote_kind=draw(st.sampled_from(list(LayoutKind))),
-        local_kind=draw(st.sampled_from(list(LayoutKind))),
+        order=draw(st.sampled_from([o for o in BlockOrder if o in remote_kind.orders and o in local_kind.orders])),
+        remote_kind=remote_kind,
+        local_kind=local_kind,
         num_kv_heads=heads,
         head_dim=draw(st.sampled_from([1, 3, 4])),
         dtype=draw(st.sampled_from(sorted(DTYPE_SIZES))),
@@ -293,10 +294,10 @@ def test_per_layer_consecutive_is_two_descriptors_per_layer() -> None:
 
 @pytest.mark.parametrize("kind", list(LayoutKind))
 def test_shuffled_ids_give_more_descriptors(kind: LayoutKind) -> None:
-    s = spec(kind)
+    s = spec(kind, kind.orders[0])
     ids = [9, 2, 5, 0, 12]
     plan = plan_transfer(s, s, 0, map_blocks(ids, 4, consecutive(5), 4, 20), ALL)
-    per_block = 1 if kind is CROSS else 2 * 3
+    per_block = 2 * 3 if kind is PER else 1
     assert plan.num_descriptors == 5 * per_block
     # a run that is consecutive on both sides still merges inside a shuffled table
     plan = plan_transfer(s, s, 0, map_blocks([9, 2, 3, 4, 0], 4, [1, 5, 6, 7, 3], 4, 20), ALL)
@@ -354,20 +355,22 @@ def test_mixed_kinds_merge_nothing_across_layers(remote_kind: LayoutKind, local_
 def test_untouched_destination_bytes_stay_unchanged() -> None:
     rng = np.random.default_rng(0)
     for kind in LayoutKind:
-        s = spec(kind)
+        s = spec(kind, kind.orders[0])
         src = random_buffers(s, rng)
         dst = [np.full(b.num_bytes, 0xAB, dtype=np.uint8) for b in s.buffers()]
         local_ids = [10, 11, 12]  # block 10 is the reader's cached prefix, 12 holds tokens 8..9 only
         apply_plan(plan_transfer(s, s, 0, map_blocks([1, 2, 3], 4, local_ids, 4, 10, start_token=4), ALL), src, dst)
+        row_bytes = s.head_dim * s.element_size
         for layer in range(3):
             for kv in (0, 1):
                 buf = dst[s.buffer_of_layer(layer).index]
                 for block in range(s.num_blocks):
                     for token in range(4):
-                        at = s.byte_offset(layer, kv, block, token)
-                        row = buf[at : at + s.page_bytes(0) // 4]  # one token, all heads (NHD)
                         written = (block, token) in {(11, 0), (11, 1), (11, 2), (11, 3), (12, 0), (12, 1)}
-                        assert (row == 0xAB).all() != written, (kind, layer, kv, block, token)
+                        for head in range(4):
+                            at = s.byte_offset(layer, kv, block, token, head)
+                            row = buf[at : at + row_bytes]
+                            assert (row == 0xAB).all() != written, (kind, layer, kv, block, token, head)
 
 
 def test_layers_subset_and_groups() -> None:
@@ -496,8 +499,14 @@ def _naive(remote: KVLayoutSpec, src, local: KVLayoutSpec, dst, remote_ids, loca
                         copy_rows(remote, src, local, dst, layer, kv, (*r_at, head), (*l_at, head))
 
 
-@pytest.mark.parametrize("order", list(BlockOrder))
-@pytest.mark.parametrize(("remote_kind", "local_kind"), [(PER, PER), (CROSS, CROSS), (PER, CROSS), (CROSS, PER)])
+# Kind pairs of one block order (heads-outer holds HND blocks only): equal and mixed kinds.
+KIND_PAIRS = [(order, r, loc) for order in BlockOrder
+              for r, loc in [(PER, PER), (CROSS, CROSS), (PER, CROSS), (CROSS, PER), (HEADS, HEADS), (HEADS, CROSS),
+                             (PER, HEADS)]
+              if order in r.orders and order in loc.orders]
+
+
+@pytest.mark.parametrize(("order", "remote_kind", "local_kind"), KIND_PAIRS)
 @pytest.mark.parametrize(
     # block sizes (sliding, full) on the remote and the local side: ratios per group, both directions
     ("remote_bs", "local_bs"),

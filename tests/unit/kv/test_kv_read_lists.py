@@ -14,7 +14,7 @@ from services.kv.read_lists import list_layout
 from services.kv.topology import RankRead, group_rank_reads, map_block_arrays, map_unit_arrays
 from services.kv.wire import MemoryRegion
 
-PER, CROSS = LayoutKind.PER_LAYER, LayoutKind.CROSS_LAYER
+PER, CROSS, HEADS = LayoutKind.PER_LAYER, LayoutKind.CROSS_LAYER, LayoutKind.HEADS_OUTER
 NHD, HND = BlockOrder.NHD, BlockOrder.HND
 _BASE = 1 << 40  # buffer i lives at (i + 1) << 40 in these fake address spaces
 
@@ -60,6 +60,11 @@ CASES = {
     "nhd-head-slices": (layout(PER, heads=4), layout(PER, heads=2), 1, 2),
     "hybrid-cross": (layout(CROSS, block_sizes=(4, 4)), layout(CROSS, block_sizes=(4, 4)), 1, 1),
     "hybrid-ratios": (layout(CROSS, block_sizes=(4, 8)), layout(PER, block_sizes=(8, 4)), 1, 1),
+    "heads-outer-1-to-2": (layout(HEADS, HND, heads=4), layout(HEADS, HND, heads=2), 1, 2),
+    "heads-outer-2-to-1": (layout(HEADS, HND, heads=2), layout(HEADS, HND, heads=4), 2, 1),
+    "heads-outer-to-cross": (layout(HEADS, HND, heads=4), layout(CROSS, HND, heads=2), 1, 2),
+    "heads-outer-hybrid-ratios": (layout(HEADS, HND, block_sizes=(4, 8)),
+                                  layout(HEADS, HND, heads=2, block_sizes=(8, 4)), 1, 2),
 }
 
 
@@ -107,6 +112,27 @@ def test_whole_cross_layer_blocks_are_one_entry_each_and_adjacent_ones_one_descr
     local_idx, remote_idx, num_bytes, num_descriptors = table.indices({0: units})
     assert remote_idx.tolist() == [3, 4, 5, 9] and local_idx.tolist() == [0, 1, 2, 3]
     assert (num_bytes, num_descriptors) == (4 * spec.block_bytes(0), 2)
+
+
+@pytest.mark.parametrize(("remote_tp", "local_tp"), [(1, 2), (2, 1)])
+def test_heads_outer_head_slices_are_one_entry_per_block(remote_tp: int, local_tp: int) -> None:
+    """Between different TP sizes a heads-outer block's head slice is one entry, so a pull of N blocks is
+    N descriptors per READ (not N * 2 * layers, as cross-layer HND gives)."""
+    heads = 4
+    remote, local = layout(HEADS, HND, heads=heads // remote_tp), layout(HEADS, HND, heads=heads // local_tp)
+    units = map_unit_arrays([2, 3, 4, 5, 6], 4, [7, 8, 9, 10, 11], 4, 20)
+    for local_rank in range(local_tp):
+        for reads in group_rank_reads(local_tp, local_rank, remote_tp, {0: heads}).values():
+            table = list_layout(remote, regions(remote), local, regions(local), reads)
+            assert table.remote_rows.shape == (remote.num_blocks, 3)  # one entry per block and side
+            _, _, num_bytes, num_descriptors = table.indices({0: units})
+            # the slice read: the reader's heads (1 -> 2) or all of the owner rank's (2 -> 1), every layer
+            assert (num_bytes, num_descriptors) == (5 * min(remote.block_bytes(0), local.block_bytes(0)), 5)
+    cross_r, cross_l = layout(CROSS, HND, heads=heads // remote_tp), layout(CROSS, HND, heads=heads // local_tp)
+    reads = next(iter(group_rank_reads(local_tp, 0, remote_tp, {0: heads}).values()))
+    _, _, _, cross_descriptors = list_layout(cross_r, regions(cross_r), cross_l, regions(cross_l), reads).indices(
+        {0: units})
+    assert cross_descriptors == 5 * 2 * 3  # a run per (block, layer, K/V)
 
 
 def test_lists_past_the_entry_cap_are_not_prepared() -> None:

@@ -1,0 +1,114 @@
+"""Layout specs: the heads-outer kind's views and offsets, and what its head slices cost to pull."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from services.engine.kv_cache.buffers import KVCache
+from services.kv.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.planner import plan_transfer
+from services.kv.topology import map_block_arrays, rank_reads
+
+PER, CROSS, HEADS = LayoutKind.PER_LAYER, LayoutKind.CROSS_LAYER, LayoutKind.HEADS_OUTER
+NHD, HND = BlockOrder.NHD, BlockOrder.HND
+
+
+def hybrid(kind: LayoutKind, order: BlockOrder = HND, heads: int = 4, num_blocks: int = 6) -> KVLayoutSpec:
+    """Gemma-4-like: a sliding group (layers 0, 1, 3; 4 heads of 8) and a full group (layers 2, 4; 2 heads
+    of 16, its own shape)."""
+    sliding = KVCacheGroupSpec(0, AttentionKind.SLIDING_WINDOW, (0, 1, 3), 4, 6)
+    full = KVCacheGroupSpec(1, AttentionKind.FULL, (2, 4), 8, None, max(heads // 2, 1), 16)
+    return KVLayoutSpec(kind, order, num_blocks, heads, 8, "float16", (sliding, full))
+
+
+def test_heads_outer_views_follow_the_documented_six_axes() -> None:
+    """buffer[group] = [num_blocks, heads, layers, K/V, block_size, head_dim], per group with its own shape."""
+    s = hybrid(HEADS)
+    for g in s.groups:
+        gid, layers = g.group_id, g.layer_ids
+        h, d, bs = s.kv_heads(gid), s.group_head_dim(gid), g.block_size
+        buf = s.buffers()[gid]
+        assert buf.layer_ids == layers and buf.num_bytes == s.num_blocks * s.block_bytes(gid)
+        assert buf.block_stride_bytes == s.block_bytes(gid) == h * len(layers) * 2 * bs * d * s.element_size
+        shape6 = (s.num_blocks, h, len(layers), 2, bs, d)
+        strides6 = np.cumprod((1, *shape6[::-1]))[-2::-1]  # C-order element strides of the six axes
+        for slot, layer in enumerate(layers):
+            for kv in (0, 1):
+                v = s.view(layer, kv)
+                assert v.buffer_index == gid and v.shape == (s.num_blocks, bs, h, d)
+                assert v.strides == (strides6[0], strides6[4], strides6[1], 1)
+                assert v.offset == slot * strides6[2] + kv * strides6[3]
+                block, token, head = s.num_blocks - 1, bs - 1, h - 1
+                want = (block * strides6[0] + head * strides6[1] + slot * strides6[2] + kv * strides6[3]
+                        + token * strides6[4]) * s.element_size
+                assert s.byte_offset(layer, kv, block, token, head) == want
+
+
+@pytest.mark.parametrize(("kind", "order"), [(PER, NHD), (PER, HND), (CROSS, NHD), (CROSS, HND), (HEADS, HND)])
+def test_every_row_has_its_own_place_and_the_rows_fill_the_buffers(kind: LayoutKind, order: BlockOrder) -> None:
+    """The views of every (layer, K/V) tile each buffer exactly: no row shared, no byte left over."""
+    s = hybrid(kind, order)
+    seen = [np.zeros(b.num_bytes, dtype=np.int32) for b in s.buffers()]
+    for layer in s.layer_ids:
+        gid = s.group_of_layer(layer).group_id
+        row = s.group_head_dim(gid) * s.element_size
+        for kv, block, token, head in itertools.product((0, 1), range(s.num_blocks), range(s.block_size(gid)),
+                                                        range(s.kv_heads(gid))):
+            at = s.byte_offset(layer, kv, block, token, head)
+            seen[s.buffer_of_layer(layer).index][at:at + row] += 1
+    assert all((counts == 1).all() for counts in seen)
+    assert s.total_bytes == hybrid(CROSS, HND).total_bytes  # the same bytes, placed differently
+
+
+def test_heads_outer_holds_hnd_blocks_only() -> None:
+    assert HEADS.orders == (HND,) and CROSS.orders == PER.orders == (NHD, HND)
+    with pytest.raises(ValueError, match="heads_outer KV layout holds HND blocks, not NHD"):
+        hybrid(HEADS, NHD)
+
+
+def test_engine_views_address_the_heads_outer_buffer() -> None:
+    """The engine's as_strided K/V views (what attention, the K/V write and the digest read) land where
+    the six-axis buffer says: a write through a view is that (block, head, layer, K/V, token) there."""
+    s = hybrid(HEADS)
+    cache = KVCache(s, torch.device("cpu"))
+    for layer in s.layer_ids:
+        group = s.group_of_layer(layer)
+        gid = group.group_id
+        six = cache.buffers[gid].view(s.num_blocks, s.kv_heads(gid), len(group.layer_ids), 2, group.block_size,
+                                      s.group_head_dim(gid))
+        for kv in (0, 1):
+            view = cache.views[layer][kv]
+            values = torch.randn(view.shape[1:]).to(view.dtype)
+            view[3] = values
+            slot = group.layer_ids.index(layer)
+            torch.testing.assert_close(six[3, :, slot, kv].transpose(0, 1), values, rtol=0, atol=0)
+
+
+def _descriptors(kind: LayoutKind, remote_tp: int, local_tp: int, num_blocks: int) -> list[int]:
+    """Descriptors of each READ of a pull of ``num_blocks`` whole, consecutive blocks between TP sizes, for a
+    Llama-3.1-8B KV shape (32 layers, 8 KV heads of 128, block 16)."""
+    group = (KVCacheGroupSpec(0, AttentionKind.FULL, tuple(range(32)), 16),)
+
+    def spec(tp: int) -> KVLayoutSpec:
+        return KVLayoutSpec(kind, HND, num_blocks + 1, 8 // tp, 128, "bfloat16", group)
+
+    pieces = map_block_arrays(list(range(num_blocks)), 16, list(range(num_blocks)), 16, num_blocks * 16)
+    return [plan_transfer(spec(remote_tp), spec(local_tp), 0, pieces, read).num_descriptors
+            for rank in range(local_tp) for read in rank_reads(local_tp, rank, remote_tp, 8)]
+
+
+@pytest.mark.parametrize(("remote_tp", "local_tp"), [(1, 2), (2, 1), (1, 4), (4, 2)])
+def test_a_pull_between_tp_sizes_is_one_descriptor_per_block_and_read(remote_tp: int, local_tp: int) -> None:
+    n = 24
+    assert _descriptors(HEADS, remote_tp, local_tp, n) == [n] * max(remote_tp, local_tp)
+    assert _descriptors(CROSS, remote_tp, local_tp, n) == [n * 2 * 32] * max(remote_tp, local_tp)
+
+
+def test_equal_tp_sizes_still_merge_consecutive_blocks_into_one_run() -> None:
+    assert _descriptors(HEADS, 1, 1, 24) == [1]
+    assert _descriptors(HEADS, 2, 2, 24) == [1, 1]
