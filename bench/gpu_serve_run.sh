@@ -14,6 +14,7 @@
 #   bash bench/gpu_serve_run.sh kv_parts         32k-token prompts on one GPU (dummy Llama-3.1-8B, P and D on GPU 0):
 #                                                time to the second token with KV sent per chunk, with one pull
 #                                                (--no-kv-parts), and two colocated replicas' inter-token latency
+#   bash bench/gpu_serve_run.sh kv_parts_tcp     the same two disaggregated runs with UCX forced to TCP + host staging
 set -uo pipefail
 source bench/gpu_env.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -39,6 +40,13 @@ for part in "$@"; do
             --num-requests 6 --request-rate 0.25 --num-kv-blocks 6144 --setups "$setups" --router-args="$router_args" \
             --json-out "$OUT/kv_parts${router_args:+_off}.jsonl" 2>&1 | grep -v "NIXL INFO" \
             | tee "$OUT/kv_parts${router_args:+_off}.txt" | tail -12
+      done ;;
+    kv_parts_tcp)  # the same over UCX's TCP transport with host staging: a stand-in for nodes without RDMA
+      for router_args in "" "--no-kv-parts"; do
+        UCX_TLS=tcp,cuda_copy timeout 280 python3 bench/serve.py --device cuda --model dummy:llama-3.1-8b --gpus 0,0 \
+            --mix 32768:8 --num-requests 2 --request-rate 0.05 --num-kv-blocks 6144 --setups disagg \
+            --router-args="$router_args" --json-out "$OUT/kv_parts_tcp${router_args:+_off}.jsonl" 2>&1 \
+            | grep -v "NIXL INFO" | tee "$OUT/kv_parts_tcp${router_args:+_off}.txt" | tail -12
       done ;;
   esac
 done
