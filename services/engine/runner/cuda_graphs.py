@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -31,6 +32,8 @@ from services.engine.attention import AttentionBatch, cache_group_backends
 from services.engine.kv_cache.buffers import KVCache
 from services.engine.models import DecoderModel
 from services.engine.runner.step import Chunk, DeviceTokens
+
+T = TypeVar("T")
 
 # Smallest context bucket (tokens). Buckets are powers of two and the midpoints between them, so
 # a step's bound is at most a third above its longest context (what torch_sdpa gathers and masks).
@@ -67,6 +70,25 @@ def context_buckets(max_context_len: int, granularity: int, min_bucket: int = MI
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def capture_graph(device: torch.device, pool: object | None, forward: Callable[[], T]
+                  ) -> tuple[torch.cuda.CUDAGraph, object, T]:
+    """Warm ``forward`` up on a side stream (lazy inits must not be captured), then capture it with memory from
+    ``pool`` (a new pool when None; graphs that never run at once can share one). Returns the graph, the pool and
+    what the captured call returned (its static output)."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        forward()
+    current.wait_stream(side)
+    if pool is None:
+        pool = torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = forward()
+    return graph, pool, out
 
 
 @dataclass
@@ -195,18 +217,7 @@ class DecodeGraphRunner:
         """
         start = time.perf_counter()
         self._fill(bucket, (), [])
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self._forward(bucket)
-        current.wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            bucket.logits = self._forward(bucket)
-        bucket.graph = graph
+        bucket.graph, self._pool, bucket.logits = capture_graph(self.device, self._pool, lambda: self._forward(bucket))
         self.capture_s += time.perf_counter() - start
 
     # ---- the captured forward ------------------------------------------------------------------

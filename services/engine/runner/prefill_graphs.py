@@ -56,7 +56,7 @@ from services.engine.attention import (
 )
 from services.engine.kv_cache.buffers import KVCache
 from services.engine.models import DecoderModel
-from services.engine.runner.cuda_graphs import MIN_CONTEXT_BUCKET, batch_buckets, context_buckets
+from services.engine.runner.cuda_graphs import MIN_CONTEXT_BUCKET, batch_buckets, capture_graph, context_buckets
 from services.engine.runner.step import Chunk
 
 if TYPE_CHECKING:
@@ -248,18 +248,7 @@ class PrefillGraphRunner:
         """
         start = time.perf_counter()
         self._fill(bucket, ())
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self._forward(bucket)
-        current.wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._forward(bucket)
-        bucket.graph = graph
+        bucket.graph, self._pool, _ = capture_graph(self.device, self._pool, lambda: self._forward(bucket))
         self.capture_s += time.perf_counter() - start
 
     # ---- the captured forward ------------------------------------------------------------------
