@@ -26,10 +26,15 @@ always runs as the baseline), per KV layout (``--tp-layouts``) and block order (
 heads-outer layout holds HND blocks only). Each side has one NIXL agent and one KV shard per TP rank;
 the puller reads each local rank's heads from the remote ranks that hold them
 (``services.kv.topology.rank_reads``), one READ per (local rank, remote rank). Every pair must move
-the prompt's whole KV, every head exactly once (asserted). A head slice of a cross-layer block is one
-descriptor per (token, layer, K/V) in NHD order, per (layer, K/V) in HND, and one per block in the
-heads-outer layout. Each row prints its time and descriptors beside the same layout's 1:1 pull, and a
-summary compares each mixed pair's heads-outer pull with cross-layer HND and with equal TP.
+the prompt's whole KV, every head exactly once (asserted). The block ids run consecutively on both
+sides, as the free-run allocators hand them out in service, and each pool holds one block more than
+the prompt, so (as in service) no pull covers a whole pool. A head slice of a cross-layer block is one
+descriptor per (token, layer, K/V) in NHD order and per (layer, K/V) in HND; in the heads-outer layout a
+head's plane holds every block, so a READ is one descriptor per head it reads (4 for TP 1 -> 2), and
+equal TP sizes take one per head too (8 at 1:1) where cross-layer takes one in all. Each row prints its
+time and descriptors beside the same layout's 1:1 pull, and a summary compares each mixed pair's
+heads-outer pull with cross-layer HND of the same pair and with cross-layer's 1:1 pull (equal TP
+sizes, which ``--kv-layout auto`` serves cross-layer).
 
 Devices: ``--device`` (cpu or cuda) puts every rank of both sides there; ``--owner-devices`` and
 ``--reader-devices`` (comma lists, rank i takes entry i mod len) place each rank, e.g. the owner on
@@ -334,8 +339,10 @@ def run_tp(pairs: list[tuple[int, int]], layouts: list[tuple[str, str]], num_tok
            owner_devices: list[str], reader_devices: list[str]) -> list[dict]:
     rows = []
     num_blocks = -(-num_tokens // SHAPE["block_size"])
-    ids = block_ids(num_blocks, 1)  # contiguous on both sides: whole-head blocks merge into one run
+    ids = block_ids(num_blocks, 1)  # consecutive on both sides, as in service: runs merge across blocks
     expected = tp_kv_bytes(num_tokens)
+    # One block more than the prompt: no pull covers a whole pool (which would merge a heads-outer pull's
+    # head planes into one run, a case service pools, far larger than a prompt, never see).
     cfgs = {(kind, order): {**SHAPE, "order": order, "kind": kind, "num_blocks": num_blocks + 1}
             for kind, order in layouts}
     owners = {}  # every owner starts at once, so their start-ups overlap; (kind, order, P tp) -> Owner
@@ -411,23 +418,26 @@ def print_tp(rows: list[dict], repeats: int) -> None:
 
 
 def print_tp_summary(rows: list[dict]) -> None:
-    """Per mixed pair: the heads-outer pull beside cross-layer HND's and beside equal TP (1:1, same layout)."""
+    """Per mixed pair: the heads-outer pull beside equal TP (1:1 of the same layout, and of cross-layer: what
+    equal TP sizes are served with) and beside cross-layer HND's pull of the same pair."""
     ok = {(r["layout"], r["order"], r["p_tp"], r["d_tp"]): r for r in rows if not r.get("error")}
     mixed = sorted({(p, d) for _, _, p, d in ok if p != d})
     heads = [(p, d, ok.get(("heads_outer", "HND", p, d)), ok.get(("cross_layer", "HND", p, d))) for p, d in mixed]
     heads = [h for h in heads if h[2] is not None]
     if not heads:
         return
-    print("\n# mixed TP: heads_outer vs equal TP (1:1) and vs cross_layer HND, same pair")
+    equal = ok.get(("cross_layer", "HND", 1, 1)) or ok.get(("cross_layer", "NHD", 1, 1))
+    print("\n# mixed TP: heads_outer vs equal TP (1:1: heads_outer, and cross_layer) and vs cross_layer HND, same pair")
     print(f"{'P tp':>4} {'D tp':>4} {'descs':>8} {'1->1 descs':>10} {'ms':>9} {'1->1 ms':>9} {'x 1->1':>7} "
-          f"{'cross descs':>11} {'cross ms':>9} {'cross/heads':>11}")
+          f"{'x cross 1->1':>12} {'cross descs':>11} {'cross ms':>9} {'cross/heads':>11}")
     for p, d, r, cross in heads:
         tp1 = r["seconds"] / r["seconds_vs_tp1"]
+        x_equal = f"{r['seconds'] / equal['seconds']:>11.2f}x" if equal else f"{'-':>12}"
         c_descs = f"{cross['descriptors']:>11}" if cross else f"{'-':>11}"
         c_ms = f"{cross['seconds'] * 1e3:>9.2f}" if cross else f"{'-':>9}"
         c_ratio = f"{cross['seconds'] / r['seconds']:>10.1f}x" if cross else f"{'-':>11}"
         print(f"{p:>4} {d:>4} {r['descriptors']:>8} {r['tp1_descriptors']:>10} {r['seconds'] * 1e3:>9.2f} "
-              f"{tp1 * 1e3:>9.2f} {r['seconds_vs_tp1']:>6.2f}x {c_descs} {c_ms} {c_ratio}")
+              f"{tp1 * 1e3:>9.2f} {r['seconds_vs_tp1']:>6.2f}x {x_equal} {c_descs} {c_ms} {c_ratio}")
 
 
 def device_list(text: str | None, default: str) -> list[str]:

@@ -47,9 +47,10 @@ class EngineConfig:
     # None: auto (kv_layout_choice() resolves both from peer_tp_size)
     kv_layout: LayoutKind | None = flag(
         None, "KV cache placement (services/kv/layout.py): per_layer, cross_layer (a block of every layer is one "
-        "run), heads_outer (cross-layer with heads outermost: a head slice of a block is one run, for pulls between "
-        "different TP sizes; HND blocks) or auto (default): heads_outer when --peer-tp-size differs from --tp, "
-        "else cross_layer", cli_default="auto", to_field=lambda kind: None if kind == "auto" else LayoutKind(kind),
+        "run), heads_outer (heads outermost over the whole pool: a head's slice of consecutive blocks is one run, "
+        "for pulls between different TP sizes; HND blocks) or auto (default): heads_outer when --peer-tp-size "
+        "differs from --tp, else cross_layer", cli_default="auto",
+        to_field=lambda kind: None if kind == "auto" else LayoutKind(kind),
         choices=("auto", *(k.value for k in LayoutKind)))
     kv_block_order: BlockOrder | None = flag(
         None, "token-major (NHD) or head-major (HND) KV blocks; HND keeps a head's slice of a block contiguous, "

@@ -17,17 +17,21 @@ block is one descriptor (0.5-2.5 MB) instead of ``2 * num_layers`` small ones::
 
     buffer[group] = [num_blocks, num_layers_in_group, 2 (K,V), <block: NHD or HND>]
 
-Heads-outer: one buffer per KV group as cross-layer, but inside a block the heads are outermost,
-so every contiguous range of a block's heads (all layers, K and V) is one run. It is for pulls
-between engines of different TP sizes, where a reader rank reads a head slice of every remote
-block: one descriptor per block instead of ``2 * num_layers`` (HND) or one per token (NHD). A whole
-block is still one run. Each head's tokens are contiguous, so the block order is HND by
-construction (an NHD heads-outer spec is refused)::
+Heads-outer: one buffer per KV group whose outermost axis is the head: head h's plane holds every
+block of the pool (all layers, K and V), then head h+1's plane follows. It is for pulls between
+engines of different TP sizes, where a reader rank reads a head slice of every remote block: heads
+[h0, h1) of a run of consecutive blocks [b0, b1) are ``h1 - h0`` runs, one per head plane, of
+``b1 - b0`` blocks each (one run only when [b0, b1) is the whole pool). A consecutive 512-block pull
+into TP 2 is thus a descriptor per head the reading rank reads (4 of Llama-3.1-8B's 8), not one per
+block. The price: a block is no longer one region but ``heads`` (one per plane), so even between
+equal TP sizes a consecutive pull is ``heads`` descriptors (runs still merge across blocks), and the
+host tier copies a block run plane by plane. Each head's tokens are contiguous, so the block order
+is HND by construction (an NHD heads-outer spec is refused)::
 
-    buffer[group] = [num_blocks, heads, num_layers_in_group, 2 (K,V), block_size, head_dim]
+    buffer[group] = [heads, num_blocks, num_layers_in_group, 2 (K,V), block_size, head_dim]
 
-    one block, heads h0 h1 ...:  |h0: L0.K L0.V L1.K L1.V ...|h1: L0.K L0.V ...|...
-    a head slice [1, 3) = one run  ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^ from h1 to the end of h2
+    head planes:  |h0: b0 b1 b2 ... b(N-1)|h1: b0 b1 ... b(N-1)|h2: ...      b = |L0.K L0.V L1.K ...|
+    heads [1, 3) of blocks [1, 3) = 2 runs:  h1: ^^^^^ b1..b2      h2: ^^^^^ b1..b2
 
 Every kind gives each (layer, K/V) the same strided view (:class:`KVView`,
 ``[num_blocks, block_size, heads, head_dim]``), which is all attention, the K/V write, the digest
@@ -57,7 +61,8 @@ class LayoutKind(enum.Enum):
 
     PER_LAYER = "per_layer"
     CROSS_LAYER = "cross_layer"
-    #: For pulls between different TP sizes: a reader rank's head slice of a block is one run.
+    #: For pulls between different TP sizes: a head's plane holds every block, so a reader rank's heads of
+    #: consecutive blocks are one run per head.
     HEADS_OUTER = "heads_outer"
 
     @property
@@ -68,14 +73,20 @@ class LayoutKind(enum.Enum):
 
 @dataclass(frozen=True)
 class KVBufferSpec:
-    """One contiguous allocation: which group and layers it holds and how big it is."""
+    """One contiguous allocation: which group and layers it holds and how big it is.
+
+    A block of this buffer is ``num_planes`` regions of ``block_stride_bytes`` each, one per plane, and
+    the buffer is ``[num_planes, num_blocks, block_stride_bytes]``: per-layer K then V (2 planes),
+    cross-layer the whole block (1), heads-outer one per head (``kv_heads`` planes).
+    """
 
     index: int
     group_id: int
     layer_ids: tuple[int, ...]
     num_bytes: int
-    # Bytes between consecutive blocks of the same (layer, K/V) inside this buffer.
+    # Bytes between consecutive blocks of the same (layer, K/V, head) inside this buffer.
     block_stride_bytes: int
+    num_planes: int
 
 
 @dataclass(frozen=True)
@@ -168,12 +179,16 @@ class KVLayoutSpec:
         out: list[KVBufferSpec] = []
         for g in self.groups:
             page = self.page_bytes(g.group_id)
+            block = self.block_bytes(g.group_id)
             if self.kind is LayoutKind.PER_LAYER:
                 for layer in g.layer_ids:
-                    out.append(KVBufferSpec(len(out), g.group_id, (layer,), 2 * self.num_blocks * page, page))
-            else:
-                block = self.block_bytes(g.group_id)
-                out.append(KVBufferSpec(len(out), g.group_id, g.layer_ids, self.num_blocks * block, block))
+                    out.append(KVBufferSpec(len(out), g.group_id, (layer,), 2 * self.num_blocks * page, page, 2))
+            elif self.kind is LayoutKind.CROSS_LAYER:
+                out.append(KVBufferSpec(len(out), g.group_id, g.layer_ids, self.num_blocks * block, block, 1))
+            else:  # heads-outer: a plane per head, each of every block
+                heads = self.kv_heads(g.group_id)
+                out.append(KVBufferSpec(len(out), g.group_id, g.layer_ids, self.num_blocks * block, block // heads,
+                                        heads))
         return tuple(out)
 
     def buffer_of_layer(self, layer_id: int) -> KVBufferSpec:
@@ -198,11 +213,11 @@ class KVLayoutSpec:
             slot = buf.layer_ids.index(layer_id)
             offset = (slot * 2 + kv) * page
             block_stride = 2 * len(buf.layer_ids) * page
-        else:  # heads-outer: [block][head][layer][K/V][token][head_dim]
+        else:  # heads-outer: [head][block][layer][K/V][token][head_dim]
             slot = buf.layer_ids.index(layer_id)
             offset = (slot * 2 + kv) * bs * d
-            head_stride = 2 * len(buf.layer_ids) * bs * d
-            block_stride = h * head_stride
+            block_stride = 2 * len(buf.layer_ids) * bs * d
+            head_stride = self.num_blocks * block_stride
         return KVView(buf.index, offset, (self.num_blocks, bs, h, d), (block_stride, token_stride, head_stride, 1))
 
     def byte_offset(self, layer_id: int, kv: int, block: int, token: int = 0, head: int = 0) -> int:

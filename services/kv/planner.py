@@ -16,20 +16,23 @@ contiguous with that run on BOTH sides::
 which gives, coarsest first: a whole page (all heads, whole block), an NHD token run (all heads),
 an HND head-slice of whole blocks, and otherwise one run per token (NHD head slice) or per head
 (HND partial block). Planes (one (layer, K/V) each) that continue each other by one run on both
-sides then fold into one, and a single folded plane takes in the axes left over the same way: in a
-heads-outer block (``layout.py``) a head's planes are back to back and heads follow each other, so a
-head slice of a whole block is one run however many layers it spans::
+sides then fold into one, and a single folded plane takes in the axes left over the same way. In a
+heads-outer buffer (``layout.py``) a block's (layer, K/V) planes are back to back inside each head's
+plane of the whole pool, so a head of a whole block is one run however many layers it spans, and the
+head axis is left over (heads sit a pool apart)::
 
-    heads-outer  [H, planes, block_size, D]:  run = D -> + tokens (whole block) -> + planes (folded)
-                                              -> + heads (the slice) = one run per block
+    heads-outer  [H, blocks, planes, block_size, D]:  run = D -> + tokens (whole block)
+                                                      -> + planes (folded) = one run per (head, block)
 
 Pages themselves are then merged: all runs are ordered by source address and
 a run joins its predecessor when it starts where that one ends in the same source buffer AND in
 the same destination buffer. This one rule does the rest: per-layer pages of consecutive block
 ids (on both sides) become one run per (layer, K/V); a cross-layer block (every layer's K and V
 back to back) becomes one descriptor when both sides are cross-layer with the same block size and
-all heads, and a run of consecutive such blocks one descriptor in total. Ordering by source makes
-the merge optimal: a source byte is read once, so each run has at most one possible successor.
+all heads, and a run of consecutive such blocks one descriptor in total; heads-outer (head, block)
+runs of consecutive blocks become one run per head read, whatever the two TP sizes. Ordering by
+source makes the merge optimal: a source byte is read once, so each run has at most one possible
+successor.
 
 Everything is vectorised with numpy: offsets are built by broadcasting (planes x pieces x rows)
 and merged with one pass of ``np.add.reduceat``; no Python loop runs per descriptor.
@@ -37,6 +40,7 @@ and merged with one pass of ``np.add.reduceat``; no Python loop runs per descrip
 
 from __future__ import annotations
 
+import enum
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -283,18 +287,33 @@ def _fold_planes(planes: Sequence[np.ndarray], run: int) -> list[np.ndarray]:
     return [sb[starts], so[starts], db[starts], do[starts], counts * run]
 
 
-def _expand(plane: np.ndarray, piece: np.ndarray, grid: np.ndarray, piece_major: bool) -> np.ndarray:
-    """``plane[P] + piece[N] + grid[K]`` over every combination, flattened.
+class Nesting(enum.Enum):
+    """How a source's addresses nest the three axes a plan enumerates (planes, block pieces, the grid of
+    runs inside one piece and plane), outermost first: enumerating runs in this order lists them by
+    source address when the source block ids ascend, so the merge needs no sort.
 
-    Plane-major ``[P, N, K]`` follows a per-layer source's address order (a buffer per layer, its
-    blocks inside); piece-major ``[N, P, K]`` a cross-layer source's (a block holds every plane).
-    With ascending source block ids the result is then already sorted and the merge skips its sort.
+    ::
+
+        per-layer    a buffer per layer (K, V planes), its blocks inside     plane > piece > grid
+        cross-layer  a block holds every plane                               piece > plane > grid
+        heads-outer  a head's plane holds every block (the grid: heads)      grid > piece > plane
     """
-    if piece_major:
-        total = piece[:, None, None] + plane[None, :, None] + grid[None, None, :]
-    else:
-        total = plane[:, None, None] + piece[None, :, None] + grid[None, None, :]
-    return total.ravel()
+
+    PLANE_PIECE_GRID = ("plane", "piece", "grid")
+    PIECE_PLANE_GRID = ("piece", "plane", "grid")
+    GRID_PIECE_PLANE = ("grid", "piece", "plane")
+
+    @classmethod
+    def of(cls, kind: LayoutKind) -> Nesting:
+        return {LayoutKind.PER_LAYER: cls.PLANE_PIECE_GRID, LayoutKind.CROSS_LAYER: cls.PIECE_PLANE_GRID,
+                LayoutKind.HEADS_OUTER: cls.GRID_PIECE_PLANE}[kind]
+
+
+def _expand(plane: np.ndarray, piece: np.ndarray, grid: np.ndarray, nesting: Nesting) -> np.ndarray:
+    """``plane[P] + piece[N] + grid[K]`` over every combination, flattened in ``nesting``'s order."""
+    parts = {"plane": plane, "piece": piece, "grid": grid}
+    a, b, c = (parts[name] for name in nesting.value)
+    return (a[:, None, None] + b[None, :, None] + c[None, None, :]).ravel()
 
 
 # ---- merging -------------------------------------------------------------------------------------
@@ -367,11 +386,11 @@ def plan_transfer(
         piece_src = rb[sel] * pair.r_block + ro[sel] * pair.r_token + pair.head_base_src
         piece_dst = lb[sel] * pair.l_block + lo[sel] * pair.l_token + pair.head_base_dst
         no_piece, no_grid = np.zeros_like(piece_src), np.zeros_like(g_src)
-        out[0].append(_expand(f_sb, no_piece, no_grid, pair.piece_major))
-        out[1].append(_expand(f_so, piece_src, g_src, pair.piece_major))
-        out[2].append(_expand(f_db, no_piece, no_grid, pair.piece_major))
-        out[3].append(_expand(f_do, piece_dst, g_dst, pair.piece_major))
-        out[4].append(_expand(f_len, no_piece, no_grid, pair.piece_major))
+        out[0].append(_expand(f_sb, no_piece, no_grid, pair.nesting))
+        out[1].append(_expand(f_so, piece_src, g_src, pair.nesting))
+        out[2].append(_expand(f_db, no_piece, no_grid, pair.nesting))
+        out[3].append(_expand(f_do, piece_dst, g_dst, pair.nesting))
+        out[4].append(_expand(f_len, no_piece, no_grid, pair.nesting))
 
     cols = [c[0] if len(c) == 1 else np.concatenate(c) for c in out]
     return TransferPlan._owned(read.remote_rank, _merge(cols, pair.src_buffer_bytes))
@@ -384,8 +403,8 @@ class UnitRuns:
 
     ``src_offset``/``dst_offset`` hold, per run, the buffer offset of the unit at block 0 (heads
     included); a unit of remote block b, ``j`` units in, adds ``b * src_block_bytes + j * src_unit_bytes``.
-    ``plane_major``: runs come as [planes, grid] and a pull orders them plane by plane (per-layer source,
-    a buffer per layer), else piece by piece (cross-layer source), which is what merges adjacent units.
+    Runs come as [planes, grid]; ``nesting`` is the order a pull posts them in (units taking the piece
+    axis): by source address for ascending block ids, which is what lets adjacent units merge.
     """
 
     src_buffer: np.ndarray
@@ -394,7 +413,7 @@ class UnitRuns:
     dst_offset: np.ndarray
     length: np.ndarray
     num_planes: int
-    plane_major: bool
+    nesting: Nesting
     unit: int
     src_block_bytes: int
     src_unit_bytes: int
@@ -413,7 +432,7 @@ def unit_runs(remote: KVLayoutSpec, local: KVLayoutSpec, group_id: int, read: Ra
     return UnitRuns(
         np.repeat(f_sb, grid), (f_so[:, None] + g_src[None, :]).ravel() + pair.head_base_src,
         np.repeat(f_db, grid), (f_do[:, None] + g_dst[None, :]).ravel() + pair.head_base_dst,
-        np.repeat(f_len, grid), int(f_sb.size), not pair.piece_major, pair.unit,
+        np.repeat(f_len, grid), int(f_sb.size), pair.nesting, pair.unit,
         pair.r_block, pair.unit * pair.r_token, pair.l_block, pair.unit * pair.l_token,
     )
 
@@ -432,7 +451,7 @@ class _Pair:
         self.rg, self.lg, self.layers = rg, lg, layers
         self.unit = min(rg.block_size, lg.block_size)
         self.src_buffer_bytes = max(b.num_bytes for b in remote.buffers())
-        self.piece_major = remote.kind is not LayoutKind.PER_LAYER  # a block holds every plane
+        self.nesting = Nesting.of(remote.kind)
         self.nhd = remote.order is BlockOrder.NHD
         self._runs: dict[int, tuple[np.ndarray, ...]] = {}
         if not layers:

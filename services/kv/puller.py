@@ -202,7 +202,8 @@ class KVPuller:
         if self.tp_size != remote.tp_size and (local.kind, owner.kind) != (LayoutKind.HEADS_OUTER,) * 2:
             log.warning("pulling from %s (tp %d, %s %s) into tp %d (%s %s): each rank reads its heads of a block as "
                         "%s; the heads_outer KV layout on both sides (--kv-layout heads_outer, or auto with "
-                        "--peer-tp-size) reads them as one run", remote.engine_id, remote.tp_size, owner.kind.value,
+                        "--peer-tp-size) reads a run per head for consecutive blocks", remote.engine_id,
+                        remote.tp_size, owner.kind.value,
                         owner.order.value, self.tp_size, local.kind.value, local.order.value,
                         "a run per token, layer and K/V" if local.order is BlockOrder.NHD else
                         "a run per layer and K/V")
@@ -375,12 +376,17 @@ class KVPuller:
     def _target(self, remote: EngineDescription, local_rank: int, remote_rank: int, host: bool,
                 group_reads: dict[int, RankRead], prepared: bool) -> _Target:
         """One READ's target, its lists prepared when this rank's agent is in this process and the lists
-        stay small (``read_lists.MAX_ENTRIES``); else the planner plans each pull of it."""
+        stay small (``read_lists.MAX_ENTRIES``); else the planner plans each pull of it.
+
+        Heads-outer KV is always planned: its lists hold an entry per (head, block), and on an H100 NIXL's
+        merge of adjacent prepared entries did not merge the copies (1 GiB through 4,096 entries merged to 8
+        descriptors took 117 ms; the planner's 8 runs 3.3 ms)."""
         rank, owner = self._ranks[local_rank], remote.ranks[remote_rank]
         target = _Target(rank, owner, host, group_reads)
-        if not prepared or not isinstance(rank, LocalKVRank):
-            return target
         layout, regions = (owner.host_layout, owner.host_regions) if host else (owner.layout, owner.regions)
+        if not prepared or not isinstance(rank, LocalKVRank) or \
+                LayoutKind.HEADS_OUTER in (layout.kind, rank.layout.kind):
+            return target
         table = list_layout(layout, regions, rank.layout, rank.regions, group_reads)
         if table is None:
             return target
@@ -453,7 +459,7 @@ class KVPuller:
                 got = await read.rank.read(owner.agent_metadata, read.local_rows, read.remote_rows, notify, kind,
                                            self.transfer_timeout_s)
             elif not read.local_rows.size:  # everything was local: only the notification
-                read.rank.agent.send_notification(read.lists.peer, notify)
+                await read.rank.agent.notify(read.lists.peer, notify)  # off the loop while READs stream
                 got = (0, 0)
             else:
                 result = await read.rank.agent.read_prepared(

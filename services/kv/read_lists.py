@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.kv.layout import KVLayoutSpec
-from services.kv.planner import UnitRuns, unit_runs
+from services.kv.planner import Nesting, UnitRuns, unit_runs
 from services.kv.topology import RankRead
 from services.kv.wire import MemoryRegion
 
@@ -47,7 +47,9 @@ class _Group:
     remote_base: int
     local_base: int
     unit_bytes: int
-    run_order: np.ndarray  # run indices k in the order a pull posts them: [planes, grid] or [runs]
+    # Run indices in the order a pull posts them around its units (``Nesting``): [planes, grid] (units between
+    # the two), [grid, planes] (heads-outer: units between) or [runs] (units outside).
+    run_order: np.ndarray
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,7 +77,7 @@ class ListLayout:
             if k.size == 1:
                 remote.append(u_r + g.remote_base)
                 local.append(u_l + g.local_base)
-            elif g.runs.plane_major:  # [planes, units, grid]
+            elif k.ndim == 2:  # [planes, units, grid] (per-layer) or [grid, units, planes] (heads-outer)
                 remote.append((k[:, None, :] + (u_r * k.size + g.remote_base)[None, :, None]).ravel())
                 local.append((k[:, None, :] + (u_l * k.size + g.local_base)[None, :, None]).ravel())
             else:  # [units, runs]
@@ -137,8 +139,9 @@ def list_layout(remote: KVLayoutSpec, remote_regions: Sequence[MemoryRegion], lo
             if side == 0:
                 lengths.append(np.tile(runs.length, u.size))
         k = runs.length.size
-        order = np.arange(k, dtype=np.int64).reshape(runs.num_planes, k // runs.num_planes) if runs.plane_major \
-            else np.arange(k, dtype=np.int64)
+        runs_2d = np.arange(k, dtype=np.int64).reshape(runs.num_planes, k // runs.num_planes)  # [planes, grid]
+        order = {Nesting.PLANE_PIECE_GRID: runs_2d, Nesting.GRID_PIECE_PLANE: np.ascontiguousarray(runs_2d.T)
+                 }.get(runs.nesting, np.arange(k, dtype=np.int64))
         groups[gid] = _Group(runs, r_base, l_base, int(runs.length.sum()), order)
     remote_rows, local_rows = (np.ascontiguousarray(np.concatenate(r), dtype=np.uint64) for r in rows)
     return ListLayout(remote_rows, local_rows, groups, np.concatenate(keys[0]), np.concatenate(keys[1]),

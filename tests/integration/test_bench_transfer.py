@@ -61,11 +61,15 @@ def test_quick_transfer_benchmark_reports_every_case() -> None:
             assert len(r["owner_devices"]) == p_tp and len(r["reader_devices"]) == d_tp
             assert r["gbps"] > 0 and r["gbps_vs_tp1"] > 0 and r["seconds_vs_tp1"] > 0
             assert r["tp1_descriptors"] == by_pair[1, 1]["descriptors"]
-        assert by_pair[1, 1]["descriptors"] == 1 and by_pair[2, 2]["descriptors"] == 2  # whole-head runs
         assert by_pair[1, 1]["gbps_vs_tp1"] == 1.0
-        for pair in ((1, 2), (2, 1)):  # head slices: one run per block heads-outer, split further otherwise
+        if layout[0] == "heads_outer":  # a head's plane holds every block: a run per head read, whatever the pair
+            for pair, r in by_pair.items():
+                assert r["descriptors"] == r["reads"] * 8 // max(pair), pair
+            continue
+        assert by_pair[1, 1]["descriptors"] == 1 and by_pair[2, 2]["descriptors"] == 2  # whole-head runs
+        for pair in ((1, 2), (2, 1)):  # head slices of cross-layer blocks: split per layer and K/V at least
             per_read = by_pair[pair]["descriptors"] / by_pair[pair]["reads"]
-            assert per_read == blocks if layout[0] == "heads_outer" else per_read >= blocks * 2 * 32
+            assert per_read >= blocks * 2 * 32
     # The brief: under a minute on the 2-core CI machine (every scenario took ~35 s there when quiet,
     # 2026-11-23); the bound is lenient because other jobs on a shared machine slow the real processes.
     assert elapsed < 120, f"--quick took {elapsed:.0f} s (the brief: under a minute on the CI machine)"

@@ -217,29 +217,39 @@ def test_pull_reproduces_owner_bytes(case: str) -> None:
         assert sum(p.num_descriptors for p in planned) == result.num_descriptors
         assert sum(p.num_bytes for p in planned) == result.num_bytes
         # Every rank here has its agent in this process: every READ went through prepared lists, and NIXL's
-        # merge of their entries leaves what the planner plans.
-        assert all(p.lists is not None for p in planned)
+        # merge of their entries leaves what the planner plans; heads-outer KV is always planned.
+        heads_outer = "heads_outer" in (owner_over.get("kind"), reader_over.get("kind"))
+        assert all((p.lists is None) == heads_outer for p in planned)
         rows = r.puller.planned_reads(ticket, [local_ids], prepared=False)
         assert [p.num_descriptors for p in rows] == [p.num_descriptors for p in planned]
 
 
 @pytest.mark.parametrize(("owner_tp", "reader_tp"), [(1, 2), (2, 1)])
-def test_heads_outer_pull_between_tp_sizes_reads_one_descriptor_per_block(owner_tp: int, reader_tp: int) -> None:
-    """Between different TP sizes each READ of heads-outer blocks is one descriptor per block (fragmented
-    tables: nothing merges), where cross-layer HND blocks take one per block, layer and K/V
+def test_heads_outer_pull_between_tp_sizes_reads_one_descriptor_per_head(owner_tp: int, reader_tp: int) -> None:
+    """Between different TP sizes a READ of heads-outer blocks is one descriptor per head it reads when the
+    blocks are consecutive on both sides (a head's plane holds every block), and one per (head, block) when
+    they are fragmented; cross-layer HND blocks take one per block, layer and K/V
     (``tests/unit/kv/test_kv_layout.py`` compares the two)."""
     num_tokens, num_blocks = 32, 8
+    heads_per_read = BASE["num_kv_heads"] // max(owner_tp, reader_tp)
     owner_cfg = {**BASE, **HEADS_OUTER, "engine_id": f"owner-heads-{owner_tp}-{reader_tp}", "tp": owner_tp,
                  "reader_tp": reader_tp}
-    owner_cfg["requests"] = [{"request_id": "h", "num_tokens": num_tokens, "block_ids": [list(range(2, 18, 2))]}]
+    owner_cfg["requests"] = [
+        {"request_id": "runs", "num_tokens": num_tokens, "block_ids": [list(range(3, 3 + num_blocks))]},
+        {"request_id": "fragmented", "num_tokens": num_tokens, "block_ids": [list(range(2, 18, 2))]},
+    ]
     reader_cfg = {**BASE, **HEADS_OUTER}
-    local_ids = list(range(num_blocks, 0, -1))
+    pulls = {"runs": (list(range(1, 1 + num_blocks)), heads_per_read),  # 24-block pools: no plane is whole
+             "fragmented": (list(range(num_blocks, 0, -1)), heads_per_read * num_blocks)}
     with owner_process(owner_cfg) as owner, reader(reader_cfg, reader_tp) as r:
-        result = asyncio.run(r.puller.pull(owner.tickets["h"], [local_ids]))
-        check_received(owner_cfg, r, owner.tickets["h"], [local_ids], [0])
-        assert result.num_reads == max(owner_tp, reader_tp)
-        assert result.num_descriptors == result.num_reads * num_blocks  # not * 2 * layers
-        owner.wait_released("h")
+        for request_id, (local_ids, per_read) in pulls.items():
+            result = asyncio.run(r.puller.pull(owner.tickets[request_id], [local_ids]))
+            check_received(owner_cfg, r, owner.tickets[request_id], [local_ids], [0])
+            assert result.num_reads == max(owner_tp, reader_tp)
+            assert result.num_descriptors == result.num_reads * per_read, request_id
+            planned = r.puller.planned_reads(owner.tickets[request_id], [local_ids], prepared=False)
+            assert [p.num_descriptors for p in planned] == [per_read] * result.num_reads  # the planner agrees
+            owner.wait_released(request_id)
 
 
 def test_prepared_lists_are_made_once_per_peer_and_released_with_it() -> None:

@@ -2,7 +2,9 @@
 
 Device and host hold blocks in the same format (the host tier is the device layout with more
 blocks), so a copy is a list of block runs applied to every KV buffer, one ``copy_`` per run and
-buffer plane. The allocators favour runs of consecutive ids, so a long prompt is a few runs::
+buffer plane (a block is one region per plane: ``KVBufferSpec.num_planes``), each between contiguous
+memory, so no copy stages through a temporary. The allocators favour runs of consecutive ids, so a
+long prompt is a few runs::
 
     device blocks 40 41 42 43 | 7 8      host blocks 96 97 98 99 | 100 101
     runs  (40 -> 96, 4 blocks), (7 -> 100, 2 blocks)
@@ -46,16 +48,15 @@ def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[BlockRun]
 
 
 def block_planes(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Each buffer as ``[planes, num_blocks, elements per block]``: a block is ``[:, b]``.
+    """Each buffer as ``[planes, num_blocks, elements per block and plane]``: a block is ``[:, b]``.
 
     A cross-layer buffer is one plane (a block holds all its layers' K and V); a per-layer buffer
-    is two, K then V (``[2, num_blocks, block]``).
+    is two, K then V (``[2, num_blocks, block]``); a heads-outer buffer one per head.
     """
     out = []
     for spec, buf in zip(layout.buffers(), buffers, strict=True):
         per_block = spec.block_stride_bytes // layout.element_size
-        planes = buf.numel() // (layout.num_blocks * per_block)
-        out.append(buf.view(planes, layout.num_blocks, per_block))
+        out.append(buf.view(spec.num_planes, layout.num_blocks, per_block))
     return out
 
 
@@ -130,6 +131,7 @@ class BlockCopier:
                 stream.wait_event(job.ready)
             for src, dst, runs in job.copies:
                 for s, d, n in runs:
-                    dst[:, d:d + n].copy_(src[:, s:s + n], non_blocking=stream is not None)
+                    for plane in range(src.shape[0]):  # contiguous on both sides: one DMA, no temporary
+                        dst[plane, d:d + n].copy_(src[plane, s:s + n], non_blocking=stream is not None)
         if stream is not None:
             stream.synchronize()

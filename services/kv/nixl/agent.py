@@ -9,15 +9,23 @@ lock. On DRAM, UCX performs the whole copy inside ``postXferReq`` (CMA/shared me
 64 MB take ~10-60 ms on the CI machine; the call drops the GIL). ``read`` therefore hands a READ to
 the agent's one worker thread (``reader.ReadWorker``), which prepares and posts it and then polls
 every READ in flight: tightly for the first milliseconds (a GPU READ of a prompt takes 0.2-5 ms),
-then backing off, and wakes the waiting coroutine once, when it finishes. A READ whose post cannot block for long (a few
-descriptors of device memory, where the post only queues the copies, or a small host copy) to a
-peer already read from is posted on the caller's thread instead, if the lock is free at that
-moment, and completes there when the post finishes it; a device READ posted there is also polled
-there for up to ``_INLINE_SPIN_S`` (NIXL's poll holds the GIL, so a busy engine thread cannot delay
-it), so a small GPU copy costs no thread hand-over at all. The event loop never waits on the lock
-except to abort a READ that timed out. ``prepare_lists``/``read_prepared``: lists NIXL prepared once
-per peer (``prepared.PreparedLists``), a READ then being two index arrays (``make_prepped_xfer``).
-The synchronous methods (``start_read``, ``poll_notifications``...) may wait for that lock.
+then backing off, and wakes the waiting coroutine once, when it finishes. A READ whose post cannot block for long
+is posted on the caller's thread instead, if the lock is free at that moment, and completes there when the post
+finishes it; a device READ posted there is also polled there for up to ``_INLINE_SPIN_S``, so a small GPU copy
+costs no thread hand-over at all. "Cannot block for long" is judged without knowing the transport: a few
+descriptors, from a peer already read from, while no other READ of this agent is in flight, and at most
+``_INLINE_MAX_HOST_BYTES``, or on device memory as many bytes as the peer's fastest READ so far (its first
+aside, which sets up the connection) moved in ``_INLINE_MAX_COPY_S``. Over UCX's TCP transport
+(``UCX_TLS=tcp``, and ``tcp,cuda_copy`` staging VRAM through host memory) the data moves inside NIXL's calls
+(post, poll, or the UCX progress thread, which then holds UCX's worker: a 64 KiB post on the loop waited
+~50 ms behind another READ's stream on the CI machine), so an unbounded READ posted or polled on the loop held
+it for as long as the copy: the H100 decode worker missed the router's 1 s health probe pulling 1 GiB parts.
+NIXL 1.5.1 drops the GIL in ``postXferReq`` and ``getXferStatus`` (checked on the CI machine: the main thread
+ran during a 54 ms poll on another thread), so the worker thread's long calls do not hold the loop. The event
+loop never waits on the lock except to abort a READ that timed out (and to add, prepare or remove a peer).
+``prepare_lists``/``read_prepared``: lists NIXL prepared once per peer (``prepared.PreparedLists``), a READ then
+being two index arrays (``make_prepped_xfer``). The synchronous methods (``start_read``, ``poll_notifications``,
+``send_notification``...) may wait for that lock; ``notify`` is ``send_notification`` for the event loop.
 
 Quirks of nixl 1.5.1 this module works around (checked on the CI machine):
 - ``add_remote_agent`` with a known name but new metadata (a restarted peer) fails with
@@ -87,12 +95,14 @@ CUDA_IPC_GET_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 _LOCK_TIMEOUT_S = 30.0
 # How long a cancelled read waits for a post in progress to return and be aborted (a frozen peer can hold it).
 _CANCEL_WAIT_S = 2.0
-# A post that may run on the caller's thread: at most this many descriptors, and on host memory (where
-# the post is the copy: ~0.1 ms per MiB here) at most this many bytes.
+# A post that may run on the caller's thread: at most this many descriptors and bytes (on host memory the
+# post is the copy with shared memory, ~0.1 ms per MiB here; UCX over TCP moves 256 KiB in ~1 ms)...
 _INLINE_MAX_DESCRIPTORS, _INLINE_MAX_HOST_BYTES = 64, 256 << 10
+# ... or on device memory as many bytes as the peer's fastest READ moved in this long: whatever the transport
+# does inside the post and polls (UCX over TCP moves the data there), the caller's thread is held about this long.
+_INLINE_MAX_COPY_S = 2e-3
 # How long the caller's thread polls a device READ it posted before handing it to the worker thread: a
-# small GPU copy (0.1-0.3 ms) then completes with no thread hand-over at all. NIXL's poll holds the GIL,
-# so a busy engine thread cannot stretch it; the event loop is held at most this long.
+# small GPU copy (0.1-0.3 ms) then completes with no thread hand-over at all.
 _INLINE_SPIN_S = 0.5e-3
 
 #: A dict here collects the stage durations (seconds) of ``TransferAgent.read`` calls in this context.
@@ -146,7 +156,10 @@ class TransferAgent:
         self._peers: dict[str, bytes] = {}
         self._active: set[TransferHandle] = set()
         self._unreleased: list[Any] = []
-        self._warm_peers: set[str] = set()  # peers a READ has completed from (connection and mappings set up)
+        # Peers a READ has completed from (connection and mappings set up) -> the fastest rate a later one moved
+        # (bytes/s), None after the first.
+        self._peer_bytes_per_s: dict[str, float | None] = {}
+        self._num_waiting = 0  # READs whose caller waits on the worker thread (posted or queued there)
         self._prepared: dict[str, list[PreparedLists]] = {}  # peer -> descriptor lists prepared for it
         self._reader: ReadWorker | None = None
         self._closed = False
@@ -273,7 +286,7 @@ class TransferAgent:
         for handle in handles:
             handle.abort()
         del self._peers[name]
-        self._warm_peers.discard(name)
+        self._peer_bytes_per_s.pop(name, None)
         try:
             with self._locked():
                 for lists in self._prepared.pop(name, ()):
@@ -370,7 +383,7 @@ class TransferAgent:
         """Post ``job`` on this thread when that is short, else through the worker thread; wait for the end."""
         if job.notify and "DRAM" in (job.mem_kind, job.remote_mem_kind):  # see the module docstring
             job.notify, job.notify_after = b"", job.notify
-        if self._may_post_inline(job):
+        if self._may_post_inline(job):  # the loop's only NIXL calls for a READ: bounded by _may_post_inline
             handle = self._post(job, blocking=False)  # None: the lock is busy, the worker takes it
             if handle is not None and not handle.done and job.mem_kind == job.remote_mem_kind == "VRAM":
                 self._spin(handle)
@@ -380,6 +393,7 @@ class TransferAgent:
                     job.marks["done"] = job.marks["resumed"] = time.perf_counter()
                     return self._outcome(job, handle)
                 job.state, job.handle = "in_flight", handle
+        self._num_waiting += 1
         self._reader_thread().submit(job)
         loop = job.loop  # a timer on the future itself: fewer loop iterations than wait_for(shield(...))
         timer = loop.call_at(loop.time() + max(job.deadline - time.monotonic(), 0.0), expire, job.future)
@@ -393,6 +407,7 @@ class TransferAgent:
             raise
         finally:
             timer.cancel()
+            self._num_waiting -= 1
         if woken_by is TIMED_OUT:
             self._give_up(job)  # raises TransferTimeout unless the READ finished meanwhile
         job.marks["resumed"] = time.perf_counter()
@@ -409,6 +424,14 @@ class TransferAgent:
                 self._nixl.send_notif(peer, message)
         except Exception as exc:
             raise TransferError("sending notification failed", peer=peer, nixl_state=describe(exc)) from exc
+
+    async def notify(self, peer: str, message: bytes) -> None:
+        """``send_notification`` for the event loop: on a thread while a READ of this agent is in flight, when
+        the call would wait for the agent's lock and UCX's worker behind that READ's data."""
+        if self._busy():
+            await asyncio.to_thread(self.send_notification, peer, message)
+        else:
+            self.send_notification(peer, message)
 
     # -- owner side --
 
@@ -450,13 +473,32 @@ class TransferAgent:
             self._reader = ReadWorker(self)
         return self._reader
 
+    def _busy(self) -> bool:
+        """Whether a READ of this agent is in flight or queued for the worker thread."""
+        return bool(self._active) or self._num_waiting > 0
+
     def _may_post_inline(self, job: ReadJob) -> bool:
-        """Whether the post is short enough for the caller's thread (see module docstring)."""
-        n = job.ctx["num_descriptors"]
-        if n > _INLINE_MAX_DESCRIPTORS or job.peer not in self._warm_peers:
+        """Whether the post (and a device READ's spin) is short enough for the caller's thread, whatever the
+        transport (see module docstring)."""
+        if job.peer not in self._peer_bytes_per_s or job.ctx["num_descriptors"] > _INLINE_MAX_DESCRIPTORS:
             return False  # a first READ from a peer sets up its connection and mappings inside the post
+        if self._busy():
+            return False  # UCX moves the other READs' data meanwhile, and a post or poll here would wait for it
+        bytes_per_s = self._peer_bytes_per_s[job.peer]
         on_device = job.mem_kind == "VRAM" and job.remote_mem_kind == "VRAM"
-        return on_device or job.num_bytes <= _INLINE_MAX_HOST_BYTES
+        if on_device and bytes_per_s is not None:
+            return job.num_bytes <= max(bytes_per_s * _INLINE_MAX_COPY_S, _INLINE_MAX_HOST_BYTES)
+        return job.num_bytes <= _INLINE_MAX_HOST_BYTES
+
+    def _learn_rate(self, handle: TransferHandle) -> None:
+        """Record a completed READ's rate for its peer: the fastest so far (latency only lowers it), none for the
+        first, whose post set up the connection (40 ms for 64 KiB here)."""
+        if handle.peer not in self._peer_bytes_per_s:
+            self._peer_bytes_per_s[handle.peer] = None
+            return
+        result = handle.result()
+        rate = result.num_bytes / max(result.seconds, 1e-6)
+        self._peer_bytes_per_s[handle.peer] = max(rate, self._peer_bytes_per_s[handle.peer] or 0.0)
 
     def _spin(self, handle: TransferHandle) -> None:
         """Poll a READ this thread posted for up to ``_INLINE_SPIN_S`` (while the lock is free)."""
@@ -516,8 +558,6 @@ class TransferAgent:
         if state != "PROC":
             self._release_locked(handle)
         handle._settle(state, "posting READ failed")
-        if state == "DONE":
-            self._warm_peers.add(peer)
         return handle
 
     def _notify_after(self, job: ReadJob, handle: TransferHandle) -> None:
@@ -543,7 +583,7 @@ class TransferAgent:
                           wake=m["resumed"] - m["done"])
         if handle._error is not None:
             raise handle._error
-        self._warm_peers.add(handle.peer)
+        self._learn_rate(handle)
         return handle.result()
 
     def _give_up(self, job: ReadJob, cancelled: bool = False) -> str:

@@ -95,8 +95,8 @@ LAYOUTS = {
     "per_layer-HND": _spec_views(LayoutKind.PER_LAYER, BlockOrder.HND),
     "cross_layer-NHD": _spec_views(LayoutKind.CROSS_LAYER, BlockOrder.NHD),
     "cross_layer-HND": _spec_views(LayoutKind.CROSS_LAYER, BlockOrder.HND),
-    "heads_outer": _dims_views("BHLKSD"),  # a block's heads outermost: a head slice of a block is one run
-    "heads_above_blocks": _dims_views("HBLKSD"),
+    "heads_outer": _spec_views(LayoutKind.HEADS_OUTER, BlockOrder.HND),  # a head's plane holds every block
+    "heads_inside_blocks": _dims_views("BHLKSD"),
     "head_dim_strided": _dims_views("BLKSDH"),
 }
 # (tokens, padding rows, query heads, KV heads, head_dim, block size): Llama-8B-like decode heads,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -297,7 +298,7 @@ def test_shuffled_ids_give_more_descriptors(kind: LayoutKind) -> None:
     s = spec(kind, kind.orders[0])
     ids = [9, 2, 5, 0, 12]
     plan = plan_transfer(s, s, 0, map_blocks(ids, 4, consecutive(5), 4, 20), ALL)
-    per_block = 2 * 3 if kind is PER else 1
+    per_block = {PER: 2 * 3, CROSS: 1, HEADS: 4}[kind]  # heads-outer: a run per (head, block)
     assert plan.num_descriptors == 5 * per_block
     # a run that is consecutive on both sides still merges inside a shuffled table
     plan = plan_transfer(s, s, 0, map_blocks([9, 2, 3, 4, 0], 4, [1, 5, 6, 7, 3], 4, 20), ALL)
@@ -452,8 +453,9 @@ def test_llama8b_8k_prompt_plans_fast() -> None:
     ids = list(range(1, 513))
     pieces = map_blocks(ids, 16, ids, 16, 8192)
     read = rank_reads(1, 0, 1, 8)[0]
-    for kind, descriptors in ((PER, 64), (CROSS, 1)):
-        s = spec(kind, block_size=16, heads=8, layers=32, num_blocks=1024, head_dim=128, dtype="bfloat16")
+    for kind, descriptors in ((PER, 64), (CROSS, 1), (HEADS, 8)):  # heads-outer: a run per head plane
+        s = spec(kind, kind.orders[0], block_size=16, heads=8, layers=32, num_blocks=1024, head_dim=128,
+                 dtype="bfloat16")
         plan_transfer(s, s, 0, pieces, read)  # warm the view cache
         t0 = time.perf_counter()
         plan = plan_transfer(s, s, 0, pieces, read)
@@ -541,12 +543,12 @@ def test_hybrid_plans_copy_window_and_full_groups_exactly(order, remote_kind, lo
                                           (local, local, plan.dst_buffer, plan.dst_offset)):
         scratch = spec_.num_blocks - 1
         for layer in spec_.layer_ids:
-            for kv in (0, 1):
-                lo = spec_.byte_offset(layer, kv, scratch)
-                hi = lo + spec_.page_bytes(spec_.group_of_layer(layer).group_id)
-                buf = spec_.buffer_of_layer(layer).index
-                sel = buf_col == buf
-                assert not ((off_col[sel] < hi) & (off_col[sel] + plan.length[sel] > lo)).any(), side
+            gid = spec_.group_of_layer(layer).group_id
+            row = spec_.group_head_dim(gid) * spec_.element_size
+            sel = buf_col == spec_.buffer_of_layer(layer).index
+            for kv, token, head in itertools.product((0, 1), range(spec_.block_size(gid)), range(spec_.kv_heads(gid))):
+                lo = spec_.byte_offset(layer, kv, scratch, token, head)  # a page is not one region in every kind
+                assert not ((off_col[sel] < lo + row) & (off_col[sel] + plan.length[sel] > lo)).any(), side
 
     # bytes: the full group moves every token, the sliding group only from its window start
     elem = remote.element_size

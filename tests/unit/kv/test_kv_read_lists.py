@@ -115,23 +115,30 @@ def test_whole_cross_layer_blocks_are_one_entry_each_and_adjacent_ones_one_descr
 
 
 @pytest.mark.parametrize(("remote_tp", "local_tp"), [(1, 2), (2, 1)])
-def test_heads_outer_head_slices_are_one_entry_per_block(remote_tp: int, local_tp: int) -> None:
-    """Between different TP sizes a heads-outer block's head slice is one entry, so a pull of N blocks is
-    N descriptors per READ (not N * 2 * layers, as cross-layer HND gives)."""
+def test_heads_outer_head_slices_are_an_entry_per_head_and_consecutive_units_merge(remote_tp: int,
+                                                                                   local_tp: int) -> None:
+    """Between different TP sizes a heads-outer unit is one entry per head read (a head's plane holds every
+    block), so a pull of N consecutive blocks is one descriptor per head and READ; fragmented blocks are one
+    per (head, block); cross-layer HND blocks one per (block, layer, K/V)."""
     heads = 4
     remote, local = layout(HEADS, HND, heads=heads // remote_tp), layout(HEADS, HND, heads=heads // local_tp)
-    units = map_unit_arrays([2, 3, 4, 5, 6], 4, [7, 8, 9, 10, 11], 4, 20)
+    consecutive = map_unit_arrays([2, 3, 4, 5, 6], 4, [7, 8, 9, 10, 11], 4, 20)
+    fragmented = map_unit_arrays([2, 4, 6, 8, 10], 4, [11, 9, 7, 5, 3], 4, 20)
     for local_rank in range(local_tp):
         for reads in group_rank_reads(local_tp, local_rank, remote_tp, {0: heads}).values():
+            read_heads = reads[0].num_heads
+            assert read_heads == heads // max(remote_tp, local_tp)
             table = list_layout(remote, regions(remote), local, regions(local), reads)
-            assert table.remote_rows.shape == (remote.num_blocks, 3)  # one entry per block and side
-            _, _, num_bytes, num_descriptors = table.indices({0: units})
-            # the slice read: the reader's heads (1 -> 2) or all of the owner rank's (2 -> 1), every layer
-            assert (num_bytes, num_descriptors) == (5 * min(remote.block_bytes(0), local.block_bytes(0)), 5)
+            assert table.remote_rows.shape == (remote.num_blocks * read_heads, 3)  # an entry per (block, head)
+            assert table.local_rows.shape == (local.num_blocks * read_heads, 3)
+            slice_bytes = 5 * min(remote.block_bytes(0), local.block_bytes(0))  # the reader's heads or the owner's
+            _, remote_idx, num_bytes, num_descriptors = table.indices({0: consecutive})
+            assert (num_bytes, num_descriptors) == (slice_bytes, read_heads)
+            assert table.indices({0: fragmented})[2:] == (slice_bytes, 5 * read_heads)
     cross_r, cross_l = layout(CROSS, HND, heads=heads // remote_tp), layout(CROSS, HND, heads=heads // local_tp)
     reads = next(iter(group_rank_reads(local_tp, 0, remote_tp, {0: heads}).values()))
     _, _, _, cross_descriptors = list_layout(cross_r, regions(cross_r), cross_l, regions(cross_l), reads).indices(
-        {0: units})
+        {0: consecutive})
     assert cross_descriptors == 5 * 2 * 3  # a run per (block, layer, K/V)
 
 
