@@ -5,7 +5,8 @@ blocks scattered over the pool) is digested by:
 
   mix32-sum   the chosen digest (``services.kv.digest``): each 32-bit word's bits XOR its position key,
               through a 32-bit bijection, summed mod 2**32 per token unit. Splits by token range, TP
-              head slice and source; any one-element change is caught. Triton on CUDA, numpy on CPU.
+              head slice and source; any one-element change is caught. Triton on CUDA, numpy on CPU,
+              run as a KV rank runs it (``DigestRunner``).
   plain-sum   the sum of the raw bits (one reduction): the cheapest pass over the bytes, the floor a
               digest can reach; blind to reordering (a block read into the wrong slot sums the same).
   crc32-host  zlib's CRC-32 of the gathered blocks, copied to the host first on CUDA (what "on the
@@ -37,7 +38,7 @@ import torch  # noqa: E402
 
 from bench._common import emit_json  # noqa: E402
 from services.kv import digest as D  # noqa: E402
-from services.kv.digest_compute import DigestRunner, digest_job  # noqa: E402
+from services.kv.digest_compute import DigestRunner  # noqa: E402
 from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind  # noqa: E402
 
@@ -75,9 +76,9 @@ def run(device: torch.device, tokens: int, repeats: int) -> list[dict]:
     def host_bytes() -> bytes:
         return blocks[index].view(torch.uint8).cpu().numpy().tobytes()
 
-    views: dict = {}  # what a KV rank keeps between jobs
+    runner = DigestRunner(layout, [buffer])  # as a KV rank runs it: its views and device buffers kept
     candidates = {
-        "mix32-sum": lambda: digest_job(layout, [buffer], job, views),
+        "mix32-sum": lambda: runner.run([job]),
         "plain-sum": lambda: blocks[index].view(torch.int16).sum(dtype=torch.int64).item(),
         "crc32-host": lambda: zlib.crc32(host_bytes()),
         "adler32-host": lambda: zlib.adler32(host_bytes()),

@@ -84,7 +84,6 @@ class DigestRunner:
             from services.kv.digest_triton import CudaDigests
 
             self._cuda = CudaDigests(buffers[0].device)
-        if on_cuda:
             for group in layout.groups:
                 bs = group.block_size
                 self.run([DigestJob(group.group_id, [0], 0, bs, bs, 0, layout.kv_heads(group.group_id), 0)])

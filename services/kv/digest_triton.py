@@ -105,14 +105,15 @@ class CudaDigests:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pinned = device.type == "cuda"
-        self._ids_host = self._ids_dev = self._cells_host = self._cells_dev = None
+        self._ids: tuple[torch.Tensor, torch.Tensor] | None = None  # block ids: (pinned host, device)
+        self._cells: tuple[torch.Tensor, torch.Tensor] | None = None  # the kernel's cells: (pinned host, device)
         self._done = torch.cuda.Event() if self._pinned else None
 
     def run(self, items: Sequence[tuple[list[tuple[int, int, torch.Tensor]], int, d.DigestJob]]
             ) -> list[np.ndarray]:
         """Each job's unit digests (uint64, masked), on the current stream, waiting for them. A block size or
         unit that is not a power of two takes the host path."""
-        plans = []  # (item, first block, number of blocks, ids offset, cells offset, slots, views)
+        plans = []  # per item: (first block, end block, ids offset, cells offset, slots, views)
         num_ids = num_cells = 0
         for views, block_size, job in items:
             first, last = job.start // block_size, -(-job.end // block_size)
@@ -120,8 +121,8 @@ class CudaDigests:
             plans.append((first, last, num_ids, num_cells, slots, len(views)))
             num_ids += last
             num_cells += slots * len(views)
-        ids_host, ids_dev = self._ids(num_ids)
-        cells_host, cells_dev = self._cells(num_cells)
+        ids_host, ids_dev = self._ids = self._room(self._ids, num_ids, 256)
+        cells_host, cells_dev = self._cells = self._room(self._cells, num_cells, 4096)
         ids_np = ids_host.numpy()
         for (_, _, job), (_, last, at, *_) in zip(items, plans, strict=True):
             ids_np[at:at + last] = job.block_ids[:last]
@@ -146,26 +147,24 @@ class CudaDigests:
         for (views, block_size, job), (first, last, _, cell_at, slots, width) in zip(items, plans, strict=True):
             if _host_only(block_size, job):
                 out.append(d.digest_units_host(views, block_size, job).numpy().view(np.uint64))
-                continue
-            sums = cells[cell_at:cell_at + slots * width].reshape(slots, width).sum(axis=1, dtype=np.uint64)
-            if job.unit > block_size and slots:  # blocks into units (the last unit may hold fewer blocks)
-                sums = np.add.reduceat(sums, np.arange(0, slots, job.unit // block_size))
-            out.append(np.zeros(job.num_units, np.uint64) if last == first else sums & np.uint64(d.MASK32))
+            elif last == first:
+                out.append(np.zeros(job.num_units, np.uint64))
+            else:
+                sums = cells[cell_at:cell_at + slots * width].reshape(slots, width).sum(axis=1, dtype=np.uint64)
+                if job.unit > block_size:  # blocks into units (the last unit may hold fewer blocks)
+                    sums = np.add.reduceat(sums, np.arange(0, slots, job.unit // block_size))
+                out.append(sums & np.uint64(d.MASK32))
         return out
 
-    def _ids(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._ids_host is None or len(self._ids_host) < n:
-            size = 1 << max(n - 1, 255).bit_length()
-            self._ids_host = torch.empty(size, dtype=torch.int64, pin_memory=self._pinned)
-            self._ids_dev = torch.empty(size, dtype=torch.int64, device=self.device)
-        return self._ids_host, self._ids_dev
-
-    def _cells(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cells_host is None or len(self._cells_host) < n:
-            size = 1 << max(n - 1, 4095).bit_length()
-            self._cells_host = torch.empty(size, dtype=torch.int64, pin_memory=self._pinned)
-            self._cells_dev = torch.empty(size, dtype=torch.int64, device=self.device)
-        return self._cells_host, self._cells_dev
+    def _room(self, pair: tuple[torch.Tensor, torch.Tensor] | None, n: int, smallest: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A (host, device) pair of int64 buffers of at least ``n`` entries: ``pair`` when it has them, else
+        new ones of the next power of two (``smallest`` at least)."""
+        if pair is None or len(pair[0]) < n:
+            size = 1 << max(n - 1, smallest - 1).bit_length()
+            pair = (torch.empty(size, dtype=torch.int64, pin_memory=self._pinned),
+                    torch.empty(size, dtype=torch.int64, device=self.device))
+        return pair
 
 
 def _host_only(block_size: int, job: d.DigestJob) -> bool:
