@@ -22,6 +22,7 @@ or the reader's own blocks.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -118,6 +119,13 @@ class _Target:
     group_reads: dict[int, RankRead]
     table: ListLayout | None = None
     lists: PreparedLists | None = None
+
+    @functools.cached_property
+    def address_tables(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(owner's, this rank's) (base address, device) per buffer index, for a planned READ's rows."""
+        regions = self.owner.host_regions if self.host else self.owner.regions
+        return ([(r.address, r.device_id) for r in sorted(regions, key=lambda r: r.buffer_index)],
+                [(r.address, r.device_id) for r in self.rank.regions])
 
 
 class KVPuller:
@@ -418,8 +426,7 @@ class KVPuller:
                 reads.append(PlannedRead(t.rank, t.owner, local_idx, remote_idx, num_bytes, num_descriptors,
                                          host_tier=t.host, lists=t.lists))
                 continue
-            owner_layout, owner_regions = (t.owner.host_layout, t.owner.host_regions) if t.host else \
-                (t.owner.layout, t.owner.regions)
+            owner_layout = t.owner.host_layout if t.host else t.owner.layout
             key = (t.host, id(owner_layout), id(t.rank.layout),
                    tuple((g, r.remote_heads, r.local_heads) for g, r in t.group_reads.items()))
             plan = plans.get(key)
@@ -431,8 +438,7 @@ class KVPuller:
                 plan = plans[key] = plan_groups(owner_layout, t.rank.layout,
                                                 {g: pieces[t.host][g] for g in t.group_reads}, t.group_reads,
                                                 pad_partial_blocks=not t.host)
-            src = [(r.address, r.device_id) for r in sorted(owner_regions, key=lambda r: r.buffer_index)]
-            remote_rows, local_rows = plan.address_rows(src, [(r.address, r.device_id) for r in t.rank.regions])
+            remote_rows, local_rows = plan.address_rows(*t.address_tables)
             reads.append(PlannedRead(t.rank, t.owner, local_rows, remote_rows, plan.total_bytes,
                                      plan.num_descriptors, host_tier=t.host))
         return reads

@@ -339,10 +339,7 @@ class TransferAgent:
         by index (``read_prepared``). The lists live until the peer is removed or the agent closes."""
         self._check_open()
         self._check_peer(peer)
-        remote_kind = remote_mem_kind or mem_kind
-        for kind in (mem_kind, remote_kind):
-            if kind not in MEM_KINDS:
-                raise ValueError(f"memory kind must be one of {MEM_KINDS}, got {kind!r}")
+        remote_kind = _checked_mem_kinds(mem_kind, remote_mem_kind)
         local_arr, remote_arr = as_descriptor_array(local, "local"), as_descriptor_array(remote, "remote")
         with self._locked():
             try:
@@ -449,9 +446,7 @@ class TransferAgent:
         self, peer: str, local: DescriptorsLike, remote: DescriptorsLike, notify: bytes, mem_kind: str,
         remote_mem_kind: str | None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        for kind in (mem_kind, remote_mem_kind or mem_kind):
-            if kind not in MEM_KINDS:
-                raise ValueError(f"memory kind must be one of {MEM_KINDS}, got {kind!r}")
+        _checked_mem_kinds(mem_kind, remote_mem_kind)
         if not isinstance(notify, bytes):
             raise ValueError(f"notify must be bytes, got {type(notify).__name__}")
         self._check_peer(peer)
@@ -659,3 +654,12 @@ class TransferAgent:
             except Exception:
                 still.append(xfer)
         self._unreleased = still
+
+
+def _checked_mem_kinds(mem_kind: str, remote_mem_kind: str | None) -> str:
+    """The remote side's memory kind (``mem_kind`` when not given), after checking both are NIXL's."""
+    remote_kind = remote_mem_kind or mem_kind
+    for kind in (mem_kind, remote_kind):
+        if kind not in MEM_KINDS:
+            raise ValueError(f"memory kind must be one of {MEM_KINDS}, got {kind!r}")
+    return remote_kind
