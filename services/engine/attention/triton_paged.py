@@ -153,13 +153,17 @@ class TritonPagedBackend(AttentionBackend):
                                       block_tables=block_tables, sliding_window=sliding_window,
                                       dense=self._dense_plan(batch, sliding_window, block_tables.device))
 
+    def dense_threshold(self, device: torch.device) -> int:
+        """The chunk length from which fresh tokens go through the dense kernel on ``device`` (0: never)."""
+        if self.dense_min_query is not None:
+            return self.dense_min_query
+        return DENSE_MIN_QUERY if device.type == "cuda" else 0
+
     def _dense_plan(self, batch: AttentionBatch, sliding_window: int | None, device: torch.device
                     ) -> DensePlan | None:
         """Which requests' fresh tokens go through the dense kernel this step (eager steps with a
         long chunk only; a windowed group keeps the paged kernel, which skips what the window hides)."""
-        threshold = self.dense_min_query
-        if threshold is None:
-            threshold = DENSE_MIN_QUERY if device.type == "cuda" else 0
+        threshold = self.dense_threshold(device)
         if not threshold or batch.host_lens is None or batch.max_query_len < threshold or sliding_window:
             return None
         requests, modes = [], []

@@ -72,6 +72,14 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def capture_mode(device: torch.device, capture: bool | None) -> bool:
+    """Whether a graph runner captures (default: on CUDA) or runs its static-buffer forward eagerly."""
+    capture = device.type == "cuda" if capture is None else capture
+    if capture and device.type != "cuda":
+        raise ValueError("CUDA graphs need a CUDA device")
+    return capture
+
+
 def capture_graph(device: torch.device, pool: object | None, forward: Callable[[], T]
                   ) -> tuple[torch.cuda.CUDAGraph, object, T]:
     """Warm ``forward`` up on a side stream (lazy inits must not be captured), then capture it with memory from
@@ -123,9 +131,7 @@ class DecodeGraphRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
-        self.capture = self.device.type == "cuda" if capture is None else capture
-        if self.capture and self.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
+        self.capture = capture_mode(self.device, capture)
         spec = kv_cache.spec
         self.groups = spec.groups
         self.kv_views, self.layer_groups = kv_cache.views_by_layer(model.config.kv_sharing, model.config.num_layers)

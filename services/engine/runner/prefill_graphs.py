@@ -56,7 +56,13 @@ from services.engine.attention import (
 )
 from services.engine.kv_cache.buffers import KVCache
 from services.engine.models import DecoderModel
-from services.engine.runner.cuda_graphs import MIN_CONTEXT_BUCKET, batch_buckets, capture_graph, context_buckets
+from services.engine.runner.cuda_graphs import (
+    MIN_CONTEXT_BUCKET,
+    batch_buckets,
+    capture_graph,
+    capture_mode,
+    context_buckets,
+)
 from services.engine.runner.step import Chunk
 
 if TYPE_CHECKING:
@@ -79,15 +85,8 @@ def token_buckets(max_tokens: int, min_bucket: int = MIN_TOKEN_BUCKET) -> tuple[
 
 def dense_query_limit(backends: Sequence[AttentionBackend], device: torch.device) -> int | None:
     """The shortest chunk an eager step would send through ``triton_paged``'s dense kernel, or None."""
-    limits = []
-    for backend in backends:
-        if isinstance(backend, triton_paged.TritonPagedBackend):
-            limit = backend.dense_min_query
-            if limit is None:
-                limit = triton_paged.DENSE_MIN_QUERY if device.type == "cuda" else 0
-            if limit:
-                limits.append(limit)
-    return min(limits, default=None)
+    limits = [b.dense_threshold(device) for b in backends if isinstance(b, triton_paged.TritonPagedBackend)]
+    return min((limit for limit in limits if limit), default=None)
 
 
 @dataclass
@@ -124,9 +123,7 @@ class PrefillGraphRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
-        self.capture = self.device.type == "cuda" if capture is None else capture
-        if self.capture and self.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
+        self.capture = capture_mode(self.device, capture)
         self.groups = kv_cache.spec.groups
         self.kv_views, self.layer_groups = kv_cache.views_by_layer(model.config.kv_sharing, model.config.num_layers)
         self.group_backends = cache_group_backends(attention_backend, kv_cache)

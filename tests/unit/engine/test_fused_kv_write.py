@@ -41,6 +41,7 @@ from services.engine.kv_cache.buffers import KVCache  # noqa: E402
 from services.engine.model_config.hf import RopeSpec  # noqa: E402
 from services.engine.models.layers import RopeAngles, RotaryEmbedding  # noqa: E402
 from services.engine.ops import reference, triton_ops  # noqa: E402
+from services.engine.runner.cuda_graphs import capture_graph  # noqa: E402
 from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind  # noqa: E402
 from tests.sm90_compile import compile_script_lines  # noqa: E402
@@ -273,14 +274,7 @@ def test_capture_in_a_cuda_graph() -> None:
             return ops.rope_and_write_kv(case.q, case.k, case.v, rope.cos, rope.sin, rope.positions, k_cache,
                                          v_cache, *case.slots())
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        q, k = step()
+    graph, _, (q, k) = capture_graph(torch.device("cuda"), None, step)  # compiles outside the capture
     other = WriteCase("cross_layer-HND", "d128-h32/8-t3+2", torch.bfloat16, seed=8)
     for t, new in ((case.q, other.q), (case.k, other.k), (case.v, other.v), (case.positions, other.positions + 5),
                    (case.write_offsets, (other.write_offsets + 1) % 16)):

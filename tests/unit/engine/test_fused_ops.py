@@ -33,6 +33,7 @@ from services.engine.llm_engine import LLMEngine  # noqa: E402
 from services.engine.model_config.hf import RopeSpec  # noqa: E402
 from services.engine.models.layers import RopeAngles, RotaryEmbedding  # noqa: E402
 from services.engine.ops import reference, triton_ops  # noqa: E402
+from services.engine.runner.cuda_graphs import capture_graph  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.parity import run_to_completion  # noqa: E402
 from tests.sm90_compile import compile_script_lines  # noqa: E402
@@ -254,14 +255,7 @@ def test_ops_capture_in_a_cuda_graph() -> None:
             return (normed, summed, *ops.apply_rope(q, k, emb.cos, emb.sin, positions), ops.silu_and_mul(gate_up),
                     ops.rms_norm(x, weight, 1e-6, 1.0))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, _, outs = capture_graph(torch.device("cuda"), None, step)  # compiles outside the capture
     for i, t in enumerate((x, residual, qkv, gate_up)):
         t.copy_(_randn(*t.shape, dtype=dtype, seed=10 + i))
     positions.copy_(torch.arange(100, 108, device=DEVICE))
