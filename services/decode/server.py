@@ -135,6 +135,7 @@ class DecodeServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.De
     async def GenerateParts(self, request_iterator: AsyncIterator[worker_pb2.GenerateInput],  # noqa: N802
                             context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.TokenChunk]:
         """Generate whose KV arrives as part tickets, pulled as they come (``PullPolicy.start_parts``)."""
+        context = InputFirstContext(context, request_iterator)
         async with self._serving(context):
             async for chunk in self._generate_parts(request_iterator, context):
                 yield chunk
@@ -252,6 +253,28 @@ class DecodeServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.De
             finally:
                 self.num_active -= 1
         return result.to_proto()
+
+
+class InputFirstContext:
+    """A bidi call's context whose ``abort`` reads the caller's input to its end before it ends the call.
+
+    A gRPC asyncio client that is still writing when the call's status arrives loses that status: the
+    failed write replaces it with ``INTERNAL: Internal error from Core`` (grpc/grpc#36066), so a router
+    relaying part tickets would see a broken worker instead of the refusal and its reason. The input ends
+    when the router has relayed the prefill's last part (or gave up: then the call is cancelled), and the
+    call's deadline bounds the wait; the tickets read meanwhile are dropped (the router releases them)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, inputs: AsyncIterator) -> None:
+        self._context = context
+        self._inputs = inputs
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        async for _ in self._inputs:
+            pass
+        await self._context.abort(code, details, trailing_metadata)
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
 
 
 async def _part_tickets(inputs: AsyncIterator[worker_pb2.GenerateInput]) -> AsyncIterator:

@@ -30,7 +30,7 @@ from services.kv.nixl.agent import TransferAgent
 from services.kv.puller import KVPuller
 from services.kv.rank import LocalKVRank
 from services.launch.spawn import daemons
-from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.kv_ranks import kv_identity
 from tests.checkpoints import make_checkpoint
 
@@ -319,5 +319,46 @@ def test_prefill_dying_mid_stream_or_an_abort_frees_every_block(checkpoint: str)
         asyncio.run(_relay_then(p.address, d.address, "aborted", prompt, abort_both))
         info = _wait_for(p.address, "prefill", lambda i: i.kv_blocks_pinned == 0 and i.num_running == 0)
         assert (info.kv_blocks_pinned, info.num_running, info.num_waiting) == (0, 0, 0)
+        info = _wait_for(d.address, "decode", lambda i: i.kv_blocks_free == free_at_start and i.num_running == 0)
+        assert (info.kv_blocks_free, info.num_running, info.num_waiting) == (free_at_start, 0, 0)
+
+
+def test_a_refused_strict_request_ends_after_its_input_with_its_status(checkpoint: str) -> None:
+    """Under require_pull a part the decode worker refuses ends the call FAILED_PRECONDITION with the reason,
+    but only once the caller's input ended: a client still writing parts when the status came would lose it
+    (gRPC asyncio reports INTERNAL "Internal error from Core" instead, and the router a broken worker)."""
+    prompt = _prompt(5, 40)
+    with daemons(("decode", checkpoint, DECODE_ARGS)) as (d,):
+        free_at_start = asyncio.run(_info(d.address, "decode")).kv_blocks_free
+
+        async def refused() -> tuple[grpc.StatusCode, str]:
+            async with grpc.aio.insecure_channel(d.address) as channel:
+                parts: asyncio.Queue = asyncio.Queue()
+                parts.put_nowait(worker_pb2.GenerateInput(start=worker_pb2.GenerateRequest(
+                    request_id="strict", prompt_token_ids=prompt, params=sampling_to_proto(GREEDY),
+                    require_pull=True)))
+                # Another request's part: refused before any pull, which fails a strict request at once.
+                stray = worker_pb2.GenerateInput(part=kv_pb2.TransferTicket(
+                    request_id="someone-else", num_tokens=CHUNK, num_prompt_tokens=len(prompt)))
+                parts.put_nowait(stray)
+
+                async def inputs():
+                    while (item := await parts.get()) is not None:
+                        yield item
+
+                call = worker_pb2_grpc.DecodeWorkerStub(channel).GenerateParts(inputs())
+                await asyncio.sleep(1.0)
+                assert not call.done()  # refused already, but the caller is still sending
+                for _ in range(20):  # the prefill's later parts, relayed back to back
+                    parts.put_nowait(stray)
+                parts.put_nowait(None)
+                with pytest.raises(grpc.aio.AioRpcError) as refusal:
+                    async for _ in call:
+                        pass
+                return refusal.value.code(), refusal.value.details()
+
+        code, details = asyncio.run(refused())
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, details
+        assert "the KV pull is required" in details and "'someone-else'" in details, details
         info = _wait_for(d.address, "decode", lambda i: i.kv_blocks_free == free_at_start and i.num_running == 0)
         assert (info.kv_blocks_free, info.num_running, info.num_waiting) == (free_at_start, 0, 0)
