@@ -12,7 +12,7 @@ PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12
 HELM_VENV := .venv-helm
 export ONEDNN_MAX_CPU_ISA ?= AVX512_CORE_BF16
 
-.PHONY: install proto test lint run clean tools images wheelhouse clean-wheelhouse compose-up compose-down
+.PHONY: install proto test lint run clean tools images wheelhouse clean-wheelhouse compose-up compose-down certs
 
 install: $(STAMP) tools
 
@@ -84,6 +84,21 @@ COMPOSE_RUN := COMPOSE_PROFILES=cpu PROMETHEUS_IMAGE=$(LOCAL_PROMETHEUS_IMAGE) $
 else ifneq ($(BASE),official)
 $(error BASE is official or local, not $(BASE))
 endif
+# TLS=1: mTLS on worker gRPC (deploy/docker-compose.tls.yml) with the certificates in TLS_DIR (ca.crt, tls.crt,
+# tls.key); `make certs` (and compose-up, when TLS_DIR has none) makes a throwaway set there.
+TLS ?=
+TLS_DIR ?= deploy/tls/certs
+ifeq ($(TLS),1)
+COMPOSE_RUN := PDSERVE_TLS_DIR=$(abspath $(TLS_DIR)) $(COMPOSE_RUN) -f deploy/docker-compose.tls.yml
+COMPOSE_CERTS := $(TLS_DIR)/tls.crt
+else ifneq ($(TLS),)
+$(error TLS is 1 or empty, not $(TLS))
+endif
+
+certs: $(TLS_DIR)/tls.crt
+
+$(TLS_DIR)/tls.crt:
+	sh deploy/tls/make-certs.sh $(TLS_DIR)
 
 wheelhouse:
 	$(PYTHON) deploy/docker/localbuild.py wheelhouse
@@ -107,7 +122,7 @@ images:
 endif
 
 # The CPU stack, detached; returns once every container is healthy and prints where it serves.
-compose-up: images
+compose-up: images $(COMPOSE_CERTS)
 	$(COMPOSE_RUN) up --detach --no-build --wait --wait-timeout 600
 	@echo "pdserve: http://$$($(COMPOSE_RUN) port router 8000)/v1 (OpenAI API), Prometheus: http://$$($(COMPOSE_RUN) port prometheus 9090)"
 	@$(COMPOSE_RUN) ps --services --status running | grep -qx grafana && \

@@ -1,4 +1,4 @@
-"""The one entry point: ``pdserve generate|prefill|decode|router|up|drain``."""
+"""The one entry point: ``pdserve generate|prefill|decode|router|up|drain|health``."""
 
 from __future__ import annotations
 
@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     from services.launch.drain import add_drain_parser
 
     add_drain_parser(sub)
+
+    from services.launch.health import add_health_parser
+
+    add_health_parser(sub)
 
     up = sub.add_parser("up", help="start a router, N prefill and M decode workers here; Ctrl-C stops all")
     up.add_argument("--host", default="127.0.0.1", help="router address (default 127.0.0.1)")

@@ -65,8 +65,6 @@ class DrainConfig:
                                   "within its own --drain-timeout-s); 0: no limit", parse=seconds)
     kv_auth_token: str | None = flag(None, "the workers' cluster token (default: $PDSERVE_KV_AUTH_TOKEN)",
                                      env="PDSERVE_KV_AUTH_TOKEN", secret=True)
-    tls_server_name: str | None = flag(None, "with mTLS: the name the worker's certificate is checked against, when "
-                                             "it does not name --host (e.g. the pod's DNS name)")
     tls: TLSConfig | None = None  # mTLS with this process's certificate: the --tls-* flags the workers take
 
 
@@ -113,11 +111,10 @@ def drain(config: DrainConfig) -> worker_pb2.DrainResponse:
     """Check the worker answers, wait ``after_s``, drain it and wait for the end; DrainFailed otherwise."""
     address = join_host_port(config.host, config.port or 0)
     metadata = ((METADATA_KEY, bearer(config.kv_auth_token)),) if config.kv_auth_token else ()
-    options = [("grpc.ssl_target_name_override", config.tls_server_name)] if config.tls_server_name else []
     if config.tls is None:
-        channel = grpc.insecure_channel(address, options=options)
+        channel = grpc.insecure_channel(address)
     else:
-        channel = grpc.secure_channel(address, config.tls.channel_credentials(), options=options)
+        channel = grpc.secure_channel(address, config.tls.channel_credentials(), options=config.tls.channel_options())
     with channel:
         stub, info = _find_worker(channel, address, metadata)
         time.sleep(config.after_s)  # the worker serves on meanwhile

@@ -1,6 +1,10 @@
-"""The images built and the compose stack run for real: `make compose-up BASE=local`, requests through the
-published port, KV pulled between containers, Prometheus scraping them, a crashed prefill container, a
+"""The images built and the compose stack run for real: `make compose-up BASE=local TLS=1`, requests through
+the published port, KV pulled between containers, Prometheus scraping them, a crashed prefill container, a
 draining `docker compose stop`, `make compose-down`.
+
+The stack runs with mTLS on worker gRPC (docker-compose.tls.yml, certificates from deploy/tls/make-certs.sh
+in a directory of the test's own): every call between containers, the health checks that gate the start and
+the restart, and the drains all go through it; a plaintext caller on the compose network is refused.
 
 Runs where a Docker engine can be had: one already serving, or `dockerd` (Debian's docker.io, which `make
 install` puts in place with debootstrap) started here as root and stopped at the end (its image store stays,
@@ -92,6 +96,7 @@ class Stack:
     project: str
     http_port: int
     prometheus_port: int
+    tls_dir: Path
     env: dict[str, str]
     timings_s: dict[str, float] = field(default_factory=dict)
     first_answer: dict = field(default_factory=dict)
@@ -101,16 +106,23 @@ class Stack:
         return f"http://127.0.0.1:{self.http_port}"
 
     def make(self, target: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
-        argv = ["make", "--no-print-directory", target, "BASE=local", f"COMPOSE_PROJECT={self.project}"]
+        argv = ["make", "--no-print-directory", target, *self.make_args]
         result = subprocess.run(argv, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout_s)
         assert result.returncode == 0, f"make {target} failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
         return result
 
+    @property
+    def make_args(self) -> list[str]:
+        return ["BASE=local", "TLS=1", f"TLS_DIR={self.tls_dir}", f"COMPOSE_PROJECT={self.project}"]
+
     def compose(self, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-        """Compose as the Makefile runs it for BASE=local (project, file, env file, profile, Prometheus image)."""
+        """Compose as the Makefile runs it for BASE=local TLS=1 (project, files, env file, profile, Prometheus
+        image, certificates)."""
         argv = [tool("docker-compose"), "--project-name", self.project, "--project-directory", str(DEPLOY),
-                "-f", str(DEPLOY / "docker-compose.yml"), "--env-file", str(DEPLOY / "pdserve.env"), *args]
-        env = {**self.env, "COMPOSE_PROFILES": "cpu", "PROMETHEUS_IMAGE": "pdserve-prometheus:bookworm"}
+                "-f", str(DEPLOY / "docker-compose.yml"), "-f", str(DEPLOY / "docker-compose.tls.yml"),
+                "--env-file", str(DEPLOY / "pdserve.env"), *args]
+        env = {**self.env, "COMPOSE_PROFILES": "cpu", "PROMETHEUS_IMAGE": "pdserve-prometheus:bookworm",
+               "PDSERVE_TLS_DIR": str(self.tls_dir)}
         result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
         assert result.returncode == 0, result.stderr
         return result
@@ -157,9 +169,10 @@ def _stage_seconds(output: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def stack(docker_engine) -> Iterator[Stack]:
+def stack(docker_engine, tmp_path_factory) -> Iterator[Stack]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "PDSERVE_", "PROMETHEUS_", "GRAFANA_"))}
-    s = Stack(project=f"pdserve-test-{os.getpid()}", http_port=_free_port(), prometheus_port=_free_port(), env=env)
+    s = Stack(project=f"pdserve-test-{os.getpid()}", http_port=_free_port(), prometheus_port=_free_port(),
+              tls_dir=tmp_path_factory.mktemp("tls") / "certs", env=env)
     s.env.update(PDSERVE_HTTP_PORT=str(s.http_port), PROMETHEUS_PORT=str(s.prometheus_port))
     try:
         started = time.monotonic()
@@ -182,7 +195,7 @@ def stack(docker_engine) -> Iterator[Stack]:
             logs = s.compose("logs", "--no-color", "--timestamps")
             (REPO / "build").mkdir(exist_ok=True)
             (REPO / "build" / "container-logs.txt").write_text(logs.stdout + logs.stderr)
-        subprocess.run(["make", "--no-print-directory", "compose-down", "BASE=local", f"COMPOSE_PROJECT={s.project}"],
+        subprocess.run(["make", "--no-print-directory", "compose-down", *s.make_args],
                        cwd=REPO, env=s.env, capture_output=True, timeout=300)
         subprocess.run(["docker", "volume", "rm", "-f", f"{s.project}_prometheus-data"], capture_output=True)
 
@@ -198,6 +211,22 @@ def test_chat_through_the_published_port_with_kv_pulled_between_containers(stack
     while not [r for r in stack.promql('sum(pdserve_kv_transfer_bytes_total{job="pdserve-decode"}) > 0')]:
         assert time.monotonic() < deadline, "Prometheus never saw KV bytes pulled by the decode container"
         time.sleep(2)
+
+
+def test_workers_require_mtls_and_their_health_checks_pass_with_it(stack):
+    """Every worker serves TLS only: from the router's container, `pdserve health` reaches both workers by their
+    service names with the container's certificate (the name checked is PDSERVE_TLS_SERVER_NAME), and the same
+    call without it is refused; Docker's own health checks (the same command) report every container healthy."""
+    router = stack.container("router")
+    for service, port in (("prefill", 9001), ("decode", 9002)):
+        assert stack.inspect(service)["State"]["Health"]["Status"] == "healthy", service
+        probe = ["pdserve", "health", "--host", service, "--port", str(port)]
+        with_tls = subprocess.run(["docker", "exec", router, *probe], capture_output=True, text=True, timeout=60)
+        assert with_tls.returncode == 0, with_tls.stderr
+        plaintext = subprocess.run(["docker", "exec", router, "env", "-u", "PDSERVE_TLS_CERT", "-u", "PDSERVE_TLS_KEY",
+                                    "-u", "PDSERVE_TLS_CA", "-u", "PDSERVE_TLS_SERVER_NAME", *probe],
+                                   capture_output=True, text=True, timeout=60)
+        assert plaintext.returncode == 2 and "did not answer" in plaintext.stderr, plaintext.stderr
 
 
 def test_every_prometheus_target_is_up(stack):

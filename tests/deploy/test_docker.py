@@ -30,9 +30,12 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from services.cli import build_parser
+from services.common.tls import TLSConfig
 from tests.deploy.tools import DEPLOY, REPO, tool
 
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+TLS_OVERLAY = DEPLOY / "docker-compose.tls.yml"
+MAKE_CERTS = DEPLOY / "tls" / "make-certs.sh"
 ENV_FILE = DEPLOY / "pdserve.env"
 CONSTRAINTS = DEPLOY / "docker" / "constraints.txt"
 DOCKERFILES = {"cpu": DEPLOY / "docker" / "Dockerfile.cpu", "cuda": DEPLOY / "docker" / "Dockerfile.cuda"}
@@ -132,13 +135,19 @@ def go_duration_s(text: str) -> float:
     return int(h or 0) * 3600 + int(m or 0) * 60 + float(s or 0)
 
 
-def run_check(test: list[str], address: str, port: int) -> int:
-    """Run a Docker health check (["CMD", "python", ...]) here, pointed at 127.0.0.1:<port>."""
-    assert test[0] == "CMD" and test[1] == "python", test
-    code = test[-1]
-    assert f"127.0.0.1:{address}" in code, code
-    argv = [sys.executable, *test[2:-1], code.replace(f"127.0.0.1:{address}", f"127.0.0.1:{port}")]
-    return subprocess.run(argv, capture_output=True, env=_clean_env(), timeout=30).returncode
+def run_check(test: list[str], address: str, port: int, env: dict[str, str] | None = None) -> int:
+    """Run a Docker health check here, pointed at 127.0.0.1:<port>: ["CMD", "python", "-c", code] with the
+    address in the code, or ["CMD", "pdserve", "health", "--port", address] (``env``: the container's)."""
+    assert test[0] == "CMD", test
+    if test[1] == "pdserve":
+        assert test[2:] == ["health", "--port", address], test
+        argv = [str(Path(sys.executable).with_name("pdserve")), "health", "--port", str(port)]
+    else:
+        assert test[1] == "python", test
+        code = test[-1]
+        assert f"127.0.0.1:{address}" in code, code
+        argv = [sys.executable, *test[2:-1], code.replace(f"127.0.0.1:{address}", f"127.0.0.1:{port}")]
+    return subprocess.run(argv, capture_output=True, env=_clean_env(**(env or {})), timeout=30).returncode
 
 
 ALL_SET = {
@@ -207,7 +216,8 @@ def test_defaults_without_env_file_match_pdserve_env(profile):
 
 def test_env_file_and_compose_variables_agree():
     env = read_env_file()
-    text = "\n".join(line for line in COMPOSE_FILE.read_text().splitlines() if not line.lstrip().startswith("#"))
+    text = "\n".join(line for path in (COMPOSE_FILE, TLS_OVERLAY) for line in path.read_text().splitlines()
+                     if not line.lstrip().startswith("#"))
     used = {}
     for match in re.finditer(r"(?<!\$)\$\{(\w+)(?::?([-+?]))?", text):
         name, op = match.groups()
@@ -217,11 +227,11 @@ def test_env_file_and_compose_variables_agree():
         used.setdefault(name, set()).add(default)
     assert used, "no variables found in the compose file"
     for name, defaults in used.items():
-        assert name in env, f"docker-compose.yml uses ${{{name}}}, which pdserve.env does not document"
+        assert name in env, f"the compose files use ${{{name}}}, which pdserve.env does not document"
         for default in defaults - {None}:
             assert default == env[name], f"{name}: compose default {default!r}, pdserve.env {env[name]!r}"
     unused = set(env) - set(used) - {"COMPOSE_PROFILES"}
-    assert not unused, f"pdserve.env sets what docker-compose.yml never reads: {unused}"
+    assert not unused, f"pdserve.env sets what the compose files never read: {unused}"
     assert env["COMPOSE_PROFILES"] == "cpu,grafana"
 
 
@@ -432,6 +442,48 @@ def test_worker_health_checks_follow_grpc_health(grpc_health):
             assert run_check(check["test"], address, port) == 0, name
             servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             assert run_check(check["test"], address, port) != 0, name
+
+
+def test_tls_overlay_gives_every_process_the_certificates_and_probes_dial_with_them(tmp_path):
+    """docker-compose.tls.yml: the router and every worker mount the certificate directory and point the three
+    PDSERVE_TLS_* variables (and the server name) into it; the workers' health checks, run with a container's
+    environment, pass against a worker that requires mTLS and fail without the certificates."""
+    certs = tmp_path / "certs"
+    subprocess.run(["sh", str(MAKE_CERTS), str(certs), "pdserve-worker"], check=True, capture_output=True)
+    env = _clean_env(PDSERVE_TLS_DIR=str(certs))
+    for profile in ("cpu", "gpu"):
+        result = _compose("-f", str(TLS_OVERLAY), *_compose_args(ENV_FILE, profile), "config", "--format", "json",
+                          env=env)
+        assert result.returncode == 0, result.stderr
+        services = pdserve_services(json.loads(result.stdout))
+        assert {role_of(n) for n in services} == {"router", "prefill", "decode"}
+        for name, service in services.items():
+            mounts = {v["target"]: v for v in service["volumes"]}
+            assert mounts["/etc/pdserve/tls"]["source"] == str(certs) and mounts["/etc/pdserve/tls"]["read_only"]
+            assert {k: v for k, v in service["environment"].items() if k.startswith("PDSERVE_TLS_")} == {
+                "PDSERVE_TLS_CERT": "/etc/pdserve/tls/tls.crt", "PDSERVE_TLS_KEY": "/etc/pdserve/tls/tls.key",
+                "PDSERVE_TLS_CA": "/etc/pdserve/tls/ca.crt", "PDSERVE_TLS_SERVER_NAME": "pdserve-worker"}, name
+
+    tls = TLSConfig.from_files(str(certs / "tls.crt"), str(certs / "tls.key"), str(certs / "ca.crt"))
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", tls.server_credentials())
+    server.start()
+    try:
+        for name, service in services.items():
+            if role_of(name) == "router":
+                continue
+            container_env = {k: v.replace("/etc/pdserve/tls", str(certs)) for k, v in service["environment"].items()
+                             if k.startswith("PDSERVE_TLS_")}
+            test, address = service["healthcheck"]["test"], str(PORTS[role_of(name)][0])
+            servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            assert run_check(test, address, port, container_env) == 0, name
+            assert run_check(test, address, port) != 0, name  # plaintext: the worker refuses it
+            servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            assert run_check(test, address, port, container_env) != 0, name
+    finally:
+        server.stop(0)
 
 
 # ---- Dockerfiles ----

@@ -47,6 +47,7 @@ SCENARIOS = {
     "monitoring": "ci/monitoring-values.yaml",
     "existing-secret": "ci/existing-secret-values.yaml",
     "autoscaling": "ci/autoscaling-values.yaml",
+    "mtls": "ci/mtls-values.yaml",
 }
 RULE_FILES = ("pdserve-recording.yml", "pdserve-alerts.yml")
 LINKS = {
@@ -276,6 +277,7 @@ def test_schema_rejects_typos_and_wrong_types(flags, message):
     (["--set", "gpu.enabled=true", "--set", "prefill.tp=2", "--set", "prefill.gpus=1"], "prefill.gpus (1) is less"),
     (["--set", "decode.enabled=false"], "the router needs decode workers"),
     (["--set", "kvAuth.token=t", "--set", "kvAuth.existingSecret=s"], "either token or existingSecret"),
+    (["--set", "tls.enabled=true"], "tls.enabled: set tls.secretName"),
     (["--set", "autoscaling.enabled=true", "--set", "autoscaling.decode.minReplicas=5"],
      "autoscaling.decode: minReplicas (5) is above maxReplicas (4)"),
 ])
@@ -393,7 +395,10 @@ def test_probes_and_graceful_termination(scenario):
             assert pod["terminationGracePeriodSeconds"] > sleep + 30  # uvicorn's graceful shutdown is 30 s
             continue
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": args.port}, probe
+            if v["tls"]["enabled"]:  # the kubelet's gRPC probe cannot present a certificate
+                assert health_probe(container, probe).port == args.port, probe
+            else:
+                assert container[probe]["grpc"] == {"port": args.port}, probe
         startup = container["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # time to load a model
         drain, sleep = v[name]["drainTimeoutSeconds"], v[name]["preStopSleepSeconds"]
@@ -465,6 +470,40 @@ def pre_stop_drain(container: dict):
     assert hook.port == parse(container).port == {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
     assert "--kv-auth-token" not in command  # never on a command line
     return hook
+
+
+def health_probe(container: dict, probe: str):
+    """A worker's exec probe, parsed by the real CLI: `pdserve health` on the container's own gRPC port."""
+    command = container[probe]["exec"]["command"]
+    assert command[:2] == ["pdserve", "health"], command
+    parsed = build_parser().parse_args(command[1:])
+    assert parsed.host == "127.0.0.1" and parsed.tls_cert is None  # the certificates come from the env
+    return parsed
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_mtls_certificates_come_from_a_secret(scenario):
+    """tls.enabled: every pod mounts the Secret read-only (group-readable only) and every process, the probes and
+    the preStop drain too, finds the files and the server name in the PDSERVE_TLS_* variables; off, none."""
+    docs = render(scenario)
+    t = values(scenario)["tls"]
+    for name, deployment in workloads(docs).items():
+        pod = deployment["spec"]["template"]["spec"]
+        container = main_container(deployment)
+        env = {e["name"]: e.get("value") for e in container["env"] if e["name"].startswith("PDSERVE_TLS_")}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        if not t["enabled"]:
+            assert not env and "tls" not in volumes and "tls" not in mounts, name
+            continue
+        assert env == {"PDSERVE_TLS_CERT": "/etc/pdserve/tls/tls.crt", "PDSERVE_TLS_KEY": "/etc/pdserve/tls/tls.key",
+                       "PDSERVE_TLS_CA": "/etc/pdserve/tls/ca.crt", "PDSERVE_TLS_SERVER_NAME": "pdserve-worker"}, name
+        assert volumes["tls"]["secret"]["secretName"] == "pdserve-tls"
+        assert volumes["tls"]["secret"]["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"]
+        assert {i["path"] for i in volumes["tls"]["secret"]["items"]} == {"tls.crt", "tls.key", "ca.crt"}
+        assert mounts["tls"] == {"name": "tls", "mountPath": "/etc/pdserve/tls", "readOnly": True}
+        if name != "router":
+            pre_stop_drain(container)  # the hook inherits the env: it dials with the pod's certificate
 
 
 def test_worker_pre_stop_sleep_can_be_off():

@@ -104,6 +104,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- if not .Values.decode.enabled -}}
 {{- fail "decode.enabled is false: the router needs decode workers" -}}
 {{- end -}}
+{{- if and .Values.tls.enabled (not .Values.tls.secretName) -}}
+{{- fail "tls.enabled: set tls.secretName (a Secret with tls.crt, tls.key and ca.crt)" -}}
+{{- end -}}
 {{- if and .Values.kvAuth.enabled .Values.kvAuth.token .Values.kvAuth.existingSecret -}}
 {{- fail "kvAuth: set either token or existingSecret, not both" -}}
 {{- end -}}
@@ -193,6 +196,61 @@ topologySpreadConstraints:
 {{- define "pdserve.containerSecurityContext" -}}
 {{- $c := index .root.Values .component -}}
 {{- toYaml (mustMergeOverwrite (deepCopy .root.Values.securityContext) (deepCopy $c.securityContext)) -}}
+{{- end -}}
+
+{{/* mTLS (tls.enabled): the variables every pdserve process reads, the Secret's volume and its mount. */}}
+{{- define "pdserve.tlsEnv" -}}
+{{- $t := .Values.tls -}}
+{{- if $t.enabled }}
+- name: PDSERVE_TLS_CERT
+  value: /etc/pdserve/tls/{{ $t.certKey }}
+- name: PDSERVE_TLS_KEY
+  value: /etc/pdserve/tls/{{ $t.keyKey }}
+- name: PDSERVE_TLS_CA
+  value: /etc/pdserve/tls/{{ $t.caKey }}
+- name: PDSERVE_TLS_SERVER_NAME
+  value: {{ $t.serverName | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.tlsVolume" -}}
+{{- $t := .Values.tls -}}
+{{- if $t.enabled }}
+- name: tls
+  secret:
+    secretName: {{ $t.secretName }}
+    # Readable by the pod's fsGroup (the containers' group), by nobody else.
+    defaultMode: 0440
+    items:
+      - key: {{ $t.certKey }}
+        path: {{ $t.certKey }}
+      - key: {{ $t.keyKey }}
+        path: {{ $t.keyKey }}
+      - key: {{ $t.caKey }}
+        path: {{ $t.caKey }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.tlsMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/pdserve/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/*
+A worker probe: the kubelet's gRPC probe, or with mTLS on `pdserve health` in the container (it dials with the
+pod's certificate; a kubelet's gRPC probe cannot). (dict "root" $ "port" <port>)
+*/}}
+{{- define "pdserve.workerProbe" -}}
+{{- if .root.Values.tls.enabled }}
+exec:
+  command: ["pdserve", "health", "--port", {{ .port | toString | quote }}]
+{{- else }}
+grpc:
+  port: {{ .port }}
+{{- end }}
 {{- end -}}
 
 {{/* Probe timing fields from a probeTiming value. */}}

@@ -132,6 +132,7 @@ spec:
                   name: {{ include "pdserve.kvAuthSecretName" $root }}
                   key: {{ include "pdserve.kvAuthSecretKey" $root }}
             {{- end }}
+            {{- include "pdserve.tlsEnv" $root | nindent 12 }}
             {{- with $w.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -143,16 +144,13 @@ spec:
               containerPort: {{ $w.metricsPort }}
               protocol: TCP
           startupProbe:
-            grpc:
-              port: {{ $w.port }}
+            {{- include "pdserve.workerProbe" (dict "root" $root "port" $w.port) | nindent 12 }}
             {{- include "pdserve.probeTiming" $w.probes.startup | nindent 12 }}
           readinessProbe:
-            grpc:
-              port: {{ $w.port }}
+            {{- include "pdserve.workerProbe" (dict "root" $root "port" $w.port) | nindent 12 }}
             {{- include "pdserve.probeTiming" $w.probes.readiness | nindent 12 }}
           livenessProbe:
-            grpc:
-              port: {{ $w.port }}
+            {{- include "pdserve.workerProbe" (dict "root" $root "port" $w.port) | nindent 12 }}
             {{- include "pdserve.probeTiming" $w.probes.liveness | nindent 12 }}
           # Serve on while the routers drop the terminating pod (out of the headless Service at once, out of
           # their table at their next DNS refresh), then drain and wait until drained: a prefill worker until its
@@ -177,6 +175,7 @@ spec:
             {{- with (include "pdserve.modelMount" $root | trim) }}
             {{- . | nindent 12 }}
             {{- end }}
+            {{- include "pdserve.tlsMount" $root | nindent 12 }}
       volumes:
         - name: tmp
           emptyDir:
@@ -188,5 +187,6 @@ spec:
         {{- with (include "pdserve.modelVolume" $root | trim) }}
         {{- . | nindent 8 }}
         {{- end }}
+        {{- include "pdserve.tlsVolume" $root | nindent 8 }}
 {{- include "pdserve.pdb" . }}
 {{- end -}}
