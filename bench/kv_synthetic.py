@@ -174,7 +174,7 @@ async def serve(cfg: dict) -> None:
 
     stdin_closed = asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     while not stdin_closed.done():
-        for rid in exporter.poll_released():
+        for rid in exporter.released(exporter.collect_notifications()):
             print(json.dumps({"released": rid}), flush=True)
         await asyncio.sleep(0.01)
     await server.stop(0)

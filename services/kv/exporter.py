@@ -186,11 +186,17 @@ class KVExporter:
         return [kv_pb2.GroupDigests(group_id=g, reader_rank=r, unit=units[g], digests=(d & MASK32).tolist())
                 for (g, r), d in sorted(sums.items())]
 
-    def poll_released(self) -> list[str]:
-        """Request ids every reader has finished with (of every ticket, the last part out): their blocks can
-        be freed now."""
-        for rank, r in enumerate(self._ranks):
-            for key in self._trackers[rank].feed(r.poll_notifications()):
+    def collect_notifications(self) -> list[dict[str, list[bytes]]]:
+        """Every rank's new NIXL notifications, by rank. The NIXL call may wait: over UCX's TCP transport the
+        data of READs from this worker moves inside it (tens of ms), so an event loop calls this on a thread;
+        it touches no state of the exporter's own."""
+        return [r.poll_notifications() for r in self._ranks]
+
+    def released(self, notes: list[dict[str, list[bytes]]]) -> list[str]:
+        """Take in what ``collect_notifications`` returned; the request ids every reader has finished with (of
+        every ticket, the last part out): their blocks can be freed now."""
+        for rank, rank_notes in enumerate(notes):
+            for key in self._trackers[rank].feed(rank_notes):
                 rid, host, nonce = notification_parts(key)
                 self._waiting.get(rid, set()).discard((rank, host, nonce))
         done = [rid for rid, ranks in self._waiting.items() if not ranks and rid not in self._open]
