@@ -125,6 +125,7 @@ from bench.serve_planner import (  # noqa: E402
     print_phase_tables,
     print_planner_row,
 )
+from services.common.metrics import PULL_STAGES  # noqa: E402
 from services.launch.spawn import Daemon, DaemonFailed, daemons, start_router, stop_router  # noqa: E402
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
@@ -406,6 +407,29 @@ def finished_on(d: Daemon, any_role: bool = False) -> int | None:
     return None if value is None else int(value)
 
 
+def pull_totals(decode: list[Daemon]) -> dict[str, float]:
+    """Summed over the decode workers' /metrics: pulls (each KV part is one), bytes, and seconds per pull stage
+    (pdserve_kv_pull_stage_seconds: handshake, ticket check, planning, the READ, the digest...)."""
+    totals = dict.fromkeys(("pulls", "bytes", *PULL_STAGES), 0.0)
+    for d in decode:
+        samples = scrape(f"http://127.0.0.1:{d.metrics_port}/metrics")
+        totals["pulls"] += sample(samples, "pdserve_kv_transfer_seconds_count", role="decode") or 0.0
+        totals["bytes"] += sample(samples, "pdserve_kv_transfer_bytes_total", role="decode") or 0.0
+        for stage in PULL_STAGES:
+            totals[stage] += sample(samples, "pdserve_kv_pull_stage_seconds_sum", role="decode", stage=stage) or 0.0
+    return totals
+
+
+def pull_profile(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Where the pulls of a load went: their count, GiB, and the mean milliseconds per pull of each stage."""
+    pulls = after["pulls"] - before["pulls"]
+    profile = {"pulls": int(pulls), "gib": round((after["bytes"] - before["bytes"]) / 2**30, 3)}
+    if pulls:
+        profile["mean_stage_ms"] = {stage: round((after[stage] - before[stage]) / pulls * 1e3, 3)
+                                    for stage in PULL_STAGES}
+    return profile
+
+
 def routes_of(router_url: str) -> dict[str, int]:
     samples = scrape(f"{router_url}/metrics")
     counts = {route: sample(samples, "pdserve_router_routed_requests_total", route=route)
@@ -504,6 +528,7 @@ def run_setup(kind: str, args, devices: list[str], worker_argv: tuple[str, ...],
                 counted = started if kind == "planner" else decode
                 before = [finished_on(d, kind == "planner") for d in counted]
                 routes_before = routes_of(router.url)
+                pulls_before = pull_totals(decode)
                 watch = PlannerWatch(router.url, min(1.0, settings.interval_s / 2)) if kind == "planner" else None
                 results, duration = asyncio.run(drive(router.url, workload, args.request_timeout_s,
                                                       watch.start if watch else None))
@@ -523,6 +548,8 @@ def run_setup(kind: str, args, devices: list[str], worker_argv: tuple[str, ...],
                 key = "finished_by_worker" if kind == "planner" else "decode_finished"
                 row[key] = [None if None in (a, b) else a - b for a, b in zip(after, before, strict=True)]
                 row["routes"] = {k: v - routes_before.get(k, 0) for k, v in routes_of(router.url).items()}
+                if prefill:
+                    row["pull_profile"] = pull_profile(pulls_before, pull_totals(decode))
                 if watch:
                     row["planner"] = planner_report(watch, router.url, started, settings, args, phases)
                 if kind == "colocated" and args.workload == "mix":
@@ -832,6 +859,10 @@ def print_table(rows: list[dict], ratios: list[dict], note: str | None) -> None:
         extra = f"SLO met by {r['slo_met']}/{r['requests']}; {finished}; routes {r['routes']}; max send lag " \
                 f"{r['max_send_lag_ms']:.1f} ms"
         print(f"# {r['setup']}: {extra}")
+        if r.get("pull_profile", {}).get("pulls"):
+            profile = r["pull_profile"]
+            stages = " ".join(f"{k}={v:.2f}" for k, v in profile["mean_stage_ms"].items())
+            print(f"# {r['setup']}: {profile['pulls']} pulls, {profile['gib']} GiB; mean ms per pull: {stages}")
         for error, count in r["errors"].items():
             print(f"# {r['setup']}: FAILED x{count}: {error}")
     added = [r["router_added_ms"] for r in rows if "router_added_ms" in r]
