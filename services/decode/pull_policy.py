@@ -29,7 +29,6 @@ from typing import Protocol
 
 from services.common.metrics import PULL_STAGES, WorkerMetrics
 from services.contract.sampling_params import SamplingParams
-from services.decode.part_pulls import FailedPart, PartPulls, PartsInFlight
 from services.engine.sched.request import Request
 from services.kv.handshake import HandshakeError
 from services.kv.nixl.errors import TransferError, TransferTimeout
@@ -89,18 +88,40 @@ class StartedRequest:
     recomputed_locally: bool = False
 
 
+class PartPulls:
+    """How far a request's part tickets came (``start_parts``): each must start where the one before ended and
+    name this request and prompt; the last ends at the prompt's end and carries the first token."""
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.end = 0  # tokens covered by the parts so far
+        self.last: kv_pb2.TransferTicket | None = None
+        self.failure: str | None = None
+        self.num_pulled = 0
+
+    def accept(self, ticket: kv_pb2.TransferTicket, rid: str) -> str | None:
+        """Take the next part; why it does not fit, if it does not (it is not pulled then)."""
+        whole = max(ticket.num_prompt_tokens, ticket.num_tokens)
+        problem = None
+        if ticket.request_id != rid or whole != self.num_prompt_tokens:
+            problem = f"a KV part of request {ticket.request_id!r} ({whole} tokens)"
+        elif ticket.part_start_token != self.end or not self.end < ticket.num_tokens <= whole:
+            problem = f"a KV part of tokens {ticket.part_start_token}..{ticket.num_tokens} after tokens 0..{self.end}"
+        self.end = max(self.end, ticket.num_tokens)
+        if ticket.num_tokens >= self.num_prompt_tokens:
+            self.last = ticket
+        return None if problem is None else f"{problem} does not continue the prompt's KV; refused"
+
+
 class PullPolicy:
     """Starts decode requests: pulled KV when it can, local prefill when it must (metrics say which)."""
 
     def __init__(self, engine: DecodeEngine, puller: Puller, metrics: WorkerMetrics,
-                 reserve_timeout_s: float = 10.0, quarantine_s: float = 30.0, parts_in_flight: int = 4) -> None:
+                 reserve_timeout_s: float = 10.0, quarantine_s: float = 30.0) -> None:
         self.engine = engine
         self.puller = puller
         self.metrics = metrics
         self.reserve_timeout_s = reserve_timeout_s
-        if parts_in_flight < 1:
-            raise ValueError(f"--kv-parts-in-flight must be at least 1, got {parts_in_flight}")
-        self.parts_in_flight = parts_in_flight  # part pulls of one request running at once (part_pulls.py)
         self.quarantine_s = quarantine_s  # how long blocks a READ may still write stay out of the pool
         self._releases: set[asyncio.Task] = set()  # quarantined blocks waiting to be freed
 
@@ -181,27 +202,19 @@ class PullPolicy:
 
     async def _pull_parts(self, rid: str, request: Request | None, parts: AsyncIterator[kv_pb2.TransferTicket],
                           pulled: PartPulls, require_pull: bool, reserve_s: float) -> None:
-        """Pull each part into the reserved blocks as it arrives, several at once (part_pulls.py); after the last,
-        complete the request with its first token. On any failure no later part is pulled and the reservation
-        is dropped (or quarantined) once the READs in flight ended; the parts are then read to their end (the
-        last one has the first token a local prefill continues from) unless the pull is required."""
-        window = PartsInFlight(self.parts_in_flight)
-        try:
-            async for ticket in parts:
-                problem = pulled.accept(ticket, rid)
-                if pulled.failure is None and problem is not None:
-                    pulled.failure = problem
-                    self.metrics.kv_refused.labels("decode", "ticket", "part").inc()
-                    await self._drop_parts(rid, window, pulled)
-                if pulled.failure is None and \
-                        not await window.add(lambda t=ticket: self._pull_part(request, t, pulled, reserve_s)):
-                    await self._drop_parts(rid, window, pulled)  # a part in flight failed: none after it
-                if (pulled.failure is not None and require_pull) or pulled.last is not None:
-                    break
-            if pulled.failure is None and await window.settle():
-                await self._drop_parts(rid, window, pulled)
-        finally:
-            await window.cancel()  # cancelled, or the parts' stream broke: no READ outlives the call
+        """Pull each part into the reserved blocks; after the last, complete the request with its first token.
+        On any failure the reservation is dropped (or quarantined) at once; the parts are then read to their
+        end (the last one has the first token a local prefill continues from) unless the pull is required."""
+        async for ticket in parts:
+            problem = pulled.accept(ticket, rid)
+            if pulled.failure is None and problem is not None:
+                pulled.failure = problem
+                self.metrics.kv_refused.labels("decode", "ticket", "part").inc()
+                await self.engine.abort(rid)
+            if pulled.failure is None:
+                await self._pull_part(request, ticket, pulled, reserve_s)
+            if (pulled.failure is not None and require_pull) or pulled.last is not None:
+                break
         if pulled.failure is not None:
             return
         if pulled.last is None:
@@ -216,27 +229,19 @@ class PullPolicy:
             pulled.failure = f"the ticket's first token is refused ({e})"
 
     async def _pull_part(self, request: Request, ticket: kv_pb2.TransferTicket, pulled: PartPulls,
-                         reserve_s: float) -> FailedPart | None:
+                         reserve_s: float) -> None:
         """One part into the request's blocks (what its own prefix cache holds is not read again)."""
+        rid = request.request_id
         cached = min(max(request.num_cached_tokens, ticket.part_start_token), ticket.num_tokens)
         try:
             result = await self.puller.pull(ticket, request.block_ids, cached)
         except PULL_ERRORS as e:
-            self._count_failure(e)
-            return FailedPart(ticket, e)
-        self._count_pull(request.request_id, result, 0.0 if pulled.num_pulled else reserve_s, 0.0)
+            await self._drop_failed_pull(rid, e)
+            pulled.failure = f"KV pull of tokens {ticket.part_start_token}..{ticket.num_tokens} from " \
+                             f"{ticket.engine_id} failed ({e})"
+            return
+        self._count_pull(rid, result, 0.0 if pulled.num_pulled else reserve_s, 0.0)
         pulled.num_pulled += 1
-        return None
-
-    async def _drop_parts(self, rid: str, window: PartsInFlight, pulled: PartPulls) -> None:
-        """A part failed or did not fit: wait for the READs still in flight, then drop the reservation once
-        (quarantined when a READ that could not be cancelled may still write it)."""
-        failed = await window.settle()
-        if pulled.failure is None:  # named by the earliest failed part, whichever ended first
-            first = min(failed, key=lambda f: f.ticket.part_start_token)
-            pulled.failure = f"KV pull of tokens {first.ticket.part_start_token}..{first.ticket.num_tokens} from " \
-                             f"{first.ticket.engine_id} failed ({first.error})"
-        await self._drop_reservation(rid, [f.error for f in failed])
 
     async def _recompute(self, rid: str, prompt: list[int], params: SamplingParams,
                          first_token_id: int) -> StartedRequest:
@@ -283,14 +288,9 @@ class PullPolicy:
             delay_s = min(2 * delay_s, RESERVE_MAX_DELAY_S)
 
     async def _drop_failed_pull(self, rid: str, error: Exception) -> None:
-        """Count a failed pull and drop its reservation."""
+        """Count a failed pull and drop its reservation: quarantined when a READ may still be writing it."""
         self._count_failure(error)
-        await self._drop_reservation(rid, [error])
-
-    async def _drop_reservation(self, rid: str, errors: list[Exception]) -> None:
-        """Abort a reservation whose pull failed; quarantine it when a READ NIXL could not cancel (one of
-        ``errors``) may still be writing its blocks."""
-        if any(isinstance(e, TransferTimeout) and not e.aborted for e in errors):
+        if isinstance(error, TransferTimeout) and not error.aborted:
             await self._quarantine(rid)
         else:
             await self.engine.abort(rid)

@@ -308,7 +308,7 @@ def _attach(context: WorkerContext) -> list[Background]:
                       corrupt_pulled_kv_after=context.faults.get("kv_corrupt"))
     # A READ NIXL could not cancel gets as long again to land before its blocks are reused.
     policy = PullPolicy(context.aengine, puller, context.metrics, reserve_timeout_s=config.kv_transfer_timeout_s,
-                        quarantine_s=config.kv_transfer_timeout_s, parts_in_flight=config.kv_parts_in_flight)
+                        quarantine_s=config.kv_transfer_timeout_s)
     switch = context.switch or RoleSwitch("decode", context.epoch)
     servicer = DecodeServicer(context.server, context.aengine, policy, puller.compat, context.engine_id,
                               context.epoch, context.metrics, _prober(context, puller), context.kv_events, switch)

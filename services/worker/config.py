@@ -43,9 +43,6 @@ class PrefillConfig(WorkerConfig):
 @dataclass(frozen=True)
 class DecodeConfig(WorkerConfig):
     kv_transfer_timeout_s: float = flag(30.0, "give up on a KV pull after this", parse=float)
-    kv_parts_in_flight: int = flag(4, "KV parts of one request pulled at once: a part is posted while the ones "
-                                      "before it still move (over a slow link each READ ramps up on its own)",
-                                   parse=int)
 
 
 @dataclass(frozen=True)

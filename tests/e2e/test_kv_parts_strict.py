@@ -22,7 +22,7 @@ from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.launch.spawn import Daemon, start_router, stop_router
 from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, completion_tokens, info, metric_total, random_prompt, stack
+from tests.e2e.stack import PREFILL_ARGS, completion_tokens, info, metric_total, random_prompt, stack
 
 pytestmark = pytest.mark.slow
 
@@ -77,11 +77,7 @@ def test_a_failing_part_fails_a_strict_request_and_falls_back_otherwise(checkpoi
     monkeypatch.setenv("PDSERVE_FAULT_INJECT", "kv_corrupt:1")  # the prefill worker ignores it
     monkeypatch.delenv("PDSERVE_ENFORCE_DISAGG", raising=False)
     prefill_args = (*PREFILL_ARGS, "--max-num-batched-tokens", str(CHUNK))
-    # One part pulled at a time, so the counts below are exact: with several in flight, the parts after the
-    # failing one may be pulled (and fail their digest) before the failure is seen (tests/unit/decode covers that).
-    decode_args = (*DECODE_ARGS, "--kv-parts-in-flight", "1")
-    with stack(checkpoint, 1, 1, "--enforce-disagg", "--no-pair-probe", prefill_args=prefill_args,
-               decode_args=decode_args) as s:
+    with stack(checkpoint, 1, 1, "--enforce-disagg", "--no-pair-probe", prefill_args=prefill_args) as s:
         (prefill,), (decode,) = s.prefill, s.decode
         free_at_start = info(decode).kv_blocks_free
         lenient = start_router(checkpoint, [prefill.address], [decode.address], "--no-pair-probe")
