@@ -1,9 +1,10 @@
 """Text <-> token ids and chat-prompt rendering, on the fast Rust ``tokenizers`` library.
 
 One ``Tokenizer`` serves both places a model can come from: a Hugging Face directory
-(``tokenizer.json`` and friends) or a GGUF file, whose metadata holds the vocabulary, the merges and
-the chat template. Special tokens (BOS) are added here, from ``add_bos_token``, and never by the
-backend's post-processor, so both sources behave the same way.
+(``tokenizer.json`` and friends) or a GGUF file, whose metadata holds the vocabulary, the merges (or
+SentencePiece scores, see ``gguf_sentencepiece``) and the chat template. Special tokens (BOS, and EOS
+for the rare GGUF asking for it) are added here, from ``add_bos_token``/``add_eos_token``, and never
+by the backend's post-processor, so both sources behave the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
+
+# GGUFMetadata and open_gguf_reader are also imported from here (the weight loader, tests).
+from services.text.gguf_metadata import GGUFMetadata, open_gguf_reader
+from services.text.gguf_sentencepiece import sentencepiece_backend
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
@@ -54,6 +59,7 @@ class Tokenizer:
         eos_token_id: int | None,
         extra_eos_token_ids: Iterable[int] = (),
         add_bos_token: bool,
+        add_eos_token: bool = False,
         chat_template: str | None,
     ) -> None:
         """``eos_token_id`` is the template's ``eos_token``; generation stops at it and at the extras."""
@@ -65,10 +71,13 @@ class Tokenizer:
                 raise ValueError(f"special token id {token_id} is not in [0, {self._vocab_size})")
         if add_bos_token and bos_token_id is None:
             raise ValueError("add_bos_token is set but the tokenizer has no BOS token")
+        if add_eos_token and eos_token_id is None:
+            raise ValueError("add_eos_token is set but the tokenizer has no EOS token")
         self._bos_token_id = bos_token_id
         self._eos_token_id = eos_token_id
         self._eos_token_ids = eos_token_ids
         self._add_bos_token = add_bos_token
+        self._add_eos_token = add_eos_token
         self._chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
 
@@ -108,35 +117,39 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, source: str | Path | gguf.GGUFReader) -> Tokenizer:
-        """Build the byte-level BPE tokenizer described by a GGUF file's ``tokenizer.*`` metadata."""
+        """Build the tokenizer described by a GGUF file's ``tokenizer.*`` metadata.
+
+        Two kinds of vocabulary: ``gpt2`` (byte-level BPE with merges: Qwen, SmolLM2, Llama-3) and
+        ``llama`` (SentencePiece BPE with scores: Llama-2, Mistral-v0.1, TinyLlama, Gemma).
+        """
         reader = source if isinstance(source, gguf.GGUFReader) else open_gguf_reader(source)
         meta = GGUFMetadata(reader)
-        where = meta.where
-
         tokenizer_model = meta.get("tokenizer.ggml.model")
-        if tokenizer_model != "gpt2":
+        if tokenizer_model == "gpt2":
+            backend = _gguf_byte_level_bpe(meta)
+        elif tokenizer_model == "llama":
+            backend = sentencepiece_backend(meta)
+        else:
             raise ValueError(
-                f"{where}: tokenizer model {tokenizer_model!r} is not supported (only 'gpt2', byte-level BPE)"
+                f"{meta.where}: tokenizer model {tokenizer_model!r} is not supported "
+                "(supported: 'gpt2', byte-level BPE, and 'llama', SentencePiece BPE)"
             )
-        tokens: list[str] = meta.require("tokenizer.ggml.tokens")
-        merges: list[str] = meta.require("tokenizer.ggml.merges")
-        token_types: list[int] = meta.get("tokenizer.ggml.token_type") or []
-        backend = _byte_level_bpe(tokens, merges, meta.get("tokenizer.ggml.unknown_token_id"), where)
-        pre_name = meta.get("tokenizer.ggml.pre") or "default"
-        _set_pre_tokenizer(backend, pre_name, where)
-        _add_gguf_special_tokens(backend, tokens, token_types)
 
         # llama.cpp also ends generation at the end-of-turn and end-of-message tokens.
         extra_eos_token_ids = {meta.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eot", "eom")}
         bos_token_id = meta.get("tokenizer.ggml.bos_token_id")
+        eos_token_id = meta.get("tokenizer.ggml.eos_token_id")
         add_bos_token = meta.get("tokenizer.ggml.add_bos_token")
+        if add_bos_token is None:
+            # No flag: llama.cpp and transformers add BOS for SentencePiece vocabularies, not for byte-level ones.
+            add_bos_token = tokenizer_model == "llama"
         return cls(
             backend,
             bos_token_id=bos_token_id,
-            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            eos_token_id=eos_token_id,
             extra_eos_token_ids=extra_eos_token_ids - {None},
-            # No flag means no BOS, as for most byte-level BPE vocabularies.
             add_bos_token=bool(add_bos_token) and bos_token_id is not None,
+            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token")) and eos_token_id is not None,
             chat_template=meta.get("tokenizer.chat_template"),
         )
 
@@ -169,13 +182,16 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special-token strings in it (``<|im_start|>``) map to their ids.
 
-        ``add_special_tokens`` prepends BOS, and only when the model asks for one (``add_bos_token``).
+        ``add_special_tokens`` prepends BOS and appends EOS, each only when the model asks for it
+        (``add_bos_token``, ``add_eos_token``; almost no model asks for EOS).
         """
         if not isinstance(text, str):
             raise ValueError(f"encode expects a str, got {type(text).__name__}")
         ids = self._backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self._add_bos_token:
-            return [self._bos_token_id, *ids]
+            ids = [self._bos_token_id, *ids]
+        if add_special_tokens and self._add_eos_token:
+            ids = [*ids, self._eos_token_id]
         return ids
 
     def backend_json(self) -> str:
@@ -344,41 +360,15 @@ def _hf_chat_template(directory: Path, config: dict) -> str | None:
 # GGUF helpers
 
 
-def open_gguf_reader(path: str | Path) -> gguf.GGUFReader:
-    """Memory-map a GGUF file and parse its header; errors name the file and what is wrong with it.
-
-    It lives here, not in the weight loader, so that tokenizing never has to import torch.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such GGUF file")
-    with path.open("rb") as file:
-        magic = file.read(4)
-    if magic != b"GGUF":
-        raise ValueError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
-    try:
-        return gguf.GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OverflowError, TypeError, MemoryError) as exc:
-        # The reader reports a short or damaged file as a failed reshape or index deep inside numpy.
-        raise ValueError(f"{path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from exc
-
-
-class GGUFMetadata:
-    """Typed access to a GGUF reader's key/value fields; a missing key reads as None."""
-
-    def __init__(self, reader: gguf.GGUFReader) -> None:
-        self._reader = reader
-        self.where = str(getattr(reader.data, "filename", None) or "GGUF file")
-
-    def get(self, key: str) -> Any:
-        field = self._reader.fields.get(key)
-        return None if field is None else field.contents()
-
-    def require(self, key: str) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise ValueError(f"{self.where}: GGUF metadata lacks {key!r}")
-        return value
+def _gguf_byte_level_bpe(meta: GGUFMetadata) -> BackendTokenizer:
+    """The ``tokenizers`` tokenizer of a GGUF file whose ``tokenizer.ggml.model`` is ``"gpt2"``."""
+    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
+    merges: list[str] = meta.require("tokenizer.ggml.merges")
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or []
+    backend = _byte_level_bpe(tokens, merges, meta.get("tokenizer.ggml.unknown_token_id"), meta.where)
+    _set_pre_tokenizer(backend, meta.get("tokenizer.ggml.pre") or "default", meta.where)
+    _add_gguf_special_tokens(backend, tokens, token_types)
+    return backend
 
 
 def _byte_level_bpe(

@@ -60,8 +60,8 @@ def _write_gemma(path: Path, arch: str, *, layers: int, head_dim: int, tied: boo
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1e6 if arch == "gemma3" else 1e4)
     writer.add_vocab_size(VOCAB)
-    # Real Gemma files carry a SentencePiece ("llama") tokenizer, which services/text/tokenizer.py
-    # cannot build and LLMEngine loads eagerly: a small byte-level BPE one stands in.
+    # Real Gemma files carry a SentencePiece ("llama") tokenizer (tested on its own in
+    # tests/unit/text/test_gguf_sentencepiece.py); a small byte-level BPE one is enough here.
     tokens = [chr(c) for c in range(33, 33 + VOCAB - 2)] + ['!"', "#$"]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt2")

@@ -327,8 +327,8 @@ def test_from_gguf_minimal_vocabulary(tmp_path):
 
 
 def test_from_gguf_rejects_other_tokenizer_models(tmp_path):
-    path = _write_gguf(tmp_path / "spm.gguf", model="llama")
-    with pytest.raises(ValueError, match="tokenizer model 'llama' is not supported"):
+    path = _write_gguf(tmp_path / "wordpiece.gguf", model="bert")
+    with pytest.raises(ValueError, match="tokenizer model 'bert' is not supported"):
         Tokenizer.from_gguf(path)
 
 
