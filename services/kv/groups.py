@@ -2,7 +2,9 @@
 
 A model whose layers all attend over the full context has one group. A hybrid (Gemma-2/3 style)
 has a full-attention group and a sliding-window group; the window group only ever needs the
-blocks that cover its last ``sliding_window`` tokens, which is what transfers clip to.
+blocks that cover its last ``sliding_window`` tokens, which is what transfers clip to. A model with
+multi-head latent attention (DeepSeek-V2/V3) has one MLA group: each layer caches one row per token
+(the compressed KV latent and the rotated rope key), not a K and a V per head.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from dataclasses import dataclass
 class AttentionKind(enum.Enum):
     FULL = "full"
     SLIDING_WINDOW = "sliding_window"
+    #: Multi-head latent attention: full attention over one shared row per token and layer, so one
+    #: "head" of the row's width and a single plane (the row is both what keys and values come from).
+    MLA = "mla"
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,10 @@ class KVCacheGroupSpec:
     ``num_kv_heads``/``head_dim`` give this group's page shape when it differs from the layout's
     (Gemma-4's full layers have wider heads than its sliding ones); None means the layout's own.
     Inside a :class:`KVLayoutSpec` heads are those of one TP rank.
+
+    An MLA group states its shape: one head (the latent row is shared by every query head, so it
+    is the same on every TP rank) of ``head_dim`` = the row width (``kv_lora_rank +
+    qk_rope_head_dim``), stored once per token and layer (``num_kv_planes`` 1, no V plane).
     """
 
     group_id: int
@@ -46,6 +55,14 @@ class KVCacheGroupSpec:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"KV group {self.group_id}: {name} must be >= 1, got {value}")
+        if self.kind is AttentionKind.MLA and (self.num_kv_heads != 1 or self.head_dim is None):
+            raise ValueError(f"KV group {self.group_id} (mla) holds one latent row per token: num_kv_heads must be 1 "
+                             f"and head_dim its width, got {self.num_kv_heads} and {self.head_dim}")
+
+    @property
+    def num_kv_planes(self) -> int:
+        """Planes each layer stores per token: K and V (2), or MLA's one latent row (1)."""
+        return 1 if self.kind is AttentionKind.MLA else 2
 
     @property
     def label(self) -> str:

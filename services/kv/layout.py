@@ -36,6 +36,13 @@ is HND by construction (an NHD heads-outer spec is refused)::
 Every kind gives each (layer, K/V) the same strided view (:class:`KVView`,
 ``[num_blocks, block_size, heads, head_dim]``), which is all attention, the K/V write, the digest
 and the host KV tier read; only the strides differ.
+
+An MLA group (``AttentionKind.MLA``) has one plane per layer, not two: each token's one latent row
+(one head of ``kv_lora_rank + qk_rope_head_dim``) is its K/V, so in every kind above the ``2 (K,V)``
+axis is ``1`` for that group (``KVCacheGroupSpec.num_kv_planes``) and its only view is ``kv=0``::
+
+    per-layer   buffer[layer] = [1, num_blocks, block_size, 1, row]
+    cross-layer buffer[group] = [num_blocks, num_layers_in_group, 1, block_size, 1, row]
 """
 
 from __future__ import annotations
@@ -76,8 +83,9 @@ class KVBufferSpec:
     """One contiguous allocation: which group and layers it holds and how big it is.
 
     A block of this buffer is ``num_planes`` regions of ``block_stride_bytes`` each, one per plane, and
-    the buffer is ``[num_planes, num_blocks, block_stride_bytes]``: per-layer K then V (2 planes),
-    cross-layer the whole block (1), heads-outer one per head (``kv_heads`` planes).
+    the buffer is ``[num_planes, num_blocks, block_stride_bytes]``: per-layer K then V (2 planes; an
+    MLA layer's latent rows, 1), cross-layer the whole block (1), heads-outer one per head (``kv_heads``
+    planes).
     """
 
     index: int
@@ -156,9 +164,13 @@ class KVLayoutSpec:
     def page_bytes(self, group_id: int) -> int:
         return self.page_elements(group_id) * self.element_size
 
+    def num_kv_planes(self, group_id: int) -> int:
+        """Planes a layer of the group stores: K and V (2), or an MLA group's one latent row (1)."""
+        return self.groups[group_id].num_kv_planes
+
     def block_bytes(self, group_id: int) -> int:
-        """Bytes of one block across all of the group's layers, K and V."""
-        return 2 * len(self.groups[group_id].layer_ids) * self.page_bytes(group_id)
+        """Bytes of one block across all of the group's layers and planes (K and V, or MLA's row)."""
+        return self.num_kv_planes(group_id) * len(self.groups[group_id].layer_ids) * self.page_bytes(group_id)
 
     @property
     def total_bytes(self) -> int:
@@ -181,8 +193,10 @@ class KVLayoutSpec:
             page = self.page_bytes(g.group_id)
             block = self.block_bytes(g.group_id)
             if self.kind is LayoutKind.PER_LAYER:
+                planes = g.num_kv_planes
                 for layer in g.layer_ids:
-                    out.append(KVBufferSpec(len(out), g.group_id, (layer,), 2 * self.num_blocks * page, page, 2))
+                    out.append(KVBufferSpec(len(out), g.group_id, (layer,), planes * self.num_blocks * page, page,
+                                            planes))
             elif self.kind is LayoutKind.CROSS_LAYER:
                 out.append(KVBufferSpec(len(out), g.group_id, g.layer_ids, self.num_blocks * block, block, 1))
             else:  # heads-outer: a plane per head, each of every block
@@ -198,10 +212,13 @@ class KVLayoutSpec:
         raise KeyError(f"layer {layer_id} holds no KV in this layout")
 
     def view(self, layer_id: int, kv: int) -> KVView:
-        """Where layer ``layer_id``'s K (kv=0) or V (kv=1) lives, as a strided 4-D view."""
-        if kv not in (0, 1):
-            raise ValueError(f"kv must be 0 (K) or 1 (V), got {kv}")
+        """Where layer ``layer_id``'s K (kv=0) or V (kv=1) lives, as a strided 4-D view (an MLA layer's
+        latent rows: kv=0 only)."""
         group = self.group_of_layer(layer_id)
+        planes = group.num_kv_planes
+        if kv not in range(planes):
+            raise ValueError(f"kv must be 0 (K) or 1 (V), got {kv}" if planes == 2 else
+                             f"{group.label} stores one latent row per token: kv must be 0, got {kv}")
         buf = self.buffer_of_layer(layer_id)
         bs, h, d = group.block_size, self.kv_heads(group.group_id), self.group_head_dim(group.group_id)
         page = self.page_elements(group.group_id)
@@ -211,12 +228,12 @@ class KVLayoutSpec:
             block_stride = page
         elif self.kind is LayoutKind.CROSS_LAYER:
             slot = buf.layer_ids.index(layer_id)
-            offset = (slot * 2 + kv) * page
-            block_stride = 2 * len(buf.layer_ids) * page
+            offset = (slot * planes + kv) * page
+            block_stride = planes * len(buf.layer_ids) * page
         else:  # heads-outer: [head][block][layer][K/V][token][head_dim]
             slot = buf.layer_ids.index(layer_id)
-            offset = (slot * 2 + kv) * bs * d
-            block_stride = 2 * len(buf.layer_ids) * bs * d
+            offset = (slot * planes + kv) * bs * d
+            block_stride = planes * len(buf.layer_ids) * bs * d
             head_stride = self.num_blocks * block_stride
         return KVView(buf.index, offset, (self.num_blocks, bs, h, d), (block_stride, token_stride, head_stride, 1))
 

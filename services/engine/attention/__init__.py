@@ -5,6 +5,8 @@
   layer calls: it writes the layer's new K/V into the cache and runs the group's backend.
 * ``torch_sdpa.py``: gather + masked SDPA (portable; the CPU path and the tests' reference).
 * ``triton_paged.py`` / ``triton_kernels.py``: a Triton kernel reading the paged cache in place.
+* ``mla.py``: multi-head latent attention (DeepSeek) over a cache of latent rows, in its expanded
+  and absorbed forms: the ``MLABackend`` interface and ``torch_mla``.
 * ``registry.py``: backends by name, ``auto``, and the per-group choice with its fallback.
 """
 
@@ -18,6 +20,7 @@ from services.engine.attention.base import (
     step_batch,
     write_kv,
 )
+from services.engine.attention.mla import MLABackend, write_rows
 from services.engine.attention.registry import (
     BACKEND_CHOICES,
     BACKENDS,
@@ -33,6 +36,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionBatch",
     "GroupAttentionMetadata",
+    "MLABackend",
     "Rope",
     "TailBatch",
     "cache_group_backends",
@@ -42,4 +46,5 @@ __all__ = [
     "resolve_backend_name",
     "step_batch",
     "write_kv",
+    "write_rows",
 ]

@@ -11,6 +11,10 @@ there is no compiled Triton (its interpreter is for tests), so ``torch_sdpa`` st
 A backend that cannot serve a group (``unsupported_reason``: a head dim above the kernel's limit,
 an unsupported dtype) is replaced by ``torch_sdpa`` for that group only, with a warning naming
 why; every other group keeps the requested backend.
+
+An MLA group (DeepSeek's latent rows, ``AttentionKind.MLA``) needs an ``MLABackend`` (``mla.py``),
+whatever backend the other groups use: today that is ``torch_mla``, the one MLA backend, with a
+warning when another kernel was asked for by name.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.engine.attention.base import AttentionBackend
+from services.engine.attention.mla import MLA_BACKENDS, MLABackend, TorchMLABackend
 from services.engine.attention.torch_sdpa import TorchSDPABackend
 from services.engine.attention.triton_paged import TritonPagedBackend
 from services.engine.triton_support import triton_import_error
+from services.kv.groups import AttentionKind
 
 if TYPE_CHECKING:
     from services.engine.kv_cache.buffers import KVCache
@@ -83,10 +89,24 @@ def group_backends(name: str, group_shapes: Sequence[tuple[int, torch.dtype]], d
     return chosen
 
 
+def mla_backend(name: str) -> MLABackend:
+    """The backend of an MLA group when ``name`` was asked for (``torch_mla``: the only one so far)."""
+    if name not in ("auto", TorchSDPABackend.name, *MLA_BACKENDS):
+        log.warning("attention backend %s has no multi-head latent attention; MLA groups use %s", name,
+                    TorchMLABackend.name)
+    return TorchMLABackend()
+
+
 def cache_group_backends(name: str, kv_cache: KVCache) -> list[AttentionBackend]:
-    """``group_backends`` for the groups of ``kv_cache``, indexed by group id (shapes read off its views)."""
+    """``group_backends`` for the groups of ``kv_cache``, indexed by group id (shapes read off its views);
+    MLA groups get ``mla_backend``."""
+    groups = kv_cache.spec.groups
+    mla = [g.kind is AttentionKind.MLA for g in groups]
     shapes = []
-    for g in kv_cache.spec.groups:
-        view = kv_cache.views[g.layer_ids[0]][0]
-        shapes.append((view.shape[-1], view.dtype))
-    return group_backends(name, shapes, kv_cache.device)
+    for g, is_mla in zip(groups, mla, strict=True):
+        if not is_mla:
+            view = kv_cache.views[g.layer_ids[0]][0]
+            shapes.append((view.shape[-1], view.dtype))
+    others = iter(group_backends(name, shapes, kv_cache.device) if shapes else [])
+    latent = mla_backend(name) if any(mla) else None
+    return [latent if is_mla else next(others) for is_mla in mla]

@@ -25,7 +25,7 @@ from services.engine.attention.base import AttentionBackend, AttentionBatch, Gro
 
 # cuDNN's SDPA builds a new execution plan for every new shape (~1 ms of CPU per call), and a
 # serving step's context length changes every step; the other backends have no such cost.
-_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def build_mask(query_lens: torch.Tensor, context_lens: torch.Tensor, max_query_len: int, max_context_len: int,
@@ -89,14 +89,15 @@ class TorchSDPABackend(AttentionBackend):
         folded_q = folded_q.reshape(b, kv_heads, group * qm, head_dim)
         mask = meta.mask if group == 1 else meta.mask.expand(b, group, qm, lm).reshape(b, 1, group * qm, lm)
 
-        keys = _gather(k_cache, meta.block_tables, lm)
-        values = _gather(v_cache, meta.block_tables, lm)
+        keys = gather_context(k_cache, meta.block_tables, lm)
+        values = gather_context(v_cache, meta.block_tables, lm)
         if softcap is None:
-            with sdpa_kernel(_SDPA_BACKENDS):
+            with sdpa_kernel(SDPA_BACKENDS):
                 out = F.scaled_dot_product_attention(folded_q, keys, values, attn_mask=mask, scale=scale)
         else:
             out = _softcapped_attention(folded_q, keys, values, mask, scale, softcap)
-        out = out.view(b, kv_heads, group, qm, head_dim).permute(0, 3, 1, 2, 4).reshape(b * qm, num_heads * head_dim)
+        v_dim = values.shape[-1]  # the head dim, or narrower (MLA's latent values: the rows without the rope key)
+        out = out.view(b, kv_heads, group, qm, v_dim).permute(0, 3, 1, 2, 4).reshape(b * qm, num_heads * v_dim)
         return out[meta.query_slots]
 
 
@@ -108,7 +109,7 @@ def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: int) -> torch.Tensor:
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: int) -> torch.Tensor:
     """[num_reqs, kv_heads, max_context_len, head_dim] from the blocks each request owns."""
     b, nb = block_tables.shape
     _, bs, h, d = cache.shape

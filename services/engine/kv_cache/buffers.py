@@ -18,7 +18,8 @@ DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 class KVCache:
-    """Owns the KV buffers. ``views[layer] = (K, V)``, each [num_blocks, block_size, heads, head_dim].
+    """Owns the KV buffers. ``views[layer] = (K, V)``, each [num_blocks, block_size, heads, head_dim];
+    an MLA layer's is ``(rows,)``, its one plane of latent rows [num_blocks, block_size, 1, row width].
 
     The buffers are plain contiguous tensors so a transfer agent can register them by address;
     the views are ``as_strided`` windows onto them as the spec dictates.
@@ -38,8 +39,9 @@ class KVCache:
         self.buffers = [
             torch.zeros(b.num_bytes // spec.element_size, dtype=dtype, device=device) for b in spec.buffers()
         ]
-        self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
-            layer: (self._view(layer, 0), self._view(layer, 1)) for layer in spec.layer_ids
+        self.views: dict[int, tuple[torch.Tensor, ...]] = {
+            layer: tuple(self._view(layer, kv) for kv in range(spec.group_of_layer(layer).num_kv_planes))
+            for layer in spec.layer_ids
         }
 
     def _view(self, layer: int, kv: int) -> torch.Tensor:
@@ -47,8 +49,8 @@ class KVCache:
         return torch.as_strided(self.buffers[v.buffer_index], v.shape, v.strides, v.offset)
 
     def views_by_layer(self, kv_sharing: dict[int, int], num_layers: int
-                       ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
-        """(K, V) views and KV group of every layer; a KV-sharing layer gets its source layer's."""
+                       ) -> tuple[list[tuple[torch.Tensor, ...]], list[int]]:
+        """(K, V) views (MLA: ``(rows,)``) and KV group of every layer; a KV-sharing layer gets its source's."""
         sources = [kv_sharing.get(i, i) for i in range(num_layers)]
         return ([self.views[s] for s in sources], [self.spec.group_of_layer(s).group_id for s in sources])
 
@@ -75,6 +77,9 @@ def kv_groups_for(num_layers: int, block_size: int, sliding_window: int | None) 
 
 def kv_cache_groups(config: ModelConfig, block_size: int, parallel: ParallelConfig) -> tuple[KVCacheGroupSpec, ...]:
     """The model's KV-cache groups: one per (attention kind, window, KV heads, head dim).
+
+    MLA layers (DeepSeek) state one "KV head" as wide as their latent row, so they form one MLA group
+    whose page is one row per token and layer.
 
     Only layers that compute KV are in a group; a layer that reads another layer's KV (Gemma-4's
     KV-shared layers) owns none and reads its source's pages. Groups are numbered by their first

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.engine.model_config.deepseek import MLASpec, MoESpec, deepseek_fields
 from services.engine.model_config.gemma import gemma_fields
 from services.engine.model_config.layers import (
     SUPPORTED_ACTIVATIONS,
     SUPPORTED_ROPE_TYPES,
+    YARN_ARCHITECTURES,
     LayerSpec,
     RopeSpec,
     config_field,
@@ -26,7 +28,7 @@ from services.kv.groups import AttentionKind
 
 __all__ = ["SUPPORTED_ROPE_TYPES", "LayerSpec", "ModelConfig", "RopeSpec", "preset", "read_rope", "rope_from_dict"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma4")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma4", "deepseek_v3")
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3", "gemma4")
 
 _ARCH_BY_CLASS = {
@@ -37,6 +39,7 @@ _ARCH_BY_CLASS = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # config.json model_type -> our architecture, for the types whose name differs.
 _ARCH_BY_MODEL_TYPE = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
@@ -71,6 +74,10 @@ class ModelConfig:
       inputs (PLE); 0 when absent.
     * ``attention_k_eq_v``: full-attention layers have no ``v_proj``; values are the raw keys.
     * ``use_double_wide_mlp``: KV-shared layers' MLPs are twice ``intermediate_size`` wide.
+
+    DeepSeek-V3 sets ``mla`` (latent attention shapes: every layer is ``AttentionKind.MLA``, one
+    KV "head" of the cached row's width) and ``moe`` (its experts; ``intermediate_size`` is then
+    the dense layers' MLP width); both are None for every other architecture.
 
     Which layers read other layers' KV is per layer (``LayerSpec.kv_source``); Gemma-4's
     ``num_kv_shared_layers`` is the property of that name.
@@ -108,6 +115,8 @@ class ModelConfig:
     vocab_size_per_layer_input: int = 0
     attention_k_eq_v: bool = False
     use_double_wide_mlp: bool = False
+    mla: MLASpec | None = None
+    moe: MoESpec | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -144,7 +153,12 @@ class ModelConfig:
                     f"num_attention_heads ({self.num_heads}) must be a multiple of "
                     f"num_key_value_heads ({layer.num_kv_heads}) (layer {i})"
                 )
-            if layer.head_dim % 2:
+            if (layer.attention is AttentionKind.MLA) != (self.mla is not None):
+                raise ValueError(f"layer {i}: MLA layers are exactly those of a model with an MLA spec")
+            if layer.rope.rope_type == "yarn" and self.architecture not in YARN_ARCHITECTURES:
+                raise ValueError(f"rope type 'yarn' is supported for {', '.join(YARN_ARCHITECTURES)} only, "
+                                 f"not {self.architecture!r}")
+            if layer.head_dim % 2 and layer.attention is not AttentionKind.MLA:  # an MLA row is not rotated whole
                 raise ValueError(f"head_dim must be even for RoPE, got {layer.head_dim} (layer {i})")
             if layer.kv_source is not None:
                 src = layer.kv_source
@@ -192,6 +206,11 @@ class ModelConfig:
         h, v = self.hidden_size, self.vocab_size
         norms = 4 if self.sandwich_norms else 2
         total = 0
+        if self.mla is not None and self.moe is not None:
+            for n in range(self.num_layers):
+                mlp = self.moe.num_parameters(h) if self.moe.is_moe_layer(n) else 3 * h * self.intermediate_size
+                total += self.mla.num_parameters(h, self.num_heads) + mlp + norms * h
+            return total + v * h * (1 if self.tie_word_embeddings else 2) + h
         for n, layer in enumerate(self.layers):
             q, kv = self.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
             num_kv_proj = 0 if layer.kv_source is not None else 1 if self.layer_k_is_v(n) else 2
@@ -208,6 +227,8 @@ class ModelConfig:
         arch = _architecture_of(d)
         if arch in GEMMA_ARCHITECTURES:
             return cls(**gemma_fields(d, arch))
+        if arch == "deepseek_v3":
+            return cls(**deepseek_fields(d))
         hidden = config_field(d, "hidden_size", int)
         heads = config_field(d, "num_attention_heads", int)
         sliding = config_field(d, "sliding_window", int, None)
@@ -362,6 +383,35 @@ _GEMMA_PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 PRESETS.update({name: ModelConfig.from_hf_dict({**_GEMMA_COMMON, **d}) for name, d in _GEMMA_PRESETS.items()})
+
+# DeepSeek presets, also config.json-shaped. deepseek-v2-lite has DeepSeek-V2-Lite's real shapes (27
+# layers, no query bottleneck, 64 routed experts of 1408 + 2 shared, top-6, the first layer dense, YaRN
+# x40) under V3's router: a shape for memory and speed, not V2's softmax routing. deepseek-v3-tiny keeps
+# every V3 feature (query bottleneck, grouped routing, a dense first layer, YaRN with an mscale ratio)
+# at test speed, with SmolLM2's vocabulary size like the other tiny presets.
+_DEEPSEEK_COMMON = dict(model_type="deepseek_v3", hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False,
+                        attention_bias=False, rope_interleave=True)
+_DEEPSEEK_PRESETS: dict[str, dict[str, Any]] = {
+    "deepseek-v2-lite": dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, first_k_dense_replace=1,
+        rope_scaling={"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
+                      "beta_slow": 1, "original_max_position_embeddings": 4096},
+        rope_theta=10000.0, max_position_embeddings=163840, bos_token_id=100000, eos_token_id=100001,
+    ),
+    "deepseek-v3-tiny": dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 0.5, "original_max_position_embeddings": 512},
+        max_position_embeddings=2048, eos_token_id=2,
+    ),
+}
+PRESETS.update({name: ModelConfig.from_hf_dict({**_DEEPSEEK_COMMON, **d}) for name, d in _DEEPSEEK_PRESETS.items()})
 
 
 def preset(name: str) -> ModelConfig:

@@ -6,12 +6,16 @@ field that shapes the math and is missing or unsupported is a ValueError that na
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from services.kv.groups import AttentionKind
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional", "yarn")
+# YaRN is read only for the architectures whose attention applies its magnitude scaling (the cos/sin
+# factor and, for DeepSeek, the softmax scale): elsewhere it would be read and then computed wrong.
+YARN_ARCHITECTURES = ("deepseek_v3",)
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 # Keys a rope dict may carry, per rope type; anything else shapes the math in a way we do not
@@ -21,12 +25,15 @@ _ROPE_KEYS = {
     "linear": {"rope_theta", "factor"},
     "llama3": {"rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
     "proportional": {"rope_theta", "factor", "partial_rotary_factor"},
+    "yarn": {"rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "attention_factor", "truncate"},
 }
 _ROPE_REQUIRED = {
     "default": {"rope_theta"},
     "linear": {"rope_theta", "factor"},
     "llama3": _ROPE_KEYS["llama3"],
     "proportional": {"rope_theta"},
+    "yarn": {"rope_theta", "factor", "original_max_position_embeddings"},
 }
 
 
@@ -37,6 +44,10 @@ class RopeSpec:
     ``proportional`` (Gemma-4 full layers) rotates only the first ``partial_rotary_factor`` of each
     half of the head and leaves the rest unrotated (zero frequency), with frequencies spaced over
     the whole head dim.
+
+    ``yarn`` (DeepSeek) blends interpolated and original frequencies between the ``beta_fast`` and
+    ``beta_slow`` rotation counts over ``original_max_position_embeddings``, and scales cos/sin by
+    ``cos_sin_scale``; ``mscale_all_dim`` also changes DeepSeek's softmax scale (``yarn_mscale``).
     """
 
     theta: float
@@ -46,6 +57,27 @@ class RopeSpec:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
     partial_rotary_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """What YaRN multiplies cos and sin by (so q.k of the rotated parts by its square); 1 otherwise.
+
+        Given as ``attention_factor``, else ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``
+        when both are set (DeepSeek: 1.0 when they are equal), else ``mscale(factor)``.
+        """
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -74,6 +106,11 @@ class LayerSpec:
     def __post_init__(self) -> None:
         if (self.attention is AttentionKind.SLIDING_WINDOW) != (self.sliding_window is not None):
             raise ValueError("a layer has a sliding_window exactly when its attention is sliding-window")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched ``factor`` times: ``0.1 * mscale * ln(factor) + 1``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 REQUIRED = object()
@@ -128,6 +165,12 @@ def rope_from_dict(params: Any, where: str) -> RopeSpec:
             raise ValueError(f"config field {where}.{key} must be a number, got {value!r}")
         return float(value)
 
+    def optional(key: str) -> float | None:
+        return None if params.get(key) is None else number(key, 0.0)
+
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ValueError(f"config field {where}.truncate must be true or false, got {truncate!r}")
     original = params.get("original_max_position_embeddings")
     return RopeSpec(
         theta=number("rope_theta", 0.0),
@@ -137,6 +180,12 @@ def rope_from_dict(params: Any, where: str) -> RopeSpec:
         high_freq_factor=number("high_freq_factor", 4.0),
         original_max_position_embeddings=None if original is None else int(original),
         partial_rotary_factor=number("partial_rotary_factor", 1.0),
+        beta_fast=optional("beta_fast") or 32.0,  # null or 0 is the default, as in transformers
+        beta_slow=optional("beta_slow") or 1.0,
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        attention_factor=optional("attention_factor"),
+        truncate=truncate,
     )
 
 

@@ -10,6 +10,7 @@ import torch
 
 from services.engine.model_config.hf import ModelConfig
 from services.engine.models.base import DecoderModel
+from services.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from services.engine.models.gemma import GemmaForCausalLM
 from services.engine.models.gemma4 import Gemma4ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
@@ -23,6 +24,7 @@ MODEL_CLASSES: dict[str, type[DecoderModel]] = {
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
     "gemma4": Gemma4ForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
 }
 
 

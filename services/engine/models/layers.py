@@ -68,6 +68,8 @@ def rope_inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:
         num_rotated = int(rope.partial_rotary_factor * head_dim // 2)
         inv_freq[num_rotated:] = 0.0
         return inv_freq / rope.factor
+    if rope.rope_type == "yarn":
+        return yarn_inv_freq(head_dim, rope)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     old_len = rope.original_max_position_embeddings
     low_wavelen = old_len / rope.low_freq_factor
@@ -80,9 +82,31 @@ def rope_inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:
     return torch.where(in_band, blended, scaled)
 
 
+def yarn_inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:
+    """YaRN: pairs that turn more than ``beta_fast`` times over the original context keep their frequency,
+    pairs that turn fewer than ``beta_slow`` times are slowed by ``factor``, and the pairs between blend
+    linearly (the pair index at which a frequency makes n turns is solved for in closed form)."""
+    original = rope.original_max_position_embeddings
+
+    def pair_index(turns: float) -> float:  # where a pair makes `turns` rotations over `original` positions
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = pair_index(rope.beta_fast), pair_index(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a step instead of a ramp, without dividing by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency, 0: the interpolated one
+    powers = rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    return 1.0 / (rope.factor * powers) * (1 - keep) + 1.0 / powers * keep
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a precomputed fp32 cos/sin table indexed by position; applied by
-    ``paged_attention`` in the launch that writes the layer's K/V."""
+    ``paged_attention`` in the launch that writes the layer's K/V. YaRN's ``cos_sin_scale`` is in the
+    table (every other rope type has none)."""
 
     def __init__(self, head_dim: int, rope: RopeSpec, max_positions: int, device: torch.device) -> None:
         super().__init__()
@@ -90,8 +114,11 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = emb.cos(), emb.sin()
+        if rope.cos_sin_scale != 1.0:
+            cos, sin = cos * rope.cos_sin_scale, sin * rope.cos_sin_scale
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> Rope:
         """The rope of a step's tokens at ``positions``: the table and the rows to read."""

@@ -135,16 +135,18 @@ class RankRuntime:
         return max_model_len_for(self.config, self.source, self.num_kv_blocks)
 
     def _decode_graphs(self) -> DecodeGraphRunner | None:
-        """CUDA graphs for pure-decode steps, unless disabled or unsupported (CPU, TP > 1: every
-        rank then runs every step eagerly)."""
+        """CUDA graphs for pure-decode steps, unless disabled or unsupported (CPU, TP > 1, a model that
+        cannot be captured: every rank then runs every step eagerly)."""
         config = self.config
-        if config.enforce_eager or self.device.type != "cuda" or config.parallel.tp_size > 1:
+        if (config.enforce_eager or self.device.type != "cuda" or config.parallel.tp_size > 1
+                or not self.model.supports_cuda_graphs):
             return None
         return DecodeGraphRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len,
                                  attention_backend=config.attention_backend)
 
     def _prefill_graphs(self) -> PrefillGraphRunner | None:
-        """CUDA graphs for short prefill steps, on CUDA at TP 1 (``prefill_graphs_for`` says when else none)."""
-        if self.device.type != "cuda" or self.config.parallel.tp_size > 1:
+        """CUDA graphs for short prefill steps, on CUDA at TP 1 for a model that can be captured
+        (``prefill_graphs_for`` says when else none)."""
+        if self.device.type != "cuda" or self.config.parallel.tp_size > 1 or not self.model.supports_cuda_graphs:
             return None
         return prefill_graphs_for(self.config, self.model, self.kv_cache, self.max_model_len)

@@ -1,0 +1,119 @@
+"""DeepSeek-V3's feed-forward blocks: the dense gated MLP and the mixture of experts.
+
+The MoE block is ``routed(x) + shared(x)``: a router picks ``num_experts_per_tok`` of the routed
+experts per token (see ``MoESpec`` for the rule) and weights their outputs; the shared experts are
+one always-on gated MLP. Routed experts run one at a time over the tokens that chose them, in
+expert order, each adding its weighted output into the result (the order transformers adds them
+in, so float32 results agree to the last bits wherever the matmuls do).
+
+The expert loop asks the host how many tokens each expert got (``bincount(...).tolist()``), so a
+step with MoE layers cannot be captured in a CUDA graph (``DeepseekV3ForCausalLM.supports_cuda_graphs``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.engine import ops
+from services.engine.model_config.deepseek import MoESpec
+from services.engine.models.layers import Linear, copy_weight, param
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul (rows: gate, then up)."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, False, dtype, device)
+        self.down_proj = Linear(intermediate, hidden, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+    def load(self, name: str, proj: str, tensor: torch.Tensor) -> None:
+        """Copy an HF ``gate_proj``/``up_proj``/``down_proj`` weight into place."""
+        if proj == "down_proj":
+            return copy_weight(name, self.down_proj.weight, tensor)
+        half = self.gate_up_proj.weight.shape[0] // 2
+        rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
+        return copy_weight(name, self.gate_up_proj.weight[rows], tensor)
+
+
+class ExpertRouter(nn.Module):
+    """DeepSeek-V3's router: which experts each token uses, and with what weight.
+
+    Scores are computed in float32 whatever the model's dtype. ``e_score_correction_bias`` (kept in
+    float32, as transformers keeps it) shifts which experts are chosen, never their weights.
+    """
+
+    def __init__(self, hidden: int, spec: MoESpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.spec = spec
+        self.weight = param(spec.n_routed_experts, hidden, dtype=dtype, device=device)
+        self.e_score_correction_bias = param(spec.n_routed_experts, dtype=torch.float32, device=device)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [tokens, k] float32, expert ids [tokens, k])."""
+        s = self.spec
+        scores = nn.functional.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if s.topk_group < s.n_group:
+            # A group's merit is the sum of its two best (corrected) scores; only the best groups stay.
+            grouped = choice.view(-1, s.n_group, s.experts_per_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            kept = group_scores.topk(s.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(-1, s.n_routed_experts)
+        experts = choice.topk(s.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if s.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * s.routed_scaling_factor, experts
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts (stacked: ``gate_up`` [E, 2I, H], ``down`` [E, H, I]) plus the shared experts."""
+
+    def __init__(self, hidden: int, spec: MoESpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.spec = spec
+        e, i = spec.n_routed_experts, spec.moe_intermediate_size
+        self.gate = ExpertRouter(hidden, spec, dtype, device)
+        self.experts_gate_up = param(e, 2 * i, hidden, dtype=dtype, device=device)
+        self.experts_down = param(e, hidden, i, dtype=dtype, device=device)
+        self.shared_experts = (GatedMLP(hidden, spec.n_shared_experts * i, dtype, device)
+                               if spec.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x)
+        k = experts.shape[1]
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens ascending
+        counts = torch.bincount(flat, minlength=self.spec.n_routed_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            pairs = order[start: start + count]
+            start += count
+            tokens = pairs // k
+            hidden = ops.silu_and_mul(nn.functional.linear(x[tokens], self.experts_gate_up[expert]))
+            y = nn.functional.linear(hidden, self.experts_down[expert]) * weights.view(-1)[pairs, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+    def load(self, name: str, parts: list[str], tensor: torch.Tensor) -> None:
+        """Copy one HF tensor named ``...mlp.<parts>`` into place (``parts`` after ``mlp.``)."""
+        if parts[0] == "gate":
+            dest = self.gate.weight if parts[1] == "weight" else self.gate.e_score_correction_bias
+            return copy_weight(name, dest, tensor)
+        if parts[0] == "shared_experts":
+            return self.shared_experts.load(name, parts[1], tensor)
+        expert, proj = int(parts[1]), parts[2]
+        if proj == "down_proj":
+            return copy_weight(name, self.experts_down[expert], tensor)
+        half = self.spec.moe_intermediate_size
+        rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
+        return copy_weight(name, self.experts_gate_up[expert, rows], tensor)
