@@ -23,6 +23,15 @@ ARCHITECTURES = ("llama", "llama_tied", "qwen2", "qwen3", "mistral")
 # k=v, 2 KV-shared layers (one per kind) with double-wide MLPs, and per-layer inputs.
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3", "gemma4")
 _GEMMA_BASE = dict(_BASE, head_dim=16, sliding_window=16, hidden_activation="gelu_pytorch_tanh")
+# DeepSeek-V3 (multi-head latent attention): one cached row of kv_lora_rank + qk_rope_head_dim = 40 elements
+# per token and layer; a low-rank query, group-limited MoE after one dense layer, YaRN rope.
+_DEEPSEEK_V3 = dict(
+    _BASE, num_hidden_layers=3, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+    num_experts_per_tok=2, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, q_lora_rank=48,
+    n_group=4, topk_group=2, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.8,
+                     "original_max_position_embeddings": 64},
+)
 
 
 def hf_config(arch: str):
@@ -41,6 +50,8 @@ def hf_config(arch: str):
     if arch == "mistral":
         # A window shorter than the test sequences, so the windowed mask is exercised.
         return transformers.MistralConfig(**_BASE, sliding_window=24, tie_word_embeddings=False)
+    if arch == "deepseek_v3":
+        return transformers.DeepseekV3Config(**{k: v for k, v in _DEEPSEEK_V3.items() if k != "num_key_value_heads"})
     if arch == "gemma2":
         return transformers.Gemma2Config(
             **{**_GEMMA_BASE, "num_hidden_layers": 4}, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
@@ -79,6 +90,14 @@ def make_checkpoint(arch: str, directory: Path, seed: int = 0):
     model = transformers.AutoModelForCausalLM.from_config(hf_config(arch), attn_implementation="eager" if gemma
                                                           else "sdpa")
     model = model.float().eval()
+    if arch == "deepseek_v3":
+        # Unit norms and zero routing biases would hide a norm or a correction bias read wrong.
+        with torch.no_grad():
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith("norm.weight"):
+                    tensor.add_(0.2 * torch.randn_like(tensor))
+                elif name.endswith("e_score_correction_bias"):
+                    tensor.copy_(0.3 * torch.randn_like(tensor))
     if gemma:
         # Norms are initialised to a unit scale and layer scalars to 1: perturb them so that a
         # norm read as 1 + w instead of w (or a scalar not applied) shows in the logits.

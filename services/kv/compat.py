@@ -19,6 +19,12 @@ without it they are derived from the layout, which is exact when the layout is n
 (``layout.num_kv_heads == num_kv_heads``) or the group has the layout's own heads, and refused
 otherwise rather than guessed.
 
+An MLA group (DeepSeek's latent rows) always spells its shape out, with how TP places it:
+``["mla", null, layers, 1, row width, "replicated"]``. Its one "head" is the latent row
+(``kv_lora_rank + qk_rope_head_dim`` wide), identical on every TP rank, so the hash covers the row
+width (a different ``kv_lora_rank`` is named as the group's ``row_width``) and that every rank holds
+the whole row; a full-attention group on the other side differs in ``kind``.
+
 An engine's values are gathered once into a :class:`KVIdentity` (``KVIdentity.of``, from the
 model's shape and the engine's layout) that the hash, the exporter and the puller all take.
 
@@ -52,8 +58,10 @@ class GroupDifference:
     """One field of one KV-cache group that differs between the two engines."""
 
     group_id: int
-    kind: str  # the local group's attention kind ("full", "sliding_window"); "" for a group count
-    field: str  # "kind", "sliding_window", "layers", "num_kv_heads", "head_dim" or "groups" (the count)
+    kind: str  # the local group's attention kind ("full", "sliding_window", "mla"); "" for a group count
+    # "kind", "sliding_window", "layers", "num_kv_heads", "head_dim" ("row_width" in an MLA group), "tp" (how
+    # TP places the group: "sharded" heads or a "replicated" row) or "groups" (the count)
+    field: str
     local: object
     remote: object
 
@@ -199,6 +207,8 @@ def group_total_heads(layout: KVLayoutSpec, group_id: int, num_kv_heads: int,
     group's heads are its total. A group with its own heads on a sharded layout is refused:
     ``max(1, heads // tp)`` cannot be inverted once heads are replicated.
     """
+    if layout.groups[group_id].kind is AttentionKind.MLA:
+        return 1  # the latent row: one per token, the whole of it on every rank
     if group_kv_heads is not None and group_id in group_kv_heads:
         return int(group_kv_heads[group_id])
     local = layout.kv_heads(group_id)
@@ -213,33 +223,48 @@ def group_total_heads(layout: KVLayoutSpec, group_id: int, num_kv_heads: int,
     )
 
 
+#: How TP places a group's KV: heads split over ranks (or replicated by ``kv_head_range``'s rule), or one
+#: row per token that every rank holds whole (MLA).
+TP_SHARDED, TP_REPLICATED = "sharded", "replicated"
+
+
 def _groups_field(identity: KVIdentity) -> str:
     # Block size is deliberately left out: it is reconciled by the block-size ratio, per group.
     out = []
     for g in identity.groups:
         entry: list = [g.kind.value, g.sliding_window, list(g.layer_ids)]
         shape = (g.num_kv_heads, g.head_dim)
-        if shape != (identity.num_kv_heads, identity.head_dim):
+        if g.kind is AttentionKind.MLA:  # always explicit: the row width and its replication are hashed
+            entry += [*shape, TP_REPLICATED]
+        elif shape != (identity.num_kv_heads, identity.head_dim):
             entry += list(shape)
         out.append(entry)
     return json.dumps(out)
 
 
-_GROUP_FIELDS = ("kind", "sliding_window", "layers", "num_kv_heads", "head_dim")
+_GROUP_FIELDS = ("kind", "sliding_window", "layers", "num_kv_heads", "head_dim", "tp")
 
 
 def parse_groups(fields: Mapping[str, str]) -> list[tuple] | None:
-    """``kv_groups`` as one (kind, window, layers, total heads, head dim) tuple per group, or None."""
+    """``kv_groups`` as one (kind, window, layers, total heads, head dim, tp placement) tuple per group, or
+    None when unreadable; the placement is ``TP_REPLICATED`` only where the entry says so (MLA)."""
     try:
         heads, head_dim = int(fields["num_kv_heads"]), int(fields["head_dim"])
         out = []
         for entry in json.loads(fields["kv_groups"]):
             kind, window, layers, *shape = entry
-            total, dim = shape if shape else (heads, head_dim)
-            out.append((str(kind), window, list(layers), int(total), int(dim)))
+            total, dim, *tp = shape if shape else (heads, head_dim)
+            if tp not in ([], [TP_REPLICATED]):
+                return None
+            out.append((str(kind), window, list(layers), int(total), int(dim), tp[0] if tp else TP_SHARDED))
         return out
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def _field_name(name: str, kinds: tuple[str, str]) -> str:
+    """An MLA group's head dim is its latent row's width (``kv_lora_rank + qk_rope_head_dim``): named so."""
+    return "row_width" if name == "head_dim" and AttentionKind.MLA.value in kinds else name
 
 
 def group_differences(local: Mapping[str, str], remote: Mapping[str, str]) -> list[GroupDifference]:
@@ -253,7 +278,7 @@ def group_differences(local: Mapping[str, str], remote: Mapping[str, str]) -> li
     for gid, (la, rb) in enumerate(zip(a, b, strict=False)):
         for name, x, y in zip(_GROUP_FIELDS, la, rb, strict=True):
             if x != y:
-                out.append(GroupDifference(gid, la[0], name, x, y))
+                out.append(GroupDifference(gid, la[0], _field_name(name, (la[0], rb[0])), x, y))
     return out
 
 

@@ -2,9 +2,9 @@
 
 A ticket's bytes cross two layouts (block sizes, block orders and TP slices may differ between the
 owner and the reader), so the digest is a function of the KV's *logical* content, not of its
-memory. Each (layer, K or V, token, head) row of ``head_dim`` elements is read as 32-bit words (two
-16-bit elements per word, little-endian, or one 32-bit element), every word contributes one term,
-and the digest is the sum of the terms modulo 2**32::
+memory. Each (layer, K or V, token, head) row of ``head_dim`` elements (an MLA layer: its one latent
+row, keyed as K, and no V) is read as 32-bit words (two 16-bit elements per word, little-endian, or
+one 32-bit element), every word contributes one term, and the digest is the sum of the terms modulo 2**32::
 
     term = mix(word XOR key(layer, kv, token, head, word index))
     mix(x) = fmix32-style: x *= M1; x ^= x >> 15; x *= M2; x ^= x >> 13   (all mod 2**32)
@@ -93,11 +93,11 @@ def check_job(layout: KVLayoutSpec, job: DigestJob) -> None:
 def layer_views(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], group_id: int
                 ) -> list[tuple[int, int, torch.Tensor]]:
     """(layer id, K/V, [num_blocks, block_size, heads, words per row] int32 view of the rows' 32-bit words)
-    of every layer of a group."""
+    of every plane of every layer of a group: K and V, or an MLA layer's one latent row (kv 0)."""
     per_word = 4 // layout.element_size  # elements per 32-bit word
     out = []
     for layer in layout.groups[group_id].layer_ids:
-        for kv in (0, 1):
+        for kv in range(layout.num_kv_planes(group_id)):
             v = layout.view(layer, kv)
             if v.offset % per_word or any(s % per_word for s in (*v.strides[:3], v.shape[3])):
                 raise ValueError(f"KV rows of layer {layer} are not whole 32-bit words (head_dim {v.shape[3]}, "

@@ -49,7 +49,7 @@ def group_heads_from_fields(fields: Mapping[str, str]) -> dict[int, int]:
     """
     groups = parse_groups(fields) if "kv_groups" in fields else None
     if groups is not None:
-        return {gid: total for gid, (_kind, _window, _layers, total, _dim) in enumerate(groups)}
+        return {gid: group[3] for gid, group in enumerate(groups)}  # (kind, window, layers, total heads, ...)
     try:
         return {0: int(fields["num_kv_heads"])}
     except (KeyError, ValueError):

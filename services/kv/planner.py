@@ -24,6 +24,12 @@ head axis is left over (heads sit a pool apart)::
     heads-outer  [H, blocks, planes, block_size, D]:  run = D -> + tokens (whole block)
                                                       -> + planes (folded) = one run per (head, block)
 
+An MLA group (DeepSeek's latent rows) is the same with one plane per layer instead of K and V, and
+one head, the row (``kv_lora_rank + qk_rope_head_dim`` wide): a page is ``block_size`` rows back to
+back in either order, so whole blocks fold as full-attention pages do, and the bytes moved are one
+row per token and layer. Under TP the row is whole on every rank: a read names head ``(0, 1)`` on
+both sides (``topology.rank_reads`` with one head), so a local rank reads it once, from one remote rank.
+
 Pages themselves are then merged: all runs are ordered by source address and
 a run joins its predecessor when it starts where that one ends in the same source buffer AND in
 the same destination buffer. This one rule does the rest: per-layer pages of consecutive block
@@ -48,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from services.kv.groups import KVCacheGroupSpec
+from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.layout import BlockOrder, KVLayoutSpec, KVView, LayoutKind
 from services.kv.topology import BlockPiece, RankRead
 
@@ -169,7 +175,8 @@ def _check_specs(remote: KVLayoutSpec, local: KVLayoutSpec, group_id: int) -> tu
                          f"local {lg.kind.value} (window {lg.sliding_window})")
     r_dim, l_dim = remote.group_head_dim(group_id), local.group_head_dim(group_id)
     if r_dim != l_dim:
-        raise ValueError(f"{lg.label}: head_dim differs: remote {r_dim}, local {l_dim}")
+        what = "row_width" if lg.kind is AttentionKind.MLA else "head_dim"
+        raise ValueError(f"{lg.label}: {what} differs: remote {r_dim}, local {l_dim}")
     return rg, lg
 
 
@@ -227,8 +234,10 @@ def _pad_partial(arr: np.ndarray, unit: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=64)
 def _views(spec: KVLayoutSpec, layers: tuple[int, ...]) -> tuple[KVView, ...]:
-    """``spec.view`` of every (layer, K/V), K before V; cached as the same spec pair recurs per request."""
-    views = tuple(spec.view(layer, kv) for layer in layers for kv in (0, 1))
+    """``spec.view`` of every plane of every layer (K before V; an MLA layer's one latent row); cached as the
+    same spec pair recurs per request."""
+    planes = range(spec.group_of_layer(layers[0]).num_kv_planes) if layers else ()
+    views = tuple(spec.view(layer, kv) for layer in layers for kv in planes)
     if len({v.strides for v in views}) != 1:
         raise ValueError("a group's layers do not share one block/token/head stride")
     return views

@@ -34,6 +34,7 @@ import numpy as np
 from services.common.tls import TLSConfig
 from services.kv.compat import CompatInfo, KVIdentity
 from services.kv.digest import DigestJob, ticket_units, total
+from services.kv.groups import AttentionKind
 from services.kv.handshake import EngineDescription, PeerCache, RankExport
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.kv.nixl.agent import read_stages
@@ -184,7 +185,8 @@ class KVPuller:
                 ("kind", lg.kind.value, rg.kind.value),
                 ("sliding_window", lg.sliding_window, rg.sliding_window),
                 ("layers", sorted(lg.layer_ids), sorted(rg.layer_ids)),
-                ("head_dim", local.group_head_dim(lg.group_id), owner.group_head_dim(rg.group_id)),
+                ("row_width" if AttentionKind.MLA in (lg.kind, rg.kind) else "head_dim",
+                 local.group_head_dim(lg.group_id), owner.group_head_dim(rg.group_id)),
             ):
                 if a != b:
                     raise ValueError(f"{lg.label}: {name} local {a} vs remote {b}")

@@ -9,11 +9,19 @@ compatibility hash, both are reconciled here into plain values the descriptor pl
   so the owner knows how many notifications to wait for before it frees a request's blocks
   (:func:`readers_per_remote_rank`: the same when every group has the model's heads).
 * :func:`map_blocks` -- runs of tokens that sit in one remote block and one local block.
-* :func:`window_start_token` -- the first token a sliding-window group still needs.
+* :func:`window_start_token` -- the first token a sliding-window group still needs (every token for
+  the groups that attend over the whole context: full attention and MLA).
 
 Head arithmetic follows ``services.engine.tp.parallel``: KV heads split evenly when
 ``tp <= num_kv_heads``, otherwise each head is replicated on ``tp // num_kv_heads`` consecutive
 ranks. It is restated here (no torch import) and a test checks the two agree.
+
+An MLA group (DeepSeek's latent rows) has one "head", its row, which every rank holds whole: with
+one head the rule above replicates it on every rank, so each local rank reads the row once, from the
+remote rank of its own replica index (``local_rank % remote_tp``), never split and never per query
+head::
+
+    MLA, local tp 4 <- remote tp 2:  local 0, 2 <- remote 0;  local 1, 3 <- remote 1   (heads (0, 1))
 """
 
 from __future__ import annotations
@@ -325,8 +333,14 @@ def map_unit_arrays(
 # ---- sliding window ----------------------------------------------------------------------------
 
 
+def attends_whole_context(group: KVCacheGroupSpec) -> bool:
+    """Whether the group's newest token attends to every earlier one (full attention, MLA): nothing is clipped."""
+    return group.kind in (AttentionKind.FULL, AttentionKind.MLA)
+
+
 def window_start_token(remote_group: KVCacheGroupSpec, local_group: KVCacheGroupSpec, num_tokens: int) -> int:
-    """First token a transfer of this group must move; 0 for full attention.
+    """First token a transfer of this group must move; 0 for a group that attends over the whole context
+    (full attention and MLA).
 
     The newest of ``num_tokens`` tokens attends to keys ``num_tokens - W ..``; each side keeps its
     blocks from the one holding that key (``first_needed_block``) and may have dropped the blocks
@@ -353,7 +367,7 @@ def window_start_token(remote_group: KVCacheGroupSpec, local_group: KVCacheGroup
         )
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    if local_group.kind is AttentionKind.FULL:
+    if attends_whole_context(local_group):
         return 0
     small, large = sorted((remote_group.block_size, local_group.block_size))
     if large % small:

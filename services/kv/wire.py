@@ -10,7 +10,8 @@ from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.proto_gen.pdserve.v1 import kv_pb2
 
-_KIND_TO_PB = {AttentionKind.FULL: kv_pb2.FULL, AttentionKind.SLIDING_WINDOW: kv_pb2.SLIDING_WINDOW}
+_KIND_TO_PB = {AttentionKind.FULL: kv_pb2.FULL, AttentionKind.SLIDING_WINDOW: kv_pb2.SLIDING_WINDOW,
+               AttentionKind.MLA: kv_pb2.MLA}
 _LAYOUT_TO_PB = {LayoutKind.PER_LAYER: kv_pb2.PER_LAYER, LayoutKind.CROSS_LAYER: kv_pb2.CROSS_LAYER,
                  LayoutKind.HEADS_OUTER: kv_pb2.HEADS_OUTER}
 _ORDER_TO_PB = {BlockOrder.NHD: kv_pb2.NHD, BlockOrder.HND: kv_pb2.HND}
