@@ -108,7 +108,11 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             self.kv_layout.groups, [self.num_kv_blocks] * len(self.kv_layout.groups),
             enable_prefix_caching=config.enable_prefix_caching, events=self.kv_events,
+            num_state_slots=rt.state_pool.num_slots if rt.state_pool is not None else 0,
         )
+        if rt.state_pool is not None and config.kv_offload_bytes:
+            raise ValueError("the host KV tier cannot serve a model with state layers (Mamba2): a hit would need "
+                             "the request's state, which is not stored; run it without kv_offload_bytes")
         self.host_tier = host_tier_for(config, self.kv_layout, self.kv_cache, self.kv_manager, self.device)
         self._scheduler = Scheduler(
             SchedulerConfig(
@@ -203,6 +207,8 @@ class LLMEngine:
                      grammar: GrammarMatcher | None, hold_kv_on_finish: bool = False,
                      ) -> tuple[Request, GrammarMatcher | None]:
         """A checked new request and its grammar; ValueError (nothing changed) for bad input."""
+        if hold_kv_on_finish:
+            self._check_kv_transfer()
         params = params or SamplingParams()
         token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids, params)
@@ -266,8 +272,15 @@ class LLMEngine:
         placeholder (the scratch block, see kv_cache.manager): not blocks, never to be filled; the
         transfer starts at ``window_start_token`` (services/kv/topology.py), past them.
         """
+        self._check_kv_transfer()
         request, grammar = self._new_request(request_id, prompt, params, grammar)
         return self.external_kv.reserve_pull(request, grammar)
+
+    def _check_kv_transfer(self) -> None:
+        """ValueError for a model whose requests carry state (Mamba2): the KV transfer moves no state yet."""
+        if self.runtime.state_pool is not None:
+            raise ValueError(f"a {self.model_config.architecture} model keeps per-request state (Mamba2 layers) "
+                             "that KV transfers do not move yet: it cannot be served disaggregated")
 
     def complete_external_kv(
         self, request_id: str, first_token_id: int, first_logprob: float | None = None

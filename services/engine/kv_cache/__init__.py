@@ -18,7 +18,10 @@ block table; the manager keeps one table per group per request and delegates to,
   prefix hit may start; also what a sliding group's placeholder entries are.
 - ``prefix_hit.py``: the longest cached prefix every group can serve.
 - ``table_plan.py``: one group's part of an allocation, planned without changing anything, then applied.
+- ``state_slots.py``: ``StateSlots``, the state-pool row each request of a model with state layers
+  (Mamba2) owns beside its blocks.
 
 ``buffers.py`` is the torch side: ``KVCache``, the buffers the model runner writes, laid out
-from ``services.kv.layout``. Everything else here is pure Python.
+from ``services.kv.layout``; ``state_pool.py`` holds the Mamba2 states (``StatePool``). Everything
+else here is pure Python.
 """

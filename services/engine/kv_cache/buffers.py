@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,11 +49,15 @@ class KVCache:
         v = self.spec.view(layer, kv)
         return torch.as_strided(self.buffers[v.buffer_index], v.shape, v.strides, v.offset)
 
-    def views_by_layer(self, kv_sharing: dict[int, int], num_layers: int
+    def views_by_layer(self, kv_sharing: dict[int, int], num_layers: int, state_layers: Collection[int] = ()
                        ) -> tuple[list[tuple[torch.Tensor, ...]], list[int]]:
-        """(K, V) views (MLA: ``(rows,)``) and KV group of every layer; a KV-sharing layer gets its source's."""
+        """(K, V) views (MLA: ``(rows,)``) and KV group of every layer; a KV-sharing layer gets its source's.
+
+        A state layer (Mamba2: no KV) gets no views and group -1.
+        """
         sources = [kv_sharing.get(i, i) for i in range(num_layers)]
-        return ([self.views[s] for s in sources], [self.spec.group_of_layer(s).group_id for s in sources])
+        return ([() if s in state_layers else self.views[s] for s in sources],
+                [-1 if s in state_layers else self.spec.group_of_layer(s).group_id for s in sources])
 
     @property
     def num_bytes(self) -> int:
@@ -81,8 +86,9 @@ def kv_cache_groups(config: ModelConfig, block_size: int, parallel: ParallelConf
     MLA layers (DeepSeek) state one "KV head" as wide as their latent row, so they form one MLA group
     whose page is one row per token and layer.
 
-    Only layers that compute KV are in a group; a layer that reads another layer's KV (Gemma-4's
-    KV-shared layers) owns none and reads its source's pages. Groups are numbered by their first
+    Only layers that compute KV are in a group (a state layer, Mamba2, computes none); a layer that
+    reads another layer's KV (Gemma-4's KV-shared layers) owns none and reads its source's pages.
+    Groups are numbered by their first
     layer, and each carries this TP rank's heads and its head dim so the layout needs no guess::
 
         Gemma-4-like, 6 layers, layer 5 reads layer 3:
@@ -95,7 +101,7 @@ def kv_cache_groups(config: ModelConfig, block_size: int, parallel: ParallelConf
     """
     by_shape: dict[tuple, list[int]] = {}
     for i, layer in enumerate(config.layers):
-        if layer.kv_source is not None:
+        if layer.kv_source is not None or i in config.state_layer_ids:
             continue
         key = (layer.attention, layer.sliding_window, parallel.num_local_kv_heads(layer.num_kv_heads), layer.head_dim)
         by_shape.setdefault(key, []).append(i)

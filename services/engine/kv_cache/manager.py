@@ -17,6 +17,7 @@ from services.engine.kv_cache.block_pool import BlockPool
 from services.engine.kv_cache.events import KVCacheContents, KVEventLog, KVTier
 from services.engine.kv_cache.group_managers import GroupManager, make_group_manager
 from services.engine.kv_cache.prefix_hit import find_prefix_hit
+from services.engine.kv_cache.state_slots import StateSlots
 from services.engine.kv_cache.table_plan import (
     GroupPlan,
     apply_plan,
@@ -62,12 +63,17 @@ class KVCacheManager:
 
     ``events``: the engine's KV event log; each group's pool reports its prefix cache's changes there
     as ``tier`` (the host tier's span manager passes ``KVTier.HOST``). None: no events.
+
+    ``num_state_slots`` (a model with state layers, e.g. Granite-4.0-H's Mamba2): each request also
+    gets one of that many state slots (``state_slots.py``) with its first allocation, given back with
+    its blocks. Such a request gets no prefix-cache hit: a hit would need the state at the end of the
+    prefix, which is not snapshotted (vLLM keeps Mamba prefix caching behind a flag for that reason).
     """
 
     def __init__(self, groups: Sequence[KVCacheGroupSpec], num_blocks_per_group: Sequence[int],
                  enable_prefix_caching: bool = True, cache_salt: bytes = b"",
                  free_out_of_window: bool = True, block_hashes: BlockHashChains | None = None,
-                 events: KVEventLog | None = None, tier: KVTier = KVTier.DEVICE) -> None:
+                 events: KVEventLog | None = None, tier: KVTier = KVTier.DEVICE, num_state_slots: int = 0) -> None:
         if not groups:
             raise ValueError("at least one KV group is required")
         if len(groups) != len(num_blocks_per_group):
@@ -92,6 +98,7 @@ class KVCacheManager:
         self._block_size_lcm = math.lcm(*(s.block_size for s in groups))
         self._cursors: dict[str, list[_PublishCursor]] = {}
         self._held: dict[str, list[list[int]]] = {}
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
 
     # ---- introspection -------------------------------------------------------------------
 
@@ -145,7 +152,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
         """Longest cached prefix valid in every group, as table entries per group, and its length in
         tokens (``prefix_hit.find_prefix_hit``); no refcount changes."""
-        if not self.enable_prefix_caching or request.num_tokens < 2:
+        if not self.enable_prefix_caching or request.num_tokens < 2 or self.state_slots is not None:
             return [[] for _ in self.managers], 0
         if request.sampling_params.prompt_logprobs is not None:
             return [[] for _ in self.managers], 0  # the cache holds no logits: every prompt position is computed
@@ -264,7 +271,20 @@ class KVCacheManager:
         ``external_kv``: the new tokens' KV will be written by a transfer, not computed, so the
         sliding groups keep the window the transfer moves, ``first_needed_block(num_tokens)`` on
         (the window of the prompt's last token; the first local query sees one key less).
+
+        A request of a state model without a state slot gets one too (None when none is free).
         """
+        if self.state_slots is None or request.state_slot is not None:
+            return self._allocate_blocks(request, num_new_tokens, computed_blocks, external_kv)
+        if not self.state_slots.num_free:
+            return None
+        new = self._allocate_blocks(request, num_new_tokens, computed_blocks, external_kv)
+        if new is not None:
+            request.state_slot = self.state_slots.take()
+        return new
+
+    def _allocate_blocks(self, request: Request, num_new_tokens: int,
+                         computed_blocks: Sequence[Sequence[int]] | None, external_kv: bool) -> list[list[int]] | None:
         if not computed_blocks and not external_kv and self._already_covers(request, num_new_tokens):
             self._drop_out_of_window(request)  # the common decode step: the last block has room
             return [[] for _ in self.managers]
@@ -311,6 +331,12 @@ class KVCacheManager:
         self._free_tables(request.block_ids)
         request.block_ids = []
         self._cursors.pop(request.request_id, None)
+        self._give_back_state(request)
+
+    def _give_back_state(self, request: Request) -> None:
+        if request.state_slot is not None:
+            self.state_slots.give_back(request.state_slot)
+            request.state_slot = None
 
     def _free_tables(self, tables: Sequence[Sequence[int]]) -> None:
         if not tables:  # never allocated
@@ -340,6 +366,7 @@ class KVCacheManager:
             held.append(self.real_blocks(g, table[cut:]))
         self._held[key] = held
         self._cursors.pop(request.request_id, None)
+        self._give_back_state(request)  # a peer reads KV, never the state
 
     def pin(self, key: str, tables: Sequence[Sequence[int]]) -> None:
         """One more reference on each real block of ``tables`` (per group), kept under ``key`` (added to what

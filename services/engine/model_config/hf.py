@@ -13,6 +13,7 @@ from typing import Any
 
 from services.engine.model_config.deepseek import MLASpec, MoESpec, deepseek_fields
 from services.engine.model_config.gemma import gemma_fields
+from services.engine.model_config.granite import GraniteSpec, granite_hybrid_fields
 from services.engine.model_config.layers import (
     SUPPORTED_ACTIVATIONS,
     SUPPORTED_ROPE_TYPES,
@@ -28,7 +29,8 @@ from services.kv.groups import AttentionKind
 
 __all__ = ["SUPPORTED_ROPE_TYPES", "LayerSpec", "ModelConfig", "RopeSpec", "preset", "read_rope", "rope_from_dict"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma4", "deepseek_v3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma4", "deepseek_v3",
+                          "granitemoehybrid")
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3", "gemma4")
 
 _ARCH_BY_CLASS = {
@@ -40,6 +42,7 @@ _ARCH_BY_CLASS = {
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
 }
 # config.json model_type -> our architecture, for the types whose name differs.
 _ARCH_BY_MODEL_TYPE = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
@@ -79,6 +82,9 @@ class ModelConfig:
     KV "head" of the cached row's width) and ``moe`` (its experts; ``intermediate_size`` is then
     the dense layers' MLP width); both are None for every other architecture.
 
+    Granite-4.0-H sets ``granite`` (``model_config/granite.py``): its Mamba2 layers (``state_layer_ids``)
+    own no KV but a fixed-size state per request; the other layers are full attention.
+
     Which layers read other layers' KV is per layer (``LayerSpec.kv_source``); Gemma-4's
     ``num_kv_shared_layers`` is the property of that name.
     """
@@ -117,6 +123,7 @@ class ModelConfig:
     use_double_wide_mlp: bool = False
     mla: MLASpec | None = None
     moe: MoESpec | None = None
+    granite: GraniteSpec | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -179,9 +186,15 @@ class ModelConfig:
         return {i: layer.kv_source for i, layer in enumerate(self.layers) if layer.kv_source is not None}
 
     @property
+    def state_layer_ids(self) -> tuple[int, ...]:
+        """The layers that keep a fixed-size recurrent state per request instead of KV (Mamba2)."""
+        return self.granite.mamba.layer_ids if self.granite is not None else ()
+
+    @property
     def kv_layer_ids(self) -> tuple[int, ...]:
         """The layers that compute and own KV."""
-        return tuple(i for i, layer in enumerate(self.layers) if layer.kv_source is None)
+        state = set(self.state_layer_ids)
+        return tuple(i for i, layer in enumerate(self.layers) if layer.kv_source is None and i not in state)
 
     @property
     def num_kv_shared_layers(self) -> int:
@@ -211,15 +224,24 @@ class ModelConfig:
                 mlp = self.moe.num_parameters(h) if self.moe.is_moe_layer(n) else 3 * h * self.intermediate_size
                 total += self.mla.num_parameters(h, self.num_heads) + mlp + norms * h
             return total + v * h * (1 if self.tie_word_embeddings else 2) + h
+        state = set(self.state_layer_ids)
         for n, layer in enumerate(self.layers):
             q, kv = self.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
             num_kv_proj = 0 if layer.kv_source is not None else 1 if self.layer_k_is_v(n) else 2
-            total += h * (q + num_kv_proj * kv) + q * h + 3 * h * self.layer_intermediate_size(n) + norms * h
+            mixer = self._mamba_parameters() if n in state else h * (q + num_kv_proj * kv) + q * h
+            total += mixer + 3 * h * self.layer_intermediate_size(n) + norms * h
         embed = v * h * (1 if self.tie_word_embeddings else 2)
         p, n = self.hidden_size_per_layer_input, self.num_layers
         if p:  # table, model projection and its norm; per layer: gate, projection, norm
             total += self.vocab_size_per_layer_input * n * p + h * n * p + p + n * (2 * h * p + h)
         return total + embed + h
+
+    def _mamba_parameters(self) -> int:
+        """One Mamba2 mixer: in/out projections, depthwise conv, A_log, D, dt_bias, gated norm."""
+        m = self.granite.mamba
+        inner = m.intermediate_size
+        return (self.hidden_size * m.in_proj_width + inner * self.hidden_size + m.conv_dim * (m.d_conv + 1)
+                + 3 * m.num_heads + inner)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -229,6 +251,8 @@ class ModelConfig:
             return cls(**gemma_fields(d, arch))
         if arch == "deepseek_v3":
             return cls(**deepseek_fields(d))
+        if arch == "granitemoehybrid":
+            return cls(**granite_hybrid_fields(d))
         hidden = config_field(d, "hidden_size", int)
         heads = config_field(d, "num_attention_heads", int)
         sliding = config_field(d, "sliding_window", int, None)
@@ -412,6 +436,33 @@ _DEEPSEEK_PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 PRESETS.update({name: ModelConfig.from_hf_dict({**_DEEPSEEK_COMMON, **d}) for name, d in _DEEPSEEK_PRESETS.items()})
+
+# Granite-4.0-H presets, config.json-shaped. granite-4.0-h-tiny-shape has ibm-granite/granite-4.0-h-tiny's
+# attention and Mamba2 shapes (40 layers, attention at 5, 15, 25, 35) with its MoE replaced by a dense
+# shared MLP (the dense form this engine reads): a shape for memory and speed. granite-4.0-h-tiny keeps
+# every feature (Mamba2 groups, rope, every multiplier) at test speed.
+_GRANITE_COMMON = dict(model_type="granitemoehybrid", hidden_act="silu", num_local_experts=0, mamba_conv_bias=True,
+                       mamba_proj_bias=False, rms_norm_eps=1e-5, position_embedding_type="rope",
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+_GRANITE_PRESETS: dict[str, dict[str, Any]] = {
+    "granite-4.0-h-tiny-shape": dict(
+        vocab_size=100352, hidden_size=1536, shared_intermediate_size=1024, num_hidden_layers=40,
+        num_attention_heads=12, num_key_value_heads=4, layer_types=[
+            "attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
+        mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=256, embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22,
+        logits_scaling=6.0, max_position_embeddings=131072, tie_word_embeddings=True, eos_token_id=100257,
+        position_embedding_type=None,
+    ),
+    "granite-4.0-h-tiny": dict(
+        vocab_size=49152, hidden_size=64, shared_intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "attention", "mamba", "mamba"],
+        mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=16, embedding_multiplier=12.0, attention_multiplier=0.25, residual_multiplier=0.5,
+        logits_scaling=4.0, max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=2,
+    ),
+}
+PRESETS.update({name: ModelConfig.from_hf_dict({**_GRANITE_COMMON, **d}) for name, d in _GRANITE_PRESETS.items()})
 
 
 def preset(name: str) -> ModelConfig:

@@ -19,6 +19,7 @@ from services.engine.attention import (
     step_batch,
 )
 from services.engine.kv_cache.buffers import KVCache
+from services.engine.kv_cache.state_pool import StateBatch, StatePool
 from services.engine.models import DecoderModel
 from services.engine.runner.cuda_graphs import DecodeGraphRunner
 from services.engine.runner.prefill_graphs import PrefillGraphRunner
@@ -29,13 +30,16 @@ class ModelRunner:
     """Runs a step through ``decode_graphs`` when every chunk is one token (decode), through
     ``prefill_graphs`` when it fits one of their buckets (a few short chunks), else eagerly.
 
+    ``state_pool``: the per-request states of a model with state layers (``kv_cache/state_pool.py``).
+
     ``attention_backend`` (``EngineConfig.attention_backend``) names the attention backend; each
     KV group gets it, or ``torch_sdpa`` where it cannot serve the group (see ``attention.registry``).
     """
 
     def __init__(self, model: DecoderModel, kv_cache: KVCache, device: torch.device,
                  decode_graphs: DecodeGraphRunner | None = None, kv_shared_prefill_skip: bool = True,
-                 attention_backend: str = "auto", prefill_graphs: PrefillGraphRunner | None = None) -> None:
+                 attention_backend: str = "auto", prefill_graphs: PrefillGraphRunner | None = None,
+                 state_pool: StatePool | None = None) -> None:
         self.model = model
         # EngineConfig.kv_shared_prefill_skip: pass `tail` to a model that can skip to it.
         self.kv_shared_prefill_skip = kv_shared_prefill_skip
@@ -45,7 +49,10 @@ class ModelRunner:
         self.prefill_graphs = prefill_graphs
         spec = kv_cache.spec
         self.groups = spec.groups
-        self.kv_views, self.layer_groups = kv_cache.views_by_layer(model.config.kv_sharing, model.config.num_layers)
+        self.kv_views, self.layer_groups = kv_cache.views_by_layer(model.config.kv_sharing, model.config.num_layers,
+                                                                   model.config.state_layer_ids)
+        # Models with state layers (Mamba2): every step passes each chunk's state slot (eager steps only).
+        self.state_pool = state_pool
         self.group_backends: list[AttentionBackend] = cache_group_backends(attention_backend, kv_cache)
 
     def runs_as_graph(self, chunks: Sequence[Chunk]) -> bool:
@@ -74,7 +81,12 @@ class ModelRunner:
         input_ids, positions, batch = self._prepare(chunks)
         skip = self.kv_shared_prefill_skip and self.model.skips_to_tail
         tail = self._prepare_tail(chunks, positions) if skip else None
-        hidden = self.model(input_ids, positions, batch, self.kv_views, self.layer_groups, tail)
+        if self.state_pool is None:
+            hidden = self.model(input_ids, positions, batch, self.kv_views, self.layer_groups, tail)
+        else:
+            states = StateBatch.of([c.state_slot for c in chunks], [c.start for c in chunks], self.device)
+            hidden = self.model(input_ids, positions, batch, self.kv_views, self.layer_groups, tail,
+                                states=states, state_pool=self.state_pool)
 
         # Where each chunk's output rows sit in `hidden`: every token, or only its tail rows.
         out_lens = [_num_output_rows(c) for c in chunks] if tail is not None else [c.num_tokens for c in chunks]

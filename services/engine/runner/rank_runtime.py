@@ -15,6 +15,7 @@ import torch
 from services.engine import ops
 from services.engine.engine_config import EngineConfig
 from services.engine.kv_cache.buffers import TORCH_DTYPES, KVCache, kv_cache_groups
+from services.engine.kv_cache.state_pool import StatePool
 from services.engine.loading.source import ModelSource
 from services.engine.loading.weights import dummy_weights
 from services.engine.models import DecoderModel, build_model
@@ -124,10 +125,13 @@ class RankRuntime:
         self.kv_layout = kv_layout(config, source, self.dtype, num_blocks)
         self.num_kv_blocks = self.kv_layout.num_blocks - 1
         self.kv_cache = KVCache(self.kv_layout, self.device, scratch_block=self.num_kv_blocks)
+        # One state row per sequence seat: a running request always has its slot (StateSlots).
+        self.state_pool = StatePool.for_model(source.config, config.max_num_seqs, TORCH_DTYPES[self.dtype],
+                                              self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, decode_graphs=self._decode_graphs(),
                                   kv_shared_prefill_skip=config.kv_shared_prefill_skip,
                                   attention_backend=config.attention_backend,
-                                  prefill_graphs=self._prefill_graphs())
+                                  prefill_graphs=self._prefill_graphs(), state_pool=self.state_pool)
 
     @functools.cached_property
     def max_model_len(self) -> int:

@@ -34,6 +34,10 @@ class Chunk(Protocol):
     @property
     def return_logits(self) -> bool: ...
 
+    @property
+    def state_slot(self) -> int | None:
+        """The request's row of the state pool (models with state layers; TP 1 only), else None."""
+
 
 @dataclass(frozen=True)
 class DeviceTokens:

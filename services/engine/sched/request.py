@@ -65,6 +65,8 @@ class Request:
     # held device blocks, as (host block ids per group from token 0, number of tokens).
     host_prefix: tuple[list[list[int]], int] | None = None
     num_preemptions: int = 0
+    # Its row of the state pool (models with state layers), from its first allocation until its blocks go.
+    state_slot: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     stop_reason: int | str | None = None
 

@@ -92,6 +92,10 @@ class ScheduledChunk:
         return self.request.block_ids
 
     @property
+    def state_slot(self) -> int | None:
+        return self.request.state_slot
+
+    @property
     def return_logits(self) -> bool:
         """Whether every position's logits are kept: asked for, or they hold prompt logprobs."""
         p = self.request.sampling_params

@@ -1,0 +1,162 @@
+"""Granite-4.0-H (``GraniteMoeHybridForCausalLM``, dense form): Mamba2 layers beside attention layers.
+
+Each layer is ``h = h + m * mixer(norm1(h)); h = h + m * mlp(norm2(h))`` with ``m`` the residual
+multiplier, where the mixer is either Llama-style attention over the paged KV cache (scores scaled
+by the attention multiplier, RoPE only when ``position_embedding_type`` is ``rope``) or a Mamba2
+mixer (``mamba2.py``) over the request's fixed-size state. Embeddings are multiplied by the
+embedding multiplier, logits divided by ``logits_scaling``; the MLP is the shared MLP
+(``shared_mlp.input_linear`` = gate and up, ``output_linear`` = down).
+
+State layers own no KV: ``kv_views[layer]`` is ``()`` for them, and ``forward`` takes the step's
+``StateBatch`` (each chunk's state slot) and the engine's ``StatePool``. Prefix caching is off for
+this model (``KVCacheManager``: a hit would need the state at the end of the prefix, which is not
+snapshotted). TP 1 only, eager steps only (no CUDA graphs), and no KV transfer of the state: a
+disaggregated worker cannot hand such a request over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from services.engine.attention import AttentionBatch, TailBatch
+from services.engine.kv_cache.state_pool import StateBatch, StatePool
+from services.engine.model_config.hf import ModelConfig
+from services.engine.models.base import DecoderModel
+from services.engine.models.layers import RMSNorm, RotaryEmbedding, copy_weight, load_attention_projection, param
+from services.engine.models.llama import MLP, Attention
+from services.engine.models.mamba2 import Mamba2Mixer
+from services.engine.tp.parallel import ParallelConfig
+
+
+class GraniteDecoderLayer(nn.Module):
+    """Norms, one mixer (``self_attn`` or ``mamba``, the other None) and the shared MLP."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        if layer_id in config.state_layer_ids:
+            self.mamba = Mamba2Mixer(config.granite.mamba, h, config.rms_norm_eps, dtype, device)
+            self.self_attn = None
+        else:
+            self.mamba = None
+            self.self_attn = Attention(config, layer_id, parallel, dtype, device)
+            self.self_attn.scale = config.attention_scale  # Granite's attention multiplier
+        self.mlp = MLP(config, parallel, dtype, device)
+
+
+class GraniteHybridForCausalLM(DecoderModel):
+    """The whole decoder plus LM head over a paged KV cache (attention layers) and a state pool (Mamba2)."""
+
+    LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+    supports_cuda_graphs = False  # the Mamba2 steps read chunk lengths and slots on the host
+
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        if parallel.tp_size > 1:
+            raise ValueError(f"Granite-4.0-H has no tensor-parallel path yet (its Mamba2 layers are not sharded): "
+                             f"run it with tp 1, not {parallel.tp_size}")
+        if config.granite is None:
+            raise ValueError(f"a {config.architecture} config has no Granite spec: not a Granite-4.0-H config")
+        self.config = config
+        self.parallel = parallel
+        self.spec = config.granite
+        self.embed_tokens = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(GraniteDecoderLayer(config, i, parallel, dtype, device)
+                                    for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else param(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
+        self.rope = (RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings, device)
+                     if self.spec.use_rope else None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv_views: list[tuple[torch.Tensor, ...]], layer_groups: list[int],
+                tail: TailBatch | None = None, *, states: StateBatch | None = None,
+                state_pool: StatePool | None = None) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm. ``states``/``state_pool``: each chunk's
+        state row and the rows themselves (the model runner passes them for every step)."""
+        if states is None or state_pool is None:
+            raise ValueError("a Granite-4.0-H step needs its chunks' state slots and the state pool")
+        if batch.host_lens is None:
+            raise ValueError("a Granite-4.0-H step runs eagerly (chunk lengths on the host)")
+        query_lens = list(batch.host_lens[0])
+        m = self.spec.residual_multiplier
+        residual = self.embed_tokens[input_ids] * self.config.embed_scale
+        rope = self.rope(positions) if self.rope is not None else None
+        out = None
+        for i, layer in enumerate(self.layers):
+            if out is None:
+                x = layer.input_layernorm(residual)
+            else:
+                x, residual = layer.input_layernorm(out * m, residual)
+            if layer.mamba is not None:
+                out = layer.mamba(x, query_lens, states, state_pool.conv[i], state_pool.ssm[i])
+            else:
+                out = layer.self_attn(x, rope, kv_views[i], batch, layer_groups[i])
+            x, residual = layer.post_attention_layernorm(out * m, residual)
+            out = layer.mlp(x)
+        return self.norm(residual) if out is None else self.norm(out * m, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return (nn.functional.linear(hidden, head) / self.spec.logits_scaling).float()
+
+    # ---- weight loading ------------------------------------------------------------------------
+    def _layer_shapes(self, layer_id: int) -> dict[str, tuple[int, ...]]:
+        """HF name (after ``model.layers.N.``) -> full shape, for every tensor of one layer."""
+        c, h = self.config, self.config.hidden_size
+        layer = self.layers[layer_id]
+        shapes: dict[str, tuple[int, ...]] = {f"{norm}.weight": (h,) for norm in self.LAYER_NORMS}
+        shapes["shared_mlp.input_linear.weight"] = (2 * c.intermediate_size, h)
+        shapes["shared_mlp.output_linear.weight"] = (h, c.intermediate_size)
+        if layer.mamba is not None:
+            shapes.update({f"mamba.{k}": v for k, v in layer.mamba.hf_shapes().items()})
+            return shapes
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for proj, rows, cols in (("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q)):
+            shapes[f"self_attn.{proj}.weight"] = (rows, cols)
+            if c.attention_bias:
+                shapes[f"self_attn.{proj}.bias"] = (rows,)
+        return shapes
+
+    def _expected_names(self) -> Iterator[str]:
+        yield "model.embed_tokens.weight"
+        yield "model.norm.weight"
+        if not self.config.tie_word_embeddings:
+            yield "lm_head.weight"
+        for i in range(self.config.num_layers):
+            yield from (f"model.layers.{i}.{k}" for k in self._layer_shapes(i))
+
+    def _hf_shape(self, name: str) -> tuple[int, ...]:
+        c = self.config
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return (c.vocab_size, c.hidden_size)
+        if name == "model.norm.weight":
+            return (c.hidden_size,)
+        _, _, layer, rest = name.split(".", 3)
+        return self._layer_shapes(int(layer))[rest]
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        if name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+            return super()._load_one(name, tensor)
+        _, _, layer_id, rest = name.split(".", 3)
+        layer = self.layers[int(layer_id)]
+        module, _, tail = rest.partition(".")
+        if module in self.LAYER_NORMS:
+            return copy_weight(name, getattr(layer, module).weight, tensor)
+        if module == "mamba":
+            return copy_weight(name, layer.mamba.hf_tensor(tail), tensor)
+        if module == "shared_mlp":
+            dest = layer.mlp.gate_up_proj.weight if tail.startswith("input_linear") else layer.mlp.down_proj.weight
+            return copy_weight(name, dest, tensor)
+        proj, kind = tail.split(".")
+        c = self.config
+        return load_attention_projection(name, layer.self_attn, proj, kind, tensor, self.parallel, c.num_kv_heads,
+                                         c.head_dim)
