@@ -294,18 +294,21 @@ def test_the_digest_reads_one_plane_per_layer_and_is_layout_free(kind: LayoutKin
 
 @pytest.mark.parametrize(("kind", "order"), [(PER, NHD), (CROSS, HND), (HEADS, HND)], ids=lambda k: k.value)
 def test_the_triton_kernel_computes_the_host_digest_of_latent_rows(kind: LayoutKind, order: BlockOrder) -> None:
-    """The kernel walks the group's views as given: one per layer for MLA (rows of 40 elements, 20 words)."""
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # on CPU; read when the kernel module is first imported
+    """The kernel walks the group's views as given: one per layer for MLA (rows of 40 elements, 20 words).
+    Under Triton's interpreter on CPU; ``PDSERVE_TEST_DEVICE=cuda`` runs it on the GPU."""
+    device = torch.device(os.environ.get("PDSERVE_TEST_DEVICE", "cpu"))
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel module is first imported
     from services.kv.digest_triton import digest_units_cuda
 
     n = 21
     values = torch.randn(len(LAYERS), n, ROW, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     spec = mla(kind, order, block_size=8)
-    bufs = _tensors(spec)
+    bufs = [b.to(device) for b in _tensors(spec)]
     table = [7, 1, 4]
     _write(spec, bufs, values, table)
     views = D.layer_views(spec, bufs, 0)
     for start, unit in ((0, 8), (8, 4)):
         job = D.DigestJob(0, table, start, n, unit, 0, 1, 0)
-        want = D.digest_units_host(views, 8, job).tolist()
+        want = D.digest_units_host(views, 8, job).cpu().tolist()
         assert [u & D.MASK32 for u in digest_units_cuda(views, 8, job).cpu().tolist()] == want
