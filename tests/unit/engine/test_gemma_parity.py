@@ -108,7 +108,8 @@ def test_gemma4_kv_shared_prefill_skip_changes_nothing(tmp_path) -> None:
     assert tokens_on == tokens_off
     assert len(sampled_on) == len(sampled_off)
     for on, off in zip(sampled_on, sampled_off, strict=True):
-        assert on.shape == off.shape
+        # A step that samples nothing may hand back [0] or [0, vocab] (the CUDA path's pipelined steps do).
+        assert on.shape == off.shape or on.numel() == off.numel() == 0, (on.shape, off.shape)
         if on.numel():
             assert ((on - off).abs().max() / off.abs().max()) < 1e-5
     assert all(n_in == n_out for n_in, n_out in rows_off)  # no skip: every row comes out
