@@ -23,9 +23,9 @@ from typing import Any
 from services.engine.model_config.layers import (
     LayerSpec,
     config_field,
-    read_eos_token_ids,
     read_rope,
     required_key,
+    shared_fields,
     yarn_mscale,
 )
 from services.kv.groups import AttentionKind
@@ -179,21 +179,16 @@ def deepseek_fields(d: dict[str, Any]) -> dict[str, Any]:
     bias = config_field(d, "attention_bias", bool, False)
     return dict(
         architecture="deepseek_v3",
-        vocab_size=config_field(d, "vocab_size", int),
+        **shared_fields(d),
         hidden_size=config_field(d, "hidden_size", int),
         intermediate_size=config_field(d, "intermediate_size", int),
         num_layers=num_layers,
         num_heads=config_field(d, "num_attention_heads", int),
         num_kv_heads=1,
         head_dim=mla.row_width,
-        rms_norm_eps=config_field(d, "rms_norm_eps", float),
         rope=rope,
-        max_position_embeddings=config_field(d, "max_position_embeddings", int),
-        tie_word_embeddings=config_field(d, "tie_word_embeddings", bool, False),
         attention_bias=bias,
         o_proj_bias=bias,
-        bos_token_id=config_field(d, "bos_token_id", int, None),
-        eos_token_ids=read_eos_token_ids(d),
         layers=(LayerSpec(AttentionKind.MLA, 1, mla.row_width, rope),) * num_layers,
         attention_scale=scale,
         mla=mla,

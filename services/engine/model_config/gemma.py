@@ -13,10 +13,10 @@ from services.engine.model_config.layers import (
     LayerSpec,
     RopeSpec,
     config_field,
-    read_eos_token_ids,
     read_rope,
     required_key,
     rope_from_dict,
+    shared_fields,
 )
 from services.kv.groups import AttentionKind
 
@@ -62,24 +62,19 @@ def gemma_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     bias = config_field(d, "attention_bias", bool, False)
     fields: dict[str, Any] = dict(
         architecture=arch,
-        vocab_size=config_field(d, "vocab_size", int),
         hidden_size=hidden,
+        # transformers' default (and PretrainedConfig's): a config that omits tie_word_embeddings is tied.
+        **shared_fields(d, tie_default=True),
         intermediate_size=config_field(d, "intermediate_size", int),
         num_layers=num_layers,
         num_heads=config_field(d, "num_attention_heads", int),
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=config_field(d, "rms_norm_eps", float),
         rope=layers[0].rope,
-        max_position_embeddings=config_field(d, "max_position_embeddings", int),
-        # transformers' default (and PretrainedConfig's): a config that omits it is tied.
-        tie_word_embeddings=config_field(d, "tie_word_embeddings", bool, True),
         attention_bias=bias,
         o_proj_bias=bias,
         qk_norm=arch != "gemma2",
         sliding_window=window,
-        bos_token_id=config_field(d, "bos_token_id", int, None),
-        eos_token_ids=read_eos_token_ids(d),
         layers=layers,
         hidden_activation=activation,
         embed_scale=hidden**0.5,

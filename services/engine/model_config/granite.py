@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.engine.model_config.layers import LayerSpec, RopeSpec, config_field, read_eos_token_ids, read_rope
+from services.engine.model_config.layers import LayerSpec, RopeSpec, config_field, read_rope, shared_fields
 from services.kv.groups import AttentionKind
 
 MAMBA_LAYER_TYPES = ("mamba", "linear_attention")
@@ -133,21 +133,16 @@ def granite_hybrid_fields(d: dict[str, Any]) -> dict[str, Any]:
     bias = config_field(d, "attention_bias", bool, False)
     return dict(
         architecture="granitemoehybrid",
-        vocab_size=config_field(d, "vocab_size", int),
+        **shared_fields(d),
         hidden_size=hidden,
         intermediate_size=config_field(d, "shared_intermediate_size", int),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=config_field(d, "rms_norm_eps", float),
         rope=rope,
-        max_position_embeddings=config_field(d, "max_position_embeddings", int),
-        tie_word_embeddings=config_field(d, "tie_word_embeddings", bool, False),
         attention_bias=bias,
         o_proj_bias=bias,
-        bos_token_id=config_field(d, "bos_token_id", int, None),
-        eos_token_ids=read_eos_token_ids(d),
         # A Mamba2 layer gets a full-attention spec only so per-layer checks hold; it owns no KV
         # (ModelConfig.state_layer_ids keeps it out of every KV-cache group).
         layers=(LayerSpec(AttentionKind.FULL, kv_heads, head_dim, rope),) * num_layers,

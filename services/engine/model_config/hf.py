@@ -21,9 +21,9 @@ from services.engine.model_config.layers import (
     LayerSpec,
     RopeSpec,
     config_field,
-    read_eos_token_ids,
     read_rope,
     rope_from_dict,
+    shared_fields,
 )
 from services.kv.groups import AttentionKind
 
@@ -264,24 +264,19 @@ class ModelConfig:
         bias = config_field(d, "attention_bias", bool, False)
         return cls(
             architecture=arch,
-            vocab_size=config_field(d, "vocab_size", int),
             hidden_size=hidden,
             intermediate_size=config_field(d, "intermediate_size", int),
+            **shared_fields(d),
             num_layers=config_field(d, "num_hidden_layers", int),
             num_heads=heads,
             num_kv_heads=config_field(d, "num_key_value_heads", int, None) or heads,
             head_dim=config_field(d, "head_dim", int, None) or hidden // heads,
-            rms_norm_eps=config_field(d, "rms_norm_eps", float),
             rope=read_rope(d),
-            max_position_embeddings=config_field(d, "max_position_embeddings", int),
-            tie_word_embeddings=config_field(d, "tie_word_embeddings", bool, False),
             attention_bias=arch == "qwen2" or bias,
             o_proj_bias=arch != "qwen2" and bias,
             mlp_bias=config_field(d, "mlp_bias", bool, False),
             qk_norm=arch == "qwen3",
             sliding_window=sliding or None,
-            bos_token_id=config_field(d, "bos_token_id", int, None),
-            eos_token_ids=read_eos_token_ids(d),
         )
 
     @classmethod

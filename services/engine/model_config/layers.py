@@ -136,6 +136,17 @@ def read_eos_token_ids(d: dict[str, Any]) -> tuple[int, ...]:
     return config_field(d, "eos_token_id", lambda v: tuple(int(x) for x in (v if isinstance(v, list) else [v])), ())
 
 
+def shared_fields(d: dict[str, Any], tie_default: bool = False) -> dict[str, Any]:
+    """The ModelConfig fields every family reads the same way: vocabulary, norm epsilon, context, tied head,
+    BOS and EOS ids (``tie_default``: what a config without ``tie_word_embeddings`` means for the family)."""
+    return dict(vocab_size=config_field(d, "vocab_size", int),
+                rms_norm_eps=config_field(d, "rms_norm_eps", float),
+                max_position_embeddings=config_field(d, "max_position_embeddings", int),
+                tie_word_embeddings=config_field(d, "tie_word_embeddings", bool, tie_default),
+                bos_token_id=config_field(d, "bos_token_id", int, None),
+                eos_token_ids=read_eos_token_ids(d))
+
+
 def required_key(d: dict[str, Any], name: str) -> Any:
     """``d[name]`` where null is a meaningful value but absence is not."""
     if name not in d:

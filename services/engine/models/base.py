@@ -148,3 +148,30 @@ class DecoderModel(nn.Module):
             spec = c.layers[layer_id]
             return load_attention_projection(name, attn, proj, kind, tensor, tp, spec.num_kv_heads, spec.head_dim)
         return load_mlp_projection(name, layer.mlp, proj, kind, tensor, tp)
+
+
+class LayerShapeTable:
+    """Weight names for a model that lists each layer's tensors with their checkpoint shapes
+    (``_layer_shapes``, e.g. MoE experts or Mamba mixers beside attention): the expected names and
+    shapes follow from that table plus the shared embedding, final norm and head. Mixed in before
+    :class:`DecoderModel`."""
+
+    def _layer_shapes(self, layer_id: int) -> dict[str, tuple[int, ...]]:
+        raise NotImplementedError
+
+    def _expected_names(self) -> Iterator[str]:
+        yield "model.embed_tokens.weight"
+        yield "model.norm.weight"
+        if not self.config.tie_word_embeddings:
+            yield "lm_head.weight"
+        for i in range(self.config.num_layers):
+            yield from (f"model.layers.{i}.{k}" for k in self._layer_shapes(i))
+
+    def _hf_shape(self, name: str) -> tuple[int, ...]:
+        c = self.config
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return (c.vocab_size, c.hidden_size)
+        if name == "model.norm.weight":
+            return (c.hidden_size,)
+        _, _, layer, rest = name.split(".", 3)
+        return self._layer_shapes(int(layer))[rest]

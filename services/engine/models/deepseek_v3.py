@@ -23,15 +23,13 @@ Feed-forward: the first ``first_k_dense_replace`` layers are dense, the others m
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
 from services.engine import ops
 from services.engine.attention import AttentionBatch, MLABackend, Rope, TailBatch, write_rows
 from services.engine.model_config.hf import ModelConfig
-from services.engine.models.base import DecoderModel
+from services.engine.models.base import DecoderModel, LayerShapeTable
 from services.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, copy_weight, param
 from services.engine.models.moe import DeepseekMoE, GatedMLP
 from services.engine.tp.parallel import ParallelConfig
@@ -116,7 +114,7 @@ class DeepseekDecoderLayer(nn.Module):
                     else GatedMLP(h, config.intermediate_size, dtype, device))
 
 
-class DeepseekV3ForCausalLM(DecoderModel):
+class DeepseekV3ForCausalLM(LayerShapeTable, DecoderModel):
     """The whole decoder plus LM head. ``kv_views[layer]`` is that layer's ``(rows,)`` latent cache view.
 
     ``mla_form``: ``auto`` (absorbed for decode-only steps, expanded otherwise), or one form for
@@ -213,23 +211,6 @@ class DeepseekV3ForCausalLM(DecoderModel):
         if moe.n_shared_experts:
             shapes.update(_mlp_shapes("mlp.shared_experts", h, moe.n_shared_experts * moe.moe_intermediate_size))
         return shapes
-
-    def _expected_names(self) -> Iterator[str]:
-        yield "model.embed_tokens.weight"
-        yield "model.norm.weight"
-        if not self.config.tie_word_embeddings:
-            yield "lm_head.weight"
-        for i in range(self.config.num_layers):
-            yield from (f"model.layers.{i}.{k}" for k in self._layer_shapes(i))
-
-    def _hf_shape(self, name: str) -> tuple[int, ...]:
-        c = self.config
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return (c.vocab_size, c.hidden_size)
-        if name == "model.norm.weight":
-            return (c.hidden_size,)
-        _, _, layer, rest = name.split(".", 3)
-        return self._layer_shapes(int(layer))[rest]
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         if name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):

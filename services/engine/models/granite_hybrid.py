@@ -16,15 +16,13 @@ disaggregated worker cannot hand such a request over.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
 from services.engine.attention import AttentionBatch, TailBatch
 from services.engine.kv_cache.state_pool import StateBatch, StatePool
 from services.engine.model_config.hf import ModelConfig
-from services.engine.models.base import DecoderModel
+from services.engine.models.base import DecoderModel, LayerShapeTable
 from services.engine.models.layers import RMSNorm, RotaryEmbedding, copy_weight, load_attention_projection, param
 from services.engine.models.llama import MLP, Attention
 from services.engine.models.mamba2 import Mamba2Mixer
@@ -50,7 +48,7 @@ class GraniteDecoderLayer(nn.Module):
         self.mlp = MLP(config, parallel, dtype, device)
 
 
-class GraniteHybridForCausalLM(DecoderModel):
+class GraniteHybridForCausalLM(LayerShapeTable, DecoderModel):
     """The whole decoder plus LM head over a paged KV cache (attention layers) and a state pool (Mamba2)."""
 
     LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -125,23 +123,6 @@ class GraniteHybridForCausalLM(DecoderModel):
             if c.attention_bias:
                 shapes[f"self_attn.{proj}.bias"] = (rows,)
         return shapes
-
-    def _expected_names(self) -> Iterator[str]:
-        yield "model.embed_tokens.weight"
-        yield "model.norm.weight"
-        if not self.config.tie_word_embeddings:
-            yield "lm_head.weight"
-        for i in range(self.config.num_layers):
-            yield from (f"model.layers.{i}.{k}" for k in self._layer_shapes(i))
-
-    def _hf_shape(self, name: str) -> tuple[int, ...]:
-        c = self.config
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return (c.vocab_size, c.hidden_size)
-        if name == "model.norm.weight":
-            return (c.hidden_size,)
-        _, _, layer, rest = name.split(".", 3)
-        return self._layer_shapes(int(layer))[rest]
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         if name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
