@@ -90,3 +90,11 @@ def open_channel(address: str, tls: TLSConfig | None, **kwargs) -> grpc.aio.Chan
         return grpc.aio.insecure_channel(address, **kwargs)
     options = [*(kwargs.pop("options", None) or ()), *tls.channel_options()]
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options, **kwargs)
+
+
+def open_blocking_channel(address: str, tls: TLSConfig | None) -> grpc.Channel:
+    """A blocking channel to a worker, for the one-shot commands (``pdserve drain``, ``pdserve health``):
+    TLS with this process's certificate and server name when configured."""
+    if tls is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=tls.channel_options())

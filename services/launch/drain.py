@@ -26,7 +26,7 @@ import grpc
 from services.common.addresses import join_host_port
 from services.common.config_flags import add_flags, config_from_args, flag
 from services.common.grpc_auth import METADATA_KEY, bearer
-from services.common.tls import TLSConfig, add_tls_arguments, tls_from_args
+from services.common.tls import TLSConfig, add_tls_arguments, open_blocking_channel, tls_from_args
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 DRAINED, NOT_DRAINED, NOT_STARTED = 0, 1, 2
@@ -111,11 +111,7 @@ def drain(config: DrainConfig) -> worker_pb2.DrainResponse:
     """Check the worker answers, wait ``after_s``, drain it and wait for the end; DrainFailed otherwise."""
     address = join_host_port(config.host, config.port or 0)
     metadata = ((METADATA_KEY, bearer(config.kv_auth_token)),) if config.kv_auth_token else ()
-    if config.tls is None:
-        channel = grpc.insecure_channel(address)
-    else:
-        channel = grpc.secure_channel(address, config.tls.channel_credentials(), options=config.tls.channel_options())
-    with channel:
+    with open_blocking_channel(address, config.tls) as channel:
         stub, info = _find_worker(channel, address, metadata)
         time.sleep(config.after_s)  # the worker serves on meanwhile
         try:

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.addresses import join_host_port
 from services.common.config_flags import add_flags, config_from_args, flag
-from services.common.tls import TLSConfig, add_tls_arguments, tls_from_args
+from services.common.tls import TLSConfig, add_tls_arguments, open_blocking_channel, tls_from_args
 from services.launch.drain import seconds
 
 SERVING, NOT_SERVING, UNREACHABLE = 0, 1, 2
@@ -71,11 +71,7 @@ def run_health(args: argparse.Namespace) -> int:
 def check(config: HealthConfig) -> int:
     """The worker's ``HealthCheckResponse.ServingStatus``; grpc.RpcError when it does not answer in time."""
     address = join_host_port(config.host, config.port or 0)
-    if config.tls is None:
-        channel = grpc.insecure_channel(address)
-    else:
-        channel = grpc.secure_channel(address, config.tls.channel_credentials(), options=config.tls.channel_options())
-    with channel:
+    with open_blocking_channel(address, config.tls) as channel:
         answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=config.service),
                                                            timeout=config.timeout_s)
     return answer.status
