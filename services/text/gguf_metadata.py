@@ -43,3 +43,14 @@ class GGUFMetadata:
         if value is None:
             raise ValueError(f"{self.where}: GGUF metadata lacks {key!r}")
         return value
+
+
+def split_merges(merges: list[str], where: str) -> list[tuple[str, str]]:
+    """``tokenizer.ggml.merges`` (``"a b"`` strings) as pairs; ValueError naming the file for a bad one."""
+    pairs = []
+    for merge in merges:
+        pair = merge.split(" ", 1)
+        if len(pair) != 2:
+            raise ValueError(f"{where}: merge {merge!r} is not two tokens separated by a space")
+        pairs.append((pair[0], pair[1]))
+    return pairs

@@ -30,7 +30,7 @@ from gguf import TokenType
 from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from services.text.gguf_metadata import GGUFMetadata
+from services.text.gguf_metadata import GGUFMetadata, split_merges
 
 SPACE_PIECE = "\u2581"
 
@@ -57,7 +57,7 @@ def sentencepiece_backend(meta: GGUFMetadata) -> BackendTokenizer:
     token_types = _token_types(meta.get("tokenizer.ggml.token_type"), len(tokens), where)
     file_merges: list[str] | None = meta.get("tokenizer.ggml.merges")
     if file_merges is not None:
-        merges = _split_merges(file_merges, where)
+        merges = split_merges(file_merges, where)
     else:
         scores = meta.require("tokenizer.ggml.scores")
         if len(scores) != len(tokens):
@@ -113,16 +113,6 @@ def _token_types(types: list[int] | None, count: int, where: str) -> list[int]:
     if len(types) != count:
         raise ValueError(f"{where}: {len(types)} token types for {count} tokens")
     return types
-
-
-def _split_merges(merges: list[str], where: str) -> list[tuple[str, str]]:
-    pairs = []
-    for merge in merges:
-        pair = merge.split(" ", 1)
-        if len(pair) != 2:
-            raise ValueError(f"{where}: merge {merge!r} is not two tokens separated by a space")
-        pairs.append((pair[0], pair[1]))
-    return pairs
 
 
 def _unknown_token_id(token_id: int | None, token_types: list[int], count: int, where: str) -> int | None:

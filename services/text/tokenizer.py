@@ -22,7 +22,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as BackendTokenizer
 
 # GGUFMetadata and open_gguf_reader are also imported from here (the weight loader, tests).
-from services.text.gguf_metadata import GGUFMetadata, open_gguf_reader
+from services.text.gguf_metadata import GGUFMetadata, open_gguf_reader, split_merges
 from services.text.gguf_sentencepiece import sentencepiece_backend
 
 # GGUF token types (llama.cpp's llama_token_type).
@@ -375,12 +375,7 @@ def _byte_level_bpe(
     tokens: list[str], merges: list[str], unknown_token_id: int | None, where: str
 ) -> BackendTokenizer:
     vocab = {token: index for index, token in enumerate(tokens)}
-    merge_pairs = []
-    for merge in merges:
-        pair = merge.split(" ", 1)
-        if len(pair) != 2:
-            raise ValueError(f"{where}: merge {merge!r} is not two tokens separated by a space")
-        merge_pairs.append((pair[0], pair[1]))
+    merge_pairs = split_merges(merges, where)
     unk_token = tokens[unknown_token_id] if unknown_token_id is not None else None
     backend = BackendTokenizer(
         models.BPE(vocab, merge_pairs, unk_token=unk_token, fuse_unk=True, byte_fallback=True)
