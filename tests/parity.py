@@ -32,6 +32,14 @@ def hf_reference(arch: str, directory: Path, prompt_lens: Sequence[int], num_tok
     batch of them shares a prefix (in-batch prefix sharing, then prefix-cache hits on a rerun).
     """
     checkpoint, hf = make_checkpoint(arch, directory)
+    return reference_of(checkpoint, hf, prompt_lens, num_tokens, seed=seed, shared_from=shared_from,
+                        shared_len=shared_len)
+
+
+def reference_of(checkpoint: Path, hf, prompt_lens: Sequence[int], num_tokens: int, *, seed: int,
+                 shared_from: int, shared_len: int) -> Reference:
+    """HF's greedy reference of ``hf`` (saved at ``checkpoint``) on seeded prompts, those after prompt
+    ``shared_from`` starting with its first ``shared_len`` tokens (as :func:`hf_reference`)."""
     rng = random.Random(seed)
     vocab = hf.config.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in prompt_lens]

@@ -19,7 +19,6 @@ stores and loads the latent rows like any other block.
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from services.engine.llm_engine import LLMEngine
 from services.engine.loading.weights import safetensors_files
 from services.kv.groups import AttentionKind
 from services.kv.layout import BlockOrder, LayoutKind
-from tests.parity import Reference, assert_matches, hf_greedy, run_to_completion
+from tests.parity import Reference, assert_matches, reference_of, run_to_completion
 
 NUM_TOKENS = 32
 PROMPT_LENS = (5, 17, 33, 40)
@@ -84,12 +83,7 @@ def make_deepseek_checkpoint(name: str, directory: Path, seed: int = 0):
 def reference(request, tmp_path_factory) -> Reference:
     directory, hf = make_deepseek_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     assert len(safetensors_files(directory)) > 2  # sharded, read through the index
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, _SHAPE["vocab_size"]) for _ in range(n)] for n in PROMPT_LENS]
-    for prompt in prompts[2:]:
-        prompt[:16] = prompts[1][:16]
-    tokens, logits = hf_greedy(hf, prompts, NUM_TOKENS)
-    return Reference(str(directory), prompts, tokens, logits)
+    return reference_of(directory, hf, PROMPT_LENS, NUM_TOKENS, seed=7, shared_from=1, shared_len=16)
 
 
 def _engine(ref: Reference, kind: LayoutKind = LayoutKind.CROSS_LAYER, order: BlockOrder = BlockOrder.NHD,
