@@ -18,7 +18,6 @@ import torch
 
 from services.contract.sampling_params import SamplingParams
 from services.contract.wire import sampling_to_proto
-from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.kv.groups import AttentionKind
 from services.kv.layout import LayoutKind
@@ -29,27 +28,16 @@ from services.launch.spawn import daemons
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.kv_ranks import kv_identity
 from tests.checkpoints import make_checkpoint
-from tests.integration.test_kv_parts import _wait_for
+from tests.integration.test_kv_parts import CHUNK, GREEDY, LAYOUT_PAIRS, PREFILL_DEVICE, _engine, _wait_for
 
-CHUNK = 8
+# Chunk, layout pairs, reading engine and greedy params are test_kv_parts.py's (a full-attention model).
 ROW = 32 + 8  # kv_lora_rank + qk_rope_head_dim of tests/checkpoints.py's deepseek_v3
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-PREFILL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# (prefill layout, prefill block size, reader layout, reader block size)
-LAYOUT_PAIRS = {"P-cross4-R-per8": (LayoutKind.CROSS_LAYER, 4, LayoutKind.PER_LAYER, 8),
-                "P-per8-R-cross4": (LayoutKind.PER_LAYER, 8, LayoutKind.CROSS_LAYER, 4)}
 
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory) -> str:
     directory, _ = make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("deepseek_v3"))
     return str(directory)
-
-
-def _engine(checkpoint: str, layout: LayoutKind, block_size: int, chunk: int = 2048, device: str = "cpu"
-            ) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=checkpoint, device=device, dtype="float32", kv_layout=layout,
-                                  block_size=block_size, num_kv_blocks=128, max_num_batched_tokens=chunk))
 
 
 def _rows(engine: LLMEngine, tables: list[list[int]], n: int) -> torch.Tensor:
