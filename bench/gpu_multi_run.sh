@@ -12,6 +12,7 @@
 #                                            D tp2 and P tp2 -> D tp1) against equal TP, 1 GiB
 #   bash bench/gpu_multi_run.sh parts32k     nvidia-h200-x2: 32k-token prompts, KV per chunk vs one pull vs two
 #                                            colocated replicas, P on GPU 0 and D on GPU 1 (time to the 2nd token)
+# LIMIT (seconds per run) and RATES (serve2's request rates) may be set to fit a call.
 # DRY=1 runs every part on one GPU (every worker on GPU 0, `--gpus 0,0`), small model, few requests, short
 # phases: a check that the commands work, not a measurement (its numbers are not recorded).
 set -uo pipefail
@@ -24,14 +25,14 @@ G2=$([ -n "$DRY" ] && echo 0,0 || echo 0,1)
 G4=$([ -n "$DRY" ] && echo 0,0,0,0 || echo 0,1,2,3)
 REQS=$([ -n "$DRY" ] && echo 8 || echo 200)
 PHASE_S=$([ -n "$DRY" ] && echo 8 || echo 40)
-LIMIT=$([ -n "$DRY" ] && echo 150 || echo 280)
+LIMIT=${LIMIT:-$([ -n "$DRY" ] && echo 150 || echo 280)}
 BLOCKS=$([ -n "$DRY" ] && echo 1024 || echo 8192)
 SERVE=(python3 bench/serve.py --device cuda --model "$MODEL" --num-kv-blocks "$BLOCKS")
 quiet() { grep -v "NIXL INFO\|nixl_cu13"; }
 for part in "$@"; do
   case "$part" in
     serve2)
-      for rate in 4 10; do
+      for rate in ${RATES:-4 10}; do
         timeout -k 10 "$LIMIT" "${SERVE[@]}" --gpus "$G2" --request-rate "$rate" --num-requests "$REQS" \
             --setups disagg,colocated,planner --json-out "$OUT/serve2_r$rate.jsonl" 2>&1 | quiet \
             | tee "$OUT/serve2_r$rate.txt" | tail -8
