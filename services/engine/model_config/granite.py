@@ -1,4 +1,4 @@
-"""Reading Granite-4.0-H configs (``GraniteMoeHybridForCausalLM``, dense form) into ModelConfig fields.
+"""Reading Granite-4.0-H configs (``GraniteMoeHybridForCausalLM``, dense or MoE) into ModelConfig fields.
 
 Granite-4.0-H interleaves Mamba2 layers with attention layers (``layer_types``: ``mamba`` or
 ``linear_attention`` for a Mamba2 layer, ``attention`` or ``full_attention`` for an attention
@@ -10,10 +10,13 @@ layer). Two values have no counterpart in the Llama-shaped config:
 * ``GraniteSpec``: the multipliers Granite puts where Llama has none (residual branches scaled
   by ``residual_multiplier``, logits divided by ``logits_scaling``) and whether attention rotates
   at all (``position_embedding_type`` ``rope``; ``nope`` or null: no rotation).
+* ``GraniteExpertsSpec``: the routed experts every layer has beside its shared MLP when
+  ``num_local_experts`` > 0 (Granite-4.0-H-Tiny, -Small); 0 is the dense form (-Micro).
 
 The embedding multiplier and the attention multiplier are ModelConfig's ``embed_scale`` and
-``attention_scale``. Only the dense variant is read: ``num_local_experts`` must be 0 (every
-layer's feed-forward is the shared MLP alone); a mixture of experts is refused by name.
+``attention_scale``; ModelConfig's ``intermediate_size`` is the shared MLP's width
+(``shared_intermediate_size``), while ``intermediate_size`` in config.json is each routed expert's.
+``num_local_experts`` is read, not defaulted: transformers' default is 8 experts, not the dense form.
 """
 
 from __future__ import annotations
@@ -75,21 +78,51 @@ class MambaSpec:
 
 
 @dataclass(frozen=True)
+class GraniteExpertsSpec:
+    """Granite's routed experts (transformers' ``GraniteMoeHybridMoE``), fields named as in config.json.
+
+    Each token takes the ``num_experts_per_tok`` experts of highest router logit (``router.layer``: no
+    bias, no groups) and weights their outputs by the softmax of those logits alone, i.e. the full
+    softmax renormalised over the chosen experts. Every expert is a silu-gated MLP
+    ``intermediate_size`` wide; the block's output is added to the shared MLP's.
+    """
+
+    num_local_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_local_experts", "num_experts_per_tok", "intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"config field {name} must be a positive integer, got {value!r}")
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ValueError(f"config field num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
+                             f"num_local_experts ({self.num_local_experts})")
+
+    def num_parameters(self, hidden: int) -> int:
+        """Weights of one layer's routed experts and router (the shared MLP not counted)."""
+        return self.num_local_experts * (3 * hidden * self.intermediate_size + hidden)
+
+
+@dataclass(frozen=True)
 class GraniteSpec:
-    """Granite's departures from Llama's residual stream and head, and its Mamba2 layers."""
+    """Granite's departures from Llama's residual stream and head, its Mamba2 layers and its routed
+    experts (None: the dense form, the shared MLP alone)."""
 
     mamba: MambaSpec
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     use_rope: bool = True
+    experts: GraniteExpertsSpec | None = None
+
+    def routed_parameters(self, hidden: int) -> int:
+        """Weights of one layer's routed experts and router; 0 in the dense form."""
+        return 0 if self.experts is None else self.experts.num_parameters(hidden)
 
 
 def granite_hybrid_fields(d: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig keyword arguments for a GraniteMoeHybrid config (dense: no routed experts)."""
-    experts = config_field(d, "num_local_experts", int, 0)
-    if experts:
-        raise ValueError(f"config field 'num_local_experts' is {experts}: only the dense Granite-4.0-H form "
-                         "(num_local_experts 0, the shared MLP alone) is supported")
+    """ModelConfig keyword arguments for a GraniteMoeHybrid config (dense, or with routed experts)."""
     act = config_field(d, "hidden_act", str, "silu")
     if act != "silu":
         raise ValueError(f"config field 'hidden_act' is {act!r}: only 'silu' is supported")
@@ -153,8 +186,21 @@ def granite_hybrid_fields(d: dict[str, Any]) -> dict[str, Any]:
             residual_multiplier=config_field(d, "residual_multiplier", float, 1.0),
             logits_scaling=config_field(d, "logits_scaling", float, 1.0),
             use_rope=position == "rope",
+            experts=_read_experts(d),
         ),
     )
+
+
+def _read_experts(d: dict[str, Any]) -> GraniteExpertsSpec | None:
+    """The routed experts of a config, None for the dense form (``num_local_experts`` 0)."""
+    num_experts = config_field(d, "num_local_experts", int)
+    if num_experts < 0:
+        raise ValueError(f"config field 'num_local_experts' must be >= 0, got {num_experts}")
+    if not num_experts:
+        return None
+    return GraniteExpertsSpec(num_local_experts=num_experts,
+                              num_experts_per_tok=config_field(d, "num_experts_per_tok", int),
+                              intermediate_size=config_field(d, "intermediate_size", int))
 
 
 def _json_float(value: Any) -> float:

@@ -230,6 +230,8 @@ class ModelConfig:
             num_kv_proj = 0 if layer.kv_source is not None else 1 if self.layer_k_is_v(n) else 2
             mixer = self._mamba_parameters() if n in state else h * (q + num_kv_proj * kv) + q * h
             total += mixer + 3 * h * self.layer_intermediate_size(n) + norms * h
+        if self.granite is not None:
+            total += self.num_layers * self.granite.routed_parameters(h)
         embed = v * h * (1 if self.tie_word_embeddings else 2)
         p, n = self.hidden_size_per_layer_input, self.num_layers
         if p:  # table, model projection and its norm; per layer: gate, projection, norm
@@ -433,15 +435,16 @@ _DEEPSEEK_PRESETS: dict[str, dict[str, Any]] = {
 PRESETS.update({name: ModelConfig.from_hf_dict({**_DEEPSEEK_COMMON, **d}) for name, d in _DEEPSEEK_PRESETS.items()})
 
 # Granite-4.0-H presets, config.json-shaped. granite-4.0-h-tiny-shape has ibm-granite/granite-4.0-h-tiny's
-# attention and Mamba2 shapes (40 layers, attention at 5, 15, 25, 35) with its MoE replaced by a dense
-# shared MLP (the dense form this engine reads): a shape for memory and speed. granite-4.0-h-tiny keeps
-# every feature (Mamba2 groups, rope, every multiplier) at test speed.
+# shapes (40 layers, attention at 5, 15, 25, 35; 64 routed experts, 6 per token, beside the shared MLP;
+# ~6.9B parameters): a shape for memory and speed. granite-4.0-h-tiny keeps every feature of the dense form
+# (Mamba2 groups, rope, every multiplier) at test speed; granite-4.0-h-moe-tiny adds routed experts to it.
 _GRANITE_COMMON = dict(model_type="granitemoehybrid", hidden_act="silu", num_local_experts=0, mamba_conv_bias=True,
                        mamba_proj_bias=False, rms_norm_eps=1e-5, position_embedding_type="rope",
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 _GRANITE_PRESETS: dict[str, dict[str, Any]] = {
     "granite-4.0-h-tiny-shape": dict(
         vocab_size=100352, hidden_size=1536, shared_intermediate_size=1024, num_hidden_layers=40,
+        num_local_experts=64, num_experts_per_tok=6, intermediate_size=512,
         num_attention_heads=12, num_key_value_heads=4, layer_types=[
             "attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
         mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2,
@@ -457,6 +460,8 @@ _GRANITE_PRESETS: dict[str, dict[str, Any]] = {
         logits_scaling=4.0, max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=2,
     ),
 }
+_GRANITE_PRESETS["granite-4.0-h-moe-tiny"] = dict(_GRANITE_PRESETS["granite-4.0-h-tiny"], num_local_experts=8,
+                                                   num_experts_per_tok=2, intermediate_size=32)
 PRESETS.update({name: ModelConfig.from_hf_dict({**_GRANITE_COMMON, **d}) for name, d in _GRANITE_PRESETS.items()})
 
 

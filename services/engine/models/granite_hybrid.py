@@ -1,11 +1,12 @@
-"""Granite-4.0-H (``GraniteMoeHybridForCausalLM``, dense form): Mamba2 layers beside attention layers.
+"""Granite-4.0-H (``GraniteMoeHybridForCausalLM``, dense or MoE): Mamba2 layers beside attention layers.
 
-Each layer is ``h = h + m * mixer(norm1(h)); h = h + m * mlp(norm2(h))`` with ``m`` the residual
+Each layer is ``h = h + m * mixer(norm1(h)); h = h + m * ffn(norm2(h))`` with ``m`` the residual
 multiplier, where the mixer is either Llama-style attention over the paged KV cache (scores scaled
 by the attention multiplier, RoPE only when ``position_embedding_type`` is ``rope``) or a Mamba2
 mixer (``mamba2.py``) over the request's fixed-size state. Embeddings are multiplied by the
-embedding multiplier, logits divided by ``logits_scaling``; the MLP is the shared MLP
-(``shared_mlp.input_linear`` = gate and up, ``output_linear`` = down).
+embedding multiplier, logits divided by ``logits_scaling``. ``ffn`` is the shared MLP
+(``shared_mlp.input_linear`` = gate and up, ``output_linear`` = down), plus, in the MoE form
+(Granite-4.0-H-Tiny, -Small), the routed experts of ``block_sparse_moe`` (``moe.GraniteMoE``).
 
 State layers own no KV: ``kv_views[layer]`` is ``()`` for them, and ``forward`` takes the step's
 ``StateBatch`` (each chunk's state slot) and the engine's ``StatePool``. Prefix caching is off for
@@ -26,11 +27,13 @@ from services.engine.models.base import DecoderModel, LayerShapeTable
 from services.engine.models.layers import RMSNorm, RotaryEmbedding, copy_weight, load_attention_projection, param
 from services.engine.models.llama import MLP, Attention
 from services.engine.models.mamba2 import Mamba2Mixer
+from services.engine.models.moe import GraniteMoE
 from services.engine.tp.parallel import ParallelConfig
 
 
 class GraniteDecoderLayer(nn.Module):
-    """Norms, one mixer (``self_attn`` or ``mamba``, the other None) and the shared MLP."""
+    """Norms, one mixer (``self_attn`` or ``mamba``, the other None), the shared MLP and the routed
+    experts (``block_sparse_moe``; None in the dense form)."""
 
     def __init__(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -46,13 +49,20 @@ class GraniteDecoderLayer(nn.Module):
             self.self_attn = Attention(config, layer_id, parallel, dtype, device)
             self.self_attn.scale = config.attention_scale  # Granite's attention multiplier
         self.mlp = MLP(config, parallel, dtype, device)
+        experts = config.granite.experts
+        self.block_sparse_moe = GraniteMoE(h, experts, dtype, device) if experts is not None else None
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared MLP's output, plus the routed experts' (added in transformers' order)."""
+        shared = self.mlp(x)
+        return shared if self.block_sparse_moe is None else self.block_sparse_moe(x) + shared
 
 
 class GraniteHybridForCausalLM(LayerShapeTable, DecoderModel):
     """The whole decoder plus LM head over a paged KV cache (attention layers) and a state pool (Mamba2)."""
 
     LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
-    supports_cuda_graphs = False  # the Mamba2 steps read chunk lengths and slots on the host
+    supports_cuda_graphs = False  # the Mamba2 steps (and the expert loop) read lengths and counts on the host
 
     def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -99,7 +109,7 @@ class GraniteHybridForCausalLM(LayerShapeTable, DecoderModel):
             else:
                 out = layer.self_attn(x, rope, kv_views[i], batch, layer_groups[i])
             x, residual = layer.post_attention_layernorm(out * m, residual)
-            out = layer.mlp(x)
+            out = layer.feed_forward(x)
         return self.norm(residual) if out is None else self.norm(out * m, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -114,6 +124,8 @@ class GraniteHybridForCausalLM(LayerShapeTable, DecoderModel):
         shapes: dict[str, tuple[int, ...]] = {f"{norm}.weight": (h,) for norm in self.LAYER_NORMS}
         shapes["shared_mlp.input_linear.weight"] = (2 * c.intermediate_size, h)
         shapes["shared_mlp.output_linear.weight"] = (h, c.intermediate_size)
+        if layer.block_sparse_moe is not None:
+            shapes.update({f"block_sparse_moe.{k}": v for k, v in layer.block_sparse_moe.hf_shapes().items()})
         if layer.mamba is not None:
             shapes.update({f"mamba.{k}": v for k, v in layer.mamba.hf_shapes().items()})
             return shapes
@@ -134,6 +146,8 @@ class GraniteHybridForCausalLM(LayerShapeTable, DecoderModel):
             return copy_weight(name, getattr(layer, module).weight, tensor)
         if module == "mamba":
             return copy_weight(name, layer.mamba.hf_tensor(tail), tensor)
+        if module == "block_sparse_moe":
+            return copy_weight(name, layer.block_sparse_moe.hf_tensor(tail), tensor)
         if module == "shared_mlp":
             dest = layer.mlp.gate_up_proj.weight if tail.startswith("input_linear") else layer.mlp.down_proj.weight
             return copy_weight(name, dest, tensor)

@@ -1,13 +1,14 @@
-"""DeepSeek-V3's feed-forward blocks: the dense gated MLP and the mixture of experts.
+"""Mixture-of-experts feed-forward blocks: DeepSeek-V3's (and its dense gated MLP) and Granite-4.0-H's.
 
-The MoE block is ``routed(x) + shared(x)``: a router picks ``num_experts_per_tok`` of the routed
-experts per token (see ``MoESpec`` for the rule) and weights their outputs; the shared experts are
-one always-on gated MLP. Routed experts run one at a time over the tokens that chose them, in
-expert order, each adding its weighted output into the result (the order transformers adds them
-in, so float32 results agree to the last bits wherever the matmuls do).
+Both blocks are ``routed(x) + shared(x)`` and differ only in the router: DeepSeek-V3's scores
+experts with sigmoids, a correction bias and expert groups (see ``MoESpec``), Granite's takes the
+top-k router logits and softmaxes them (``GraniteExpertsSpec``). ``RoutedExperts`` holds the
+experts of either, stacked, and runs them one at a time over the tokens that chose them, in expert
+order, each adding its weighted output into the result (the order transformers adds them in, so
+float32 results agree to the last bits wherever the matmuls do).
 
 The expert loop asks the host how many tokens each expert got (``bincount(...).tolist()``), so a
-step with MoE layers cannot be captured in a CUDA graph (``DeepseekV3ForCausalLM.supports_cuda_graphs``).
+step with MoE layers cannot be captured in a CUDA graph (``supports_cuda_graphs`` of both models).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from services.engine import ops
 from services.engine.model_config.deepseek import MoESpec
+from services.engine.model_config.granite import GraniteExpertsSpec
 from services.engine.models.layers import Linear, copy_weight, param
 
 
@@ -72,25 +74,21 @@ class ExpertRouter(nn.Module):
         return weights * s.routed_scaling_factor, experts
 
 
-class DeepseekMoE(nn.Module):
-    """Routed experts (stacked: ``gate_up`` [E, 2I, H], ``down`` [E, H, I]) plus the shared experts."""
+class RoutedExperts(nn.Module):
+    """``num_experts`` silu-gated MLPs stacked: ``gate_up`` [E, 2I, H] (rows: gate, then up), ``down`` [E, H, I]."""
 
-    def __init__(self, hidden: int, spec: MoESpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
-        self.spec = spec
-        e, i = spec.n_routed_experts, spec.moe_intermediate_size
-        self.gate = ExpertRouter(hidden, spec, dtype, device)
-        self.experts_gate_up = param(e, 2 * i, hidden, dtype=dtype, device=device)
-        self.experts_down = param(e, hidden, i, dtype=dtype, device=device)
-        self.shared_experts = (GatedMLP(hidden, spec.n_shared_experts * i, dtype, device)
-                               if spec.n_shared_experts else None)
+        self.gate_up = param(num_experts, 2 * intermediate, hidden, dtype=dtype, device=device)
+        self.down = param(num_experts, hidden, intermediate, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.gate(x)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's chosen ``experts`` [tokens, k] of its output times ``weights`` [tokens, k]."""
         k = experts.shape[1]
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens ascending
-        counts = torch.bincount(flat, minlength=self.spec.n_routed_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts):
@@ -99,9 +97,26 @@ class DeepseekMoE(nn.Module):
             pairs = order[start: start + count]
             start += count
             tokens = pairs // k
-            hidden = ops.silu_and_mul(nn.functional.linear(x[tokens], self.experts_gate_up[expert]))
-            y = nn.functional.linear(hidden, self.experts_down[expert]) * weights.view(-1)[pairs, None]
+            hidden = ops.silu_and_mul(nn.functional.linear(x[tokens], self.gate_up[expert]))
+            y = nn.functional.linear(hidden, self.down[expert]) * weights.view(-1)[pairs, None]
             out.index_add_(0, tokens, y.to(out.dtype))
+        return out
+
+
+class DeepseekMoE(nn.Module):
+    """DeepSeek-V3's routed experts plus its shared experts (one gated MLP)."""
+
+    def __init__(self, hidden: int, spec: MoESpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.spec = spec
+        i = spec.moe_intermediate_size
+        self.gate = ExpertRouter(hidden, spec, dtype, device)
+        self.experts = RoutedExperts(spec.n_routed_experts, hidden, i, dtype, device)
+        self.shared_experts = (GatedMLP(hidden, spec.n_shared_experts * i, dtype, device)
+                               if spec.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, *self.gate(x))
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
     def load(self, name: str, parts: list[str], tensor: torch.Tensor) -> None:
@@ -113,7 +128,54 @@ class DeepseekMoE(nn.Module):
             return self.shared_experts.load(name, parts[1], tensor)
         expert, proj = int(parts[1]), parts[2]
         if proj == "down_proj":
-            return copy_weight(name, self.experts_down[expert], tensor)
+            return copy_weight(name, self.experts.down[expert], tensor)
         half = self.spec.moe_intermediate_size
         rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
-        return copy_weight(name, self.experts_gate_up[expert, rows], tensor)
+        return copy_weight(name, self.experts.gate_up[expert, rows], tensor)
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """Granite's router: the ``top_k`` experts of highest logit, weighted by the softmax of those logits.
+
+    The logits are computed in the model's dtype and then taken to float32, and the weights go back
+    to the model's dtype, as transformers' ``GraniteMoeHybridTopKRouter`` does.
+    """
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.weight = param(num_experts, hidden, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [tokens, k] in ``x``'s dtype, expert ids [tokens, k])."""
+        logits, experts = nn.functional.linear(x, self.weight).float().topk(self.top_k, dim=-1)
+        return logits.softmax(dim=-1).to(x.dtype), experts
+
+
+class GraniteMoE(nn.Module):
+    """Granite-4.0-H's routed experts (``block_sparse_moe``); the layer adds its shared MLP's output.
+
+    The checkpoint stores the experts stacked as they are held here: ``input_linear`` [E, 2I, H]
+    (gate, then up) and ``output_linear`` [E, H, I]; the router is ``router.layer`` [E, H].
+    """
+
+    def __init__(self, hidden: int, spec: GraniteExpertsSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.router = SoftmaxTopKRouter(hidden, spec.num_local_experts, spec.num_experts_per_tok, dtype, device)
+        self.experts = RoutedExperts(spec.num_local_experts, hidden, spec.intermediate_size, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, *self.router(x))
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name (after ``block_sparse_moe.``) -> shape, for every tensor of the block."""
+        return {name: tuple(tensor.shape) for name, tensor in self._hf_tensors().items()}
+
+    def hf_tensor(self, name: str) -> torch.Tensor:
+        """The parameter an HF name (after ``block_sparse_moe.``) loads into."""
+        return self._hf_tensors()[name]
+
+    def _hf_tensors(self) -> dict[str, torch.Tensor]:
+        return {"input_linear.weight": self.experts.gate_up, "output_linear.weight": self.experts.down,
+                "router.layer.weight": self.router.weight}

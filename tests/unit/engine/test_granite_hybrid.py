@@ -1,11 +1,12 @@
-"""Engine vs Hugging Face transformers 5.23 on small random Granite-4.0-H (dense GraniteMoeHybrid) checkpoints.
+"""Engine vs Hugging Face transformers 5.23 on small random Granite-4.0-H (GraniteMoeHybrid) checkpoints.
 
-Two checkpoints of 4 layers, Mamba2 and attention mixed (attention at layer 1, Mamba2 elsewhere), every
+Three checkpoints of 4 layers, Mamba2 and attention mixed (attention at layer 1, Mamba2 elsewhere), every
 Granite multiplier away from 1, a Mamba2 scan chunk of 8 tokens (shorter than the prompts, so the chunked
 scan carries its state across scan chunks), d_conv 4:
 
-* ``rope``: RoPE, 2 Mamba2 groups, untied head, biased attention projections;
-* ``nope``: no position embedding (``position_embedding_type`` null), one group, tied head.
+* ``rope``: dense, RoPE, 2 Mamba2 groups, untied head, biased attention projections;
+* ``nope``: dense, no position embedding (``position_embedding_type`` null), one group, tied head;
+* ``moe``: ``rope`` plus 8 routed experts, 3 per token, beside the shared MLP (Granite-4.0-H-Tiny's form).
 
 Norm weights, ``dt_bias``, ``A_log``, ``D`` and the biases are perturbed (transformers initialises
 several to constants), so reading any of them wrong shows. Prompts of 5-40 tokens run together under a
@@ -45,10 +46,11 @@ CHECKPOINTS = {
                  attention_bias=True),
     "nope": dict(_SHAPE, position_embedding_type=None, mamba_n_groups=1, tie_word_embeddings=True),
 }
+CHECKPOINTS["moe"] = dict(CHECKPOINTS["rope"], num_local_experts=8, num_experts_per_tok=3, intermediate_size=32)
 
 
 def make_granite_checkpoint(name: str, directory: Path, seed: int = 0):
-    """A random dense Granite-4.0-H checkpoint ``name`` saved to ``directory``; (directory, HF model)."""
+    """A random Granite-4.0-H checkpoint ``name`` saved to ``directory``; (directory, HF model)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -153,8 +155,15 @@ def test_config_reading() -> None:
     assert config.kv_layer_ids == (1, 3) and not config.granite.use_rope
     assert (m.head_dim, m.intermediate_size, m.conv_dim) == (16, 128, 128 + 2 * 16)
     assert config.attention_scale == 0.3 and config.embed_scale == 3.0 and config.intermediate_size == 96
-    with pytest.raises(ValueError, match="num_local_experts"):
-        ModelConfig.from_hf_dict(dict(d, num_local_experts=4))
+    assert config.granite.experts is None
+    moe = ModelConfig.from_hf_dict(dict(d, num_local_experts=4, num_experts_per_tok=2))
+    assert moe.intermediate_size == 96 and moe.granite.experts.intermediate_size == 128
+    assert moe.num_parameters - config.num_parameters == 4 * 4 * (3 * 64 * 128 + 64)
+    for wrong, field in ((dict(num_local_experts=None), "num_local_experts"),
+                         (dict(num_local_experts=4, num_experts_per_tok=5), "num_experts_per_tok"),
+                         (dict(num_local_experts=4, num_experts_per_tok=None), "num_experts_per_tok")):
+        with pytest.raises(ValueError, match=field):
+            ModelConfig.from_hf_dict(dict(d, **wrong))
     with pytest.raises(ValueError, match="time_step_limit"):
         ModelConfig.from_hf_dict(dict(d, time_step_limit=[0.0, 2.0]))
     with pytest.raises(ValueError, match="layer types"):
@@ -165,6 +174,19 @@ def test_dummy_preset_generates() -> None:
     assert preset("granite-4.0-h-tiny-shape").state_layer_ids == tuple(i for i in range(40) if i % 10 != 5)
     engine = LLMEngine(EngineConfig(model="dummy:granite-4.0-h-tiny", device="cpu", dtype="float32",
                                     num_kv_blocks=64, max_num_batched_tokens=16))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    _, outputs = run_to_completion(engine, [list(range(3, 40)), list(range(5, 12))], params)
+    assert [len(o.token_ids) for o in outputs] == [8, 8]
+
+
+def test_moe_presets() -> None:
+    """granite-4.0-h-tiny-shape has Granite-4.0-H-Tiny's experts (7B in all); the moe-tiny preset generates."""
+    shape = preset("granite-4.0-h-tiny-shape")
+    assert (shape.granite.experts.num_local_experts, shape.granite.experts.num_experts_per_tok) == (64, 6)
+    assert 6.8e9 < shape.num_parameters < 7.0e9
+    engine = LLMEngine(EngineConfig(model="dummy:granite-4.0-h-moe-tiny", device="cpu", dtype="float32",
+                                    num_kv_blocks=64, max_num_batched_tokens=16))
+    assert engine.model_config.granite.experts.num_local_experts == 8
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     _, outputs = run_to_completion(engine, [list(range(3, 40)), list(range(5, 12))], params)
     assert [len(o.token_ids) for o in outputs] == [8, 8]
