@@ -66,7 +66,7 @@ class Puller(Protocol):
     """Reads a ticket's KV into local blocks (``KVPuller`` does)."""
 
     async def pull(self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]],
-                   num_cached_tokens: int = 0) -> PullResult: ...
+                   num_cached_tokens: int = 0, local_state_slot: int | None = None) -> PullResult: ...
 
 
 class PullRequired(Exception):
@@ -234,7 +234,7 @@ class PullPolicy:
         rid = request.request_id
         cached = min(max(request.num_cached_tokens, ticket.part_start_token), ticket.num_tokens)
         try:
-            result = await self.puller.pull(ticket, request.block_ids, cached)
+            result = await self.puller.pull(ticket, request.block_ids, cached, request.state_slot)
         except PULL_ERRORS as e:
             await self._drop_failed_pull(rid, e)
             pulled.failure = f"KV pull of tokens {ticket.part_start_token}..{ticket.num_tokens} from " \
@@ -261,7 +261,7 @@ class PullPolicy:
         if request is None:
             return f"no KV blocks or sequence seat free for {self.reserve_timeout_s:.0f} s"
         try:
-            result = await self.puller.pull(ticket, request.block_ids, request.num_cached_tokens)
+            result = await self.puller.pull(ticket, request.block_ids, request.num_cached_tokens, request.state_slot)
         except PULL_ERRORS as e:
             await self._drop_failed_pull(rid, e)
             return f"KV pull from {ticket.engine_id} failed ({e})"

@@ -207,8 +207,6 @@ class LLMEngine:
                      grammar: GrammarMatcher | None, hold_kv_on_finish: bool = False,
                      ) -> tuple[Request, GrammarMatcher | None]:
         """A checked new request and its grammar; ValueError (nothing changed) for bad input."""
-        if hold_kv_on_finish:
-            self._check_kv_transfer()
         params = params or SamplingParams()
         token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids, params)
@@ -270,17 +268,12 @@ class LLMEngine:
         cache), then calls :meth:`complete_external_kv`; or None when there is no room now. In a
         sliding-window group the entries before ``first_needed_block(num_prompt_tokens)`` are the
         placeholder (the scratch block, see kv_cache.manager): not blocks, never to be filled; the
-        transfer starts at ``window_start_token`` (services/kv/topology.py), past them.
+        transfer starts at ``window_start_token`` (services/kv/topology.py), past them. A model with state
+        layers: the caller also fills ``request.state_slot`` of the state pool with the owner's state after
+        the whole prompt.
         """
-        self._check_kv_transfer()
         request, grammar = self._new_request(request_id, prompt, params, grammar)
         return self.external_kv.reserve_pull(request, grammar)
-
-    def _check_kv_transfer(self) -> None:
-        """ValueError for a model whose requests carry state (Mamba2): the KV transfer moves no state yet."""
-        if self.runtime.state_pool is not None:
-            raise ValueError(f"a {self.model_config.architecture} model keeps per-request state (Mamba2 layers) "
-                             "that KV transfers do not move yet: it cannot be served disaggregated")
 
     def complete_external_kv(
         self, request_id: str, first_token_id: int, first_logprob: float | None = None

@@ -25,6 +25,10 @@ An MLA group (DeepSeek's latent rows) always spells its shape out, with how TP p
 width (a different ``kv_lora_rank`` is named as the group's ``row_width``) and that every rank holds
 the whole row; a full-attention group on the other side differs in ``kind``.
 
+A model with state layers (Mamba2) adds ``state``: the state group's kind, layers, each per-request tensor's
+shape and dtype, and the convention of when the owner sends it (after every prompt token,
+``groups.STATE_SENT_AFTER``); a difference names the state group and its field. Absent for other models.
+
 An engine's values are gathered once into a :class:`KVIdentity` (``KVIdentity.of``, from the
 model's shape and the engine's layout) that the hash, the exporter and the puller all take.
 
@@ -43,7 +47,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.kv.groups import AttentionKind
+from services.kv.groups import AttentionKind, StateGroupSpec
 from services.kv.layout import BlockOrder, KVLayoutSpec
 
 PROTOCOL_VERSION = 1
@@ -130,6 +134,8 @@ class KVIdentity:
     kv_sharing: tuple[tuple[int, int], ...] = ()
     protocol_version: int = PROTOCOL_VERSION
     kv_digest: str = DIGEST_SCHEME
+    #: The per-request state of the model's state layers (Mamba2), or None: hashed as ``state``.
+    state: StateGroupSpec | None = None
 
     @property
     def digest_on(self) -> bool:
@@ -148,6 +154,7 @@ class KVIdentity:
         protocol_version: int = PROTOCOL_VERSION,
         group_kv_heads: Mapping[int, int] | None = None,
         kv_digest: str = DIGEST_SCHEME,
+        state: StateGroupSpec | None = None,
     ) -> KVIdentity:
         """The identity of an engine with this model shape and (rank-local) layout.
 
@@ -162,7 +169,7 @@ class KVIdentity:
             for g in layout.groups
         )
         return cls(architecture, num_layers, num_kv_heads, head_dim, layout.dtype, layout.order, groups,
-                   tuple(sorted((kv_sharing or {}).items())), protocol_version, kv_digest)
+                   tuple(sorted((kv_sharing or {}).items())), protocol_version, kv_digest, state)
 
     @property
     def sharing(self) -> dict[int, int]:
@@ -195,7 +202,33 @@ def compat_fields(identity: KVIdentity) -> dict[str, str]:
         "kv_groups": _groups_field(identity),
         "kv_sharing": json.dumps([list(pair) for pair in identity.kv_sharing]),
         "kv_digest": identity.kv_digest,
-    }
+    } | ({"state": state_field(identity.state)} if identity.state is not None else {})
+
+
+def state_field(state: StateGroupSpec) -> str:
+    """The ``state`` field: ``{"kind", "layers", "tensors": [[name, shape, dtype], ...], "sent_after"}``.
+    Absent for a model without state layers, so theirs hash as before state groups existed."""
+    return json.dumps({"kind": state.kind, "layers": list(state.layer_ids),
+                       "tensors": [[t.name, list(t.shape), t.dtype] for t in state.tensors],
+                       "sent_after": state.sent_after}, sort_keys=True)
+
+
+def state_differences(local: Mapping[str, str], remote: Mapping[str, str]) -> list[str]:
+    """Each field of the state group that differs (``state group (mamba2): tensor ssm shape local .. vs remote
+    ..``); a side without state layers is named as such."""
+    a, b = (json.loads(f["state"]) if "state" in f else None for f in (local, remote))
+    if a is None or b is None:
+        kinds = ("none" if x is None else x["kind"] for x in (a, b))
+        return ["state group: local {} vs remote {}".format(*kinds)]
+    out = [f"state group ({a['kind']}): {k} local {a[k]} vs remote {b[k]}"
+           for k in ("kind", "layers", "sent_after") if a[k] != b[k]]
+    ta, tb = ({t[0]: t[1:] for t in x["tensors"]} for x in (a, b))
+    for name in sorted(set(ta) | set(tb)):
+        for i, what in enumerate(("shape", "dtype")):
+            x, y = (t[name][i] if name in t else None for t in (ta, tb))
+            if x != y:
+                out.append(f"state group ({a['kind']}): tensor {name} {what} local {x} vs remote {y}")
+    return out
 
 
 def group_total_heads(layout: KVLayoutSpec, group_id: int, num_kv_heads: int,
@@ -304,9 +337,11 @@ def check_compatible(local: CompatInfo, remote_fields: Mapping[str, str], remote
     pairs = {k: (local.fields.get(k), remote_fields.get(k)) for k in keys}
     diffs = {k: (a, b) for k, (a, b) in pairs.items() if a != b}
     groups = group_differences(local.fields, remote_fields) if "kv_groups" in diffs else []
-    # A kv_groups difference explained group by group is not repeated as two JSON blobs.
-    shown = {k: v for k, v in diffs.items() if not (k == "kv_groups" and groups)}
-    detail = "; ".join([str(g) for g in groups] + [f"{k}: local {a!r} vs remote {b!r}" for k, (a, b) in shown.items()])
+    states = state_differences(local.fields, remote_fields) if "state" in diffs else []
+    # A kv_groups or state difference explained field by field is not repeated as two JSON blobs.
+    shown = {k: v for k, v in diffs.items() if not (k == "kv_groups" and groups) and k != "state"}
+    detail = "; ".join([str(g) for g in groups] + states +
+                       [f"{k}: local {a!r} vs remote {b!r}" for k, (a, b) in shown.items()])
     if "kv_digest" in diffs:
         detail += " (both workers must run with the KV digest, or both with --no-kv-digest)"
     raise KVCompatibilityError(f"KV caches are incompatible: {detail}", diffs, groups)

@@ -184,3 +184,26 @@ def ticket_units(digests: Sequence[int], unit: int, start: int, end: int) -> int
 def total(units: np.ndarray) -> int:
     """Sum of unit digests, mod 2**32."""
     return int(units.sum(dtype=np.uint64)) & MASK32
+
+
+K_STATE = 0x165667B1  # the state digest's position key base (a state slot is not a (layer, token, head) row)
+_STATE_CHUNK_WORDS = 1 << 20
+
+
+def state_digest(slot: torch.Tensor) -> int:
+    """The digest of one request's state slot (``groups.StateGroupSpec``: a uint8 row whose length is a multiple
+    of 4): the module's ``mix`` of every 32-bit word XOR ``K_STATE + index * K_DIM``, summed mod 2**32. The slot's
+    layout is the same on both sides (the compat field ``state`` covers it), so its bytes are its content. Runs
+    where the slot lives (int64 torch arithmetic, masked to 32 bits after each step), a chunk at a time."""
+    words = slot.view(torch.int32)
+    total_sum, mask = 0, MASK32
+    for begin in range(0, words.numel(), _STATE_CHUNK_WORDS):
+        x = words[begin:begin + _STATE_CHUNK_WORDS].to(torch.int64) & mask
+        keys = (torch.arange(begin, begin + len(x), device=x.device, dtype=torch.int64) * K_DIM + K_STATE) & mask
+        x = x ^ keys
+        x = (x * M1) & mask
+        x = x ^ (x >> 15)
+        x = (x * M2) & mask
+        x = x ^ (x >> 13)
+        total_sum += int(x.sum())
+    return total_sum & MASK32

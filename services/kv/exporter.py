@@ -54,11 +54,13 @@ class KVExporter:
             engine_id=engine_id, epoch=self.epoch, model_name=model_name, num_layers=identity.num_layers,
             num_kv_heads=identity.num_kv_heads, head_dim=identity.head_dim, compat=self.compat, groups=layout.groups,
             ranks=tuple(
-                RankExport(i, r.name, r.metadata(), r.regions, r.layout, r.host_layout, r.host_regions)
+                RankExport(i, r.name, r.metadata(), r.regions, r.layout, r.host_layout, r.host_regions, r.state_region)
                 for i, r in enumerate(ranks)
             ),
             kv_sharing=identity.sharing,
             ticket_key=self._ticket_key,
+            state=identity.state,
+            num_state_slots=_num_state_slots(identity, ranks[0]),
         )
         # The model's total KV heads per group: each group is sharded by its own (Gemma-4's differ).
         self._group_heads = group_heads_from_fields(self.compat.fields)
@@ -90,6 +92,7 @@ class KVExporter:
         reader_block_size: int = 0,
         part_start_token: int = 0,
         num_prompt_tokens: int = 0,
+        state_slot: int | None = None,
     ) -> kv_pb2.TransferTicket:
         """The ticket for a prefill whose blocks stay pinned until read (or the lease ends).
 
@@ -104,8 +107,18 @@ class KVExporter:
         before ended), each with its own nonce, and the request counts as released only once its last part
         (``num_tokens == num_prompt_tokens``) is out and every part was read. A part after the request was
         abandoned (Release, Abort, a part's lease) is a ValueError: its earlier blocks are gone.
+
+        A model with state layers: ``state_slot`` is the request's held state slot, holding its state after the
+        whole prompt; named (with its digest) on the whole ticket or the last part only.
         """
         whole = num_prompt_tokens or num_tokens
+        last = num_tokens == whole
+        if self.identity.state is not None and last and num_tokens and state_slot is None:
+            raise ValueError(f"request {request_id!r}: a model with state layers hands out its state slot")
+        if state_slot is not None and not (last and 0 <= state_slot < self._description.num_state_slots):
+            raise ValueError(f"request {request_id!r}: state slot {state_slot} on "
+                             + ("a part before the last" if not last else
+                                f"an engine of {self._description.num_state_slots} slots"))
         if not 0 <= part_start_token < num_tokens <= whole and not (num_tokens == whole == part_start_token == 0):
             raise ValueError(f"a part of tokens {part_start_token}..{num_tokens} of a {whole}-token prompt")
         opened = self._open.get(request_id)
@@ -119,6 +132,8 @@ class KVExporter:
         digests = await self._digests(block_ids, host_block_ids, num_tokens, num_host_tokens, reader_tp_size,
                                       reader_block_size, part_start_token, whole) \
             if self.identity.digest_on and num_tokens else []
+        state_digest = await self._ranks[0].state_digest(state_slot) \
+            if self.identity.digest_on and state_slot is not None else 0
         if self._open.get(request_id) != opened:  # abandoned (or another part went out) while digesting
             raise ValueError(f"request {request_id!r} was abandoned while its part was digested")
         nonce = self._expect(request_id, reader_tp_size, bool(num_host_tokens))
@@ -134,6 +149,7 @@ class KVExporter:
             host_groups=[kv_pb2.GroupBlocks(group_id=g, block_ids=list(ids)) for g, ids in enumerate(host_block_ids)],
             notify_nonce=nonce, digests=digests, part_start_token=part_start_token,
             num_prompt_tokens=num_prompt_tokens if num_tokens < whole or part_start_token else 0,
+            has_state=state_slot is not None, state_slot=state_slot or 0, state_digest=state_digest,
         )
         ticket.signature = ticket_signature(ticket, self._ticket_key)
         return ticket
@@ -234,3 +250,13 @@ class KVExporter:
     @property
     def num_outstanding(self) -> int:
         return len(self._waiting)
+
+
+def _num_state_slots(identity: KVIdentity, rank: KVRank) -> int:
+    """The state slots rank 0 registered (0 for a model without state layers); refuses a model with state layers
+    whose rank registered none, or a TP > 1 engine (Mamba heads are not split across ranks yet)."""
+    if identity.state is None:
+        return 0
+    if rank.state_region is None:
+        raise ValueError(f"a model with {identity.state.label} but no registered state slots")
+    return rank.state_region.length // identity.state.slot_bytes

@@ -10,6 +10,7 @@ multi-head latent attention (DeepSeek-V2/V3) has one MLA group: each layer cache
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 
@@ -85,3 +86,71 @@ class KVCacheGroupSpec:
         if self.sliding_window is None or num_tokens <= self.sliding_window:
             return 0
         return (num_tokens - self.sliding_window) // self.block_size
+
+
+#: The convention a state group's transfer follows: the owner sends the state after ALL prompt tokens (the
+#: state its first token was sampled from), and the reader's first step feeds that first token. The other
+#: convention (state after N-1 tokens, the reader recomputing the last) corrupts output when mixed with this
+#: one, so it is hashed: two engines that disagree are never paired.
+STATE_SENT_AFTER = "all_prompt_tokens"
+
+
+@dataclass(frozen=True)
+class StateTensorSpec:
+    """One fixed-size per-request tensor of a state layer: its name, shape and dtype (torch's name)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def num_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype] * math.prod(self.shape)
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: A slot's tensors start on this many bytes (a float32 view needs 4; 64 keeps rows cache-line aligned).
+STATE_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class StateGroupSpec:
+    """The per-request state of a model's state layers (Mamba2: a causal conv's last inputs and the SSM
+    state), the KV-cache group kind that holds no blocks: each request owns one *slot* of ``slot_bytes``
+    holding every state layer's tensors, so moving a request's state is one contiguous run. Within a slot,
+    layer by layer, each of ``tensors`` starts on a multiple of ``STATE_ALIGN`` bytes. The same on every
+    engine with this model and dtype; the slot count is each engine's own."""
+
+    layer_ids: tuple[int, ...]
+    tensors: tuple[StateTensorSpec, ...]
+    kind: str = "mamba2"
+    sent_after: str = STATE_SENT_AFTER
+
+    def __post_init__(self) -> None:
+        if not self.layer_ids or not self.tensors:
+            raise ValueError("a state group has at least one layer and one tensor")
+        for t in self.tensors:
+            if t.dtype not in _DTYPE_BYTES or not t.shape or min(t.shape) < 1:
+                raise ValueError(f"state tensor {t.name}: shape {t.shape} / dtype {t.dtype} not supported")
+
+    @property
+    def label(self) -> str:
+        return f"state group ({self.kind}, {len(self.layer_ids)} layers)"
+
+    @property
+    def layer_stride(self) -> int:
+        """Bytes one layer's tensors take in a slot, alignment included."""
+        return sum(-(-t.num_bytes // STATE_ALIGN) * STATE_ALIGN for t in self.tensors)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.layer_stride * len(self.layer_ids)
+
+    def offset(self, layer_id: int, name: str) -> int:
+        """Byte offset of layer ``layer_id``'s tensor ``name`` inside a slot."""
+        at = self.layer_ids.index(layer_id) * self.layer_stride
+        for t in self.tensors:
+            if t.name == name:
+                return at
+            at += -(-t.num_bytes // STATE_ALIGN) * STATE_ALIGN
+        raise KeyError(f"{self.label} has no tensor {name!r}")

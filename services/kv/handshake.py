@@ -22,7 +22,7 @@ import grpc
 
 from services.common.tls import TLSConfig, open_channel
 from services.kv.compat import PROTOCOL_VERSION, CompatInfo, check_compatible
-from services.kv.groups import KVCacheGroupSpec
+from services.kv.groups import KVCacheGroupSpec, StateGroupSpec
 from services.kv.layout import KVLayoutSpec
 from services.kv.wire import (
     MemoryRegion,
@@ -32,6 +32,8 @@ from services.kv.wire import (
     layout_to_proto,
     region_from_proto,
     region_to_proto,
+    state_from_proto,
+    state_to_proto,
 )
 from services.proto_gen.pdserve.v1 import kv_pb2, kv_pb2_grpc
 
@@ -57,6 +59,8 @@ class RankExport:
     # more blocks, registered with the same agent.
     host_layout: KVLayoutSpec | None = None
     host_regions: tuple[MemoryRegion, ...] = ()
+    # A model with state layers: the rank's state slots (``EngineDescription.state``'s slot layout).
+    state_region: MemoryRegion | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,8 @@ class EngineDescription:
     kv_sharing: Mapping[int, int] = field(default_factory=dict)
     protocol_version: int = PROTOCOL_VERSION
     ticket_key: bytes = b""  # this epoch's ticket signing key (services/kv/wire.py ticket_signature)
+    state: StateGroupSpec | None = None  # the per-request state of a model with state layers
+    num_state_slots: int = 0  # the owner's state slots (rows of each rank's state_region)
 
     @property
     def tp_size(self) -> int:
@@ -101,10 +107,12 @@ def description_to_proto(d: EngineDescription) -> kv_pb2.HandshakeResponse:
                 regions=[region_to_proto(x) for x in r.regions], layout=layout_to_proto(r.layout),
                 host_layout=layout_to_proto(r.host_layout) if r.host_layout is not None else None,
                 host_regions=[region_to_proto(x) for x in r.host_regions],
+                state_region=region_to_proto(r.state_region) if r.state_region is not None else None,
             )
             for r in d.ranks
         ],
         ticket_key=d.ticket_key,
+        state=state_to_proto(d.state, d.num_state_slots) if d.state is not None else None,
     )
 
 
@@ -115,9 +123,13 @@ def description_from_proto(m: kv_pb2.HandshakeResponse) -> EngineDescription:
             RankExport(r.tp_rank, r.agent_name, r.agent_metadata, tuple(region_from_proto(x) for x in r.regions),
                        layout_from_proto(r.layout),
                        layout_from_proto(r.host_layout) if r.HasField("host_layout") else None,
-                       tuple(region_from_proto(x) for x in r.host_regions))
+                       tuple(region_from_proto(x) for x in r.host_regions),
+                       region_from_proto(r.state_region) if r.HasField("state_region") else None)
             for r in m.ranks
         )
+        state, num_state_slots = state_from_proto(m.state) if m.HasField("state") else (None, 0)
+        for r in ranks:
+            _check_state_region(r, state, num_state_slots)
         if [r.tp_rank for r in ranks] != list(range(len(ranks))) or len(ranks) != m.tp_size or not ranks:
             raise ValueError(f"ranks {[r.tp_rank for r in ranks]} do not cover tp_size {m.tp_size}")
         groups = tuple(group_from_proto(g) for g in m.groups)
@@ -144,6 +156,8 @@ def description_from_proto(m: kv_pb2.HandshakeResponse) -> EngineDescription:
             kv_sharing={s.layer_id: s.source_layer_id for s in m.kv_sharing},
             protocol_version=m.protocol_version,
             ticket_key=m.ticket_key,
+            state=state,
+            num_state_slots=num_state_slots,
         )
     except ValueError as e:
         raise HandshakeError(f"malformed handshake from engine {m.engine_id!r}: {e}") from None
@@ -154,6 +168,19 @@ def _check_regions(rank: int, what: str, layout: KVLayoutSpec, regions: tuple[Me
     got = [x.length for x in sorted(regions, key=lambda x: x.buffer_index)]
     if got != expected:
         raise ValueError(f"rank {rank} registered {what}regions {got} do not match its {what}layout {expected}")
+
+
+def _check_state_region(rank: RankExport, state: StateGroupSpec | None, num_slots: int) -> None:
+    """A model with state layers: every rank registers exactly its slots; without: none."""
+    if state is None:
+        if rank.state_region is not None:
+            raise ValueError(f"rank {rank.tp_rank} sends a state region without a state group")
+        return
+    expected = num_slots * state.slot_bytes
+    if rank.state_region is None or rank.state_region.length != expected:
+        got = None if rank.state_region is None else rank.state_region.length
+        raise ValueError(f"rank {rank.tp_rank}'s state region of {got} bytes does not hold {num_slots} slots of "
+                         f"{state.slot_bytes}")
 
 
 class HandshakeServicer(kv_pb2_grpc.KVHandshakeServicer):

@@ -22,6 +22,7 @@ or the reader's own blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -209,6 +210,8 @@ class KVPuller:
                                          f"KV heads, its share of {heads[g.group_id]} is {end - start}")
         for rank in range(self.tp_size):
             group_rank_reads(self.tp_size, rank, remote.tp_size, heads)
+        if self.identity.state is not None or remote.state is not None:
+            self._check_state(remote)
         if self.tp_size != remote.tp_size and (local.kind, owner.kind) != (LayoutKind.HEADS_OUTER,) * 2:
             log.warning("pulling from %s (tp %d, %s %s) into tp %d (%s %s): each rank reads its heads of a block as "
                         "%s; the heads_outer KV layout on both sides (--kv-layout heads_outer, or auto with "
@@ -217,6 +220,19 @@ class KVPuller:
                         owner.order.value, self.tp_size, local.kind.value, local.order.value,
                         "a run per token, layer and K/V" if local.order is BlockOrder.NHD else
                         "a run per layer and K/V")
+
+    def _check_state(self, remote: EngineDescription) -> None:
+        """Both sides hold the same state group (the compat field covers its shape; this is the description's
+        own), each at TP 1 (Mamba heads are not split across TP ranks yet), with registered slots."""
+        local = self.identity.state
+        if local != remote.state:
+            raise ValueError(f"state group: local {local.label if local else 'none'} vs remote "
+                             f"{remote.state.label if remote.state else 'none'}")
+        if (self.tp_size, remote.tp_size) != (1, 1):
+            raise ValueError(f"{local.label}: TP local {self.tp_size} vs remote {remote.tp_size}: state layers "
+                             "transfer between TP-1 engines only (their heads are not split across ranks yet)")
+        if self._ranks[0].state_region is None:
+            raise ValueError(f"{local.label}: this engine registered no state slots")
 
     def _drop_peers(self, old: EngineDescription) -> None:
         self._reads_of.pop(old.engine_id, None)
@@ -227,9 +243,14 @@ class KVPuller:
 
     # ---- pulling -------------------------------------------------------------------------------
     async def pull(
-        self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]], num_cached_tokens: int = 0
+        self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]], num_cached_tokens: int = 0,
+        local_state_slot: int | None = None,
     ) -> PullResult:
         """Fill the local blocks with the ticket's KV (all local ranks, concurrently).
+
+        A model with state layers: a ticket with the state (a whole ticket, or a part ticket's last part) also
+        fills ``local_state_slot`` with the owner's state slot, one more run of the same READ, digested like
+        the KV.
 
         ``local_block_ids[g]`` is the reader's block table for group g from token 0;
         ``num_cached_tokens`` (a local block boundary in every group) were already in the reader's
@@ -249,16 +270,21 @@ class KVPuller:
             raise TicketError(f"ticket for request {ticket.request_id!r} is not signed by engine "
                               f"{ticket.engine_id} (epoch {ticket.epoch})", reason="signature")
         remote_ids, host_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
+        state = self._check_state_ticket(ticket, remote, local_state_slot)
         self._num_pulls += 1
         corrupt = self._corrupt_after is not None and self._num_pulls > self._corrupt_after
         check_digests = self.identity.digest_on or corrupt
         digest_jobs = self._digest_jobs(ticket, remote, local_ids, num_cached_tokens, corrupt) if check_digests \
             else []
         t_check = time.perf_counter()
-        targets = self._targets(remote, (False,) if host_ids is None else (True, False), self._prepared_lists)
+        # The state is one more run of the device READ, so that READ is planned (prepared lists take indices).
+        targets = self._targets(remote, (False,) if host_ids is None else (True, False),
+                                self._prepared_lists and state is None)
         units, pieces = self._source_maps(ticket, remote, remote_ids, host_ids, local_ids, num_cached_tokens, targets)
         t_pieces = time.perf_counter()
         reads = self._plan_reads(targets, units, pieces)
+        if state is not None:
+            reads = [_with_state_row(r, *state) if not r.host_tier else r for r in reads]
         t_plan = time.perf_counter()
         nonce = ticket.notify_nonce
         try:
@@ -274,6 +300,8 @@ class KVPuller:
         t_read = time.perf_counter()
         if check_digests:
             await self._check_digests(ticket, digest_jobs)
+        if state is not None and self.identity.digest_on:
+            await self._check_state_digest(ticket, local_state_slot)
         done = time.perf_counter()
         stages = {"handshake": t_handshake - started, "check": t_check - t_handshake, "pieces": t_pieces - t_check,
                   "plan": t_plan - t_pieces, "read": t_read - t_plan, "digest": done - t_read}
@@ -327,6 +355,38 @@ class KVPuller:
         if bad:
             raise KVIntegrityError(f"request {ticket.request_id!r}: the KV pulled from engine {ticket.engine_id} "
                                    f"does not match the ticket's digest in KV group(s) {bad}", bad)
+
+    def _check_state_ticket(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription,
+                            local_state_slot: int | None) -> tuple[int, int, int] | None:
+        """(owner's slot address, local slot address, bytes) of a ticket that carries the state, None for one
+        that does not; a TicketError for a state slot out of range, or the state missing where it belongs (the
+        whole ticket or the last part of a model with state layers) or present where it does not."""
+        spec = self.identity.state
+        last = not ticket.num_prompt_tokens or ticket.num_tokens == ticket.num_prompt_tokens
+        if spec is None or not (last and ticket.num_tokens):
+            if ticket.has_state:
+                raise TicketError(f"ticket for request {ticket.request_id!r} names a state slot "
+                                  + ("on a part before the last" if spec else "for a model without state layers"))
+            return None
+        if not ticket.has_state:
+            raise TicketError(f"ticket for request {ticket.request_id!r} carries no state of its {spec.label}",
+                              reason="state")
+        if ticket.state_slot >= remote.num_state_slots:
+            raise TicketError(f"ticket's state slot {ticket.state_slot} is outside the owner's "
+                              f"{remote.num_state_slots} slots")
+        local_region = self._ranks[0].state_region
+        num_local = local_region.length // spec.slot_bytes
+        if local_state_slot is None or not 0 <= local_state_slot < num_local:
+            raise TicketError(f"local state slot {local_state_slot} is outside this engine's {num_local} slots")
+        owner_region = remote.ranks[0].state_region
+        return (owner_region.address + ticket.state_slot * spec.slot_bytes,
+                local_region.address + local_state_slot * spec.slot_bytes, spec.slot_bytes)
+
+    async def _check_state_digest(self, ticket: kv_pb2.TransferTicket, local_state_slot: int) -> None:
+        got = await self._ranks[0].state_digest(local_state_slot)
+        if got != ticket.state_digest:
+            raise KVIntegrityError(f"request {ticket.request_id!r}: the state pulled from engine {ticket.engine_id} "
+                                   "does not match the ticket's state digest", [])
 
     def planned_reads(self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]],
                       num_cached_tokens: int = 0, *, prepared: bool | None = None) -> list[PlannedRead]:
@@ -534,6 +594,15 @@ class KVPuller:
         return {lg.group_id: max(num_cached_tokens - num_cached_tokens % lg.block_size,
                                  window_start_token(rg, lg, num_tokens))
                 for rg, lg in zip(remote.groups, local.groups, strict=True)}
+
+
+def _with_state_row(read: PlannedRead, remote_address: int, local_address: int, num_bytes: int) -> PlannedRead:
+    """The device READ with the request's state slot appended: one more (owner's slot -> local slot) run."""
+    remote_row = np.array([[remote_address, num_bytes, read.owner.state_region.device_id]], dtype=np.uint64)
+    local_row = np.array([[local_address, num_bytes, read.rank.state_region.device_id]], dtype=np.uint64)
+    return dataclasses.replace(read, local_rows=np.concatenate([read.local_rows.reshape(-1, 3), local_row]),
+                               remote_rows=np.concatenate([read.remote_rows.reshape(-1, 3), remote_row]),
+                               num_bytes=read.num_bytes + num_bytes, num_descriptors=read.num_descriptors + 1)
 
 
 def _window_end(ticket: kv_pb2.TransferTicket) -> int:

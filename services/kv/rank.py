@@ -9,13 +9,14 @@ rank in this process, and a proxy that forwards the same calls to a follower pro
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from services.kv.digest import DigestJob
+from services.kv.digest import DigestJob, state_digest
 from services.kv.digest_compute import DigestRunner
 from services.kv.layout import KVLayoutSpec
 from services.kv.nixl.agent import TransferAgent
@@ -36,6 +37,8 @@ class KVRank(Protocol):
     # The rank's host KV tier, registered with the same agent (None and () without one).
     host_layout: KVLayoutSpec | None
     host_regions: tuple[MemoryRegion, ...]
+    # A model with state layers: the rank's state slots ([slots, slot bytes]), registered with the same agent.
+    state_region: MemoryRegion | None
 
     def metadata(self) -> bytes:
         """NIXL agent metadata for a peer (connection info and registered memory)."""
@@ -62,6 +65,10 @@ class KVRank(Protocol):
         """Each job's unit digests over this rank's KV (``services.kv.digest``), computed on its device."""
         ...
 
+    async def state_digest(self, slot: int) -> int:
+        """The digest of one state slot (``digest.state_digest``), computed where it lives."""
+        ...
+
 
 def register_rank(
     agent: TransferAgent, layout: KVLayoutSpec, buffers: Sequence[torch.Tensor]
@@ -80,7 +87,8 @@ class LocalKVRank:
     and the host tier's (``host_layout``/``host_buffers``) when it has one, so a peer can read either."""
 
     def __init__(self, agent: TransferAgent, layout: KVLayoutSpec, buffers: Sequence[torch.Tensor],
-                 host_layout: KVLayoutSpec | None = None, host_buffers: Sequence[torch.Tensor] = ()) -> None:
+                 host_layout: KVLayoutSpec | None = None, host_buffers: Sequence[torch.Tensor] = (),
+                 state_buffer: torch.Tensor | None = None) -> None:
         self.agent = agent
         self.name = agent.name
         self.layout = layout
@@ -90,6 +98,11 @@ class LocalKVRank:
         self.host_buffers = tuple(host_buffers)
         self.host_regions = register_rank(agent, host_layout, host_buffers) if host_layout is not None else ()
         self._digests = DigestRunner(layout, self.buffers, host_layout, self.host_buffers)
+        self.state_buffer = state_buffer
+        self.state_region = None
+        if state_buffer is not None:
+            r = agent.register([state_buffer])[0]
+            self.state_region = MemoryRegion(0, r.addr, r.length, r.device_id, r.mem_kind)
 
     def metadata(self) -> bytes:
         return self.agent.metadata()
@@ -112,3 +125,8 @@ class LocalKVRank:
 
     async def digest(self, jobs: Sequence[DigestJob]) -> list[np.ndarray]:
         return await self._digests.digests(jobs)
+
+    async def state_digest(self, slot: int) -> int:
+        if self.state_buffer is None:
+            raise ValueError(f"rank {self.name} holds no state slots")
+        return await asyncio.to_thread(state_digest, self.state_buffer[slot])

@@ -6,7 +6,7 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.groups import AttentionKind, KVCacheGroupSpec, StateGroupSpec, StateTensorSpec
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.proto_gen.pdserve.v1 import kv_pb2
 
@@ -135,3 +135,16 @@ def region_to_proto(r: MemoryRegion) -> kv_pb2.MemoryRegion:
 
 def region_from_proto(m: kv_pb2.MemoryRegion) -> MemoryRegion:
     return MemoryRegion(m.buffer_index, m.address, m.length, m.device_id, _lookup(_MEM_FROM_PB, m.kind, "memory kind"))
+
+
+def state_to_proto(spec: StateGroupSpec, num_slots: int) -> kv_pb2.StateGroup:
+    return kv_pb2.StateGroup(
+        kind=spec.kind, layer_ids=list(spec.layer_ids), sent_after=spec.sent_after, num_slots=num_slots,
+        tensors=[kv_pb2.StateTensor(name=t.name, shape=list(t.shape), dtype=t.dtype) for t in spec.tensors],
+    )
+
+
+def state_from_proto(m: kv_pb2.StateGroup) -> tuple[StateGroupSpec, int]:
+    """(the state group, the owner's slot count); ValueError for a malformed one."""
+    tensors = tuple(StateTensorSpec(t.name, tuple(t.shape), t.dtype) for t in m.tensors)
+    return StateGroupSpec(tuple(m.layer_ids), tensors, m.kind, m.sent_after), m.num_slots

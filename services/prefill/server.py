@@ -169,7 +169,7 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
             first_token_logprob=response.first_logprob, handshake_address=self.address,
             reader_tp_size=request.reader_tp_size or 1, host_block_ids=host_ids, num_host_tokens=num_host_tokens,
             reader_block_size=request.reader_block_size, part_start_token=parts_end,
-            num_prompt_tokens=num_prompt_tokens if parts_end else 0,
+            num_prompt_tokens=num_prompt_tokens if parts_end else 0, state_slot=held.state_slot,
         ))
         self.metrics.requests.labels("prefill", "ticket").inc()
         return response

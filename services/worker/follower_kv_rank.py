@@ -129,6 +129,7 @@ class FollowerKVRank:
         self.layout = layout
         self.host_layout = None  # host KV tiers run at TP 1 only (EngineConfig)
         self.host_regions = ()
+        self.state_region = None  # models with state layers run at TP 1 only
         self.regions = tuple(MemoryRegion(i, r.address, r.length, r.device_id, r.kind)
                              for i, r in enumerate(opened.regions))
         self._metadata = opened.metadata
@@ -184,3 +185,6 @@ class FollowerKVRank:
         if done.error:
             raise TransferError(f"TP rank {self.tp_rank}: KV digest failed: {done.error}")
         return [np.frombuffer(units, dtype=np.uint64) for units in done.units]
+
+    async def state_digest(self, slot: int) -> int:
+        raise TransferError(f"TP rank {self.tp_rank} holds no state slots (state layers run at TP 1 only)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import torch
+
 from services.engine.llm_engine import LLMEngine
 from services.kv.compat import DIGEST_OFF, DIGEST_SCHEME, KVIdentity
 from services.kv.nixl.agent import TransferAgent
@@ -27,7 +29,7 @@ def open_kv_ranks(engine: LLMEngine, engine_id: str, epoch: int) -> list[KVRank]
     tier = engine.host_tier
     ranks: list[KVRank] = [LocalKVRank(TransferAgent(name(0), device=engine.device.type), engine.kv_layout,
                                        engine.kv_cache.buffers, tier.layout if tier else None,
-                                       tier.buffers if tier else ())]
+                                       tier.buffers if tier else (), state_buffer=_state_buffer(engine))]
     if engine.tp_group is not None:
         ranks += FollowerKVRanks(engine.tp_group).open(name, engine.kv_layout)
     return ranks
@@ -40,7 +42,14 @@ def kv_identity(engine: LLMEngine, kv_digest: bool = True) -> KVIdentity:
     mc = engine.model_config
     return KVIdentity.of(architecture=mc.architecture, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                          head_dim=mc.head_dim, layout=engine.kv_layout, kv_sharing=mc.kv_sharing,
-                         group_kv_heads=engine.group_kv_heads, kv_digest=DIGEST_SCHEME if kv_digest else DIGEST_OFF)
+                         group_kv_heads=engine.group_kv_heads, kv_digest=DIGEST_SCHEME if kv_digest else DIGEST_OFF,
+                         state=pool.spec if (pool := engine.runtime.state_pool) is not None else None)
+
+
+def _state_buffer(engine: LLMEngine) -> torch.Tensor | None:
+    """The engine's state slots (a model with state layers), registered beside its KV; None for other models."""
+    pool = engine.runtime.state_pool
+    return pool.buffer if pool is not None else None
 
 
 def close_kv_ranks(ranks: list[KVRank]) -> None:

@@ -99,6 +99,7 @@ class KVCacheManager:
         self._cursors: dict[str, list[_PublishCursor]] = {}
         self._held: dict[str, list[list[int]]] = {}
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        self._held_state: dict[str, int] = {}  # hold key -> the state slot held with its blocks
 
     # ---- introspection -------------------------------------------------------------------
 
@@ -366,7 +367,8 @@ class KVCacheManager:
             held.append(self.real_blocks(g, table[cut:]))
         self._held[key] = held
         self._cursors.pop(request.request_id, None)
-        self._give_back_state(request)  # a peer reads KV, never the state
+        if request.state_slot is not None:  # a peer reads the state after the prompt (or a late READ writes it)
+            self._held_state[key] = request.state_slot
 
     def pin(self, key: str, tables: Sequence[Sequence[int]]) -> None:
         """One more reference on each real block of ``tables`` (per group), kept under ``key`` (added to what
@@ -390,6 +392,9 @@ class KVCacheManager:
         if tables is None:
             return False
         self._free_tables(tables)
+        slot = self._held_state.pop(request_id, None)
+        if slot is not None:
+            self.state_slots.give_back(slot)
         return True
 
     @property

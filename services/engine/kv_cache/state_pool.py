@@ -7,7 +7,8 @@ d_state]`` (float32: the scan runs in float32 and the state accumulates over the
 that row in place, chunk after chunk (chunked prefill carries the state between steps) and
 token after token. A row is zeroed when a request's chunk starts at position 0 (``StateBatch``),
 so a freed slot needs no clearing. The pool is sized ``max_num_seqs`` rows: a running request
-always has one.
+always has one. All slots live in one byte buffer, a slot holding every layer's tensors
+(``StateGroupSpec``): a peer reads a request's state as one run (``services.kv``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.kv_cache.buffers import DTYPE_NAMES, TORCH_DTYPES
 from services.engine.model_config.hf import ModelConfig
+from services.kv.groups import StateGroupSpec, StateTensorSpec
 
 
 @dataclass(frozen=True)
@@ -37,24 +40,43 @@ class StateBatch:
         return cls(slots, [start == 0 for start in starts], torch.tensor(slots, device=device))
 
 
-class StatePool:
-    """``conv[layer]`` [slots, conv_dim, d_conv - 1] (model dtype) and ``ssm[layer]`` [slots, heads,
-    head_dim, d_state] (float32) for every state layer of the model."""
+def state_group(config: ModelConfig, dtype: torch.dtype) -> StateGroupSpec | None:
+    """The state group of a model with state layers (conv state in the model's dtype, SSM state in float32);
+    None for a model without."""
+    if not config.state_layer_ids:
+        return None
+    m = config.granite.mamba
+    return StateGroupSpec(tuple(config.state_layer_ids), (
+        StateTensorSpec("ssm", (m.num_heads, m.head_dim, m.d_state), "float32"),
+        StateTensorSpec("conv", (m.conv_dim, m.d_conv - 1), DTYPE_NAMES[dtype]),
+    ))
 
-    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        m = config.granite.mamba
+
+class StatePool:
+    """Every state slot in one byte buffer ``[slots, slot_bytes]`` (``StateGroupSpec``'s slot layout), so a
+    request's whole state is one contiguous run a peer reads with one descriptor; ``conv[layer]`` [slots,
+    conv_dim, d_conv - 1] and ``ssm[layer]`` [slots, heads, head_dim, d_state] are strided views into it."""
+
+    def __init__(self, spec: StateGroupSpec, num_slots: int, device: torch.device) -> None:
+        self.spec = spec
         self.num_slots = num_slots
-        self.conv = {i: torch.zeros(num_slots, m.conv_dim, m.d_conv - 1, dtype=dtype, device=device)
-                     for i in config.state_layer_ids}
-        self.ssm = {i: torch.zeros(num_slots, m.num_heads, m.head_dim, m.d_state, dtype=torch.float32, device=device)
-                    for i in config.state_layer_ids}
+        self.buffer = torch.zeros(num_slots, spec.slot_bytes, dtype=torch.uint8, device=device)
+        self.conv = {i: self._view(i, "conv") for i in spec.layer_ids}
+        self.ssm = {i: self._view(i, "ssm") for i in spec.layer_ids}
+
+    def _view(self, layer_id: int, name: str) -> torch.Tensor:
+        t = next(t for t in self.spec.tensors if t.name == name)
+        at = self.spec.offset(layer_id, name)
+        raw = self.buffer[:, at:at + t.num_bytes].view(TORCH_DTYPES[t.dtype])
+        return raw.view(self.num_slots, *t.shape)
 
     @classmethod
     def for_model(cls, config: ModelConfig, num_slots: int, dtype: torch.dtype,
                   device: torch.device) -> StatePool | None:
         """The pool of a model with state layers; None for a model without."""
-        return cls(config, num_slots, dtype, device) if config.state_layer_ids else None
+        spec = state_group(config, dtype)
+        return cls(spec, num_slots, device) if spec is not None else None
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.conv.values(), *self.ssm.values()))
+        return self.buffer.numel()

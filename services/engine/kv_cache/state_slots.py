@@ -3,8 +3,9 @@
 Torch-free, owned by ``KVCacheManager``. A model with state layers (Granite-4.0-H's Mamba2) keeps,
 per request and state layer, one fixed-size state (``state_pool.py``) instead of KV blocks; the
 slot says which. A request gets a slot with its first allocation and gives it back whenever its
-blocks go (finish, abort, preemption, a failed pull or load, a hold for a peer: the state is not
-held). A request that gets a slot starts from token 0 (state models get no prefix hits), so the
+blocks go (finish, abort, preemption, a failed pull or load); a hold keeps it with the blocks until
+their release (a peer reads the state after the prompt with the KV, or a late READ may still write it).
+A request that gets a slot starts from token 0 (state models get no prefix hits), so the
 model zeroes a slot's state at a chunk that starts at position 0.
 """
 

@@ -537,7 +537,7 @@ class Scheduler:
         self.kv.release(request_id)
         if request.host_prefix is not None:
             self.host_tier.unpin(request_id)
-        request.block_ids = []
+        request.block_ids, request.state_slot = [], None
         return True
 
     def pin_computed(self, request_id: str, start: int, end: int, window_end: int) -> list[list[int]] | None:
@@ -624,7 +624,7 @@ class Scheduler:
         self._remove(request)
         self._forget_offload(request_id)
         self.kv.hold(request, key=key)
-        request.block_ids = []
+        request.block_ids, request.state_slot = [], None
         request.status = RequestStatus.FINISHED_ABORTED
         self._finished_ids.append(request_id)
         self._quarantined.add(key)

@@ -49,7 +49,7 @@ class FakeEngine:
         if self.refusals > 0:
             self.refusals -= 1
             return None
-        return SimpleNamespace(request_id=request_id, block_ids=[[3, 4]], num_cached_tokens=4)
+        return SimpleNamespace(request_id=request_id, block_ids=[[3, 4]], num_cached_tokens=4, state_slot=None)
 
     async def complete_external_kv(self, request_id: str, first_token_id: int,
                                    first_logprob: float | None = None) -> None:
@@ -79,7 +79,8 @@ class FakePuller:
         self.pulls: list[tuple[str, list[list[int]], int]] = []
         self.entered = asyncio.Event()
 
-    async def pull(self, ticket: kv_pb2.TransferTicket, local_block_ids, num_cached_tokens: int = 0) -> PullResult:
+    async def pull(self, ticket: kv_pb2.TransferTicket, local_block_ids, num_cached_tokens: int = 0,
+                   local_state_slot: int | None = None) -> PullResult:
         self.pulls.append((ticket.request_id, [list(ids) for ids in local_block_ids], num_cached_tokens))
         self.entered.set()
         if self.gate is not None:

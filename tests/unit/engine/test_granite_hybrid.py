@@ -135,12 +135,7 @@ def test_abort_gives_the_state_slot_back(reference: Reference) -> None:
     assert slots.num_free == 2
 
 
-def test_kv_transfer_and_host_tier_are_refused(reference: Reference) -> None:
-    engine = _engine(reference)
-    with pytest.raises(ValueError, match="state"):
-        engine.add_request_with_external_kv("x", reference.prompts[0], GREEDY)
-    with pytest.raises(ValueError, match="state"):
-        engine.add_request("y", reference.prompts[0], GREEDY, hold_kv_on_finish=True)
+def test_host_tier_is_refused(reference: Reference) -> None:
     with pytest.raises(ValueError, match="state layers"):
         LLMEngine(EngineConfig(model=reference.checkpoint, device="cpu", dtype="float32", num_kv_blocks=64,
                                kv_offload_bytes=1 << 20))

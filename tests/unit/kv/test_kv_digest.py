@@ -199,6 +199,7 @@ class TensorRank:
         self.host_layout, self.host_buffers = host_layout, host_buffers
         self.regions = tuple(MemoryRegion(i, 0, 1, 0, "DRAM") for i, _ in enumerate(buffers))
         self.host_regions = ()
+        self.state_region = None
 
     def metadata(self) -> bytes:
         return b""
