@@ -1,10 +1,11 @@
 """End to end with DeepSeek-V3 (multi-head latent attention): router + prefill + decode processes over real NIXL.
 
 A small random DeepSeek-V3 checkpoint (one cached latent row of kv_lora_rank + qk_rope_head_dim per token
-and layer, an MLA KV group) must give the colocated engine's greedy tokens, in both layouts and with
-different block sizes on the two sides. Every request is pulled (the decode worker's transfer bytes grow
-with each, nothing is recomputed locally), and the bytes pulled are the ideal: one latent row per token
-and layer of each prompt, no V plane, nothing more.
+and layer, an MLA KV group) must give the colocated engine's greedy tokens, in both layouts, with different
+block sizes on the two sides, and between TP sizes (1 -> 2, 2 -> 1). Every request is pulled (the decode
+worker's transfer bytes grow with each, nothing is recomputed locally), and the bytes pulled are the ideal:
+one latent row per token and layer of each prompt per decode rank (the row is replicated, never split by
+head), no V plane, nothing more.
 """
 
 from __future__ import annotations
@@ -30,7 +31,22 @@ PAIRS = {
          "--max-num-batched-tokens", "24"),  # chunked prefill on the prefill worker
         ("--kv-layout", "cross_layer", "--block-size", "16", "--num-kv-blocks", "256", "--dtype", "float32"),
     ),
+    # TP pairs: every decode rank reads the whole (replicated) row once, from one prefill rank.
+    "P-tp1-D-tp2": (
+        ("--kv-layout", "cross_layer", "--block-size", "16", "--num-kv-blocks", "256", "--dtype", "float32"),
+        ("--tp", "2", "--device", "cpu", "--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "256",
+         "--dtype", "float32"),
+    ),
+    "P-tp2-D-tp1": (
+        ("--tp", "2", "--device", "cpu", "--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "256",
+         "--dtype", "float32"),
+        ("--kv-layout", "cross_layer", "--block-size", "16", "--num-kv-blocks", "256", "--dtype", "float32"),
+    ),
 }
+
+
+def _tp(args: tuple[str, ...]) -> int:
+    return int(args[args.index("--tp") + 1]) if "--tp" in args else 1
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +77,7 @@ def row_bytes_per_token(model: str) -> int:
 def test_mla_disaggregated_equals_colocated_and_pulls_one_row_per_token(model: str, colocated,
                                                                        row_bytes_per_token: int, pair: str) -> None:
     prefill_args, decode_args = PAIRS[pair]
+    row_bytes_per_token *= _tp(decode_args)  # one row per token and layer for each decode rank
     # Lengths on every block boundary of both sides (16 divides them), so the ideal is exact; distinct
     # random prompts, so neither side's prefix cache serves any of them.
     prompts = [random_prompt(100 + i, n) for i, n in enumerate((16, 48, 64, 32))]

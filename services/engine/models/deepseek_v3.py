@@ -18,7 +18,12 @@ as transformers' cache. YaRN scales cos and sin (``RopeSpec.cos_sin_scale``) and
 ``ModelConfig.attention_scale``, the softmax.
 
 Feed-forward: the first ``first_k_dense_replace`` layers are dense, the others mixtures of experts
-(``moe.py``). No tensor parallelism yet: a TP > 1 engine is refused when the model is built.
+(``moe.py``).
+
+Tensor parallelism: each rank holds ``num_heads / tp`` query heads (their rows of ``q_proj``/``q_b_proj``
+and ``kv_b_proj``, their columns of ``o_proj``) and ``1 / tp`` of every MLP's and expert's width; the latent
+projection and the cached row are the same on every rank (the row is replicated: ``AttentionKind.MLA``), and
+the router is replicated. Attention's and the feed-forward's outputs are partial sums, all-reduced once each.
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ from services.engine import ops
 from services.engine.attention import AttentionBatch, MLABackend, Rope, TailBatch, write_rows
 from services.engine.model_config.hf import ModelConfig
 from services.engine.models.base import DecoderModel, LayerShapeTable
-from services.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, copy_weight, param
+from services.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, copy_weight, param, row_parallel_bias
 from services.engine.models.moe import DeepseekMoE, GatedMLP
-from services.engine.tp.parallel import ParallelConfig
+from services.engine.tp.parallel import ParallelConfig, all_reduce
 
 MLA_FORMS = ("auto", "absorbed", "expanded")
 # transformers builds the q/kv latent norms with RMSNorm's default epsilon, not the config's rms_norm_eps.
@@ -42,13 +47,15 @@ LATENT_NORM_EPS = 1e-6
 class MLAttention(nn.Module):
     """One layer's latent attention: projections, the cached row, and both attention forms."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelConfig) -> None:
         super().__init__()
         m = config.mla
         self.spec = m
-        self.num_heads = config.num_heads
+        self.parallel = parallel
+        self.num_heads = config.num_heads // parallel.tp_size  # this rank's query heads
         self.scale = config.attention_scale
-        h, n, bias = config.hidden_size, config.num_heads, config.attention_bias
+        h, n, bias = config.hidden_size, self.num_heads, config.attention_bias
         q_out = n * m.qk_head_dim
         if m.q_lora_rank is None:
             self.q_proj = Linear(h, q_out, False, dtype, device)
@@ -99,19 +106,20 @@ class MLAttention(nn.Module):
         else:
             out = backend.forward_expanded(torch.cat((q_nope, q_rope), dim=-1), rows_cache, batch, meta, self.scale,
                                            self.expand)
-        return self.o_proj(out.reshape(t, n * m.v_head_dim))
+        return all_reduce(self.o_proj(out.reshape(t, n * m.v_head_dim)), self.parallel)
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelConfig) -> None:
         super().__init__()
         h = config.hidden_size
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
-        self.self_attn = MLAttention(config, dtype, device)
+        self.self_attn = MLAttention(config, dtype, device, parallel)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         moe = config.moe
-        self.mlp = (DeepseekMoE(h, moe, dtype, device) if moe.is_moe_layer(layer_id)
-                    else GatedMLP(h, config.intermediate_size, dtype, device))
+        self.mlp = (DeepseekMoE(h, moe, dtype, device, parallel) if moe.is_moe_layer(layer_id)
+                    else GatedMLP(h, config.intermediate_size, dtype, device, parallel))
 
 
 class DeepseekV3ForCausalLM(LayerShapeTable, DecoderModel):
@@ -127,17 +135,16 @@ class DeepseekV3ForCausalLM(LayerShapeTable, DecoderModel):
     def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
-        if parallel.tp_size > 1:
-            raise ValueError(f"DeepSeek-V3 has no tensor-parallel path yet (its latent attention and experts are "
-                             f"not sharded): run it with tp 1, not {parallel.tp_size}")
         if config.mla is None or config.moe is None:
             raise ValueError(f"a {config.architecture} config has no MLA/MoE spec: not a DeepSeek-V3 config")
+        parallel.check_model(config)
         self.config = config
         self.parallel = parallel
         self.mla_form = "auto"
         self._shapes: dict[int, dict[str, tuple[int, ...]]] = {}
         self.embed_tokens = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i, dtype, device, parallel)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (None if config.tie_word_embeddings
                         else param(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
@@ -160,7 +167,7 @@ class DeepseekV3ForCausalLM(LayerShapeTable, DecoderModel):
                 x, residual = layer.input_layernorm(out, residual)
             out = layer.self_attn(x, rope, kv_views[i][0], batch, layer_groups[i], absorbed)
             x, residual = layer.post_attention_layernorm(out, residual)
-            out = layer.mlp(x)
+            out = all_reduce(layer.mlp(x), self.parallel)
         return self.norm(residual) if out is None else self.norm(out, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -228,6 +235,10 @@ class DeepseekV3ForCausalLM(LayerShapeTable, DecoderModel):
         attn = layer.self_attn
         if proj in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa"):
             tensor = self._rope_rows_halved(proj, tensor)
+        if proj in ("q_proj", "q_b_proj", "kv_b_proj"):  # rows per head: this rank's heads
+            tensor = self.parallel.shard(tensor, 0)
+        elif proj == "o_proj":  # columns per head, and the bias added once over the ranks
+            tensor = self.parallel.shard(tensor, 1) if kind == "weight" else row_parallel_bias(tensor, self.parallel)
         return copy_weight(name, getattr(getattr(attn, proj), kind), tensor)
 
     def _rope_rows_halved(self, proj: str, tensor: torch.Tensor) -> torch.Tensor:

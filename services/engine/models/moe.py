@@ -20,26 +20,34 @@ from services.engine import ops
 from services.engine.model_config.deepseek import MoESpec
 from services.engine.model_config.granite import GraniteExpertsSpec
 from services.engine.models.layers import Linear, copy_weight, param
+from services.engine.tp.parallel import ParallelConfig
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul (rows: gate, then up)."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul (rows: gate, then up).
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> None:
+    Under TP each rank holds ``intermediate / tp_size`` of the width (gate/up rows, down columns), so its
+    output is a partial sum the caller all-reduces (once per layer, with the routed experts' in a MoE layer).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, False, dtype, device)
-        self.down_proj = Linear(intermediate, hidden, False, dtype, device)
+        self.parallel = parallel
+        local = intermediate // parallel.tp_size
+        self.gate_up_proj = Linear(hidden, 2 * local, False, dtype, device)
+        self.down_proj = Linear(local, hidden, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
     def load(self, name: str, proj: str, tensor: torch.Tensor) -> None:
-        """Copy an HF ``gate_proj``/``up_proj``/``down_proj`` weight into place."""
+        """Copy this rank's shard of an HF ``gate_proj``/``up_proj``/``down_proj`` weight into place."""
         if proj == "down_proj":
-            return copy_weight(name, self.down_proj.weight, tensor)
+            return copy_weight(name, self.down_proj.weight, self.parallel.shard(tensor, 1))
         half = self.gate_up_proj.weight.shape[0] // 2
         rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
-        return copy_weight(name, self.gate_up_proj.weight[rows], tensor)
+        return copy_weight(name, self.gate_up_proj.weight[rows], self.parallel.shard(tensor, 0))
 
 
 class ExpertRouter(nn.Module):
@@ -104,15 +112,21 @@ class RoutedExperts(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    """DeepSeek-V3's routed experts plus its shared experts (one gated MLP)."""
+    """DeepSeek-V3's routed experts plus its shared experts (one gated MLP).
 
-    def __init__(self, hidden: int, spec: MoESpec, dtype: torch.dtype, device: torch.device) -> None:
+    Under TP every rank routes every token (the router is replicated) and holds ``1 / tp_size`` of every
+    expert's width, so its output is a partial sum the layer all-reduces once.
+    """
+
+    def __init__(self, hidden: int, spec: MoESpec, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelConfig) -> None:
         super().__init__()
         self.spec = spec
+        self.parallel = parallel
         i = spec.moe_intermediate_size
         self.gate = ExpertRouter(hidden, spec, dtype, device)
-        self.experts = RoutedExperts(spec.n_routed_experts, hidden, i, dtype, device)
-        self.shared_experts = (GatedMLP(hidden, spec.n_shared_experts * i, dtype, device)
+        self.experts = RoutedExperts(spec.n_routed_experts, hidden, i // parallel.tp_size, dtype, device)
+        self.shared_experts = (GatedMLP(hidden, spec.n_shared_experts * i, dtype, device, parallel)
                                if spec.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,10 +142,10 @@ class DeepseekMoE(nn.Module):
             return self.shared_experts.load(name, parts[1], tensor)
         expert, proj = int(parts[1]), parts[2]
         if proj == "down_proj":
-            return copy_weight(name, self.experts.down[expert], tensor)
-        half = self.spec.moe_intermediate_size
+            return copy_weight(name, self.experts.down[expert], self.parallel.shard(tensor, 1))
+        half = self.experts.down.shape[2]  # this rank's width of one expert
         rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
-        return copy_weight(name, self.experts.gate_up[expert, rows], tensor)
+        return copy_weight(name, self.experts.gate_up[expert, rows], self.parallel.shard(tensor, 0))
 
 
 class SoftmaxTopKRouter(nn.Module):

@@ -43,6 +43,12 @@ class ParallelConfig:
         """Refuse, before any rank starts, a TP size that cannot shard every layer of the model."""
         for i, spec in enumerate(config.layers):
             self.check_divides(config.num_heads, spec.num_kv_heads, config.layer_intermediate_size(i))
+        if config.moe is not None and config.moe.moe_intermediate_size % self.tp_size:
+            raise ValueError(f"tensor-parallel size {self.tp_size} cannot shard this model: expert width "
+                             f"{config.moe.moe_intermediate_size} over {self.tp_size} ranks")
+        if config.state_layer_ids and self.tp_size > 1:
+            raise ValueError(f"tensor-parallel size {self.tp_size}: a model with state layers (Mamba2) runs at TP 1 "
+                             "only (its Mamba heads are not sharded)")
 
     def num_local_kv_heads(self, num_kv_heads: int) -> int:
         return max(1, num_kv_heads // self.tp_size)

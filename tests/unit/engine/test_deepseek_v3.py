@@ -30,6 +30,8 @@ from services.engine.attention.mla import TorchMLABackend
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.loading.weights import safetensors_files
+from services.engine.tp.launch import start_engine
+from services.engine.tp.parallel import ParallelConfig
 from services.kv.groups import AttentionKind
 from services.kv.layout import BlockOrder, LayoutKind
 from tests.parity import Reference, assert_matches, reference_of, run_to_completion
@@ -186,3 +188,19 @@ def test_host_tier_hit_after_device_eviction_matches_hf(reference: Reference, ki
     assert stats.host_hits == 1 and outputs[0].num_cached_tokens - stats.device_hit_tokens > 0
     assert tier.stats().bytes_loaded > 0
     engine.close()
+
+
+def test_tensor_parallel_matches_hf(reference: Reference) -> None:
+    """TP 2 (a follower rank in its own process, gloo on CPU): each rank holds half the query heads and half of
+    every MLP's and expert's width, the latent rows whole; the logits and greedy tokens still match HF's."""
+    config = EngineConfig(model=reference.checkpoint, device="cpu", dtype="float32", block_size=4,
+                          num_kv_blocks=256, max_num_batched_tokens=24, parallel=ParallelConfig(2, 0))
+    engine = start_engine(config, ["cpu", "cpu"])
+    try:
+        (group,) = engine.kv_layout.groups
+        assert group.kind is AttentionKind.MLA and engine.kv_layout.kv_heads(0) == 1  # the whole row on each rank
+        assert engine.runtime.model.layers[0].self_attn.num_heads == engine.model_config.num_heads // 2
+        _, outputs = run_to_completion(engine, reference.prompts, GREEDY)
+        assert_matches(reference.tokens, reference.logits, outputs)
+    finally:
+        engine.close()
