@@ -18,12 +18,17 @@ from tests.e2e.stack import completion_tokens, info, metric_total, random_prompt
 from tests.unit.engine.test_granite_hybrid import CHECKPOINTS, make_granite_checkpoint
 
 MAX_TOKENS = 8
+pytestmark = pytest.mark.timeout(240)  # a leaked state slot stalls a request: fail in minutes, not at the suite's 900 s
 # (prefill args, decode args): both layouts on each side, block-size ratios in both directions; the second
 # prefills in chunks of 24 tokens, so its longer prompts go out as part tickets (the state with the last).
 PAIRS = {
+    # Two state slots per worker for five requests: a slot not given back after a pull (prefill) or a finish
+    # (decode) would stall the third request.
     "P-cross16-D-per8": (
-        ("--kv-layout", "cross_layer", "--block-size", "16", "--num-kv-blocks", "256", "--dtype", "float32"),
-        ("--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "256", "--dtype", "float32"),
+        ("--kv-layout", "cross_layer", "--block-size", "16", "--num-kv-blocks", "256", "--dtype", "float32",
+         "--max-num-seqs", "2"),
+        ("--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "256", "--dtype", "float32",
+         "--max-num-seqs", "2"),
     ),
     "P-per8-chunked-D-cross16": (
         ("--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "512", "--dtype", "float32",
