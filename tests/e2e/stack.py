@@ -8,7 +8,7 @@ import os
 import random
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -92,6 +92,18 @@ def completion_tokens(url: str, prompt: list[int] | str, max_tokens: int, stream
                     if choice and choice[0].get("logprobs"):
                         tokens += _token_ids(choice[0]["logprobs"]["tokens"])
         return tokens
+
+
+def colocated_greedy(model: str, max_tokens: int, num_kv_blocks: int = 256) -> Callable[[list[int]], list[int]]:
+    """A prompt's greedy tokens from one engine doing prefill and decode (float32 on CPU, as the workers run):
+    the reference a disaggregated answer must equal."""
+    from services.contract.sampling_params import SamplingParams
+    from services.engine.engine_config import EngineConfig
+    from services.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=num_kv_blocks))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return lambda prompt: engine.generate([prompt], params)[0].token_ids
 
 
 def _token_ids(tokens: list[str]) -> list[int]:

@@ -18,11 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import completion_tokens, info, metric_total, stack
+from tests.e2e.stack import colocated_greedy, completion_tokens, info, metric_total, stack
 
 MAX_TOKENS = 8
 # (prefill args, decode args): both layouts on each side, block-size ratios in both directions.
@@ -52,9 +51,7 @@ def window(model: str) -> int:
 
 @pytest.fixture(scope="module")
 def colocated(model: str):
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=512))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return lambda prompt: engine.generate([prompt], params)[0].token_ids
+    return colocated_greedy(model, MAX_TOKENS, num_kv_blocks=512)
 
 
 def _prompts(window: int, n: int, seed: int) -> list[list[int]]:

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.contract.sampling_params import SamplingParams
-from services.engine.engine_config import EngineConfig
-from services.engine.llm_engine import LLMEngine
-from tests.e2e.stack import completion_tokens, info, metric_total, random_prompt, stack
+from tests.e2e.stack import colocated_greedy, completion_tokens, info, metric_total, random_prompt, stack
 from tests.unit.engine.test_granite_hybrid import CHECKPOINTS, make_granite_checkpoint
 
 MAX_TOKENS = 8
@@ -46,9 +43,7 @@ def model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def colocated(model: str):
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=256))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return lambda prompt: engine.generate([prompt], params)[0].token_ids
+    return colocated_greedy(model, MAX_TOKENS)
 
 
 def _ideal_bytes(num_tokens: int) -> int:

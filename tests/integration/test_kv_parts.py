@@ -128,6 +128,14 @@ async def _info(address: str, role: str) -> worker_pb2.WorkerInfo:
         return await stub.Info(worker_pb2.InfoRequest())
 
 
+def decode_pulled(reader: LLMEngine, request_id: str, final: worker_pb2.PrefillResponse) -> list[int]:
+    """The reader's tokens for a request whose KV it pulled: the prefill's first token, then its own greedy rest."""
+    out = list(reader.complete_external_kv(request_id, final.first_token_id, final.first_logprob).new_token_ids)
+    while reader.has_unfinished_requests():
+        out += [t for o in reader.step() for t in o.new_token_ids]
+    return out
+
+
 def _wait_for(address: str, role: str, done, timeout_s: float = 10.0) -> worker_pb2.WorkerInfo:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -175,11 +183,7 @@ def test_parts_pulled_as_they_come_are_byte_exact(checkpoint: str, pair: str) ->
                         assert torch.equal(pulled[:, :, num_cached:], kv[:, :, num_cached:]), rid
                         torch.testing.assert_close(pulled[:, :, :num_cached], kv[:, :, :num_cached])
                         final = messages[-1].final
-                        out = list(reader.complete_external_kv(rid, final.first_token_id,
-                                                               final.first_logprob).new_token_ids)
-                        while reader.has_unfinished_requests():
-                            out += [t for o in reader.step() for t in o.new_token_ids]
-                        assert out == tokens, rid
+                        assert decode_pulled(reader, rid, final) == tokens, rid
 
             asyncio.run(run_all())
             # Every part was read (the skipped ones' empty READs notify too): nothing stays pinned.

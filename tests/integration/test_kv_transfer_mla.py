@@ -28,7 +28,15 @@ from services.launch.spawn import daemons
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.kv_ranks import kv_identity
 from tests.checkpoints import make_checkpoint
-from tests.integration.test_kv_parts import CHUNK, GREEDY, LAYOUT_PAIRS, PREFILL_DEVICE, _engine, _wait_for
+from tests.integration.test_kv_parts import (
+    CHUNK,
+    GREEDY,
+    LAYOUT_PAIRS,
+    PREFILL_DEVICE,
+    _engine,
+    _wait_for,
+    decode_pulled,
+)
 
 # Chunk, layout pairs, reading engine and greedy params are test_kv_parts.py's (a full-attention model).
 ROW = 32 + 8  # kv_lora_rank + qk_rope_head_dim of tests/checkpoints.py's deepseek_v3
@@ -112,11 +120,7 @@ def test_mla_rows_pulled_between_processes_are_byte_exact(deepseek: str, pair: s
                                 assert result.num_bytes == exact, (rid, result.num_bytes, exact)
                         rows, tokens = _colocated(deepseek, prompt, prefill_layout, prefill_bs)
                         assert torch.equal(_rows(reader, local.block_ids, len(prompt)), rows), rid
-                        out = list(reader.complete_external_kv(rid, final.first_token_id,
-                                                               final.first_logprob).new_token_ids)
-                        while reader.has_unfinished_requests():
-                            out += [t for o in reader.step() for t in o.new_token_ids]
-                        assert out == tokens, rid
+                        assert decode_pulled(reader, rid, final) == tokens, rid
 
             asyncio.run(run_all())
             info = _wait_for(p.address, "prefill", lambda i: i.kv_blocks_pinned == 0)

@@ -36,6 +36,7 @@ from tests.integration.test_kv_parts import (
     _prefill_args,
     _token_kv,
     _wait_for,
+    decode_pulled,
 )
 from tests.unit.engine.test_granite_hybrid import make_granite_checkpoint
 
@@ -116,11 +117,7 @@ def test_state_and_kv_pulled_between_processes_are_byte_exact(granite: str, pair
                         state, kv, tokens = _colocated(granite, prompt, prefill_layout, prefill_bs)
                         assert torch.equal(reader.runtime.state_pool.buffer[local.state_slot], state), rid
                         assert torch.equal(_token_kv(reader, local.block_ids, len(prompt)), kv.cpu()), rid
-                        out = list(reader.complete_external_kv(rid, final.first_token_id,
-                                                               final.first_logprob).new_token_ids)
-                        while reader.has_unfinished_requests():
-                            out += [t for o in reader.step() for t in o.new_token_ids]
-                        assert out == tokens, rid
+                        assert decode_pulled(reader, rid, final) == tokens, rid
 
             asyncio.run(run_all())
             info = _wait_for(p.address, "prefill", lambda i: i.kv_blocks_pinned == 0)
