@@ -9,8 +9,9 @@ steps (the engine's default), through the graphs with each step waiting for its 
 columns share weights, KV and prompts; --enforce-eager builds the engine without graphs and times
 the eager path only.
 
-Floors (speed of light): a decode step must read every weight once, so it cannot beat
-weight_bytes / memory bandwidth; a prefill cannot beat 2 * params * tokens / peak FLOP/s.
+Floors (speed of light, ``bench/floors.py``): a decode step must read every weight once (a MoE model: the
+experts its batch picks), the context's KV and each request's state, so it cannot beat those bytes / memory
+bandwidth; a prefill cannot beat 2 * active params * tokens (plus causal attention) / peak FLOP/s.
 On CUDA the peaks come from the device's datasheet; on CPU they are measured here (a large
 matmul and a large copy), so the floor is this machine's own.
 """
@@ -28,6 +29,7 @@ import services  # noqa: E402,F401,I001  (oneDNN ISA cap before torch)
 import torch  # noqa: E402
 
 from bench._common import GPU_PEAKS, emit_json  # noqa: E402
+from bench.floors import decode_floor_bytes, prefill_flops  # noqa: E402
 from services.engine.engine_config import EngineConfig  # noqa: E402
 from services.engine.kv_cache.buffers import TORCH_DTYPES  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
@@ -153,17 +155,6 @@ def bench_kv_shared_skip(engine: LLMEngine, prompt_lens: list[int], rounds: int)
     return rows
 
 
-def kv_bytes_per_token(mc, dtype: torch.dtype) -> int:
-    """K and V of every layer for one token (full-attention models: what a decode step reads per token)."""
-    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
-
-
-def prefill_flops(mc, tokens: int) -> float:
-    """Matmul FLOPs of one causal prompt: 2 per parameter per token, plus attention's QK^T and PV over the
-    causal half (2 * head_dim * tokens^2 per head and layer)."""
-    return 2 * mc.num_parameters * tokens + 2 * mc.head_dim * tokens * tokens * mc.num_heads * mc.num_layers
-
-
 def hf_rows(args, mc, dev: torch.device, dtype: torch.dtype) -> dict[tuple, float]:
     """HF transformers' seconds per case on the same weights, device and dtype, before the engine exists
     (both would not fit beside each other's KV at 8B)."""
@@ -255,7 +246,7 @@ def main() -> None:
             step_s = bench_decode(engine, batch, context, args.decode_steps)
             eager_s = bench_decode_eager(engine, batch, context, args.decode_steps) if graphs else step_s
             sync_s = bench_decode_sync(engine, batch, context, args.decode_steps) if graphs else step_s
-            floor_s = (weight_bytes + batch * context * kv_bytes_per_token(mc, dtype)) / bandwidth
+            floor_s = decode_floor_bytes(engine, weight_bytes, batch, context, dtype.itemsize) / bandwidth
             hf_s = hf_seconds.get(("decode", batch, context))
             rows.append(dict(common, case="decode", batch=batch, context=context, decode_step_ms=step_s * 1e3,
                              decode_tok_s=batch / step_s, decode_step_eager_ms=eager_s * 1e3,
@@ -285,7 +276,8 @@ def print_tables(engine: LLMEngine, graphs, weight_bytes: int, common: dict, row
     if graphs is not None:
         print(f"# decode CUDA graphs: {len(graphs.captured)} captured in {graphs.capture_s:.2f} s "
               f"(batch, context): {graphs.captured}")
-    print("# prefill floor: matmul + causal attention FLOPs / peak; decode floor: (weights + KV read) / bandwidth")
+    print("# prefill floor: matmul on active parameters + causal attention FLOPs / peak; decode floor: (weights a step "
+          "reads, routed experts it picks only + KV + state) / bandwidth")
     print(f"{'batch':>5} {'prompt':>7} {'prefill ms':>11} {'tok/s':>9} {'MFU':>6} {'HF ms':>9} {'HF MFU':>7} "
           f"{'x HF':>6}")
     for r in (r for r in rows if r["case"] == "prefill"):
