@@ -26,8 +26,9 @@ width (a different ``kv_lora_rank`` is named as the group's ``row_width``) and t
 the whole row; a full-attention group on the other side differs in ``kind``.
 
 A model with state layers (Mamba2) adds ``state``: the state group's kind, layers, each per-request tensor's
-shape and dtype, and the convention of when the owner sends it (after every prompt token,
-``groups.STATE_SENT_AFTER``); a difference names the state group and its field. Absent for other models.
+shape and dtype (one TP rank's, with the TP size), and the convention of when the owner sends it (after every
+prompt token, ``groups.STATE_SENT_AFTER``); a difference names the state group and its field. Absent for other
+models.
 
 An engine's values are gathered once into a :class:`KVIdentity` (``KVIdentity.of``, from the
 model's shape and the engine's layout) that the hash, the exporter and the puller all take.
@@ -206,11 +207,12 @@ def compat_fields(identity: KVIdentity) -> dict[str, str]:
 
 
 def state_field(state: StateGroupSpec) -> str:
-    """The ``state`` field: ``{"kind", "layers", "tensors": [[name, shape, dtype], ...], "sent_after"}``.
+    """The ``state`` field: ``{"kind", "layers", "tensors": [[name, shape, dtype], ...], "sent_after", "tp_size"}``
+    (the shapes are one TP rank's: Mamba heads are split, so engines of other TP sizes differ in ``tp_size``).
     Absent for a model without state layers, so theirs hash as before state groups existed."""
     return json.dumps({"kind": state.kind, "layers": list(state.layer_ids),
                        "tensors": [[t.name, list(t.shape), t.dtype] for t in state.tensors],
-                       "sent_after": state.sent_after}, sort_keys=True)
+                       "sent_after": state.sent_after, "tp_size": state.tp_size}, sort_keys=True)
 
 
 def state_differences(local: Mapping[str, str], remote: Mapping[str, str]) -> list[str]:
@@ -221,7 +223,7 @@ def state_differences(local: Mapping[str, str], remote: Mapping[str, str]) -> li
         kinds = ("none" if x is None else x["kind"] for x in (a, b))
         return ["state group: local {} vs remote {}".format(*kinds)]
     out = [f"state group ({a['kind']}): {k} local {a[k]} vs remote {b[k]}"
-           for k in ("kind", "layers", "sent_after") if a[k] != b[k]]
+           for k in ("kind", "layers", "sent_after", "tp_size") if a.get(k, 1) != b.get(k, 1)]
     ta, tb = ({t[0]: t[1:] for t in x["tensors"]} for x in (a, b))
     for name in sorted(set(ta) | set(tb)):
         for i, what in enumerate(("shape", "dtype")):

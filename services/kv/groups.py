@@ -119,12 +119,14 @@ class StateGroupSpec:
     state), the KV-cache group kind that holds no blocks: each request owns one *slot* of ``slot_bytes``
     holding every state layer's tensors, so moving a request's state is one contiguous run. Within a slot,
     layer by layer, each of ``tensors`` starts on a multiple of ``STATE_ALIGN`` bytes. The same on every
-    engine with this model and dtype; the slot count is each engine's own."""
+    engine with this model, dtype and TP size (the shapes are one rank's); the slot count is each engine's own."""
 
     layer_ids: tuple[int, ...]
     tensors: tuple[StateTensorSpec, ...]
     kind: str = "mamba2"
     sent_after: str = STATE_SENT_AFTER
+    #: The TP size the tensors are one rank's of (Mamba heads are split over ranks; the shapes are per rank).
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.layer_ids or not self.tensors:

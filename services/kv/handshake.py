@@ -171,16 +171,15 @@ def _check_regions(rank: int, what: str, layout: KVLayoutSpec, regions: tuple[Me
 
 
 def _check_state_region(rank: RankExport, state: StateGroupSpec | None, num_slots: int) -> None:
-    """A model with state layers: every rank registers exactly its slots; without: none."""
-    if state is None:
-        if rank.state_region is not None:
-            raise ValueError(f"rank {rank.tp_rank} sends a state region without a state group")
+    """A rank's state region holds exactly the engine's slots; none without a state group. (A TP follower rank
+    registers none: state moves between TP-1 engines only, which the reader checks by name.)"""
+    if rank.state_region is None:
         return
-    expected = num_slots * state.slot_bytes
-    if rank.state_region is None or rank.state_region.length != expected:
-        got = None if rank.state_region is None else rank.state_region.length
-        raise ValueError(f"rank {rank.tp_rank}'s state region of {got} bytes does not hold {num_slots} slots of "
-                         f"{state.slot_bytes}")
+    if state is None:
+        raise ValueError(f"rank {rank.tp_rank} sends a state region without a state group")
+    if rank.state_region.length != num_slots * state.slot_bytes:
+        raise ValueError(f"rank {rank.tp_rank}'s state region of {rank.state_region.length} bytes does not hold "
+                         f"{num_slots} slots of {state.slot_bytes}")
 
 
 class HandshakeServicer(kv_pb2_grpc.KVHandshakeServicer):

@@ -140,6 +140,7 @@ def region_from_proto(m: kv_pb2.MemoryRegion) -> MemoryRegion:
 def state_to_proto(spec: StateGroupSpec, num_slots: int) -> kv_pb2.StateGroup:
     return kv_pb2.StateGroup(
         kind=spec.kind, layer_ids=list(spec.layer_ids), sent_after=spec.sent_after, num_slots=num_slots,
+        tp_size=spec.tp_size,
         tensors=[kv_pb2.StateTensor(name=t.name, shape=list(t.shape), dtype=t.dtype) for t in spec.tensors],
     )
 
@@ -147,4 +148,4 @@ def state_to_proto(spec: StateGroupSpec, num_slots: int) -> kv_pb2.StateGroup:
 def state_from_proto(m: kv_pb2.StateGroup) -> tuple[StateGroupSpec, int]:
     """(the state group, the owner's slot count); ValueError for a malformed one."""
     tensors = tuple(StateTensorSpec(t.name, tuple(t.shape), t.dtype) for t in m.tensors)
-    return StateGroupSpec(tuple(m.layer_ids), tensors, m.kind, m.sent_after), m.num_slots
+    return StateGroupSpec(tuple(m.layer_ids), tensors, m.kind, m.sent_after, m.tp_size or 1), m.num_slots

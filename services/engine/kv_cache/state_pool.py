@@ -20,6 +20,7 @@ import torch
 
 from services.engine.kv_cache.buffers import DTYPE_NAMES, TORCH_DTYPES
 from services.engine.model_config.hf import ModelConfig
+from services.engine.tp.parallel import ParallelConfig
 from services.kv.groups import StateGroupSpec, StateTensorSpec
 
 
@@ -40,16 +41,18 @@ class StateBatch:
         return cls(slots, [start == 0 for start in starts], torch.tensor(slots, device=device))
 
 
-def state_group(config: ModelConfig, dtype: torch.dtype) -> StateGroupSpec | None:
-    """The state group of a model with state layers (conv state in the model's dtype, SSM state in float32);
-    None for a model without."""
+def state_group(config: ModelConfig, dtype: torch.dtype, parallel: ParallelConfig | None = None
+                ) -> StateGroupSpec | None:
+    """The state group one TP rank of a model with state layers holds (conv state in the model's dtype, SSM state
+    in float32; its heads' and groups' channels only); None for a model without."""
     if not config.state_layer_ids:
         return None
-    m = config.granite.mamba
+    parallel = parallel or ParallelConfig()
+    m = config.granite.mamba.for_rank(parallel.tp_size, parallel.tp_rank)
     return StateGroupSpec(tuple(config.state_layer_ids), (
         StateTensorSpec("ssm", (m.num_heads, m.head_dim, m.d_state), "float32"),
         StateTensorSpec("conv", (m.conv_dim, m.d_conv - 1), DTYPE_NAMES[dtype]),
-    ))
+    ), tp_size=parallel.tp_size)
 
 
 class StatePool:
@@ -71,10 +74,10 @@ class StatePool:
         return raw.view(self.num_slots, *t.shape)
 
     @classmethod
-    def for_model(cls, config: ModelConfig, num_slots: int, dtype: torch.dtype,
-                  device: torch.device) -> StatePool | None:
-        """The pool of a model with state layers; None for a model without."""
-        spec = state_group(config, dtype)
+    def for_model(cls, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device,
+                  parallel: ParallelConfig | None = None) -> StatePool | None:
+        """The pool of one TP rank of a model with state layers; None for a model without."""
+        spec = state_group(config, dtype, parallel)
         return cls(spec, num_slots, device) if spec is not None else None
 
     @property

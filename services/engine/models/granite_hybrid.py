@@ -11,8 +11,9 @@ embedding multiplier, logits divided by ``logits_scaling``. ``ffn`` is the share
 State layers own no KV: ``kv_views[layer]`` is ``()`` for them, and ``forward`` takes the step's
 ``StateBatch`` (each chunk's state slot) and the engine's ``StatePool``. Prefix caching is off for
 this model (``KVCacheManager``: a hit would need the state at the end of the prefix, which is not
-snapshotted). TP 1 only, eager steps only (no CUDA graphs), and no KV transfer of the state: a
-disaggregated worker cannot hand such a request over.
+snapshotted). Eager steps only (no CUDA graphs). Under TP the attention layers and the shared MLP shard as
+Llama's, each Mamba2 mixer holds its heads (``Mamba2Mixer``), the routed experts a slice of their width. The
+state moves with the KV between engines of TP 1 (``services/kv``: the state slot is one more run of the READ).
 """
 
 from __future__ import annotations
@@ -24,11 +25,18 @@ from services.engine.attention import AttentionBatch, TailBatch
 from services.engine.kv_cache.state_pool import StateBatch, StatePool
 from services.engine.model_config.hf import ModelConfig
 from services.engine.models.base import DecoderModel, LayerShapeTable
-from services.engine.models.layers import RMSNorm, RotaryEmbedding, copy_weight, load_attention_projection, param
+from services.engine.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    copy_weight,
+    load_attention_projection,
+    load_mlp_projection,
+    param,
+)
 from services.engine.models.llama import MLP, Attention
 from services.engine.models.mamba2 import Mamba2Mixer
 from services.engine.models.moe import GraniteMoE
-from services.engine.tp.parallel import ParallelConfig
+from services.engine.tp.parallel import ParallelConfig, all_reduce
 
 
 class GraniteDecoderLayer(nn.Module):
@@ -42,7 +50,7 @@ class GraniteDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         if layer_id in config.state_layer_ids:
-            self.mamba = Mamba2Mixer(config.granite.mamba, h, config.rms_norm_eps, dtype, device)
+            self.mamba = Mamba2Mixer(config.granite.mamba, h, config.rms_norm_eps, dtype, device, parallel)
             self.self_attn = None
         else:
             self.mamba = None
@@ -50,12 +58,15 @@ class GraniteDecoderLayer(nn.Module):
             self.self_attn.scale = config.attention_scale  # Granite's attention multiplier
         self.mlp = MLP(config, parallel, dtype, device)
         experts = config.granite.experts
-        self.block_sparse_moe = GraniteMoE(h, experts, dtype, device) if experts is not None else None
+        self.block_sparse_moe = GraniteMoE(h, experts, dtype, device, parallel) if experts is not None else None
+        self.parallel = parallel
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The shared MLP's output, plus the routed experts' (added in transformers' order)."""
-        shared = self.mlp(x)
-        return shared if self.block_sparse_moe is None else self.block_sparse_moe(x) + shared
+        shared = self.mlp(x)  # all-reduced by the MLP
+        if self.block_sparse_moe is None:
+            return shared
+        return all_reduce(self.block_sparse_moe(x), self.parallel) + shared
 
 
 class GraniteHybridForCausalLM(LayerShapeTable, DecoderModel):
@@ -67,11 +78,9 @@ class GraniteHybridForCausalLM(LayerShapeTable, DecoderModel):
     def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
-        if parallel.tp_size > 1:
-            raise ValueError(f"Granite-4.0-H has no tensor-parallel path yet (its Mamba2 layers are not sharded): "
-                             f"run it with tp 1, not {parallel.tp_size}")
         if config.granite is None:
             raise ValueError(f"a {config.architecture} config has no Granite spec: not a Granite-4.0-H config")
+        parallel.check_model(config)
         self.config = config
         self.parallel = parallel
         self.spec = config.granite
@@ -145,12 +154,15 @@ class GraniteHybridForCausalLM(LayerShapeTable, DecoderModel):
         if module in self.LAYER_NORMS:
             return copy_weight(name, getattr(layer, module).weight, tensor)
         if module == "mamba":
-            return copy_weight(name, layer.mamba.hf_tensor(tail), tensor)
+            return layer.mamba.load(name, tail, tensor)
         if module == "block_sparse_moe":
-            return copy_weight(name, layer.block_sparse_moe.hf_tensor(tail), tensor)
+            return layer.block_sparse_moe.load(name, tail, tensor)
         if module == "shared_mlp":
-            dest = layer.mlp.gate_up_proj.weight if tail.startswith("input_linear") else layer.mlp.down_proj.weight
-            return copy_weight(name, dest, tensor)
+            if not tail.startswith("input_linear"):
+                return load_mlp_projection(name, layer.mlp, "down_proj", "weight", tensor, self.parallel)
+            gate, up = tensor.chunk(2, dim=0)
+            load_mlp_projection(name, layer.mlp, "gate_proj", "weight", gate, self.parallel)
+            return load_mlp_projection(name, layer.mlp, "up_proj", "weight", up, self.parallel)
         proj, kind = tail.split(".")
         c = self.config
         return load_attention_projection(name, layer.self_attn, proj, kind, tensor, self.parallel, c.num_kv_heads,

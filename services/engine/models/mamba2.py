@@ -26,16 +26,28 @@ from torch.nn import functional as F
 
 from services.engine.kv_cache.state_pool import StateBatch
 from services.engine.model_config.granite import MambaSpec
-from services.engine.models.layers import Linear, param
+from services.engine.models.layers import Linear, copy_weight, param, row_parallel_bias
+from services.engine.tp.parallel import ParallelConfig, all_reduce
 
 
 class Mamba2Mixer(nn.Module):
     """One Mamba2 layer's weights (HF names: ``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``,
-    ``norm``, ``out_proj``) and its forward over a step's chunks."""
+    ``norm``, ``out_proj``) and its forward over a step's chunks.
 
-    def __init__(self, spec: MambaSpec, hidden: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    Under TP a rank holds its heads (``MambaSpec.for_rank``): their rows of ``in_proj`` (z, x, dt), the conv
+    channels of their x and of their groups' B and C, their ``dt_bias``/``A_log``/``D``/norm weights and their
+    columns of ``out_proj``, whose output is all-reduced. One group split over the ranks (Granite-4.0-H's
+    ``n_groups`` 1) has its gated norm's mean square all-reduced too. ``spec`` is the rank's, ``full`` the model's.
+    """
+
+    def __init__(self, full: MambaSpec, hidden: int, eps: float, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelConfig) -> None:
         super().__init__()
+        spec = full.for_rank(parallel.tp_size, parallel.tp_rank)
+        self.full = full
         self.spec = spec
+        self.parallel = parallel
+        self.split_norm_group = parallel.tp_size > 1 and full.n_groups == 1
         self.eps = eps
         self.in_proj = Linear(hidden, spec.in_proj_width, spec.proj_bias, dtype, device)
         self.conv_weight = param(spec.conv_dim, spec.d_conv, dtype=dtype, device=device)  # HF: [conv_dim, 1, d_conv]
@@ -47,8 +59,8 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = Linear(spec.intermediate_size, hidden, spec.proj_bias, dtype, device)
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        """HF name (after ``mamba.``) -> shape, for every tensor of the mixer."""
-        s, hidden = self.spec, self.out_proj.weight.shape[0]
+        """HF name (after ``mamba.``) -> shape, for every tensor of the mixer (the model's, not the rank's)."""
+        s, hidden = self.full, self.out_proj.weight.shape[0]
         shapes = {"in_proj.weight": (s.in_proj_width, hidden), "conv1d.weight": (s.conv_dim, 1, s.d_conv),
                   "dt_bias": (s.num_heads,), "A_log": (s.num_heads,), "D": (s.num_heads,),
                   "norm.weight": (s.intermediate_size,), "out_proj.weight": (hidden, s.intermediate_size)}
@@ -58,7 +70,32 @@ class Mamba2Mixer(nn.Module):
             shapes.update({"in_proj.bias": (s.in_proj_width,), "out_proj.bias": (hidden,)})
         return shapes
 
-    def hf_tensor(self, name: str) -> torch.Tensor:
+    def load(self, name: str, tail: str, tensor: torch.Tensor) -> None:
+        """Copy this rank's part of the HF tensor ``tail`` (after ``mamba.``) into place."""
+        module, _, kind = tail.partition(".")
+        if module == "out_proj":
+            tensor = self.parallel.shard(tensor, 1) if kind == "weight" else row_parallel_bias(tensor, self.parallel)
+        elif self.parallel.tp_size > 1:
+            rows = self._rows(module)
+            tensor = tensor[rows.to(tensor.device)]
+        return copy_weight(name, self._hf_tensor(tail), tensor)
+
+    def _rows(self, module: str) -> torch.Tensor:
+        """The model's rows of an HF tensor this rank holds: its heads' z, x and dt, its groups' B and C."""
+        f = self.full
+        heads, groups = f.rank_channels(self.parallel.tp_size, self.parallel.tp_rank)
+        h = torch.tensor(heads)
+        head_rows = (h[:, None] * f.head_dim + torch.arange(f.head_dim)).flatten()
+        group_rows = (torch.tensor(groups)[:, None] * f.d_state + torch.arange(f.d_state)).flatten()
+        xbc = torch.cat((head_rows, f.intermediate_size + group_rows,
+                         f.intermediate_size + f.n_groups * f.d_state + group_rows))
+        if module == "in_proj":  # z, xBC, dt
+            return torch.cat((head_rows, f.intermediate_size + xbc, f.intermediate_size + f.conv_dim + h))
+        if module == "conv1d":
+            return xbc
+        return head_rows if module == "norm" else h  # dt_bias, A_log, D: per head
+
+    def _hf_tensor(self, name: str) -> torch.Tensor:
         """The parameter an HF name (after ``mamba.``) loads into, viewed in the checkpoint's shape."""
         if name == "conv1d.weight":
             return self.conv_weight.view(self.spec.conv_dim, 1, self.spec.d_conv)
@@ -85,7 +122,7 @@ class Mamba2Mixer(nn.Module):
                 outs.append(self._chunk(xbc[start:start + n], dt[start:start + n], conv_states[slot], ssm_states[slot]))
                 start += n
             y = torch.cat(outs)
-        return self.out_proj(self._gated_norm(y, z).to(x.dtype))
+        return all_reduce(self.out_proj(self._gated_norm(y, z).to(x.dtype)), self.parallel)
 
     # ---- the two forms of the recurrence ------------------------------------------------------
     def _chunk(self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor,
@@ -142,7 +179,11 @@ class Mamba2Mixer(nn.Module):
         """``y * silu(z)``, RMS-normalised per group of ``inner / n_groups`` channels, times the weight (fp32)."""
         s = self.spec
         g = (y * F.silu(z.float())).view(len(y), s.n_groups, -1)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.split_norm_group:  # the one group's channels are spread over every rank
+            mean_square = all_reduce(g.pow(2).sum(-1, keepdim=True), self.parallel) / self.full.intermediate_size
+        else:
+            mean_square = g.pow(2).mean(-1, keepdim=True)
+        g = g * torch.rsqrt(mean_square + self.eps)
         return self.norm_weight.float() * g.view(len(y), s.intermediate_size)
 
 

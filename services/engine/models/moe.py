@@ -171,25 +171,35 @@ class GraniteMoE(nn.Module):
     """Granite-4.0-H's routed experts (``block_sparse_moe``); the layer adds its shared MLP's output.
 
     The checkpoint stores the experts stacked as they are held here: ``input_linear`` [E, 2I, H]
-    (gate, then up) and ``output_linear`` [E, H, I]; the router is ``router.layer`` [E, H].
+    (gate, then up) and ``output_linear`` [E, H, I]; the router is ``router.layer`` [E, H]. Under TP each
+    rank holds ``I / tp`` of every expert's width (its output is a partial sum) and the whole router.
     """
 
-    def __init__(self, hidden: int, spec: GraniteExpertsSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hidden: int, spec: GraniteExpertsSpec, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelConfig) -> None:
         super().__init__()
+        self.spec = spec
+        self.parallel = parallel
         self.router = SoftmaxTopKRouter(hidden, spec.num_local_experts, spec.num_experts_per_tok, dtype, device)
-        self.experts = RoutedExperts(spec.num_local_experts, hidden, spec.intermediate_size, dtype, device)
+        self.experts = RoutedExperts(spec.num_local_experts, hidden, spec.intermediate_size // parallel.tp_size,
+                                     dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, *self.router(x))
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        """HF name (after ``block_sparse_moe.``) -> shape, for every tensor of the block."""
-        return {name: tuple(tensor.shape) for name, tensor in self._hf_tensors().items()}
+        """HF name (after ``block_sparse_moe.``) -> the model's shape, for every tensor of the block."""
+        e, i, h = self.spec.num_local_experts, self.spec.intermediate_size, self.router.weight.shape[1]
+        return {"input_linear.weight": (e, 2 * i, h), "output_linear.weight": (e, h, i), "router.layer.weight": (e, h)}
 
-    def hf_tensor(self, name: str) -> torch.Tensor:
-        """The parameter an HF name (after ``block_sparse_moe.``) loads into."""
-        return self._hf_tensors()[name]
-
-    def _hf_tensors(self) -> dict[str, torch.Tensor]:
-        return {"input_linear.weight": self.experts.gate_up, "output_linear.weight": self.experts.down,
-                "router.layer.weight": self.router.weight}
+    def load(self, name: str, tail: str, tensor: torch.Tensor) -> None:
+        """Copy this rank's part of an HF tensor (after ``block_sparse_moe.``) into place."""
+        tp = self.parallel
+        if tail == "router.layer.weight":
+            return copy_weight(name, self.router.weight, tensor)
+        if tail == "output_linear.weight":
+            return copy_weight(name, self.experts.down, tp.shard(tensor, 2))
+        if tail != "input_linear.weight":
+            raise ValueError(f"unexpected tensor {name!r}")
+        gate, up = tensor.chunk(2, dim=1)
+        return copy_weight(name, self.experts.gate_up, torch.cat((tp.shard(gate, 1), tp.shard(up, 1)), dim=1))

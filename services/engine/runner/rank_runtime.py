@@ -127,7 +127,7 @@ class RankRuntime:
         self.kv_cache = KVCache(self.kv_layout, self.device, scratch_block=self.num_kv_blocks)
         # One state row per sequence seat: a running request always has its slot (StateSlots).
         self.state_pool = StatePool.for_model(source.config, config.max_num_seqs, TORCH_DTYPES[self.dtype],
-                                              self.device)
+                                              self.device, config.parallel)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, decode_graphs=self._decode_graphs(),
                                   kv_shared_prefill_skip=config.kv_shared_prefill_skip,
                                   attention_backend=config.attention_backend,

@@ -36,7 +36,7 @@ class Chunk(Protocol):
 
     @property
     def state_slot(self) -> int | None:
-        """The request's row of the state pool (models with state layers; TP 1 only), else None."""
+        """The request's row of the state pool (models with state layers), else None."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ class StepChunk(msgspec.Struct, array_like=True, frozen=True):
     samples: bool
     return_logits: bool
     block_ids: list[list[int]]
+    state_slot: int | None = None  # the request's state row (models with state layers)
 
 
 class Step(msgspec.Struct, tag=True):

@@ -46,9 +46,12 @@ class ParallelConfig:
         if config.moe is not None and config.moe.moe_intermediate_size % self.tp_size:
             raise ValueError(f"tensor-parallel size {self.tp_size} cannot shard this model: expert width "
                              f"{config.moe.moe_intermediate_size} over {self.tp_size} ranks")
-        if config.state_layer_ids and self.tp_size > 1:
-            raise ValueError(f"tensor-parallel size {self.tp_size}: a model with state layers (Mamba2) runs at TP 1 "
-                             "only (its Mamba heads are not sharded)")
+        if config.granite is not None:
+            config.granite.mamba.for_rank(self.tp_size, self.tp_rank)  # heads and groups must split
+            experts = config.granite.experts
+            if experts is not None and experts.intermediate_size % self.tp_size:
+                raise ValueError(f"tensor-parallel size {self.tp_size} cannot shard this model: expert width "
+                                 f"{experts.intermediate_size} over {self.tp_size} ranks")
 
     def num_local_kv_heads(self, num_kv_heads: int) -> int:
         return max(1, num_kv_heads // self.tp_size)

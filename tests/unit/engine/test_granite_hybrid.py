@@ -26,6 +26,8 @@ from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.model_config.hf import ModelConfig, preset
+from services.engine.tp.launch import start_engine
+from services.engine.tp.parallel import ParallelConfig
 from services.kv.groups import AttentionKind
 from services.kv.layout import BlockOrder, LayoutKind
 from tests.parity import Reference, assert_matches, reference_of, run_to_completion
@@ -133,6 +135,32 @@ def test_abort_gives_the_state_slot_back(reference: Reference) -> None:
     assert_matches(reference.tokens[1:2] + reference.tokens[3:], reference.logits[1:2] + reference.logits[3:],
                    [finals["b"], finals["c"]])
     assert slots.num_free == 2
+
+
+def test_tensor_parallel_matches_hf(reference: Reference) -> None:
+    """TP 2 (a follower rank in its own process, gloo on CPU): each rank holds half the Mamba2 heads (with their
+    groups' B and C, or the one group whole: its gated norm then all-reduced), half the attention heads and half
+    of every MLP's and expert's width, and a state slot of its own heads only; logits and greedy tokens still
+    match HF's, chunked prefill carrying the split state across steps."""
+    config = EngineConfig(model=reference.checkpoint, device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
+                          max_num_batched_tokens=24, max_num_seqs=8, parallel=ParallelConfig(2, 0))
+    engine = start_engine(config, ["cpu", "cpu"])
+    try:
+        full = engine.model_config.granite.mamba
+        pool = engine.runtime.state_pool
+        assert pool.spec.tp_size == 2 and pool.ssm[0].shape[1] == full.num_heads // 2
+        _, outputs = run_to_completion(engine, reference.prompts, GREEDY)
+        assert_matches(reference.tokens, reference.logits, outputs)
+    finally:
+        engine.close()
+
+
+def test_a_tp_size_that_cannot_split_the_mamba_heads_is_refused() -> None:
+    mamba = preset("granite-4.0-h-tiny").granite.mamba
+    with pytest.raises(ValueError, match="cannot shard the Mamba2 layers"):
+        mamba.for_rank(mamba.num_heads + 1, 0)
+    heads, groups = mamba.for_rank(2, 1).num_heads, mamba.rank_channels(2, 1)[1]
+    assert heads == mamba.num_heads // 2 and len(groups) == max(1, mamba.n_groups // 2)
 
 
 def test_host_tier_is_refused(reference: Reference) -> None:

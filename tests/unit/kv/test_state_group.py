@@ -64,3 +64,13 @@ def test_state_digest_sees_every_word_and_its_position() -> None:
     swapped = slot.clone().view(torch.int32)
     swapped[[0, 1]] = swapped[[1, 0]]
     assert swapped[0] == swapped[1] or state_digest(swapped.view(torch.uint8)) != base
+
+
+def test_engines_of_other_tp_sizes_differ_in_tp_size() -> None:
+    """A TP-2 rank holds half the Mamba heads: its state shapes are its own, and the field says of which TP size."""
+    half = StateGroupSpec(SPEC.layer_ids, (StateTensorSpec("ssm", (4, 16, 16), "float32"),
+                                           StateTensorSpec("conv", (126, 3), "bfloat16")), tp_size=2)
+    assert state_from_proto(state_to_proto(half, 3)) == (half, 3)
+    local, remote = CompatInfo.of_identity(_identity(SPEC)), CompatInfo.of_identity(_identity(half))
+    with pytest.raises(KVCompatibilityError, match="state group \\(mamba2\\): tp_size local 1 vs remote 2"):
+        check_compatible(local, remote.fields, remote.hash)
