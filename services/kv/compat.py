@@ -25,9 +25,10 @@ An MLA group (DeepSeek's latent rows) always spells its shape out, with how TP p
 width (a different ``kv_lora_rank`` is named as the group's ``row_width``) and that every rank holds
 the whole row; a full-attention group on the other side differs in ``kind``.
 
-A model with state layers (Mamba2) adds ``state``: the state group's kind, layers, each per-request tensor's
-shape and dtype (one TP rank's, with the TP size), and the convention of when the owner sends it (after every
-prompt token, ``groups.STATE_SENT_AFTER``); a difference names the state group and its field. Absent for other
+A model with state layers (Mamba2) adds ``state``: the state group's kind, layers, the model's Mamba2 shape
+(heads, head dim, groups, d_state, d_conv, the conv state's dtype; the SSM state is float32) and the convention
+of when the owner sends it (after every prompt token, ``groups.STATE_SENT_AFTER``); a difference names the state
+group and its field. The TP size is not hashed: ``state_runs`` maps heads between any two. Absent for other
 models.
 
 An engine's values are gathered once into a :class:`KVIdentity` (``KVIdentity.of``, from the
@@ -43,6 +44,7 @@ is hashed as ``kv_layout``: against an NHD peer the mismatch names ``kv_layout``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -207,30 +209,22 @@ def compat_fields(identity: KVIdentity) -> dict[str, str]:
 
 
 def state_field(state: StateGroupSpec) -> str:
-    """The ``state`` field: ``{"kind", "layers", "tensors": [[name, shape, dtype], ...], "sent_after", "tp_size"}``
-    (the shapes are one TP rank's: Mamba heads are split, so engines of other TP sizes differ in ``tp_size``).
-    Absent for a model without state layers, so theirs hash as before state groups existed."""
-    return json.dumps({"kind": state.kind, "layers": list(state.layer_ids),
-                       "tensors": [[t.name, list(t.shape), t.dtype] for t in state.tensors],
-                       "sent_after": state.sent_after, "tp_size": state.tp_size}, sort_keys=True)
+    """The ``state`` field: the model's state (``{"kind", "layers", "sent_after"}`` and the Mamba2 shape: heads,
+    head dim, groups, d_state, d_conv, conv dtype); not the TP size, which is reconciled (``state_runs``). Absent
+    for a model without state layers, so theirs hash as before state groups existed."""
+    return json.dumps({"kind": state.kind, "layers": list(state.layer_ids), "sent_after": state.sent_after,
+                       **dataclasses.asdict(state.mamba)}, sort_keys=True)
 
 
 def state_differences(local: Mapping[str, str], remote: Mapping[str, str]) -> list[str]:
-    """Each field of the state group that differs (``state group (mamba2): tensor ssm shape local .. vs remote
-    ..``); a side without state layers is named as such."""
+    """Each field of the state group that differs (``state group (mamba2): d_state local 16 vs remote 32``); a
+    side without state layers is named as such."""
     a, b = (json.loads(f["state"]) if "state" in f else None for f in (local, remote))
     if a is None or b is None:
         kinds = ("none" if x is None else x["kind"] for x in (a, b))
         return ["state group: local {} vs remote {}".format(*kinds)]
-    out = [f"state group ({a['kind']}): {k} local {a[k]} vs remote {b[k]}"
-           for k in ("kind", "layers", "sent_after", "tp_size") if a.get(k, 1) != b.get(k, 1)]
-    ta, tb = ({t[0]: t[1:] for t in x["tensors"]} for x in (a, b))
-    for name in sorted(set(ta) | set(tb)):
-        for i, what in enumerate(("shape", "dtype")):
-            x, y = (t[name][i] if name in t else None for t in (ta, tb))
-            if x != y:
-                out.append(f"state group ({a['kind']}): tensor {name} {what} local {x} vs remote {y}")
-    return out
+    return [f"state group ({a['kind']}): {k} local {a.get(k)} vs remote {b.get(k)}"
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 def group_total_heads(layout: KVLayoutSpec, group_id: int, num_kv_heads: int,

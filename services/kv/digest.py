@@ -190,20 +190,23 @@ K_STATE = 0x165667B1  # the state digest's position key base (a state slot is no
 _STATE_CHUNK_WORDS = 1 << 20
 
 
-def state_digest(slot: torch.Tensor) -> int:
-    """The digest of one request's state slot (``groups.StateGroupSpec``: a uint8 row whose length is a multiple
-    of 4): the module's ``mix`` of every 32-bit word XOR ``K_STATE + index * K_DIM``, summed mod 2**32. The slot's
-    layout is the same on both sides (the compat field ``state`` covers it), so its bytes are its content. Runs
-    where the slot lives (int64 torch arithmetic, masked to 32 bits after each step), a chunk at a time."""
-    words = slot.view(torch.int32)
+def state_digest(slot: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> int:
+    """The digest of a request's state bytes (``state_runs``): for each ``(offset, length, key)`` run of the uint8
+    ``slot`` row, the module's ``mix`` of every 32-bit word XOR ``K_STATE + (key / 4 + i) * K_DIM``, summed mod
+    2**32. ``key`` is where the run lands in the READING rank's slot, so the owner (its own offsets, the reader's
+    keys) and the reader (the reader's offsets and keys) compute the same sum, and a run read into the wrong place
+    changes it. Runs where the slot lives (int64 torch arithmetic, masked to 32 bits after each step)."""
     total_sum, mask = 0, MASK32
-    for begin in range(0, words.numel(), _STATE_CHUNK_WORDS):
-        x = words[begin:begin + _STATE_CHUNK_WORDS].to(torch.int64) & mask
-        keys = (torch.arange(begin, begin + len(x), device=x.device, dtype=torch.int64) * K_DIM + K_STATE) & mask
-        x = x ^ keys
-        x = (x * M1) & mask
-        x = x ^ (x >> 15)
-        x = (x * M2) & mask
-        x = x ^ (x >> 13)
-        total_sum += int(x.sum())
+    for offset, length, key in runs:
+        words = slot[offset:offset + length].view(torch.int32)
+        for begin in range(0, words.numel(), _STATE_CHUNK_WORDS):
+            x = words[begin:begin + _STATE_CHUNK_WORDS].to(torch.int64) & mask
+            first = key // 4 + begin
+            keys = (torch.arange(first, first + len(x), device=x.device, dtype=torch.int64) * K_DIM + K_STATE) & mask
+            x = x ^ keys
+            x = (x * M1) & mask
+            x = x ^ (x >> 15)
+            x = (x * M2) & mask
+            x = x ^ (x >> 13)
+            total_sum += int(x.sum())
     return total_sum & MASK32

@@ -23,6 +23,7 @@ from services.kv.handshake import EngineDescription, RankExport
 from services.kv.notifications import NotificationTracker
 from services.kv.pair_support import group_heads_from_fields
 from services.kv.rank import KVRank
+from services.kv.state_runs import state_runs
 from services.kv.topology import group_rank_reads, group_readers_per_remote_rank
 from services.kv.wire import notification_key, notification_parts, notification_request, ticket_signature
 from services.proto_gen.pdserve.v1 import kv_pb2
@@ -60,7 +61,7 @@ class KVExporter:
             kv_sharing=identity.sharing,
             ticket_key=self._ticket_key,
             state=identity.state,
-            num_state_slots=_num_state_slots(identity, ranks[0]),
+            num_state_slots=_num_state_slots(identity, ranks),
         )
         # The model's total KV heads per group: each group is sharded by its own (Gemma-4's differ).
         self._group_heads = group_heads_from_fields(self.compat.fields)
@@ -132,8 +133,8 @@ class KVExporter:
         digests = await self._digests(block_ids, host_block_ids, num_tokens, num_host_tokens, reader_tp_size,
                                       reader_block_size, part_start_token, whole) \
             if self.identity.digest_on and num_tokens else []
-        state_digest = await self._ranks[0].state_digest(state_slot) \
-            if self.identity.digest_on and state_slot is not None else 0
+        state_digests = await self._state_digests(state_slot, reader_tp_size) \
+            if self.identity.digest_on and state_slot is not None else []
         if self._open.get(request_id) != opened:  # abandoned (or another part went out) while digesting
             raise ValueError(f"request {request_id!r} was abandoned while its part was digested")
         nonce = self._expect(request_id, reader_tp_size, bool(num_host_tokens))
@@ -149,7 +150,7 @@ class KVExporter:
             host_groups=[kv_pb2.GroupBlocks(group_id=g, block_ids=list(ids)) for g, ids in enumerate(host_block_ids)],
             notify_nonce=nonce, digests=digests, part_start_token=part_start_token,
             num_prompt_tokens=num_prompt_tokens if num_tokens < whole or part_start_token else 0,
-            has_state=state_slot is not None, state_slot=state_slot or 0, state_digest=state_digest,
+            has_state=state_slot is not None, state_slot=state_slot or 0, state_digests=state_digests,
         )
         ticket.signature = ticket_signature(ticket, self._ticket_key)
         return ticket
@@ -202,6 +203,19 @@ class KVExporter:
         return [kv_pb2.GroupDigests(group_id=g, reader_rank=r, unit=units[g], digests=(d & MASK32).tolist())
                 for (g, r), d in sorted(sums.items())]
 
+    async def _state_digests(self, slot: int, reader_tp_size: int) -> list[int]:
+        """Per reading rank, the digest of the state runs it reads (``state_runs``), each owner rank digesting its
+        own runs keyed by their place in that reader's slot; the sums mod 2**32."""
+        spec = self.identity.state
+        reader = spec.with_tp(reader_tp_size)
+        jobs = [(q, rank.state_digest(slot, [(x.src, x.length, x.dst) for x in runs]))
+                for q in range(reader_tp_size) for r, rank in enumerate(self._ranks)
+                if (runs := state_runs(spec, r, reader, q))]
+        sums = [0] * reader_tp_size
+        for (q, _), got in zip(jobs, await asyncio.gather(*(job for _, job in jobs)), strict=True):
+            sums[q] += got
+        return [d & MASK32 for d in sums]
+
     def collect_notifications(self) -> list[dict[str, list[bytes]]]:
         """Every rank's new NIXL notifications, by rank. The NIXL call may wait: over UCX's TCP transport the
         data of READs from this worker moves inside it (tens of ms), so an event loop calls this on a thread;
@@ -252,11 +266,15 @@ class KVExporter:
         return len(self._waiting)
 
 
-def _num_state_slots(identity: KVIdentity, rank: KVRank) -> int:
-    """The state slots rank 0 registered (0 for a model without state layers); refuses a model with state layers
-    whose rank registered none, or a TP > 1 engine (Mamba heads are not split across ranks yet)."""
+def _num_state_slots(identity: KVIdentity, ranks: Sequence[KVRank]) -> int:
+    """The state slots every rank registered (0 for a model without state layers); refuses a model with state
+    layers whose ranks registered none or unequal counts."""
     if identity.state is None:
         return 0
-    if rank.state_region is None:
-        raise ValueError(f"a model with {identity.state.label} but no registered state slots")
-    return rank.state_region.length // identity.state.slot_bytes
+    if identity.state.tp_size != len(ranks) or any(r.state_region is None for r in ranks):
+        raise ValueError(f"a model with {identity.state.label} of TP {identity.state.tp_size} on {len(ranks)} ranks, "
+                         "or a rank without registered state slots")
+    counts = {r.state_region.length // identity.state.slot_bytes for r in ranks}
+    if len(counts) != 1:
+        raise ValueError(f"the ranks registered different numbers of state slots: {sorted(counts)}")
+    return counts.pop()

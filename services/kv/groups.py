@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 class AttentionKind(enum.Enum):
@@ -94,6 +94,10 @@ class KVCacheGroupSpec:
 #: one, so it is hashed: two engines that disagree are never paired.
 STATE_SENT_AFTER = "all_prompt_tokens"
 
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: A slot's tensors start on this many bytes (a float32 view needs 4; 64 keeps rows cache-line aligned).
+STATE_ALIGN = 64
+
 
 @dataclass(frozen=True)
 class StateTensorSpec:
@@ -107,33 +111,87 @@ class StateTensorSpec:
     def num_bytes(self) -> int:
         return _DTYPE_BYTES[self.dtype] * math.prod(self.shape)
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (the first dimension's index)."""
+        return self.num_bytes // self.shape[0]
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-#: A slot's tensors start on this many bytes (a float32 view needs 4; 64 keeps rows cache-line aligned).
-STATE_ALIGN = 64
+
+@dataclass(frozen=True)
+class MambaShape:
+    """A Mamba2 layer's state as the MODEL has it, and how TP splits it: ``num_heads`` heads of ``head_dim``
+    channels in ``n_groups`` groups (B and C: ``d_state`` rows per group, shared by the group's heads), a causal
+    conv of ``d_conv`` taps. Per request and layer: the SSM state ``[heads, head_dim, d_state]`` (float32) and the
+    conv window ``[conv channels, d_conv - 1]`` (``conv_dtype``), conv channels being ``x`` (heads x head_dim),
+    then B, then C. A TP rank holds ``num_heads / tp`` heads and their groups: ``n_groups / tp`` of them, or the one
+    group its heads belong to when a group spans ranks (one group only; its norm is all-reduced)."""
+
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    d_conv: int
+    conv_dtype: str
+
+    def __post_init__(self) -> None:
+        sizes = (self.num_heads, self.head_dim, self.n_groups, self.d_state, self.d_conv)
+        if min(sizes) < 1 or self.num_heads % self.n_groups or self.d_conv < 2:
+            raise ValueError(f"Mamba2 state shape {self}: sizes must be positive, heads a multiple of groups, "
+                             "d_conv >= 2")
+
+    def check_tp(self, tp_size: int) -> None:
+        if self.num_heads % tp_size or (self.n_groups % tp_size and self.n_groups != 1):
+            raise ValueError(f"tensor-parallel size {tp_size} cannot shard the Mamba2 layers: {self.num_heads} heads "
+                             f"and {self.n_groups} groups over {tp_size} ranks (heads must divide; groups must divide "
+                             "or be one)")
+
+    def rank_heads(self, tp_size: int, rank: int) -> range:
+        """The model's heads rank ``rank`` of ``tp_size`` holds."""
+        self.check_tp(tp_size)
+        n = self.num_heads // tp_size
+        return range(rank * n, (rank + 1) * n)
+
+    def rank_groups(self, tp_size: int, rank: int) -> range:
+        """The model's groups that rank holds (its heads' groups)."""
+        first = self.rank_heads(tp_size, rank)[0] // (self.num_heads // self.n_groups)
+        return range(first, first + max(1, self.n_groups // tp_size))
+
+    def group_of(self, head: int) -> int:
+        return head // (self.num_heads // self.n_groups)
+
+    def tensors(self, tp_size: int) -> tuple[StateTensorSpec, StateTensorSpec]:
+        """One rank's (ssm, conv) tensors (every rank's have the same shapes)."""
+        heads, groups = len(self.rank_heads(tp_size, 0)), len(self.rank_groups(tp_size, 0))
+        return (StateTensorSpec("ssm", (heads, self.head_dim, self.d_state), "float32"),
+                StateTensorSpec("conv", (heads * self.head_dim + 2 * groups * self.d_state, self.d_conv - 1),
+                                self.conv_dtype))
 
 
 @dataclass(frozen=True)
 class StateGroupSpec:
     """The per-request state of a model's state layers (Mamba2: a causal conv's last inputs and the SSM
     state), the KV-cache group kind that holds no blocks: each request owns one *slot* of ``slot_bytes``
-    holding every state layer's tensors, so moving a request's state is one contiguous run. Within a slot,
-    layer by layer, each of ``tensors`` starts on a multiple of ``STATE_ALIGN`` bytes. The same on every
-    engine with this model, dtype and TP size (the shapes are one rank's); the slot count is each engine's own."""
+    holding every state layer's tensors as one TP rank of ``tp_size`` holds them (``mamba.tensors``), so moving
+    a request's state is a few runs per layer. Within a slot, layer by layer, each tensor starts on a multiple of
+    ``STATE_ALIGN`` bytes. The model's shape (``layer_ids``, ``mamba``, ``sent_after``) is what two engines must
+    share; TP size and slot count are each engine's own."""
 
     layer_ids: tuple[int, ...]
-    tensors: tuple[StateTensorSpec, ...]
+    mamba: MambaShape
     kind: str = "mamba2"
     sent_after: str = STATE_SENT_AFTER
-    #: The TP size the tensors are one rank's of (Mamba heads are split over ranks; the shapes are per rank).
     tp_size: int = 1
 
     def __post_init__(self) -> None:
-        if not self.layer_ids or not self.tensors:
-            raise ValueError("a state group has at least one layer and one tensor")
-        for t in self.tensors:
-            if t.dtype not in _DTYPE_BYTES or not t.shape or min(t.shape) < 1:
-                raise ValueError(f"state tensor {t.name}: shape {t.shape} / dtype {t.dtype} not supported")
+        if not self.layer_ids:
+            raise ValueError("a state group has at least one layer")
+        if self.mamba.conv_dtype not in _DTYPE_BYTES:
+            raise ValueError(f"state conv dtype {self.mamba.conv_dtype} not supported")
+        self.mamba.check_tp(self.tp_size)
+
+    @property
+    def tensors(self) -> tuple[StateTensorSpec, ...]:
+        return self.mamba.tensors(self.tp_size)
 
     @property
     def label(self) -> str:
@@ -156,3 +214,7 @@ class StateGroupSpec:
                 return at
             at += -(-t.num_bytes // STATE_ALIGN) * STATE_ALIGN
         raise KeyError(f"{self.label} has no tensor {name!r}")
+
+    def with_tp(self, tp_size: int) -> StateGroupSpec:
+        """The same model's state as an engine of ``tp_size`` ranks holds it."""
+        return replace(self, tp_size=tp_size)

@@ -171,8 +171,8 @@ def _check_regions(rank: int, what: str, layout: KVLayoutSpec, regions: tuple[Me
 
 
 def _check_state_region(rank: RankExport, state: StateGroupSpec | None, num_slots: int) -> None:
-    """A rank's state region holds exactly the engine's slots; none without a state group. (A TP follower rank
-    registers none: state moves between TP-1 engines only, which the reader checks by name.)"""
+    """A rank's state region holds exactly the engine's slots; none without a state group (whether every rank
+    announces one is the reader's check, by name)."""
     if rank.state_region is None:
         return
     if state is None:

@@ -35,7 +35,7 @@ import numpy as np
 from services.common.tls import TLSConfig
 from services.kv.compat import CompatInfo, KVIdentity
 from services.kv.digest import DigestJob, ticket_units, total
-from services.kv.groups import AttentionKind
+from services.kv.groups import AttentionKind, StateGroupSpec
 from services.kv.handshake import EngineDescription, PeerCache, RankExport
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.kv.nixl.agent import read_stages
@@ -45,6 +45,7 @@ from services.kv.pair_support import group_heads_from_fields
 from services.kv.planner import TransferPlan, plan_groups
 from services.kv.rank import KVRank, LocalKVRank
 from services.kv.read_lists import ListLayout, list_layout
+from services.kv.state_runs import StateRun, state_owner_ranks, state_runs
 from services.kv.topology import (
     RankRead,
     group_rank_reads,
@@ -108,6 +109,19 @@ class PlannedRead:
     #: Lists prepared for this (owner rank, local rank, source) (``read_lists``): the rows above are then
     #: int32 indices into them, and the READ is ``TransferAgent.read_prepared``.
     lists: PreparedLists | None = None
+
+
+@dataclass(frozen=True)
+class _StateRead:
+    """A pull's state: the owner's and this engine's state groups (their TP sizes), and the two slots."""
+
+    owner: StateGroupSpec
+    local: StateGroupSpec
+    owner_slot: int
+    local_slot: int
+
+    def runs(self, owner_rank: int, local_rank: int) -> list[StateRun]:
+        return state_runs(self.owner, owner_rank, self.local, local_rank)
 
 
 @dataclass(frozen=True, eq=False)
@@ -222,17 +236,22 @@ class KVPuller:
                         "a run per layer and K/V")
 
     def _check_state(self, remote: EngineDescription) -> None:
-        """Both sides hold the same state group (the compat field covers its shape; this is the description's
-        own), each at TP 1 (Mamba heads are not split across TP ranks yet), with registered slots."""
-        local = self.identity.state
-        if local != remote.state:
+        """Both sides hold the same model's state group (the compat field covers its shape; this is the
+        description's own), every rank on both sides registered its slots, and each local rank's state comes
+        from owner ranks its KV reads already cover (one READ per pair carries both)."""
+        local, theirs = self.identity.state, remote.state
+        if local is None or theirs is None or local.with_tp(1) != theirs.with_tp(1):
             raise ValueError(f"state group: local {local.label if local else 'none'} vs remote "
-                             f"{remote.state.label if remote.state else 'none'}")
-        if (self.tp_size, remote.tp_size) != (1, 1):
-            raise ValueError(f"{local.label}: TP local {self.tp_size} vs remote {remote.tp_size}: state layers "
-                             "transfer between TP-1 engines only (their heads are not split across ranks yet)")
-        if self._ranks[0].state_region is None:
-            raise ValueError(f"{local.label}: this engine registered no state slots")
+                             f"{theirs.label if theirs else 'none'}")
+        if theirs.tp_size != remote.tp_size or any(r.state_region is None for r in remote.ranks):
+            raise ValueError(f"{local.label}: the owner's {remote.tp_size} ranks do not all announce state slots")
+        if any(r.state_region is None for r in self._ranks):
+            raise ValueError(f"{local.label}: a rank of this engine registered no state slots")
+        for q, by_owner in enumerate(self._rank_reads(remote)):
+            owners = state_owner_ranks(theirs, local, q)
+            if not set(owners) <= set(by_owner):
+                raise ValueError(f"{local.label}: reading rank {q} needs state from owner ranks {owners}, its KV "
+                                 f"reads cover {sorted(by_owner)}")
 
     def _drop_peers(self, old: EngineDescription) -> None:
         self._reads_of.pop(old.engine_id, None)
@@ -284,7 +303,7 @@ class KVPuller:
         t_pieces = time.perf_counter()
         reads = self._plan_reads(targets, units, pieces)
         if state is not None:
-            reads = [_with_state_row(r, *state) if not r.host_tier else r for r in reads]
+            reads = [self._with_state_rows(r, state) if not r.host_tier else r for r in reads]
         t_plan = time.perf_counter()
         nonce = ticket.notify_nonce
         try:
@@ -301,7 +320,7 @@ class KVPuller:
         if check_digests:
             await self._check_digests(ticket, digest_jobs)
         if state is not None and self.identity.digest_on:
-            await self._check_state_digest(ticket, local_state_slot)
+            await self._check_state_digest(ticket, state)
         done = time.perf_counter()
         stages = {"handshake": t_handshake - started, "check": t_check - t_handshake, "pieces": t_pieces - t_check,
                   "plan": t_plan - t_pieces, "read": t_read - t_plan, "digest": done - t_read}
@@ -357,10 +376,10 @@ class KVPuller:
                                    f"does not match the ticket's digest in KV group(s) {bad}", bad)
 
     def _check_state_ticket(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription,
-                            local_state_slot: int | None) -> tuple[int, int, int] | None:
-        """(owner's slot address, local slot address, bytes) of a ticket that carries the state, None for one
-        that does not; a TicketError for a state slot out of range, or the state missing where it belongs (the
-        whole ticket or the last part of a model with state layers) or present where it does not."""
+                            local_state_slot: int | None) -> _StateRead | None:
+        """What a ticket that carries the state reads (None for one that does not); a TicketError for a state
+        slot out of range, a digest missing, or the state missing where it belongs (the whole ticket or the last
+        part of a model with state layers) or present where it does not."""
         spec = self.identity.state
         last = not ticket.num_prompt_tokens or ticket.num_tokens == ticket.num_prompt_tokens
         if spec is None or not (last and ticket.num_tokens):
@@ -374,19 +393,39 @@ class KVPuller:
         if ticket.state_slot >= remote.num_state_slots:
             raise TicketError(f"ticket's state slot {ticket.state_slot} is outside the owner's "
                               f"{remote.num_state_slots} slots")
-        local_region = self._ranks[0].state_region
-        num_local = local_region.length // spec.slot_bytes
+        num_local = self._ranks[0].state_region.length // spec.slot_bytes
         if local_state_slot is None or not 0 <= local_state_slot < num_local:
             raise TicketError(f"local state slot {local_state_slot} is outside this engine's {num_local} slots")
-        owner_region = remote.ranks[0].state_region
-        return (owner_region.address + ticket.state_slot * spec.slot_bytes,
-                local_region.address + local_state_slot * spec.slot_bytes, spec.slot_bytes)
+        if self.identity.digest_on and len(ticket.state_digests) != self.tp_size:
+            raise TicketError(f"ticket for request {ticket.request_id!r} has {len(ticket.state_digests)} state "
+                              f"digests for {self.tp_size} reading ranks", reason="digest")
+        return _StateRead(remote.state, spec, ticket.state_slot, local_state_slot)
 
-    async def _check_state_digest(self, ticket: kv_pb2.TransferTicket, local_state_slot: int) -> None:
-        got = await self._ranks[0].state_digest(local_state_slot)
-        if got != ticket.state_digest:
+    def _with_state_rows(self, read: PlannedRead, state: _StateRead) -> PlannedRead:
+        """The device READ of (local rank q, owner rank r) with the state runs q reads from r appended."""
+        runs = state.runs(read.owner.tp_rank, self._ranks.index(read.rank))
+        if not runs:
+            return read
+        owner, local = read.owner.state_region, read.rank.state_region
+        src = owner.address + state.owner_slot * state.owner.slot_bytes
+        dst = local.address + state.local_slot * state.local.slot_bytes
+        remote_rows = np.array([[src + x.src, x.length, owner.device_id] for x in runs], dtype=np.uint64)
+        local_rows = np.array([[dst + x.dst, x.length, local.device_id] for x in runs], dtype=np.uint64)
+        return dataclasses.replace(read, local_rows=np.concatenate([read.local_rows.reshape(-1, 3), local_rows]),
+                                   remote_rows=np.concatenate([read.remote_rows.reshape(-1, 3), remote_rows]),
+                                   num_bytes=read.num_bytes + sum(x.length for x in runs),
+                                   num_descriptors=read.num_descriptors + len(runs))
+
+    async def _check_state_digest(self, ticket: kv_pb2.TransferTicket, state: _StateRead) -> None:
+        """Each local rank digests the state runs it read (keyed by their place in its slot) against the ticket."""
+        got = await asyncio.gather(*(
+            rank.state_digest(state.local_slot, [(x.dst, x.length, x.dst) for r in range(state.owner.tp_size)
+                                                 for x in state.runs(r, q)])
+            for q, rank in enumerate(self._ranks)))
+        bad = [q for q, d in enumerate(got) if d != ticket.state_digests[q]]
+        if bad:
             raise KVIntegrityError(f"request {ticket.request_id!r}: the state pulled from engine {ticket.engine_id} "
-                                   "does not match the ticket's state digest", [])
+                                   f"does not match the ticket's state digest on reading rank(s) {bad}", [])
 
     def planned_reads(self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]],
                       num_cached_tokens: int = 0, *, prepared: bool | None = None) -> list[PlannedRead]:
@@ -594,15 +633,6 @@ class KVPuller:
         return {lg.group_id: max(num_cached_tokens - num_cached_tokens % lg.block_size,
                                  window_start_token(rg, lg, num_tokens))
                 for rg, lg in zip(remote.groups, local.groups, strict=True)}
-
-
-def _with_state_row(read: PlannedRead, remote_address: int, local_address: int, num_bytes: int) -> PlannedRead:
-    """The device READ with the request's state slot appended: one more (owner's slot -> local slot) run."""
-    remote_row = np.array([[remote_address, num_bytes, read.owner.state_region.device_id]], dtype=np.uint64)
-    local_row = np.array([[local_address, num_bytes, read.rank.state_region.device_id]], dtype=np.uint64)
-    return dataclasses.replace(read, local_rows=np.concatenate([read.local_rows.reshape(-1, 3), local_row]),
-                               remote_rows=np.concatenate([read.remote_rows.reshape(-1, 3), remote_row]),
-                               num_bytes=read.num_bytes + num_bytes, num_descriptors=read.num_descriptors + 1)
 
 
 def _window_end(ticket: kv_pb2.TransferTicket) -> int:

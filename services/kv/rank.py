@@ -65,8 +65,8 @@ class KVRank(Protocol):
         """Each job's unit digests over this rank's KV (``services.kv.digest``), computed on its device."""
         ...
 
-    async def state_digest(self, slot: int) -> int:
-        """The digest of one state slot (``digest.state_digest``), computed where it lives."""
+    async def state_digest(self, slot: int, runs: Sequence[tuple[int, int, int]]) -> int:
+        """The digest of runs of one state slot (``digest.state_digest``), computed where it lives."""
         ...
 
 
@@ -126,7 +126,7 @@ class LocalKVRank:
     async def digest(self, jobs: Sequence[DigestJob]) -> list[np.ndarray]:
         return await self._digests.digests(jobs)
 
-    async def state_digest(self, slot: int) -> int:
+    async def state_digest(self, slot: int, runs: Sequence[tuple[int, int, int]]) -> int:
         if self.state_buffer is None:
             raise ValueError(f"rank {self.name} holds no state slots")
-        return await asyncio.to_thread(state_digest, self.state_buffer[slot])
+        return await asyncio.to_thread(state_digest, self.state_buffer[slot], runs)

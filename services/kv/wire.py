@@ -6,7 +6,7 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
-from services.kv.groups import AttentionKind, KVCacheGroupSpec, StateGroupSpec, StateTensorSpec
+from services.kv.groups import AttentionKind, KVCacheGroupSpec, MambaShape, StateGroupSpec
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.proto_gen.pdserve.v1 import kv_pb2
 
@@ -138,14 +138,16 @@ def region_from_proto(m: kv_pb2.MemoryRegion) -> MemoryRegion:
 
 
 def state_to_proto(spec: StateGroupSpec, num_slots: int) -> kv_pb2.StateGroup:
+    m = spec.mamba
     return kv_pb2.StateGroup(
         kind=spec.kind, layer_ids=list(spec.layer_ids), sent_after=spec.sent_after, num_slots=num_slots,
-        tp_size=spec.tp_size,
-        tensors=[kv_pb2.StateTensor(name=t.name, shape=list(t.shape), dtype=t.dtype) for t in spec.tensors],
+        tp_size=spec.tp_size, mamba=kv_pb2.MambaShape(num_heads=m.num_heads, head_dim=m.head_dim, n_groups=m.n_groups,
+                                                      d_state=m.d_state, d_conv=m.d_conv, conv_dtype=m.conv_dtype),
     )
 
 
 def state_from_proto(m: kv_pb2.StateGroup) -> tuple[StateGroupSpec, int]:
     """(the state group, the owner's slot count); ValueError for a malformed one."""
-    tensors = tuple(StateTensorSpec(t.name, tuple(t.shape), t.dtype) for t in m.tensors)
-    return StateGroupSpec(tuple(m.layer_ids), tensors, m.kind, m.sent_after, m.tp_size or 1), m.num_slots
+    s = m.mamba
+    shape = MambaShape(s.num_heads, s.head_dim, s.n_groups, s.d_state, s.d_conv, s.conv_dtype)
+    return StateGroupSpec(tuple(m.layer_ids), shape, m.kind, m.sent_after, m.tp_size or 1), m.num_slots

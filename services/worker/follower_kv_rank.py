@@ -66,7 +66,7 @@ class FollowerKVRanks:
             ranks.append(self._ranks[rank])
         return ranks
 
-    def request(self, rank: int, message: m.Read | m.Digest) -> Future:
+    def request(self, rank: int, message: m.Read | m.Digest | m.StateDigest) -> Future:
         """Send ``message`` to ``rank`` under a new id; the future resolves with its answer (``ReadDone`` or
         ``DigestDone``), or TPGroupError."""
         future: Future = Future()
@@ -129,7 +129,9 @@ class FollowerKVRank:
         self.layout = layout
         self.host_layout = None  # host KV tiers run at TP 1 only (EngineConfig)
         self.host_regions = ()
-        self.state_region = None  # models with state layers run at TP 1 only
+        state = opened.state_region
+        self.state_region = MemoryRegion(0, state.address, state.length, state.device_id, state.kind) \
+            if state is not None else None
         self.regions = tuple(MemoryRegion(i, r.address, r.length, r.device_id, r.kind)
                              for i, r in enumerate(opened.regions))
         self._metadata = opened.metadata
@@ -174,17 +176,23 @@ class FollowerKVRank:
         return done.num_bytes, done.num_descriptors
 
     async def digest(self, jobs: Sequence[DigestJob]) -> list[np.ndarray]:
-        future = self._link.request(self.tp_rank, m.Digest(id=0, jobs=msgspec.msgpack.encode(list(jobs))))
+        units = await self._answer(m.Digest(id=0, jobs=msgspec.msgpack.encode(list(jobs))), "KV digest")
+        return [np.frombuffer(u, dtype=np.uint64) for u in units]
+
+    async def _answer(self, message: m.Digest | m.StateDigest, what: str) -> list[bytes]:
+        """The units of a digest request's answer; TransferError when the rank fails, is gone or is silent."""
+        future = self._link.request(self.tp_rank, message)
         try:
             done = await asyncio.wait_for(asyncio.wrap_future(future), REPLY_TIMEOUT_S)
         except TimeoutError:
-            raise TransferError(f"TP rank {self.tp_rank} did not answer a KV digest within {REPLY_TIMEOUT_S:.0f} s"
+            raise TransferError(f"TP rank {self.tp_rank} did not answer a {what} within {REPLY_TIMEOUT_S:.0f} s"
                                 ) from None
         except RuntimeError as e:  # TPGroupError: the rank is gone
             raise TransferError(f"TP rank {self.tp_rank}: {e}") from None
         if done.error:
-            raise TransferError(f"TP rank {self.tp_rank}: KV digest failed: {done.error}")
-        return [np.frombuffer(units, dtype=np.uint64) for units in done.units]
+            raise TransferError(f"TP rank {self.tp_rank}: {what} failed: {done.error}")
+        return done.units
 
-    async def state_digest(self, slot: int) -> int:
-        raise TransferError(f"TP rank {self.tp_rank} holds no state slots (state layers run at TP 1 only)")
+    async def state_digest(self, slot: int, runs: Sequence[tuple[int, int, int]]) -> int:
+        (units,) = await self._answer(m.StateDigest(id=0, slot=slot, runs=[tuple(r) for r in runs]), "state digest")
+        return int(np.frombuffer(units, dtype=np.uint64)[0])

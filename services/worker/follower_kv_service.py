@@ -39,7 +39,7 @@ class FollowerKVService:
     def handle(self, message: m.ToService) -> None:
         if isinstance(message, m.Read):
             asyncio.run_coroutine_threadsafe(self._read(message), self._loop)
-        elif isinstance(message, m.Digest):
+        elif isinstance(message, m.Digest | m.StateDigest):
             asyncio.run_coroutine_threadsafe(self._digest(message), self._loop)
         elif isinstance(message, m.OpenAgent):
             self._open_agent(message.name)
@@ -56,9 +56,11 @@ class FollowerKVService:
     def _open_agent(self, name: str) -> None:
         ctx = self._context
         agent = TransferAgent(name, device=ctx.device.type)
-        self.kv_rank = LocalKVRank(agent, ctx.kv_layout, ctx.kv_cache.buffers)
+        self.kv_rank = LocalKVRank(agent, ctx.kv_layout, ctx.kv_cache.buffers, state_buffer=ctx.state_buffer)
         regions = [m.Region(r.address, r.length, r.device_id, r.kind) for r in self.kv_rank.regions]
-        ctx.send(m.AgentOpened(name, agent.metadata(), regions))
+        state = self.kv_rank.state_region
+        state_region = m.Region(state.address, state.length, state.device_id, state.kind) if state else None
+        ctx.send(m.AgentOpened(name, agent.metadata(), regions, state_region))
         asyncio.run_coroutine_threadsafe(self._push_notifications(), self._loop)
 
     async def _read(self, message: m.Read) -> None:
@@ -76,11 +78,14 @@ class FollowerKVService:
             reply = m.ReadDone(message.id, error=f"{type(e).__name__}: {e}")
         self._context.send(reply)
 
-    async def _digest(self, message: m.Digest) -> None:
+    async def _digest(self, message: m.Digest | m.StateDigest) -> None:
         try:
             if self.kv_rank is None:
                 raise RuntimeError("no NIXL agent open on this rank")
-            units = await self.kv_rank.digest(msgspec.msgpack.decode(message.jobs, type=list[DigestJob]))
+            if isinstance(message, m.StateDigest):
+                units = [np.array([await self.kv_rank.state_digest(message.slot, message.runs)], dtype=np.uint64)]
+            else:
+                units = await self.kv_rank.digest(msgspec.msgpack.decode(message.jobs, type=list[DigestJob]))
             reply = m.DigestDone(message.id, [u.tobytes() for u in units])
         except Exception as e:  # noqa: BLE001 - every failure goes back to rank 0 as an error
             reply = m.DigestDone(message.id, error=f"{type(e).__name__}: {e}")

@@ -145,7 +145,10 @@ def test_state_ticket_checks_and_digest(granite: str) -> None:
                         forged = kv_pb2.TransferTicket()
                         forged.CopyFrom(ticket)
                         for name, value in fields.items():
-                            setattr(forged, name, value)
+                            if isinstance(value, list):
+                                getattr(forged, name)[:] = value
+                            else:
+                                setattr(forged, name, value)
                         forged.signature = ticket_signature(forged, remote.ticket_key)
                         return forged
 
@@ -157,7 +160,7 @@ def test_state_ticket_checks_and_digest(granite: str) -> None:
                     with pytest.raises(TicketError, match="local state slot"):
                         await puller.pull(ticket, local.block_ids, 0, None)
                     with pytest.raises(KVIntegrityError, match="state digest"):
-                        await puller.pull(altered(state_digest=ticket.state_digest ^ 1), local.block_ids, 0,
+                        await puller.pull(altered(state_digests=[ticket.state_digests[0] ^ 1]), local.block_ids, 0,
                                           local.state_slot)
 
             asyncio.run(run())

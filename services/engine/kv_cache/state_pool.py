@@ -21,7 +21,7 @@ import torch
 from services.engine.kv_cache.buffers import DTYPE_NAMES, TORCH_DTYPES
 from services.engine.model_config.hf import ModelConfig
 from services.engine.tp.parallel import ParallelConfig
-from services.kv.groups import StateGroupSpec, StateTensorSpec
+from services.kv.groups import StateGroupSpec
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,8 @@ def state_group(config: ModelConfig, dtype: torch.dtype, parallel: ParallelConfi
     if not config.state_layer_ids:
         return None
     parallel = parallel or ParallelConfig()
-    m = config.granite.mamba.for_rank(parallel.tp_size, parallel.tp_rank)
-    return StateGroupSpec(tuple(config.state_layer_ids), (
-        StateTensorSpec("ssm", (m.num_heads, m.head_dim, m.d_state), "float32"),
-        StateTensorSpec("conv", (m.conv_dim, m.d_conv - 1), DTYPE_NAMES[dtype]),
-    ), tp_size=parallel.tp_size)
+    shape = config.granite.mamba.state_shape(DTYPE_NAMES[dtype])
+    return StateGroupSpec(tuple(config.state_layer_ids), shape, tp_size=parallel.tp_size)
 
 
 class StatePool:

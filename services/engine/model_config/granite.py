@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from services.engine.model_config.layers import LayerSpec, RopeSpec, config_field, read_rope, shared_fields
-from services.kv.groups import AttentionKind
+from services.kv.groups import AttentionKind, MambaShape
 
 MAMBA_LAYER_TYPES = ("mamba", "linear_attention")
 ATTENTION_LAYER_TYPES = ("attention", "full_attention")
@@ -61,25 +61,22 @@ class MambaSpec:
         if self.d_conv < 2:
             raise ValueError(f"mamba_d_conv must be >= 2, got {self.d_conv}")
 
+    def state_shape(self, conv_dtype: str = "float32") -> MambaShape:
+        """The state's shape and its TP split, as the KV library moves it (one definition for both)."""
+        return MambaShape(self.num_heads, self.head_dim, self.n_groups, self.d_state, self.d_conv, conv_dtype)
+
     def for_rank(self, tp_size: int, tp_rank: int) -> MambaSpec:
-        """The mixer one TP rank holds: ``num_heads / tp`` heads and their groups (``n_groups / tp`` of them, or the
-        one group its heads belong to when a group spans ranks). ValueError when the heads or groups do not split
-        (a group split across ranks is supported for one group only: its norm is then all-reduced over every rank)."""
+        """The mixer one TP rank holds: its heads and their groups (``MambaShape.rank_heads``/``rank_groups``);
+        ValueError when the heads or groups do not split."""
         if tp_size == 1:
             return self
-        if self.num_heads % tp_size or (self.n_groups % tp_size and self.n_groups != 1):
-            raise ValueError(f"tensor-parallel size {tp_size} cannot shard the Mamba2 layers: {self.num_heads} heads "
-                             f"and {self.n_groups} groups over {tp_size} ranks (heads must divide; groups must divide "
-                             "or be one)")
-        return replace(self, num_heads=self.num_heads // tp_size,
-                                   n_groups=max(1, self.n_groups // tp_size))
+        heads, groups = self.rank_channels(tp_size, tp_rank)
+        return replace(self, num_heads=len(heads), n_groups=len(groups))
 
-    def rank_channels(self, tp_size: int, tp_rank: int) -> tuple[list[int], list[int]]:
+    def rank_channels(self, tp_size: int, tp_rank: int) -> tuple[range, range]:
         """(heads, groups) of the full mixer that rank ``tp_rank`` of ``tp_size`` holds, in order."""
-        local = self.for_rank(tp_size, tp_rank)
-        heads = list(range(tp_rank * local.num_heads, (tp_rank + 1) * local.num_heads))
-        first_group = heads[0] // (self.num_heads // self.n_groups)
-        return heads, list(range(first_group, first_group + local.n_groups))
+        shape = self.state_shape()
+        return shape.rank_heads(tp_size, tp_rank), shape.rank_groups(tp_size, tp_rank)
 
     @property
     def intermediate_size(self) -> int:

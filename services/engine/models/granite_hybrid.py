@@ -13,7 +13,7 @@ State layers own no KV: ``kv_views[layer]`` is ``()`` for them, and ``forward`` 
 this model (``KVCacheManager``: a hit would need the state at the end of the prefix, which is not
 snapshotted). Eager steps only (no CUDA graphs). Under TP the attention layers and the shared MLP shard as
 Llama's, each Mamba2 mixer holds its heads (``Mamba2Mixer``), the routed experts a slice of their width. The
-state moves with the KV between engines of TP 1 (``services/kv``: the state slot is one more run of the READ).
+state moves with the KV between engines of any TP sizes (``services/kv/state_runs.py`` maps the heads).
 """
 
 from __future__ import annotations

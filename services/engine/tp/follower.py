@@ -120,7 +120,9 @@ class Follower:
             return  # one service per rank: a second install (a worker reopening its ranks) keeps it
         runtime = self.runtime
         factory = pickle.loads(message.factory)  # noqa: S301 - rank 0's own pipe, our own factory
-        self.service = factory(RankContext(self.rank, runtime.device, runtime.kv_layout, runtime.kv_cache, self.send))
+        pool = runtime.state_pool
+        self.service = factory(RankContext(self.rank, runtime.device, runtime.kv_layout, runtime.kv_cache, self.send,
+                                           pool.buffer if pool is not None else None))
 
     def _service(self) -> RankService:
         if self.service is None:

@@ -59,6 +59,7 @@ class AgentOpened(msgspec.Struct, tag=True):
     name: str
     metadata: bytes
     regions: list[Region]
+    state_region: Region | None = None  # the rank's state slots (models with state layers)
 
 
 class Read(msgspec.Struct, tag=True):
@@ -89,6 +90,15 @@ class Digest(msgspec.Struct, tag=True):
 
     id: int
     jobs: bytes
+
+
+class StateDigest(msgspec.Struct, tag=True):
+    """The digest of runs ``(offset, length, key)`` of state slot ``slot`` of this rank (models with state layers);
+    answered by a ``DigestDone`` of one unit."""
+
+    id: int
+    slot: int
+    runs: list[tuple[int, int, int]]
 
 
 class DigestDone(msgspec.Struct, tag=True):
@@ -123,7 +133,7 @@ class InstallService(msgspec.Struct, tag=True):
     factory: bytes
 
 
-ToService = OpenAgent | Read | Digest | RemovePeer
+ToService = OpenAgent | Read | Digest | StateDigest | RemovePeer
 FromService = AgentOpened | ReadDone | DigestDone | Notifications
 ToFollower = Step | Allocate | InstallService | Shutdown | ToService
 ToLeader = Hello | Fatal | FromService

@@ -22,7 +22,7 @@ from services.kv.layout import KVLayoutSpec
 
 @dataclass(frozen=True)
 class RankContext:
-    """What a rank service may use of its follower: the rank's KV shard, and the pipe to rank 0
+    """What a rank service may use of its follower: the rank's KV shard (and state slots), and the pipe to rank 0
     (``send`` is thread-safe and ignores a pipe rank 0 already closed)."""
 
     rank: int
@@ -30,6 +30,7 @@ class RankContext:
     kv_layout: KVLayoutSpec
     kv_cache: KVCache
     send: Callable[[msgspec.Struct], None]
+    state_buffer: torch.Tensor | None = None  # the rank's state slots (models with state layers)
 
 
 class RankService(Protocol):

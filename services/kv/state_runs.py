@@ -1,0 +1,77 @@
+"""Which bytes of which owner rank's state slot a reading rank needs, between engines of any two TP sizes.
+
+A state slot (``groups.StateGroupSpec``) holds, per Mamba2 layer, one TP rank's SSM state ``[heads, head_dim,
+d_state]`` and conv window ``[x rows | B rows | C rows, d_conv - 1]``. A reading rank needs its own heads' SSM
+rows and x rows, from whichever owner ranks hold those heads (a contiguous head range on both sides: one run per
+layer and tensor per owner rank), and the B and C rows of its groups, each from ONE owner rank (the one holding the
+reader's first head of that group): when a group spans ranks (Granite's one group) every owner rank has it, and
+reading it once keeps the bytes moved at the ideal. Runs that continue each other on both sides are merged::
+
+    model: 8 heads, 1 group; owner TP 1 -> reader TP 2, reader rank 1 of one layer:
+        ssm  heads 4..7  <- owner heads 4..7                     one run
+        conv x rows of heads 4..7, then B, then C                 x: one run; B, C: one run each (group 0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.kv.groups import StateGroupSpec
+
+
+@dataclass(frozen=True)
+class StateRun:
+    """``length`` bytes at ``src`` in the owner rank's slot to ``dst`` in the reading rank's slot."""
+
+    src: int
+    dst: int
+    length: int
+
+
+def state_runs(owner: StateGroupSpec, owner_rank: int, reader: StateGroupSpec, reader_rank: int) -> list[StateRun]:
+    """The runs reader rank ``reader_rank`` (of ``reader.tp_size``) reads from owner rank ``owner_rank`` (of
+    ``owner.tp_size``); empty when that owner rank holds none of its state. Both specs are of one model."""
+    m = owner.mamba
+    q, r = m.rank_heads(reader.tp_size, reader_rank), m.rank_heads(owner.tp_size, owner_rank)
+    h0, h1 = max(q.start, r.start), min(q.stop, r.stop)
+    if h0 >= h1:
+        return []
+    q_groups, r_groups = m.rank_groups(reader.tp_size, reader_rank), m.rank_groups(owner.tp_size, owner_rank)
+    ssm_row = owner.tensors[0].row_bytes  # one head
+    conv_row = owner.tensors[1].row_bytes  # one conv channel
+    x_rows = (len(r) * m.head_dim, len(q) * m.head_dim)  # (owner, reader): where B starts in each conv
+    group_rows = (len(r_groups) * m.d_state, len(q_groups) * m.d_state)  # where C starts after B
+    heads_per_group = m.num_heads // m.n_groups
+    runs = []
+    for layer in owner.layer_ids:
+        so, sr = owner.offset(layer, "ssm"), reader.offset(layer, "ssm")
+        runs.append(StateRun(so + (h0 - r.start) * ssm_row, sr + (h0 - q.start) * ssm_row, (h1 - h0) * ssm_row))
+        co, cr = owner.offset(layer, "conv"), reader.offset(layer, "conv")
+        p = m.head_dim
+        runs.append(StateRun(co + (h0 - r.start) * p * conv_row, cr + (h0 - q.start) * p * conv_row,
+                             (h1 - h0) * p * conv_row))
+        for g in q_groups:
+            if max(q.start, g * heads_per_group) not in r:  # another owner rank is this group's source
+                continue
+            for part in (0, 1):  # B, then C
+                src_row = x_rows[0] + part * group_rows[0] + (g - r_groups.start) * m.d_state
+                dst_row = x_rows[1] + part * group_rows[1] + (g - q_groups.start) * m.d_state
+                runs.append(StateRun(co + src_row * conv_row, cr + dst_row * conv_row, m.d_state * conv_row))
+    return merge_runs(runs)
+
+
+def merge_runs(runs: list[StateRun]) -> list[StateRun]:
+    """Runs in source order, each that continues its predecessor on both sides joined to it."""
+    out: list[StateRun] = []
+    for run in sorted(runs, key=lambda x: x.src):
+        last = out[-1] if out else None
+        if last is not None and last.src + last.length == run.src and last.dst + last.length == run.dst:
+            out[-1] = StateRun(last.src, last.dst, last.length + run.length)
+        else:
+            out.append(run)
+    return out
+
+
+def state_owner_ranks(owner: StateGroupSpec, reader: StateGroupSpec, reader_rank: int) -> list[int]:
+    """The owner ranks a reading rank reads state from."""
+    return [r for r in range(owner.tp_size) if state_runs(owner, r, reader, reader_rank)]
