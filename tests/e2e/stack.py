@@ -94,6 +94,27 @@ def completion_tokens(url: str, prompt: list[int] | str, max_tokens: int, stream
         return tokens
 
 
+# (prefill args, decode args) of a TP 1 -> 2 and a TP 2 -> 1 pair on CPU (a follower rank in its own process on the
+# TP-2 side), different layouts and block sizes on the two sides: the model tests' pairs across TP sizes.
+TP_PAIRS = {
+    "P-tp1-D-tp2": (
+        ("--kv-layout", "cross_layer", "--block-size", "16", "--num-kv-blocks", "256", "--dtype", "float32"),
+        ("--tp", "2", "--device", "cpu", "--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "256",
+         "--dtype", "float32"),
+    ),
+    "P-tp2-D-tp1": (
+        ("--tp", "2", "--device", "cpu", "--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "256",
+         "--dtype", "float32"),
+        ("--kv-layout", "cross_layer", "--block-size", "16", "--num-kv-blocks", "256", "--dtype", "float32"),
+    ),
+}
+
+
+def worker_tp(args: tuple[str, ...]) -> int:
+    """The TP size a worker's arguments ask for."""
+    return int(args[args.index("--tp") + 1]) if "--tp" in args else 1
+
+
 def colocated_greedy(model: str, max_tokens: int, num_kv_blocks: int = 256) -> Callable[[list[int]], list[int]]:
     """A prompt's greedy tokens from one engine doing prefill and decode (float32 on CPU, as the workers run):
     the reference a disaggregated answer must equal."""

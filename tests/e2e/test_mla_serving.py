@@ -16,7 +16,16 @@ from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.kv.groups import AttentionKind
 from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import colocated_greedy, completion_tokens, info, metric_total, random_prompt, stack
+from tests.e2e.stack import (
+    TP_PAIRS,
+    colocated_greedy,
+    completion_tokens,
+    info,
+    metric_total,
+    random_prompt,
+    stack,
+    worker_tp,
+)
 
 MAX_TOKENS = 8
 # (prefill args, decode args): both layouts on each side, block-size ratios in both directions.
@@ -30,22 +39,9 @@ PAIRS = {
          "--max-num-batched-tokens", "24"),  # chunked prefill on the prefill worker
         ("--kv-layout", "cross_layer", "--block-size", "16", "--num-kv-blocks", "256", "--dtype", "float32"),
     ),
-    # TP pairs: every decode rank reads the whole (replicated) row once, from one prefill rank.
-    "P-tp1-D-tp2": (
-        ("--kv-layout", "cross_layer", "--block-size", "16", "--num-kv-blocks", "256", "--dtype", "float32"),
-        ("--tp", "2", "--device", "cpu", "--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "256",
-         "--dtype", "float32"),
-    ),
-    "P-tp2-D-tp1": (
-        ("--tp", "2", "--device", "cpu", "--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "256",
-         "--dtype", "float32"),
-        ("--kv-layout", "cross_layer", "--block-size", "16", "--num-kv-blocks", "256", "--dtype", "float32"),
-    ),
 }
-
-
-def _tp(args: tuple[str, ...]) -> int:
-    return int(args[args.index("--tp") + 1]) if "--tp" in args else 1
+# TP pairs (stack.TP_PAIRS): every decode rank reads the whole (replicated) row once, from one prefill rank.
+PAIRS |= TP_PAIRS
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +70,7 @@ def row_bytes_per_token(model: str) -> int:
 def test_mla_disaggregated_equals_colocated_and_pulls_one_row_per_token(model: str, colocated,
                                                                        row_bytes_per_token: int, pair: str) -> None:
     prefill_args, decode_args = PAIRS[pair]
-    row_bytes_per_token *= _tp(decode_args)  # one row per token and layer for each decode rank
+    row_bytes_per_token *= worker_tp(decode_args)  # one row per token and layer for each decode rank
     # Lengths on every block boundary of both sides (16 divides them), so the ideal is exact; distinct
     # random prompts, so neither side's prefix cache serves any of them.
     prompts = [random_prompt(100 + i, n) for i, n in enumerate((16, 48, 64, 32))]

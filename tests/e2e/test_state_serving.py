@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.stack import colocated_greedy, completion_tokens, info, metric_total, random_prompt, stack
+from tests.e2e.stack import (
+    TP_PAIRS,
+    colocated_greedy,
+    completion_tokens,
+    info,
+    metric_total,
+    random_prompt,
+    stack,
+    worker_tp,
+)
 from tests.unit.engine.test_granite_hybrid import CHECKPOINTS, make_granite_checkpoint
 
 MAX_TOKENS = 8
@@ -33,24 +42,10 @@ PAIRS = {
          "--max-num-batched-tokens", "24"),
         ("--kv-layout", "cross_layer", "--block-size", "16", "--num-kv-blocks", "256", "--dtype", "float32"),
     ),
-    # TP pairs: each decode rank reads its Mamba heads' state from the prefill rank(s) holding them, and the one
-    # group's B and C rows (on every rank) once per decode rank.
-    "P-tp1-D-tp2": (
-        ("--kv-layout", "cross_layer", "--block-size", "16", "--num-kv-blocks", "256", "--dtype", "float32",
-         "--max-num-batched-tokens", "24"),
-        ("--tp", "2", "--device", "cpu", "--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "256",
-         "--dtype", "float32"),
-    ),
-    "P-tp2-D-tp1": (
-        ("--tp", "2", "--device", "cpu", "--kv-layout", "per_layer", "--block-size", "8", "--num-kv-blocks", "256",
-         "--dtype", "float32"),
-        ("--kv-layout", "cross_layer", "--block-size", "16", "--num-kv-blocks", "256", "--dtype", "float32"),
-    ),
 }
-
-
-def _tp(args: tuple[str, ...]) -> int:
-    return int(args[args.index("--tp") + 1]) if "--tp" in args else 1
+# TP pairs (stack.TP_PAIRS): each decode rank reads its Mamba heads' state from the prefill rank(s) holding them,
+# and the one group's B and C rows (on every rank) once per decode rank.
+PAIRS |= TP_PAIRS
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +76,7 @@ def _ideal_bytes(num_tokens: int, decode_tp: int = 1) -> int:
 @pytest.mark.parametrize("pair", list(PAIRS), ids=list(PAIRS))
 def test_state_model_disaggregated_equals_colocated_and_pulls_the_ideal(model: str, colocated, pair: str) -> None:
     prefill_args, decode_args = PAIRS[pair]
-    tp = _tp(decode_args)
+    tp = worker_tp(decode_args)
     # Lengths on every block boundary of both sides (16 divides them), so the ideal is exact; distinct
     # random prompts (a model with state layers gets no prefix-cache hits anyway).
     prompts = [random_prompt(200 + i, n) for i, n in enumerate((16, 48, 64, 32))]
