@@ -114,10 +114,13 @@ def test_yarn_is_refused_where_attention_would_ignore_its_scaling() -> None:
         ModelConfig.from_hf_dict(llama)
 
 
-def test_tensor_parallel_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="tensor-parallel"):
-        build_model(PRESETS["deepseek-v3-tiny"], ParallelConfig(tp_size=2, tp_rank=0), torch.float32,
+def test_a_tp_size_that_cannot_shard_the_model_is_refused_by_name() -> None:
+    config = PRESETS["deepseek-v3-tiny"]
+    with pytest.raises(ValueError, match="tensor-parallel size .* attention heads"):
+        build_model(config, ParallelConfig(tp_size=config.num_heads + 1, tp_rank=0), torch.float32,
                     torch.device("cpu"))
+    model = build_model(config, ParallelConfig(tp_size=2, tp_rank=1), torch.float32, torch.device("cpu"))
+    assert model.layers[0].self_attn.num_heads == config.num_heads // 2  # each rank: half the query heads
 
 
 def test_v2_lite_preset_has_the_real_shapes() -> None:
