@@ -120,7 +120,7 @@ class _StateRead:
     owner_slot: int
     local_slot: int
 
-    def runs(self, owner_rank: int, local_rank: int) -> list[StateRun]:
+    def runs(self, owner_rank: int, local_rank: int) -> tuple[StateRun, ...]:
         return state_runs(self.owner, owner_rank, self.local, local_rank)
 
 
@@ -268,8 +268,8 @@ class KVPuller:
         """Fill the local blocks with the ticket's KV (all local ranks, concurrently).
 
         A model with state layers: a ticket with the state (a whole ticket, or a part ticket's last part) also
-        fills ``local_state_slot`` with the owner's state slot, one more run of the same READ, digested like
-        the KV.
+        fills ``local_state_slot`` with the owner's state slot: a few more runs of each device READ
+        (``state_runs``), digested like the KV.
 
         ``local_block_ids[g]`` is the reader's block table for group g from token 0;
         ``num_cached_tokens`` (a local block boundary in every group) were already in the reader's
@@ -296,7 +296,7 @@ class KVPuller:
         digest_jobs = self._digest_jobs(ticket, remote, local_ids, num_cached_tokens, corrupt) if check_digests \
             else []
         t_check = time.perf_counter()
-        # The state is one more run of the device READ, so that READ is planned (prepared lists take indices).
+        # The state's runs are appended to the device READs, so those are planned (prepared lists take indices).
         targets = self._targets(remote, (False,) if host_ids is None else (True, False),
                                 self._prepared_lists and state is None)
         units, pieces = self._source_maps(ticket, remote, remote_ids, host_ids, local_ids, num_cached_tokens, targets)

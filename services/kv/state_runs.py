@@ -14,6 +14,7 @@ reading it once keeps the bytes moved at the ideal. Runs that continue each othe
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from services.kv.groups import StateGroupSpec
@@ -28,14 +29,17 @@ class StateRun:
     length: int
 
 
-def state_runs(owner: StateGroupSpec, owner_rank: int, reader: StateGroupSpec, reader_rank: int) -> list[StateRun]:
+@functools.cache
+def state_runs(owner: StateGroupSpec, owner_rank: int, reader: StateGroupSpec, reader_rank: int
+               ) -> tuple[StateRun, ...]:
     """The runs reader rank ``reader_rank`` (of ``reader.tp_size``) reads from owner rank ``owner_rank`` (of
-    ``owner.tp_size``); empty when that owner rank holds none of its state. Both specs are of one model."""
+    ``owner.tp_size``); empty when that owner rank holds none of its state. Both specs are of one model. Cached:
+    a pair of engines asks for the same runs on every pull (the exporter and the puller each)."""
     m = owner.mamba
     q, r = m.rank_heads(reader.tp_size, reader_rank), m.rank_heads(owner.tp_size, owner_rank)
     h0, h1 = max(q.start, r.start), min(q.stop, r.stop)
     if h0 >= h1:
-        return []
+        return ()
     q_groups, r_groups = m.rank_groups(reader.tp_size, reader_rank), m.rank_groups(owner.tp_size, owner_rank)
     ssm_row = owner.tensors[0].row_bytes  # one head
     conv_row = owner.tensors[1].row_bytes  # one conv channel
@@ -57,7 +61,7 @@ def state_runs(owner: StateGroupSpec, owner_rank: int, reader: StateGroupSpec, r
                 src_row = x_rows[0] + part * group_rows[0] + (g - r_groups.start) * m.d_state
                 dst_row = x_rows[1] + part * group_rows[1] + (g - q_groups.start) * m.d_state
                 runs.append(StateRun(co + src_row * conv_row, cr + dst_row * conv_row, m.d_state * conv_row))
-    return merge_runs(runs)
+    return tuple(merge_runs(runs))
 
 
 def merge_runs(runs: list[StateRun]) -> list[StateRun]:

@@ -8,7 +8,7 @@ that row in place, chunk after chunk (chunked prefill carries the state between 
 token after token. A row is zeroed when a request's chunk starts at position 0 (``StateBatch``),
 so a freed slot needs no clearing. The pool is sized ``max_num_seqs`` rows: a running request
 always has one. All slots live in one byte buffer, a slot holding every layer's tensors
-(``StateGroupSpec``): a peer reads a request's state as one run (``services.kv``).
+(``StateGroupSpec``): a peer reads a request's state in a few runs per layer (``services.kv.state_runs``).
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ def state_group(config: ModelConfig, dtype: torch.dtype, parallel: ParallelConfi
 
 
 class StatePool:
-    """Every state slot in one byte buffer ``[slots, slot_bytes]`` (``StateGroupSpec``'s slot layout), so a
-    request's whole state is one contiguous run a peer reads with one descriptor; ``conv[layer]`` [slots,
-    conv_dim, d_conv - 1] and ``ssm[layer]`` [slots, heads, head_dim, d_state] are strided views into it."""
+    """Every state slot of this TP rank in one byte buffer ``[slots, slot_bytes]`` (``StateGroupSpec``'s slot
+    layout), registered with the rank's NIXL agent as one region; ``conv[layer]`` [slots, conv_dim, d_conv - 1]
+    and ``ssm[layer]`` [slots, heads, head_dim, d_state] (this rank's heads) are strided views into it."""
 
     def __init__(self, spec: StateGroupSpec, num_slots: int, device: torch.device) -> None:
         self.spec = spec
