@@ -7,12 +7,13 @@
 #   bash bench/gpu_multi_run.sh serve4       nvidia-h200-x4: 1P3D, 2P2D, 3P1D and the planner vs four colocated
 #                                            replicas, 4 and 10 req/s
 #   bash bench/gpu_multi_run.sh routing2     nvidia-h200-x2: bench/routing.py (prefix-aware vs least-outstanding)
-#                                            with real TTFT, one worker per GPU
+#                                            with real TTFT: a prefill worker per GPU, the decode worker on GPU 0
 #   bash bench/gpu_multi_run.sh tp_pulls     nvidia-h200-x2: mixed-TP pulls across the GPUs (heads_outer, P tp1 ->
 #                                            D tp2 and P tp2 -> D tp1) against equal TP, 1 GiB
 #   bash bench/gpu_multi_run.sh parts32k     nvidia-h200-x2: 32k-token prompts, KV per chunk vs one pull vs two
 #                                            colocated replicas, P on GPU 0 and D on GPU 1 (time to the 2nd token)
-# LIMIT (seconds per run) and RATES (serve2's request rates) may be set to fit a call.
+# LIMIT (seconds per run), RATES (serve2's request rates), PHASE_S (shifting's phase length) and SHIFT_LIMIT
+# (shifting2's whole run) may be set to fit a call.
 # DRY=1 runs every part on one GPU (every worker on GPU 0, `--gpus 0,0`), small model, few requests, short
 # phases: a check that the commands work, not a measurement (its numbers are not recorded).
 set -uo pipefail
@@ -24,7 +25,7 @@ MODEL=${MODEL:-$([ -n "$DRY" ] && echo dummy:qwen3-0.6b || echo dummy:llama-3.1-
 G2=$([ -n "$DRY" ] && echo 0,0 || echo 0,1)
 G4=$([ -n "$DRY" ] && echo 0,0,0,0 || echo 0,1,2,3)
 REQS=$([ -n "$DRY" ] && echo 8 || echo 200)
-PHASE_S=$([ -n "$DRY" ] && echo 8 || echo 40)
+PHASE_S=${PHASE_S:-$([ -n "$DRY" ] && echo 8 || echo 40)}
 LIMIT=${LIMIT:-$([ -n "$DRY" ] && echo 150 || echo 280)}
 BLOCKS=$([ -n "$DRY" ] && echo 1024 || echo 8192)
 SERVE=(python3 bench/serve.py --device cuda --model "$MODEL" --num-kv-blocks "$BLOCKS")
@@ -38,7 +39,8 @@ for part in "$@"; do
             | tee "$OUT/serve2_r$rate.txt" | tail -8
       done ;;
     shifting2)
-      timeout -k 10 $((LIMIT * 2)) "${SERVE[@]}" --gpus "$G2" --workload shifting --phase-duration-s "$PHASE_S" \
+      timeout -k 10 "${SHIFT_LIMIT:-$((LIMIT * 2))}" "${SERVE[@]}" --gpus "$G2" --workload shifting \
+          --phase-duration-s "$PHASE_S" \
           --setups disagg,colocated,planner --json-out "$OUT/shifting2.jsonl" 2>&1 | quiet \
           | tee "$OUT/shifting2.txt" | tail -8 ;;
     serve4)
@@ -54,7 +56,7 @@ for part in "$@"; do
       done ;;
     routing2)
       timeout -k 10 "$LIMIT" python3 bench/routing.py --device cuda --gpus "$G2" --model "$MODEL" --scale gpu \
-          --num-prefill 1 --workloads shared-uniform,multi-turn --records --json-out "$OUT/routing2.jsonl" 2>&1 \
+          --num-prefill 2 --workloads shared-uniform,multi-turn --records --json-out "$OUT/routing2.jsonl" 2>&1 \
           | quiet | tee "$OUT/routing2.txt" | tail -12 ;;
     tp_pulls)
       owner=$([ -n "$DRY" ] && echo cuda:0 || echo cuda:0)

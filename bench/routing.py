@@ -475,8 +475,11 @@ def run_setup(setup: str, policy: str, args: argparse.Namespace) -> list[dict]:
                                     args.request_timeout_s))
                 for name in names:
                     rows.append(run_workload(name, policy, routers, prefill, args))
+                    # The whole row, so a run cut short by its time limit still leaves what it measured.
                     print(f"# {name} / {policy}: {rows[-1]['completed']}/{rows[-1]['requests']} in "
-                          f"{rows[-1]['duration_s']:.1f} s", file=sys.stderr, flush=True)
+                          f"{rows[-1]['duration_s']:.1f} s; row " + json.dumps(
+                              {k: v for k, v in rows[-1].items() if k != "records"}),
+                          file=sys.stderr, flush=True)
             finally:
                 for router in routers:
                     terminate(router.proc)

@@ -565,6 +565,10 @@ def run_setup(kind: str, args, devices: list[str], worker_argv: tuple[str, ...],
     except (DaemonFailed, RuntimeError) as e:
         row["error"] = str(e)
         print(f"# {setup}: could not run: {e}", file=sys.stderr, flush=True)
+        return row
+    # The summary now, so a run cut short by its time limit still leaves the setups it finished.
+    print(f"# {setup}: done; row " + json.dumps({k: v for k, v in row.items() if k != "per_request"}),
+          file=sys.stderr, flush=True)
     return row
 
 
