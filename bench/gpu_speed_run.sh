@@ -24,8 +24,10 @@
 #   bash bench/gpu_speed_run.sh decode_fused  the fused K/V write (RoPE of q/k and both cache writes in one launch):
 #                                         its CUDA tests, then dummy Llama-3.1-8B bf16 decode bs 1/32 at 2k with
 #                                         it on and off (PDSERVE_FUSED_KV_WRITE=1/0, the same engine otherwise)
+#   bash bench/gpu_speed_run.sh mla_moe   DeepSeek's CUDA paths: their CUDA tests and bench/mla_moe.py
 #   bash bench/gpu_speed_run.sh families  dummy DeepSeek-V2-Lite and Granite-4.0-H-Tiny shapes, bf16: prefill 512/2k
 #                                         and decode bs 1/32 at 2k beside floors on the active experts' bytes and FLOPs
+#                                         (FAMILY_LIMIT: seconds per model, default 280)
 #   bash bench/gpu_speed_run.sh offload   the host KV tier: its tests on CUDA (pinned memory, copy stream),
 #                                         the e2e serving test (decode reading the prefill's host tier into
 #                                         VRAM), and TTFT/store/load of an 8k prompt (bench/offload.py)
@@ -68,10 +70,15 @@ for part in "$@"; do
             --decode-steps 16 --rounds 2 $hf --json-out "$OUT/engine_$backend.jsonl" 2>&1 \
             | grep -v Warning | tee "$OUT/engine_$backend.txt"
       done ;;
-    families)  # DeepSeek-V2-Lite (MLA + MoE) and Granite-4.0-H-Tiny (Mamba2 + attention + MoE) shapes, bf16: the
-               # torch reference path against floors of the bytes and FLOPs they use (bench/floors.py)
+    mla_moe)  # DeepSeek's CUDA paths (triton_mla, grouped experts): their CUDA tests, then bench/mla_moe.py, the
+              # measurement they were chosen by (loop vs grouped experts, torch_mla vs triton_mla, a tile sweep)
+      PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_mla_moe_kernels.py \
+          "tests/unit/engine/test_attention_backends.py::test_triton_matches_sdpa" 2>&1 | tee "$OUT/mla_moe_tests.log" | tail -15
+      timeout 200 python3 bench/mla_moe.py --json-out "$OUT/mla_moe.jsonl" 2>&1 | tee "$OUT/mla_moe.txt" | tail -32 ;;
+    families)  # DeepSeek-V2-Lite (MLA + MoE) and Granite-4.0-H-Tiny (Mamba2 + attention + MoE) shapes, bf16, the
+               # engine's default paths, against floors of the bytes and FLOPs they use (bench/floors.py)
       for model in deepseek-v2-lite granite-4.0-h-tiny-shape; do
-        timeout 280 python3 bench/engine.py --model "dummy:$model" --dtype bfloat16 --device cuda \
+        timeout "${FAMILY_LIMIT:-280}" python3 bench/engine.py --model "dummy:$model" --dtype bfloat16 --device cuda \
             --prefill-lens 512,2048 --batch-sizes 1,32 --decode-contexts 2048 --decode-steps 8 --rounds 2 \
             --json-out "$OUT/engine_$model.jsonl" 2>&1 | grep -v Warning | tee "$OUT/engine_$model.txt"
       done ;;

@@ -6,7 +6,7 @@
 * ``torch_sdpa.py``: gather + masked SDPA (portable; the CPU path and the tests' reference).
 * ``triton_paged.py`` / ``triton_kernels.py``: a Triton kernel reading the paged cache in place.
 * ``mla.py``: multi-head latent attention (DeepSeek) over a cache of latent rows, in its expanded
-  and absorbed forms: the ``MLABackend`` interface and ``torch_mla``.
+  and absorbed forms: the ``MLABackend`` interface and ``torch_mla``; ``triton_mla.py``: the CUDA one.
 * ``registry.py``: backends by name, ``auto``, and the per-group choice with its fallback.
 """
 

@@ -18,8 +18,8 @@ two forms with the same result:
   both projections). Nothing per context is expanded: the cheap form for one query per request.
 
 ``torch_mla`` is the torch reference of both (gather, masked SDPA: ``torch_sdpa``'s metadata and
-masks), usable on any device; there are no MLA kernels yet. ``registry.cache_group_backends`` gives
-it to every MLA group.
+masks), usable on any device; ``triton_mla.py`` has the CUDA backend. ``registry.mla_backend``
+picks one for an MLA group.
 """
 
 from __future__ import annotations
@@ -83,5 +83,3 @@ class TorchMLABackend(TorchSDPABackend, MLABackend):
         v_dim = values.shape[-1]
         return out.transpose(1, 2).reshape(b * qm, num_heads * v_dim)[meta.query_slots]
 
-
-MLA_BACKENDS: dict[str, type[MLABackend]] = {TorchMLABackend.name: TorchMLABackend}

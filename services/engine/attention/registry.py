@@ -12,9 +12,9 @@ A backend that cannot serve a group (``unsupported_reason``: a head dim above th
 an unsupported dtype) is replaced by ``torch_sdpa`` for that group only, with a warning naming
 why; every other group keeps the requested backend.
 
-An MLA group (DeepSeek's latent rows, ``AttentionKind.MLA``) needs an ``MLABackend`` (``mla.py``),
-whatever backend the other groups use: today that is ``torch_mla``, the one MLA backend, with a
-warning when another kernel was asked for by name.
+An MLA group (DeepSeek's latent rows, ``AttentionKind.MLA``) needs an ``MLABackend``: ``triton_mla``
+(``triton_mla.py``) where the name resolves to ``triton_paged`` (``auto`` on CUDA), ``torch_mla``
+(``mla.py``) otherwise, and for a latent wider than the kernel holds.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.engine.attention.base import AttentionBackend
-from services.engine.attention.mla import MLA_BACKENDS, MLABackend, TorchMLABackend
+from services.engine.attention.mla import MLABackend, TorchMLABackend
 from services.engine.attention.torch_sdpa import TorchSDPABackend
+from services.engine.attention.triton_mla import TritonMLABackend
 from services.engine.attention.triton_paged import TritonPagedBackend
 from services.engine.triton_support import triton_import_error
 from services.kv.groups import AttentionKind
@@ -42,6 +43,8 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
     TritonPagedBackend.name: TritonPagedBackend,
 }
 BACKEND_CHOICES = ("auto", *BACKENDS)
+MLA_BACKENDS: dict[str, type[MLABackend]] = {TorchMLABackend.name: TorchMLABackend,
+                                             TritonMLABackend.name: TritonMLABackend}
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
@@ -89,10 +92,19 @@ def group_backends(name: str, group_shapes: Sequence[tuple[int, torch.dtype]], d
     return chosen
 
 
-def mla_backend(name: str) -> MLABackend:
-    """The backend of an MLA group when ``name`` was asked for (``torch_mla``: the only one so far)."""
-    if name not in ("auto", TorchSDPABackend.name, *MLA_BACKENDS):
-        log.warning("attention backend %s has no multi-head latent attention; MLA groups use %s", name,
+def mla_backend(name: str, row_width: int, dtype: torch.dtype, device: torch.device) -> MLABackend:
+    """The backend of an MLA group when ``name`` was asked for: ``triton_mla`` where ``name`` resolves to
+    ``triton_paged`` (``auto`` on CUDA), else ``torch_mla``; a group the kernel cannot serve falls back to
+    ``torch_mla`` with a warning naming why."""
+    resolved = name if name in MLA_BACKENDS else resolve_backend_name(name, device)
+    if resolved not in (TritonPagedBackend.name, TritonMLABackend.name):
+        return TorchMLABackend()
+    backend = TritonMLABackend()
+    reason = backend.rows_unsupported_reason(row_width, dtype, device)
+    if reason is None:
+        return backend
+    if name != "auto":
+        log.warning("attention backend %s cannot serve the MLA group: %s; it uses %s", name, reason,
                     TorchMLABackend.name)
     return TorchMLABackend()
 
@@ -108,5 +120,8 @@ def cache_group_backends(name: str, kv_cache: KVCache) -> list[AttentionBackend]
             view = kv_cache.views[g.layer_ids[0]][0]
             shapes.append((view.shape[-1], view.dtype))
     others = iter(group_backends(name, shapes, kv_cache.device) if shapes else [])
-    latent = mla_backend(name) if any(mla) else None
+    latent = None
+    if any(mla):
+        rows = kv_cache.views[groups[mla.index(True)].layer_ids[0]][0]
+        latent = mla_backend(name, rows.shape[-1], rows.dtype, kv_cache.device)
     return [latent if is_mla else next(others) for is_mla in mla]

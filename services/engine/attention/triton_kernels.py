@@ -1,5 +1,6 @@
-"""Triton kernels of ``triton_paged``: paged flash attention (optionally split over the keys) and
-the split-K reduction. Imported only when that backend is used.
+"""Triton kernels of ``triton_paged`` and ``triton_mla``: paged flash attention (optionally split over
+the keys), the split-K reduction, and absorbed latent attention (``_mla_kernel``). Imported only when
+one of those backends is used.
 
 Interpreter or compiler: Triton decides inside ``triton.jit``, at decoration time, from
 ``TRITON_INTERPRET`` (``triton.knobs.runtime.interpret``), and its own library functions
@@ -36,6 +37,8 @@ request's real context evenly.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
@@ -199,7 +202,113 @@ def _reduce_kernel(
     tl.store(Out + token * stride_ot + head * stride_oh + d * stride_od, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
-_KERNELS: list[tuple] = []
+def _mla_kernel(
+    Q, Rows, Out, PartAcc, PartMax, PartSum,
+    BlockTables, QueryStart, ContextLens,
+    stride_qt, stride_qh, stride_qd,
+    stride_rb, stride_rs, stride_rd,
+    stride_bt,
+    stride_ot, stride_oh, stride_od,
+    num_heads, num_splits, q_tiles,
+    qk_scale,  # scale * log2(e)
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache page
+    HEADS: tl.constexpr,  # query heads per tile (a power of two)
+    TOKENS_PER_TILE: tl.constexpr,  # BLOCK_M // HEADS
+    LATENT: tl.constexpr,  # the latent part of a row (keys and values)
+    BLOCK_L: tl.constexpr,  # LATENT rounded up to a power of two
+    ROPE: tl.constexpr,  # the rope part of a row (keys only)
+    BLOCK_R: tl.constexpr,  # ROPE rounded up to a power of two (>= 16)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Absorbed multi-head latent attention: every query head against one shared row per key.
+
+    Rows are ``[latent | rope]``; a key's score for a row m is ``q_lat . latent + q_rope . rope`` and its
+    value is the latent itself, so each latent tile is loaded once and serves both dots. Programs own
+    (request, tile of query tokens, tile of heads, split) with rows m -> token ``first_tok + m // HEADS``,
+    head ``head_tile * HEADS + m % HEADS``; the masks, the online softmax (base 2) and the split partials
+    are those of ``_attention_kernel`` (``_reduce_kernel`` merges the splits, with HEAD_DIM = LATENT).
+    """
+    pid = tl.program_id(0)
+    head_tile = tl.program_id(1)
+    split = tl.program_id(2)
+    req = pid // q_tiles
+    tile = pid % q_tiles
+    q_start = tl.load(QueryStart + req)
+    q_len = tl.load(QueryStart + req + 1) - q_start
+    first_tok = tile * TOKENS_PER_TILE
+    if first_tok >= q_len:
+        return
+    ctx = tl.load(ContextLens + req).to(tl.int32)
+    first_pos = ctx - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok_in_req = first_tok + rows // HEADS
+    head = head_tile * HEADS + rows % HEADS
+    row_ok = (rows // HEADS < TOKENS_PER_TILE) & (tok_in_req < q_len) & (head < num_heads)
+    pos = first_pos + tok_in_req
+    token = (q_start + tok_in_req).to(tl.int64)
+    lat = tl.arange(0, BLOCK_L)
+    lat_ok = lat < LATENT
+    rope = tl.arange(0, BLOCK_R)
+    rope_ok = rope < ROPE
+    q_row = Q + token[:, None] * stride_qt + head[:, None] * stride_qh
+    q_lat = tl.load(q_row + lat[None, :] * stride_qd, mask=row_ok[:, None] & lat_ok[None, :], other=0.0)
+    q_rope = tl.load(q_row + (LATENT + rope)[None, :] * stride_qd, mask=row_ok[:, None] & rope_ok[None, :],
+                     other=0.0)
+
+    last_tok = tl.minimum(q_len, first_tok + TOKENS_PER_TILE) - 1
+    k_hi = first_pos + last_tok + 1
+    per_split = ((k_hi + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    s_lo = split * per_split
+    s_hi = tl.minimum(k_hi, s_lo + per_split)
+
+    table = BlockTables + req.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    for n0 in range(s_lo, s_hi, BLOCK_N):
+        n = n0 + cols
+        n_ok = n < s_hi
+        page = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        key = Rows + page[:, None] * stride_rb + (n % BLOCK_SIZE).to(tl.int64)[:, None] * stride_rs
+        latent = tl.load(key + lat[None, :] * stride_rd, mask=n_ok[:, None] & lat_ok[None, :], other=0.0)
+        k_rope = tl.load(key + (LATENT + rope)[None, :] * stride_rd, mask=n_ok[:, None] & rope_ok[None, :],
+                         other=0.0)
+        s = tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
+        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+        s = s * qk_scale
+        s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, _max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + _sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = row_ok[:, None] & lat_ok[None, :]
+    if SPLIT:
+        part = (token * num_heads + head) * num_splits + split
+        tl.store(PartAcc + part[:, None] * LATENT + lat[None, :], acc, mask=out_mask)
+        tl.store(PartMax + part, m_i, mask=row_ok)
+        tl.store(PartSum + part, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + lat[None, :] * stride_od,
+                 out.to(Out.dtype.element_ty), mask=out_mask)
+
+
+class Kernels(NamedTuple):
+    attention: Any
+    reduce: Any
+    mla: Any
+
+
+_KERNELS: list[Kernels] = []
 
 
 def interpreting() -> bool:
@@ -221,8 +330,8 @@ def _fast_interpreter_reductions() -> None:
         _sum = lambda x, axis: tl.reduce(x, axis, sum_combine)
 
 
-def kernels(device_type: str) -> tuple:
-    """(attention kernel, reduce kernel): compiled, or interpreted under TRITON_INTERPRET=1."""
+def kernels(device_type: str) -> Kernels:
+    """The kernels, compiled, or interpreted under TRITON_INTERPRET=1."""
     if device_type == "cpu" and not interpreting():
         raise RuntimeError(
             "triton_paged on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 in the environment "
@@ -230,5 +339,5 @@ def kernels(device_type: str) -> tuple:
     if not _KERNELS:
         if interpreting():
             _fast_interpreter_reductions()
-        _KERNELS.append((triton.jit(_attention_kernel), triton.jit(_reduce_kernel)))
+        _KERNELS.append(Kernels(triton.jit(_attention_kernel), triton.jit(_reduce_kernel), triton.jit(_mla_kernel)))
     return _KERNELS[0]

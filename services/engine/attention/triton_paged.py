@@ -240,7 +240,8 @@ class TritonPagedBackend(AttentionBackend):
         if plan is not None and splits > 1:
             raise ValueError("a dense plan needs an unsplit launch (fix num_splits to 1)")
         block_d = max(16, _next_pow2(head_dim))
-        attention_kernel, reduce_kernel = kernels(q.device.type)
+        compiled = kernels(q.device.type)
+        attention_kernel, reduce_kernel = compiled.attention, compiled.reduce
         if splits > 1:
             part_acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
             part_max = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)

@@ -30,8 +30,8 @@ class DecoderModel(nn.Module):
     config: ModelConfig
     parallel: ParallelConfig
     LAYER_NORMS: tuple[str, ...] = ()  # per-layer norms the checkpoint stores: model.layers.N.<norm>.weight
-    # False for a model whose forward asks the host for device values (DeepSeek's expert loop): no step of
-    # it can be captured in a CUDA graph, so the runtime runs every step eagerly.
+    # False for a model whose forward asks the host for device values (Granite's Mamba2 steps, an expert
+    # loop): no step of it can be captured in a CUDA graph, so the runtime runs every step eagerly.
     supports_cuda_graphs: bool = True
 
     @property

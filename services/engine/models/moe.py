@@ -3,12 +3,13 @@
 Both blocks are ``routed(x) + shared(x)`` and differ only in the router: DeepSeek-V3's scores
 experts with sigmoids, a correction bias and expert groups (see ``MoESpec``), Granite's takes the
 top-k router logits and softmaxes them (``GraniteExpertsSpec``). ``RoutedExperts`` holds the
-experts of either, stacked, and runs them one at a time over the tokens that chose them, in expert
-order, each adding its weighted output into the result (the order transformers adds them in, so
-float32 results agree to the last bits wherever the matmuls do).
+experts of either, stacked, and runs them either one at a time over the tokens that chose them, in
+expert order (the CPU path: the order transformers adds them in, so float32 results agree to the
+last bits wherever the matmuls do), or as grouped GEMMs over all experts at once (CUDA).
 
 The expert loop asks the host how many tokens each expert got (``bincount(...).tolist()``), so a
-step with MoE layers cannot be captured in a CUDA graph (``supports_cuda_graphs`` of both models).
+step with it cannot be captured in a CUDA graph; the grouped path can (``RoutedExperts.graph_safe``,
+which DeepSeek-V3's ``supports_cuda_graphs`` follows).
 """
 
 from __future__ import annotations
@@ -82,17 +83,67 @@ class ExpertRouter(nn.Module):
         return weights * s.routed_scaling_factor, experts
 
 
+def grouped_mm_usable(dtype: torch.dtype, device: torch.device, *dims: int) -> bool:
+    """Whether ``torch._grouped_mm`` runs these shapes on ``device``: CUDA from sm_90 (its CUTLASS kernel takes
+    bfloat16 with every dim a multiple of 8); CPU runs its reference loop, never chosen (``expert_path``)."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(device) >= (9, 0) and all(d % 8 == 0 for d in dims))
+
+
 class RoutedExperts(nn.Module):
-    """``num_experts`` silu-gated MLPs stacked: ``gate_up`` [E, 2I, H] (rows: gate, then up), ``down`` [E, H, I]."""
+    """``num_experts`` silu-gated MLPs stacked: ``gate_up`` [E, 2I, H] (rows: gate, then up), ``down`` [E, H, I].
+
+    Two paths with the same result (up to the order bf16 partial sums are added in):
+
+    * ``loop`` (the CPU path): one expert at a time over the tokens that chose it, added in expert order
+      as transformers adds them. It asks the host for each expert's token count.
+    * ``grouped`` (CUDA, bf16, sm_90+): the (token, expert) pairs sorted by expert, then two grouped GEMMs
+      (``torch._grouped_mm``: gate_up, down) over every expert at once, each reading only the experts some
+      token chose; each token's k outputs summed. No host sync: a step with it can be captured in a CUDA
+      graph. Chosen over the loop by ``bench/mla_moe.py`` (``bench/RESULTS.md``).
+
+    ``path``: force one (tests and the benchmark); default ``grouped`` where ``grouped_mm_usable``.
+    """
+
+    PATHS = ("loop", "grouped")
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, path: str | None = None) -> None:
         super().__init__()
         self.gate_up = param(num_experts, 2 * intermediate, hidden, dtype=dtype, device=device)
         self.down = param(num_experts, hidden, intermediate, dtype=dtype, device=device)
+        if path is None:
+            path = "grouped" if grouped_mm_usable(dtype, device, hidden, intermediate) else "loop"
+        if path not in self.PATHS:
+            raise ValueError(f"expert path must be one of {', '.join(self.PATHS)}, got {path!r}")
+        self.path = path
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a forward can be captured in a CUDA graph (no host sync)."""
+        return self.path == "grouped"
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Sum over each token's chosen ``experts`` [tokens, k] of its output times ``weights`` [tokens, k]."""
+        if self.path == "grouped":
+            return self._grouped(x, weights, experts)
+        return self._loop(x, weights, experts)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        tokens, k = experts.shape
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.zeros(self.gate_up.shape[0], dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        ends = counts.cumsum(0, dtype=torch.int32)
+        hidden = ops.silu_and_mul(torch._grouped_mm(x[order // k], self.gate_up.transpose(1, 2), offs=ends))
+        y = torch._grouped_mm(hidden, self.down.transpose(1, 2), offs=ends)
+        y = (y * weights.view(-1)[order, None]).to(x.dtype)
+        by_pair = torch.empty_like(y)
+        by_pair[order] = y
+        return by_pair.view(tokens, k, -1).sum(dim=1)
+
+    def _loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         k = experts.shape[1]
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens ascending
