@@ -8,7 +8,9 @@
 * **expanded** (prefill chunks): per request, its context's rows are gathered through the block table
   (one row per token, ~1 KiB), projected up to per-head keys and values, and attended with SDPA under a
   lower-right causal mask (the chunk's last query sees the whole context), so no padded batch and no
-  explicit boolean mask are built. That needs each request's lengths on the host; a step without them
+  explicit boolean mask are built. The backends are ``torch_sdpa``'s (flash, memory-efficient; not cuDNN,
+  which plans anew for every shape); with keys wider than values (192 / 128) that is the
+  memory-efficient kernel. That needs each request's lengths on the host; a step without them
   (a captured graph) takes ``torch_mla``'s padded gather instead.
 
 Chosen over ``torch_mla`` on CUDA by ``bench/mla_moe.py`` (``bench/RESULTS.md`` has the numbers). The
@@ -19,9 +21,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
 from services.engine.attention.base import AttentionBatch, GroupAttentionMetadata
 from services.engine.attention.mla import ExpandRows, MLABackend, TorchMLABackend
+from services.engine.attention.torch_sdpa import SDPA_BACKENDS
 from services.engine.attention.triton_paged import (
     KernelConfig,
     TritonPagedBackend,
@@ -50,9 +54,11 @@ class TritonMLABackend(TritonPagedBackend, MLABackend):
 
     name = "triton_mla"
 
-    def __init__(self, num_splits: int | None = None, config: KernelConfig | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, config: KernelConfig | None = None,
+                 pad_values: bool = False) -> None:
         super().__init__(num_splits=num_splits, config=config, dense_min_query=0)
         self._padded = TorchMLABackend()
+        self.pad_values = pad_values  # zero-pad values to the key width, which lets SDPA take its flash kernel
 
     def rows_unsupported_reason(self, row_width: int, dtype: torch.dtype, device: torch.device) -> str | None:
         """Why this backend cannot serve a group of ``row_width``-wide rows in ``dtype`` (None: it can)."""
@@ -123,10 +129,15 @@ class TritonMLABackend(TritonPagedBackend, MLABackend):
             num_blocks = -(-ctx // block_size)
             context = rows[meta.block_tables[i, :num_blocks]].reshape(num_blocks * block_size, width)[:ctx]
             keys, values = expand(context)  # [ctx, heads, dim] each
-            query = q[start: start + q_len].transpose(0, 1)
+            v_dim = values.shape[-1]
+            if self.pad_values and v_dim < keys.shape[-1]:
+                values = F.pad(values, (0, keys.shape[-1] - v_dim))
+            # [1, heads, len, dim]: SDPA's fused kernels take 4-D inputs only (3-D ones run its math path)
+            query, keys, values = (x.transpose(0, 1)[None] for x in (q[start: start + q_len], keys, values))
             mask = causal_lower_right(q_len, ctx) if 1 < q_len < ctx else None
-            out = F.scaled_dot_product_attention(query, keys.transpose(0, 1), values.transpose(0, 1),
-                                                 attn_mask=mask, is_causal=1 < q_len == ctx, scale=scale)
-            outs.append(out.transpose(0, 1).reshape(q_len, num_heads * values.shape[-1]))
+            with sdpa_kernel(SDPA_BACKENDS):
+                out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                                     is_causal=1 < q_len == ctx, scale=scale)
+            outs.append(out[0, ..., :v_dim].transpose(0, 1).reshape(q_len, num_heads * v_dim))
             start += q_len
         return torch.cat(outs)

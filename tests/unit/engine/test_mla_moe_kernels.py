@@ -143,9 +143,10 @@ def test_expanded_form_matches_torch_mla(name: str) -> None:
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
     problem = MLAProblem(requests, heads, latent, rope, block_size, kind, order, dtype)
     expected = problem.expanded(TorchMLABackend(), poisoned=False)
-    got = problem.expanded(TritonMLABackend(), poisoned=True)
-    assert got.shape == expected.shape
-    assert _rel_error(got, expected) < TOLERANCE[dtype]
+    for backend in (TritonMLABackend(), TritonMLABackend(pad_values=True)):
+        got = problem.expanded(backend, poisoned=True)
+        assert got.shape == expected.shape
+        assert _rel_error(got, expected) < TOLERANCE[dtype]
     captured = dataclasses.replace(problem.step, host_lens=None)
     no_host = problem.expanded(TritonMLABackend(), poisoned=False, step=captured)
     assert _rel_error(no_host, expected) < TOLERANCE[dtype]
