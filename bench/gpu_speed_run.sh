@@ -25,6 +25,7 @@
 #                                         its CUDA tests, then dummy Llama-3.1-8B bf16 decode bs 1/32 at 2k with
 #                                         it on and off (PDSERVE_FUSED_KV_WRITE=1/0, the same engine otherwise)
 #   bash bench/gpu_speed_run.sh mla_moe   DeepSeek's CUDA paths: their CUDA tests and bench/mla_moe.py
+#   bash bench/gpu_speed_run.sh profile_families  bench/profile_step.py on both (decode bs 1/32, a 2k prefill)
 #   bash bench/gpu_speed_run.sh families  dummy DeepSeek-V2-Lite and Granite-4.0-H-Tiny shapes, bf16: prefill 512/2k
 #                                         and decode bs 1/32 at 2k beside floors on the active experts' bytes and FLOPs
 #                                         (FAMILY_LIMIT: seconds per model, default 280)
@@ -75,6 +76,15 @@ for part in "$@"; do
       PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_mla_moe_kernels.py \
           "tests/unit/engine/test_attention_backends.py::test_triton_matches_sdpa" 2>&1 | tee "$OUT/mla_moe_tests.log" | tail -15
       timeout 200 python3 bench/mla_moe.py --json-out "$OUT/mla_moe.jsonl" 2>&1 | tee "$OUT/mla_moe.txt" | tail -32 ;;
+    profile_families)  # where DeepSeek-V2-Lite's and Granite-4.0-H-Tiny's decode and prefill steps spend their time
+      for model in deepseek-v2-lite granite-4.0-h-tiny-shape; do
+        for what in "--batch 1 --steps 5" "--batch 32 --steps 5" "--prefill 2048"; do
+          name=prof_${model}_$(echo "$what" | tr -d ' -')
+          timeout 120 python3 bench/profile_step.py --model "dummy:$model" $what > "$OUT/$name.txt" 2>&1
+          echo "== $model $what: $(grep -c . "$OUT/$name.txt") lines"
+        done
+      done
+      tar czf "$OUT/profiles.tgz" -C "$OUT" $(cd "$OUT" && ls prof_*.txt) && rm -f "$OUT"/prof_*.txt ;;
     families)  # DeepSeek-V2-Lite (MLA + MoE) and Granite-4.0-H-Tiny (Mamba2 + attention + MoE) shapes, bf16, the
                # engine's default paths, against floors of the bytes and FLOPs they use (bench/floors.py)
       for model in deepseek-v2-lite granite-4.0-h-tiny-shape; do
