@@ -78,8 +78,10 @@ for part in "$@"; do
       timeout 200 python3 bench/mla_moe.py --json-out "$OUT/mla_moe.jsonl" 2>&1 | tee "$OUT/mla_moe.txt" | tail -32 ;;
     profile_families)  # where DeepSeek-V2-Lite's and Granite-4.0-H-Tiny's decode and prefill steps spend their time
       for model in deepseek-v2-lite granite-4.0-h-tiny-shape; do
-        for what in "--batch 1 --steps 5" "--batch 32 --steps 5" "--prefill 2048"; do
+        IFS=, read -ra steps <<< "${PROFILES:---batch 1,--batch 32,--prefill 2048}"  # PROFILES: comma-separated
+        for what in "${steps[@]}"; do
           name=prof_${model}_$(echo "$what" | tr -d ' -')
+          # shellcheck disable=SC2086  # $what is flags
           timeout 120 python3 bench/profile_step.py --model "dummy:$model" $what > "$OUT/$name.txt" 2>&1
           echo "== $model $what: $(grep -c . "$OUT/$name.txt") lines"
         done
