@@ -34,6 +34,12 @@ class StateBatch:
     slots_tensor: torch.Tensor
 
     @classmethod
+    def on_device(cls, slots: torch.Tensor) -> StateBatch:
+        """A captured decode step's: the slots only on the device, no chunk at token 0 (the graph runner takes
+        none: a fresh state is zeroed by the host)."""
+        return cls([], [], slots)
+
+    @classmethod
     def of(cls, slots: Sequence[int | None], starts: Sequence[int], device: torch.device) -> StateBatch:
         if any(s is None for s in slots):
             raise ValueError("a chunk of a model with state layers has no state slot")
@@ -54,21 +60,26 @@ def state_group(config: ModelConfig, dtype: torch.dtype, parallel: ParallelConfi
 
 class StatePool:
     """Every state slot of this TP rank in one byte buffer ``[slots, slot_bytes]`` (``StateGroupSpec``'s slot
-    layout), registered with the rank's NIXL agent as one region; ``conv[layer]`` [slots, conv_dim, d_conv - 1]
-    and ``ssm[layer]`` [slots, heads, head_dim, d_state] (this rank's heads) are strided views into it."""
+    layout), registered with the rank's NIXL agent as one region; ``conv[layer]`` [slots + 1, conv_dim,
+    d_conv - 1] and ``ssm[layer]`` [slots + 1, heads, head_dim, d_state] (this rank's heads) are strided views
+    into it and the scratch slot after it."""
 
     def __init__(self, spec: StateGroupSpec, num_slots: int, device: torch.device) -> None:
         self.spec = spec
         self.num_slots = num_slots
-        self.buffer = torch.zeros(num_slots, spec.slot_bytes, dtype=torch.uint8, device=device)
+        # One row more than the slots: the scratch slot, where a captured decode step's padding rows write
+        # (as their K/V go to the KV cache's scratch block). Peers see ``buffer``, the slots alone.
+        self.scratch_slot = num_slots
+        self._rows = torch.zeros(num_slots + 1, spec.slot_bytes, dtype=torch.uint8, device=device)
+        self.buffer = self._rows[:num_slots]
         self.conv = {i: self._view(i, "conv") for i in spec.layer_ids}
         self.ssm = {i: self._view(i, "ssm") for i in spec.layer_ids}
 
     def _view(self, layer_id: int, name: str) -> torch.Tensor:
         t = next(t for t in self.spec.tensors if t.name == name)
         at = self.spec.offset(layer_id, name)
-        raw = self.buffer[:, at:at + t.num_bytes].view(TORCH_DTYPES[t.dtype])
-        return raw.view(self.num_slots, *t.shape)
+        raw = self._rows[:, at:at + t.num_bytes].view(TORCH_DTYPES[t.dtype])
+        return raw.view(self.num_slots + 1, *t.shape)
 
     @classmethod
     def for_model(cls, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device,

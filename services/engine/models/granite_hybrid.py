@@ -11,7 +11,8 @@ embedding multiplier, logits divided by ``logits_scaling``. ``ffn`` is the share
 State layers own no KV: ``kv_views[layer]`` is ``()`` for them, and ``forward`` takes the step's
 ``StateBatch`` (each chunk's state slot) and the engine's ``StatePool``. Prefix caching is off for
 this model (``KVCacheManager``: a hit would need the state at the end of the prefix, which is not
-snapshotted). Eager steps only (no CUDA graphs). Under TP the attention layers and the shared MLP shard as
+snapshotted). Decode steps may be captured in CUDA graphs (``supports_cuda_graphs``), prefill steps run
+eagerly. Under TP the attention layers and the shared MLP shard as
 Llama's, each Mamba2 mixer holds its heads (``Mamba2Mixer``), the routed experts a slice of their width. The
 state moves with the KV between engines of any TP sizes (``services/kv/state_runs.py`` maps the heads).
 """
@@ -73,7 +74,6 @@ class GraniteHybridForCausalLM(LayerShapeTable, DecoderModel):
     """The whole decoder plus LM head over a paged KV cache (attention layers) and a state pool (Mamba2)."""
 
     LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
-    supports_cuda_graphs = False  # the Mamba2 steps (and the expert loop) read lengths and counts on the host
 
     def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -93,6 +93,14 @@ class GraniteHybridForCausalLM(LayerShapeTable, DecoderModel):
         self.rope = (RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings, device)
                      if self.spec.use_rope else None)
 
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Decode steps are captured (their state slots in the graph's static input) unless an MoE layer runs the
+        expert loop, which asks the host for each expert's token count. Prefill steps run eagerly: a chunk's
+        scan needs its length on the host."""
+        return all(layer.block_sparse_moe.experts.graph_safe for layer in self.layers
+                   if layer.block_sparse_moe is not None)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_views: list[tuple[torch.Tensor, ...]], layer_groups: list[int],
                 tail: TailBatch | None = None, *, states: StateBatch | None = None,
@@ -101,9 +109,12 @@ class GraniteHybridForCausalLM(LayerShapeTable, DecoderModel):
         state row and the rows themselves (the model runner passes them for every step)."""
         if states is None or state_pool is None:
             raise ValueError("a Granite-4.0-H step needs its chunks' state slots and the state pool")
-        if batch.host_lens is None:
-            raise ValueError("a Granite-4.0-H step runs eagerly (chunk lengths on the host)")
-        query_lens = list(batch.host_lens[0])
+        if batch.host_lens is not None:
+            query_lens = list(batch.host_lens[0])
+        elif batch.max_query_len == 1:  # a decode step, possibly captured in a CUDA graph
+            query_lens = None
+        else:
+            raise ValueError("a Granite-4.0-H prefill step needs its chunk lengths on the host")
         m = self.spec.residual_multiplier
         residual = self.embed_tokens[input_ids] * self.config.embed_scale
         rope = self.rope(positions) if self.rope is not None else None

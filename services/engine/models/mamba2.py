@@ -104,9 +104,10 @@ class Mamba2Mixer(nn.Module):
             return getattr(getattr(self, module), kind)
         return {"conv1d": self.conv_bias, "norm": self.norm_weight}.get(module, getattr(self, name, None))
 
-    def forward(self, x: torch.Tensor, query_lens: list[int], states: StateBatch, conv_states: torch.Tensor,
+    def forward(self, x: torch.Tensor, query_lens: list[int] | None, states: StateBatch, conv_states: torch.Tensor,
                 ssm_states: torch.Tensor) -> torch.Tensor:
-        """[num_tokens, hidden] -> [num_tokens, hidden]; chunk i's rows are its ``query_lens[i]`` tokens."""
+        """[num_tokens, hidden] -> [num_tokens, hidden]; chunk i's rows are its ``query_lens[i]`` tokens (None: one
+        token each, a decode step, which a CUDA graph may capture: nothing here then asks the host)."""
         s = self.spec
         fresh = [slot for slot, f in zip(states.slots, states.fresh, strict=True) if f]
         if fresh:  # a request (re)starting at token 0 starts from the zero state
@@ -114,7 +115,7 @@ class Mamba2Mixer(nn.Module):
             conv_states[rows] = 0
             ssm_states[rows] = 0
         z, xbc, dt = self.in_proj(x).split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
-        if max(query_lens) == 1:
+        if query_lens is None or max(query_lens) == 1:
             y = self._step(xbc, dt, states.slots_tensor, conv_states, ssm_states)
         else:
             start, outs = 0, []

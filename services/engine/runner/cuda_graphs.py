@@ -9,6 +9,7 @@ bucket's static input buffer::
     rows 0..2  the requests; block-table tails padded with the scratch block (masked out)
     row 3      padding: token 0 at position 0, every block the scratch block, so it writes K/V
                into the scratch block only, attends to its key 0 only, and its logits are dropped
+               (a model with state layers: its state slot is the state pool's scratch slot)
 
 The host sends one int64 vector per step -- token ids, context lengths, block tables -- and the
 graph derives positions, write slots and each group's attention metadata from it (the backend's
@@ -30,6 +31,7 @@ import torch
 
 from services.engine.attention import AttentionBatch, cache_group_backends
 from services.engine.kv_cache.buffers import KVCache
+from services.engine.kv_cache.state_pool import StateBatch, StatePool
 from services.engine.models import DecoderModel
 from services.engine.runner.step import Chunk, DeviceTokens
 
@@ -109,6 +111,7 @@ class _Bucket:
     input_ids: torch.Tensor  # [batch]
     context_lens: torch.Tensor  # [batch]; padding rows hold 1
     block_tables: tuple[torch.Tensor, ...]  # per group [batch, context_len // block_size]
+    state_slots: torch.Tensor | None  # [batch] each request's state slot (models with state layers); padding: scratch
     query_start: torch.Tensor  # arange(batch + 1): one query per request
     query_lens: torch.Tensor  # ones(batch)
     logits: torch.Tensor | None = None  # [batch, vocab] fp32, the graph's output
@@ -125,16 +128,18 @@ class DecodeGraphRunner:
 
     def __init__(self, model: DecoderModel, kv_cache: KVCache, max_batch_size: int, max_context_len: int,
                  *, capture: bool | None = None, min_context_bucket: int = MIN_CONTEXT_BUCKET,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", state_pool: StatePool | None = None) -> None:
         if kv_cache.scratch_block is None:
             raise ValueError("decode graphs need a KV cache with a scratch block for padded rows")
         self.model = model
+        self.state_pool = state_pool  # a model with state layers: each row's slot is a static input too
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.capture = capture_mode(self.device, capture)
         spec = kv_cache.spec
         self.groups = spec.groups
-        self.kv_views, self.layer_groups = kv_cache.views_by_layer(model.config.kv_sharing, model.config.num_layers)
+        self.kv_views, self.layer_groups = kv_cache.views_by_layer(model.config.kv_sharing, model.config.num_layers,
+                                                                   model.config.state_layer_ids)
         self.group_backends = cache_group_backends(attention_backend, kv_cache)
         self.scratch_block = kv_cache.scratch_block
         self.batch_sizes = batch_buckets(max_batch_size)
@@ -153,11 +158,13 @@ class DecodeGraphRunner:
         return sorted(self._buckets)
 
     def can_run(self, chunks: Sequence[Chunk]) -> bool:
-        """One token per chunk, no full-logit request, and a batch and context within the buckets."""
+        """One token per chunk, no full-logit request, and a batch and context within the buckets; with state
+        layers, no chunk at token 0 (its state is zeroed first, on the host's word)."""
         return (
             0 < len(chunks) <= self.batch_sizes[-1]
             and all(c.num_tokens == 1 and not c.return_logits for c in chunks)
             and max(c.start for c in chunks) < self.context_lens[-1]
+            and (self.state_pool is None or all(c.start > 0 for c in chunks))
         )
 
     def run(self, chunks: Sequence[Chunk], device_tokens: DeviceTokens | None = None) -> torch.Tensor:
@@ -184,7 +191,8 @@ class DecodeGraphRunner:
     # ---- static buffers ------------------------------------------------------------------------
     def _build(self, batch: int, context: int) -> _Bucket:
         widths = [context // g.block_size for g in self.groups]
-        packed = torch.zeros(batch * (2 + sum(widths)), dtype=torch.int64, device=self.device)
+        slots = 1 if self.state_pool is not None else 0
+        packed = torch.zeros(batch * (2 + sum(widths) + slots), dtype=torch.int64, device=self.device)
         tables, offset = [], 2 * batch
         for width in widths:
             tables.append(packed[offset: offset + batch * width].view(batch, width))
@@ -192,6 +200,7 @@ class DecodeGraphRunner:
         bucket = _Bucket(
             batch_size=batch, context_len=context, packed=packed, input_ids=packed[:batch],
             context_lens=packed[batch: 2 * batch], block_tables=tuple(tables),
+            state_slots=packed[offset: offset + batch] if slots else None,
             query_start=torch.arange(batch + 1, dtype=torch.int32, device=self.device),
             query_lens=torch.ones(batch, dtype=torch.int32, device=self.device),
         )
@@ -213,6 +222,8 @@ class DecodeGraphRunner:
                 values += blocks
                 values += [scratch] * (width - len(blocks))
             values += [scratch] * (width * pad)
+        if self.state_pool is not None:
+            values += [c.state_slot for c in chunks] + [self.state_pool.scratch_slot] * pad
         pin = self.device.type == "cuda"
         bucket.packed.copy_(torch.tensor(values, dtype=torch.int64, pin_memory=pin), non_blocking=pin)
 
@@ -244,6 +255,10 @@ class DecodeGraphRunner:
             write_blocks = tables.gather(1, (positions // g.block_size)[:, None])[:, 0]
             groups.append(backend.build_metadata(step, tables, write_blocks, positions % g.block_size,
                                                  g.sliding_window))
-        hidden = self.model(bucket.input_ids, positions, step.with_groups(tuple(groups)), self.kv_views,
-                            self.layer_groups)
+        batch = step.with_groups(tuple(groups))
+        if self.state_pool is None:
+            hidden = self.model(bucket.input_ids, positions, batch, self.kv_views, self.layer_groups)
+        else:  # padding rows read and write the scratch slot
+            hidden = self.model(bucket.input_ids, positions, batch, self.kv_views, self.layer_groups,
+                                states=StateBatch.on_device(bucket.state_slots), state_pool=self.state_pool)
         return self.model.compute_logits(hidden)

@@ -51,7 +51,8 @@ class ModelRunner:
         self.groups = spec.groups
         self.kv_views, self.layer_groups = kv_cache.views_by_layer(model.config.kv_sharing, model.config.num_layers,
                                                                    model.config.state_layer_ids)
-        # Models with state layers (Mamba2): every step passes each chunk's state slot (eager steps only).
+        # Models with state layers (Mamba2): every eager step passes each chunk's state slot (decode graphs keep
+        # theirs in their static input).
         self.state_pool = state_pool
         self.group_backends: list[AttentionBackend] = cache_group_backends(attention_backend, kv_cache)
 

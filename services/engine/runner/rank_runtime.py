@@ -146,11 +146,12 @@ class RankRuntime:
                 or not self.model.supports_cuda_graphs):
             return None
         return DecodeGraphRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len,
-                                 attention_backend=config.attention_backend)
+                                 attention_backend=config.attention_backend, state_pool=self.state_pool)
 
     def _prefill_graphs(self) -> PrefillGraphRunner | None:
-        """CUDA graphs for short prefill steps, on CUDA at TP 1 for a model that can be captured
-        (``prefill_graphs_for`` says when else none)."""
-        if self.device.type != "cuda" or self.config.parallel.tp_size > 1 or not self.model.supports_cuda_graphs:
+        """CUDA graphs for short prefill steps, on CUDA at TP 1 for a model that can be captured and has no state
+        layers (``prefill_graphs_for`` says when else none)."""
+        if (self.device.type != "cuda" or self.config.parallel.tp_size > 1 or not self.model.supports_cuda_graphs
+                or self.state_pool is not None):  # a state layer's prefill scan reads its chunk lengths on the host
             return None
         return prefill_graphs_for(self.config, self.model, self.kv_cache, self.max_model_len)

@@ -26,6 +26,7 @@ from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.model_config.hf import ModelConfig, preset
+from services.engine.runner.cuda_graphs import DecodeGraphRunner
 from services.engine.tp.launch import start_engine
 from services.engine.tp.parallel import ParallelConfig
 from services.kv.groups import AttentionKind
@@ -117,6 +118,26 @@ def test_preemption_matches_hf(reference: Reference) -> None:
     assert_matches(reference.tokens, reference.logits, outputs)
     assert engine.kv_manager.pool(0).num_free_blocks == 40
     assert engine.kv_manager.state_slots.num_free == 8
+
+
+def test_decode_steps_through_graph_buffers_match_hf(reference: Reference) -> None:
+    """The decode graph runner's static-buffer forward (captured on CUDA, run as is here): three requests in a
+    bucket of four, so a padding row reads and writes the state pool's scratch slot; every decode step after a
+    request's first goes through it, and the greedy tokens are still transformers'. The scratch slot is not a
+    slot a request can own, nor part of what peers read."""
+    engine = _engine(reference, max_num_seqs=4)
+    pool = engine.runtime.state_pool
+    assert pool.scratch_slot == 4 == pool.num_slots and pool.buffer.shape[0] == 4
+    assert pool.conv[0].shape[0] == pool.ssm[0].shape[0] == 5
+    graphs = DecodeGraphRunner(engine.model, engine.kv_cache, 4, engine.max_model_len, capture=False,
+                               min_context_bucket=8, state_pool=pool)
+    engine.runner.decode_graphs = graphs
+    engine.async_scheduling = False
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    _, outputs = run_to_completion(engine, reference.prompts[:3], params)
+    assert [list(o.token_ids) for o in outputs] == [list(t) for t in reference.tokens[:3]]
+    assert graphs.num_runs > NUM_TOKENS // 2 and any(b == 4 for b, _ in graphs.captured)
+    assert pool.ssm[0][pool.scratch_slot].abs().sum() > 0  # the padding row ran
 
 
 def test_abort_gives_the_state_slot_back(reference: Reference) -> None:

@@ -1,5 +1,6 @@
-"""DeepSeek's CUDA paths against their torch references: ``triton_mla`` against ``torch_mla`` (both MLA forms),
-the grouped experts against the expert loop, and on a GPU the engine with them against transformers.
+"""The CUDA paths of DeepSeek and Granite-4.0-H against their torch references: ``triton_mla`` against
+``torch_mla`` (both MLA forms), the grouped experts against the expert loop, and on a GPU the engine with them
+against transformers, and decode steps captured in CUDA graphs against eager ones.
 
 Without a GPU the MLA kernel runs in Triton's interpreter on CPU tensors (``TRITON_INTERPRET`` is set before
 triton is imported, as in ``test_attention_backends.py``) and the grouped experts run ``torch._grouped_mm``'s
@@ -207,7 +208,7 @@ def test_engine_on_cuda_matches_hf(name: str, tmp_path) -> None:
 
     directory, hf = make_deepseek_checkpoint(name, tmp_path)
     ref = reference_of(directory, hf, PROMPT_LENS, NUM_TOKENS, seed=7, shared_from=1, shared_len=16)
-    engine = LLMEngine(EngineConfig(model=directory, device="cuda", dtype="float32", block_size=16,
+    engine = LLMEngine(EngineConfig(model=str(directory), device="cuda", dtype="float32", block_size=16,
                                     num_kv_blocks=256, max_num_batched_tokens=24))
     assert isinstance(engine.runtime.runner.group_backends[0], TritonMLABackend)
     _, outputs = run_to_completion(engine, ref.prompts, GREEDY)
@@ -215,17 +216,20 @@ def test_engine_on_cuda_matches_hf(name: str, tmp_path) -> None:
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs need PDSERVE_TEST_DEVICE=cuda")
-def test_bf16_decode_graphs_equal_eager(tmp_path) -> None:
-    """bf16 on the GPU: the grouped experts make DeepSeek capturable; decode steps replayed from graphs give the
-    tokens of the same engine run eagerly."""
+@pytest.mark.parametrize("family", ["deepseek", "granite"])
+def test_bf16_decode_graphs_equal_eager(family: str, tmp_path) -> None:
+    """bf16 on the GPU: the grouped experts make DeepSeek and Granite-4.0-H (MoE, its state slots in the graphs'
+    static input) capturable; decode steps replayed from graphs give the tokens of the same engine run eagerly."""
     from tests.unit.engine.test_deepseek_v3 import PROMPT_LENS, make_deepseek_checkpoint
+    from tests.unit.engine.test_granite_hybrid import make_granite_checkpoint
 
-    directory, hf = make_deepseek_checkpoint("q_lora", tmp_path)
+    make = make_deepseek_checkpoint if family == "deepseek" else make_granite_checkpoint
+    directory, hf = make("q_lora" if family == "deepseek" else "moe", tmp_path)
     ref = reference_of(directory, hf, PROMPT_LENS, 16, seed=7, shared_from=1, shared_len=16)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     tokens = {}
     for eager in (False, True):
-        engine = LLMEngine(EngineConfig(model=directory, device="cuda", dtype="bfloat16", block_size=16,
+        engine = LLMEngine(EngineConfig(model=str(directory), device="cuda", dtype="bfloat16", block_size=16,
                                         num_kv_blocks=256, enforce_eager=eager))
         assert engine.runtime.model.supports_cuda_graphs
         assert (engine.runtime.runner.decode_graphs is None) == eager
