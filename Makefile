@@ -52,8 +52,9 @@ proto:
 lint: install
 	$(PY) -m ruff check .
 
+# --durations: the slowest tests at the end of every run, to keep the suite's time in view.
 test: install lint
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 run: install
 	$(VENV)/bin/pdserve up
