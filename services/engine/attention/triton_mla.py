@@ -33,6 +33,7 @@ from services.engine.attention.triton_paged import (
     _next_pow2,
     _num_sms,
     choose_num_splits,
+    split_partials,
 )
 
 # The widest row (latent + rope part) whose latent accumulator the kernel's tiles hold (DeepSeek-V2/V3: 512 + 64).
@@ -87,12 +88,7 @@ class TritonMLABackend(TritonPagedBackend, MLABackend):
         else:
             splits = 1
         out = q.new_empty(num_tokens, num_heads, latent_dim)
-        if splits > 1:
-            part_acc = torch.empty(num_tokens, num_heads, splits, latent_dim, dtype=torch.float32, device=q.device)
-            part_max = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
-            part_sum = torch.empty_like(part_max)
-        else:
-            part_acc = part_max = part_sum = out  # not read
+        part_acc, part_max, part_sum = split_partials(out, splits, latent_dim)
         compiled = kernels(q.device.type)
         block_l = max(16, _next_pow2(latent_dim))
         compiled.mla[(batch.num_reqs * q_tiles, head_tiles, splits)](

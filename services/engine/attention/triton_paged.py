@@ -107,6 +107,17 @@ def choose_num_splits(programs: int, max_context_len: int, num_sms: int) -> int:
     return 1 if wanted < 2 else 1 << (wanted.bit_length() - 1)
 
 
+def split_partials(out: torch.Tensor, splits: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split-K partials (fp32 accumulator [tokens, heads, splits, width], running max and sum) for an output
+    ``out`` [tokens, heads, ...]; with one split the kernel writes ``out`` directly and reads none of them."""
+    if splits == 1:
+        return out, out, out
+    num_tokens, num_heads = out.shape[:2]
+    acc = torch.empty(num_tokens, num_heads, splits, width, dtype=torch.float32, device=out.device)
+    running_max = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=out.device)
+    return acc, running_max, torch.empty_like(running_max)
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -242,12 +253,7 @@ class TritonPagedBackend(AttentionBackend):
         block_d = max(16, _next_pow2(head_dim))
         compiled = kernels(q.device.type)
         attention_kernel, reduce_kernel = compiled.attention, compiled.reduce
-        if splits > 1:
-            part_acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-            part_max = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
-            part_sum = torch.empty_like(part_max)
-        else:
-            part_acc = part_max = part_sum = out  # not read
+        part_acc, part_max, part_sum = split_partials(out, splits, head_dim)
         window = meta.sliding_window
         attention_kernel[(batch.num_reqs * q_tiles, kv_heads, splits)](
             q, k_cache, v_cache, out, part_acc, part_max, part_sum,
