@@ -159,6 +159,26 @@ class MambaShape:
     def group_of(self, head: int) -> int:
         return head // (self.num_heads // self.n_groups)
 
+    def rank_conv_rows(self, tp_size: int, rank: int) -> tuple[int, ...]:
+        """The model's conv channels (``x`` of every head, then B, then C of every group) that rank's conv rows
+        hold, in its order: x of its heads, then B and C of its groups. The one definition of that order: the
+        mixer loads its weights' rows by it and ``kv/state_runs.py`` maps slots between TP sizes by it."""
+        x = [h * self.head_dim + i for h in self.rank_heads(tp_size, rank) for i in range(self.head_dim)]
+        groups = [g * self.d_state + i for g in self.rank_groups(tp_size, rank) for i in range(self.d_state)]
+        b0 = self.num_heads * self.head_dim
+        c0 = b0 + self.n_groups * self.d_state
+        return tuple(x + [b0 + r for r in groups] + [c0 + r for r in groups])
+
+    def conv_channel_head(self, channel: int, first_head: int) -> int:
+        """The head whose rank a reader with heads from ``first_head`` reads a conv channel from: an x channel's own
+        head; for a B or C channel, the reader's first head in that group (a group spread over ranks is on each of
+        them: read once)."""
+        b0 = self.num_heads * self.head_dim
+        if channel < b0:
+            return channel // self.head_dim
+        group = (channel - b0) % (self.n_groups * self.d_state) // self.d_state
+        return max(first_head, group * (self.num_heads // self.n_groups))
+
     def tensors(self, tp_size: int) -> tuple[StateTensorSpec, StateTensorSpec]:
         """One rank's (ssm, conv) tensors (every rank's have the same shapes)."""
         heads, groups = len(self.rank_heads(tp_size, 0)), len(self.rank_groups(tp_size, 0))

@@ -5,7 +5,8 @@ d_state]`` and conv window ``[x rows | B rows | C rows, d_conv - 1]``. A reading
 rows and x rows, from whichever owner ranks hold those heads (a contiguous head range on both sides: one run per
 layer and tensor per owner rank), and the B and C rows of its groups, each from ONE owner rank (the one holding the
 reader's first head of that group): when a group spans ranks (Granite's one group) every owner rank has it, and
-reading it once keeps the bytes moved at the ideal. Runs that continue each other on both sides are merged::
+reading it once keeps the bytes moved at the ideal. Which conv row holds which channel on either side is
+``MambaShape.rank_conv_rows``. Runs that continue each other on both sides are merged::
 
     model: 8 heads, 1 group; owner TP 1 -> reader TP 2, reader rank 1 of one layer:
         ssm  heads 4..7  <- owner heads 4..7                     one run
@@ -40,27 +41,19 @@ def state_runs(owner: StateGroupSpec, owner_rank: int, reader: StateGroupSpec, r
     h0, h1 = max(q.start, r.start), min(q.stop, r.stop)
     if h0 >= h1:
         return ()
-    q_groups, r_groups = m.rank_groups(reader.tp_size, reader_rank), m.rank_groups(owner.tp_size, owner_rank)
     ssm_row = owner.tensors[0].row_bytes  # one head
     conv_row = owner.tensors[1].row_bytes  # one conv channel
-    x_rows = (len(r) * m.head_dim, len(q) * m.head_dim)  # (owner, reader): where B starts in each conv
-    group_rows = (len(r_groups) * m.d_state, len(q_groups) * m.d_state)  # where C starts after B
-    heads_per_group = m.num_heads // m.n_groups
+    # Conv rows this owner rank is the source of, as (owner row, reader row) runs of rows: the same in every layer.
+    owner_rows = {channel: i for i, channel in enumerate(m.rank_conv_rows(owner.tp_size, owner_rank))}
+    conv = merge_runs([StateRun(owner_rows[channel], i, 1)
+                       for i, channel in enumerate(m.rank_conv_rows(reader.tp_size, reader_rank))
+                       if m.conv_channel_head(channel, q.start) in r])
     runs = []
     for layer in owner.layer_ids:
         so, sr = owner.offset(layer, "ssm"), reader.offset(layer, "ssm")
         runs.append(StateRun(so + (h0 - r.start) * ssm_row, sr + (h0 - q.start) * ssm_row, (h1 - h0) * ssm_row))
         co, cr = owner.offset(layer, "conv"), reader.offset(layer, "conv")
-        p = m.head_dim
-        runs.append(StateRun(co + (h0 - r.start) * p * conv_row, cr + (h0 - q.start) * p * conv_row,
-                             (h1 - h0) * p * conv_row))
-        for g in q_groups:
-            if max(q.start, g * heads_per_group) not in r:  # another owner rank is this group's source
-                continue
-            for part in (0, 1):  # B, then C
-                src_row = x_rows[0] + part * group_rows[0] + (g - r_groups.start) * m.d_state
-                dst_row = x_rows[1] + part * group_rows[1] + (g - q_groups.start) * m.d_state
-                runs.append(StateRun(co + src_row * conv_row, cr + dst_row * conv_row, m.d_state * conv_row))
+        runs += [StateRun(co + c.src * conv_row, cr + c.dst * conv_row, c.length * conv_row) for c in conv]
     return tuple(merge_runs(runs))
 
 

@@ -83,12 +83,10 @@ class Mamba2Mixer(nn.Module):
     def _rows(self, module: str) -> torch.Tensor:
         """The model's rows of an HF tensor this rank holds: its heads' z, x and dt, its groups' B and C."""
         f = self.full
-        heads, groups = f.rank_channels(self.parallel.tp_size, self.parallel.tp_rank)
+        heads, _ = f.rank_channels(self.parallel.tp_size, self.parallel.tp_rank)
         h = torch.tensor(list(heads))
         head_rows = (h[:, None] * f.head_dim + torch.arange(f.head_dim)).flatten()
-        group_rows = (torch.tensor(list(groups))[:, None] * f.d_state + torch.arange(f.d_state)).flatten()
-        xbc = torch.cat((head_rows, f.intermediate_size + group_rows,
-                         f.intermediate_size + f.n_groups * f.d_state + group_rows))
+        xbc = torch.tensor(f.state_shape().rank_conv_rows(self.parallel.tp_size, self.parallel.tp_rank))
         if module == "in_proj":  # z, xBC, dt
             return torch.cat((head_rows, f.intermediate_size + xbc, f.intermediate_size + f.conv_dim + h))
         if module == "conv1d":
