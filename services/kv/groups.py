@@ -153,7 +153,7 @@ class MambaShape:
 
     def rank_groups(self, tp_size: int, rank: int) -> range:
         """The model's groups that rank holds (its heads' groups)."""
-        first = self.rank_heads(tp_size, rank)[0] // (self.num_heads // self.n_groups)
+        first = self.group_of(self.rank_heads(tp_size, rank)[0])
         return range(first, first + max(1, self.n_groups // tp_size))
 
     def group_of(self, head: int) -> int:

@@ -30,9 +30,13 @@ class DecoderModel(nn.Module):
     config: ModelConfig
     parallel: ParallelConfig
     LAYER_NORMS: tuple[str, ...] = ()  # per-layer norms the checkpoint stores: model.layers.N.<norm>.weight
-    # False for a model whose forward asks the host for device values (Granite's Mamba2 steps, an expert
-    # loop): no step of it can be captured in a CUDA graph, so the runtime runs every step eagerly.
-    supports_cuda_graphs: bool = True
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether decode steps can be captured in CUDA graphs: not when a module's forward asks the host for
+        device values (it says so with ``graph_safe`` False: the expert loop); the runtime then runs every step
+        eagerly."""
+        return all(getattr(module, "graph_safe", True) for module in self.modules())
 
     @property
     def skips_to_tail(self) -> bool:

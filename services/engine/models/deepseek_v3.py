@@ -149,12 +149,6 @@ class DeepseekV3ForCausalLM(LayerShapeTable, DecoderModel):
                         else param(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
         self.rope = RotaryEmbedding(config.mla.qk_rope_head_dim, config.rope, config.max_position_embeddings, device)
 
-    @property
-    def supports_cuda_graphs(self) -> bool:
-        """Decode steps are captured when every MoE layer runs its experts grouped (the loop asks the host
-        for each expert's token count)."""
-        return all(layer.mlp.experts.graph_safe for layer in self.layers if isinstance(layer.mlp, DeepseekMoE))
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_views: list[tuple[torch.Tensor, ...]], layer_groups: list[int],
                 tail: TailBatch | None = None) -> torch.Tensor:

@@ -11,8 +11,9 @@ embedding multiplier, logits divided by ``logits_scaling``. ``ffn`` is the share
 State layers own no KV: ``kv_views[layer]`` is ``()`` for them, and ``forward`` takes the step's
 ``StateBatch`` (each chunk's state slot) and the engine's ``StatePool``. Prefix caching is off for
 this model (``KVCacheManager``: a hit would need the state at the end of the prefix, which is not
-snapshotted). Decode steps may be captured in CUDA graphs (``supports_cuda_graphs``), prefill steps run
-eagerly. Under TP the attention layers and the shared MLP shard as
+snapshotted). Decode steps may be captured in CUDA graphs (their state slots in the graph's static input;
+not with the expert loop: ``supports_cuda_graphs``), prefill steps run eagerly (a chunk's scan needs its
+length on the host). Under TP the attention layers and the shared MLP shard as
 Llama's, each Mamba2 mixer holds its heads (``Mamba2Mixer``), the routed experts a slice of their width. The
 state moves with the KV between engines of any TP sizes (``services/kv/state_runs.py`` maps the heads).
 """
@@ -92,14 +93,6 @@ class GraniteHybridForCausalLM(LayerShapeTable, DecoderModel):
                         else param(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
         self.rope = (RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings, device)
                      if self.spec.use_rope else None)
-
-    @property
-    def supports_cuda_graphs(self) -> bool:
-        """Decode steps are captured (their state slots in the graph's static input) unless an MoE layer runs the
-        expert loop, which asks the host for each expert's token count. Prefill steps run eagerly: a chunk's
-        scan needs its length on the host."""
-        return all(layer.block_sparse_moe.experts.graph_safe for layer in self.layers
-                   if layer.block_sparse_moe is not None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_views: list[tuple[torch.Tensor, ...]], layer_groups: list[int],

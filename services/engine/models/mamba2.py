@@ -85,8 +85,8 @@ class Mamba2Mixer(nn.Module):
         f = self.full
         heads, _ = f.rank_channels(self.parallel.tp_size, self.parallel.tp_rank)
         h = torch.tensor(list(heads))
-        head_rows = (h[:, None] * f.head_dim + torch.arange(f.head_dim)).flatten()
         xbc = torch.tensor(f.state_shape().rank_conv_rows(self.parallel.tp_size, self.parallel.tp_rank))
+        head_rows = xbc[: len(heads) * f.head_dim]  # x's channels first: z and the norm are indexed as x is
         if module == "in_proj":  # z, xBC, dt
             return torch.cat((head_rows, f.intermediate_size + xbc, f.intermediate_size + f.conv_dim + h))
         if module == "conv1d":

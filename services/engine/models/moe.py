@@ -9,7 +9,7 @@ last bits wherever the matmuls do), or as grouped GEMMs over all experts at once
 
 The expert loop asks the host how many tokens each expert got (``bincount(...).tolist()``), so a
 step with it cannot be captured in a CUDA graph; the grouped path can (``RoutedExperts.graph_safe``,
-which DeepSeek-V3's ``supports_cuda_graphs`` follows).
+which ``DecoderModel.supports_cuda_graphs`` reads).
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ class ExpertRouter(nn.Module):
 
 def grouped_mm_usable(dtype: torch.dtype, device: torch.device, *dims: int) -> bool:
     """Whether ``torch._grouped_mm`` runs these shapes on ``device``: CUDA from sm_90 (its CUTLASS kernel takes
-    bfloat16 with every dim a multiple of 8); CPU runs its reference loop, never chosen (``expert_path``)."""
+    bfloat16 with every dim a multiple of 8). On CPU torch runs it as a reference loop, never chosen by default
+    (``RoutedExperts``: the expert loop is the CPU path)."""
     return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(device) >= (9, 0) and all(d % 8 == 0 for d in dims))
 
@@ -120,7 +121,8 @@ class RoutedExperts(nn.Module):
 
     @property
     def graph_safe(self) -> bool:
-        """Whether a forward can be captured in a CUDA graph (no host sync)."""
+        """Whether a forward can be captured in a CUDA graph (no host sync); ``DecoderModel.supports_cuda_graphs``
+        reads it."""
         return self.path == "grouped"
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

@@ -196,6 +196,18 @@ def test_expert_path_by_device() -> None:
         assert RoutedExperts(4, 64, 32, torch.bfloat16, DEVICE).graph_safe
 
 
+@pytest.mark.parametrize("model", ["dummy:deepseek-v3-tiny", "dummy:granite-4.0-h-tiny"])
+def test_a_model_is_captured_unless_its_experts_loop(model: str) -> None:
+    """``supports_cuda_graphs`` follows every module's ``graph_safe``: on CPU the expert loop keeps an MoE model
+    eager; a model without routed experts (Granite's dense form) can be captured."""
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=64))
+    moe = [m for m in engine.runtime.model.modules() if isinstance(m, RoutedExperts)]
+    assert engine.runtime.model.supports_cuda_graphs == (not moe)
+    for experts in moe:
+        experts.path = "grouped"
+    assert engine.runtime.model.supports_cuda_graphs
+
+
 # ---- the engine on a GPU ------------------------------------------------------------------------------
 
 
