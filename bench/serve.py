@@ -125,7 +125,7 @@ from bench.serve_planner import (  # noqa: E402
     print_phase_tables,
     print_planner_row,
 )
-from services.common.metrics import PULL_STAGES  # noqa: E402
+from services.common.metrics import JOIN_STAGES, PULL_STAGES  # noqa: E402
 from services.launch.spawn import Daemon, DaemonFailed, daemons, start_router, stop_router  # noqa: E402
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
@@ -410,23 +410,34 @@ def finished_on(d: Daemon, any_role: bool = False) -> int | None:
 def pull_totals(decode: list[Daemon]) -> dict[str, float]:
     """Summed over the decode workers' /metrics: pulls (each KV part is one), bytes, and seconds per pull stage
     (pdserve_kv_pull_stage_seconds: handshake, ticket check, planning, the READ, the digest...)."""
-    totals = dict.fromkeys(("pulls", "bytes", *PULL_STAGES), 0.0)
+    joins = [f"join.{stage}" for stage in JOIN_STAGES]
+    totals = dict.fromkeys(("pulls", "bytes", "joins", *PULL_STAGES, *joins), 0.0)
     for d in decode:
         samples = scrape(f"http://127.0.0.1:{d.metrics_port}/metrics")
         totals["pulls"] += sample(samples, "pdserve_kv_transfer_seconds_count", role="decode") or 0.0
         totals["bytes"] += sample(samples, "pdserve_kv_transfer_bytes_total", role="decode") or 0.0
         for stage in PULL_STAGES:
             totals[stage] += sample(samples, "pdserve_kv_pull_stage_seconds_sum", role="decode", stage=stage) or 0.0
+        totals["joins"] += sample(samples, "pdserve_kv_join_stage_seconds_count", role="decode",
+                                  stage="last_pull") or 0.0
+        for stage, key in zip(JOIN_STAGES, joins, strict=True):
+            totals[key] += sample(samples, "pdserve_kv_join_stage_seconds_sum", role="decode", stage=stage) or 0.0
     return totals
 
 
 def pull_profile(before: dict[str, float], after: dict[str, float]) -> dict:
-    """Where the pulls of a load went: their count, GiB, and the mean milliseconds per pull of each stage."""
+    """Where the pulls of a load went: their count, GiB, the mean milliseconds per pull of each stage, and per
+    pulled request the mean milliseconds of each stage from its last ticket to its first decode token (what the
+    decode worker adds to the gap between tokens 1 and 2)."""
     pulls = after["pulls"] - before["pulls"]
     profile = {"pulls": int(pulls), "gib": round((after["bytes"] - before["bytes"]) / 2**30, 3)}
     if pulls:
         profile["mean_stage_ms"] = {stage: round((after[stage] - before[stage]) / pulls * 1e3, 3)
                                     for stage in PULL_STAGES}
+    joins = after["joins"] - before["joins"]
+    if joins:
+        profile["mean_join_ms"] = {stage: round((after[f"join.{stage}"] - before[f"join.{stage}"]) / joins * 1e3, 3)
+                                   for stage in JOIN_STAGES}
     return profile
 
 
@@ -867,6 +878,9 @@ def print_table(rows: list[dict], ratios: list[dict], note: str | None) -> None:
             profile = r["pull_profile"]
             stages = " ".join(f"{k}={v:.2f}" for k, v in profile["mean_stage_ms"].items())
             print(f"# {r['setup']}: {profile['pulls']} pulls, {profile['gib']} GiB; mean ms per pull: {stages}")
+            if "mean_join_ms" in profile:
+                joins = " ".join(f"{k}={v:.2f}" for k, v in profile["mean_join_ms"].items())
+                print(f"# {r['setup']}: last ticket to first decode token, mean ms per request: {joins}")
         for error, count in r["errors"].items():
             print(f"# {r['setup']}: FAILED x{count}: {error}")
     added = [r["router_added_ms"] for r in rows if "router_added_ms" in r]

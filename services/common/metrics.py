@@ -19,6 +19,11 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 # a Handshake RPC on first contact; check: the ticket; pieces: token runs; plan: descriptors; read: the
 # NIXL READs until their completion reached the event loop), then resume (the engine takes the request).
 PULL_STAGES = ("reserve", "handshake", "check", "pieces", "plan", "read", "digest", "resume")
+# The decode worker's share of the gap between a pulled request's first token (sampled by the prefill worker)
+# and its second (this worker's first decode step), once per request, in order (they add up): last_pull (the
+# ticket completing the prompt's KV arrived -> its pull ended; a whole ticket's includes reserving blocks),
+# resume (-> the engine took the request), first_step (-> the token of its first decode step reached its stream).
+JOIN_STAGES = ("last_pull", "resume", "first_step")
 # pdserve_kv_probes_total's results (decode): the probe transfer worked, or it did not.
 PROBE_RESULTS = ("ok", "failed")
 # pdserve_kv_events_total's kinds, indexed by the event kind's number (services/engine/kv_cache/events.py).
@@ -55,6 +60,10 @@ class WorkerMetrics:
         self.pull_stage_seconds = Histogram("pdserve_kv_pull_stage_seconds",
                                             "A successful KV pull's time by stage (decode workers)",
                                             ["role", "stage"], buckets=STAGE_BUCKETS_S, registry=r)
+        self.join_stage_seconds = Histogram("pdserve_kv_join_stage_seconds",
+                                            "A pulled request's way from its last KV ticket to its first decode "
+                                            "token, by stage (decode workers)", ["role", "stage"],
+                                            buckets=STAGE_BUCKETS_S, registry=r)
         self.transfer_descriptors = Counter("pdserve_kv_transfer_descriptors", "NIXL descriptors read", labels,
                                             registry=r)
         self.handshake_failures = Counter("pdserve_kv_handshake_failures", "Handshakes that failed", labels,
@@ -149,6 +158,8 @@ class WorkerMetrics:
         if self.role == "decode":
             for stage in PULL_STAGES:
                 self.pull_stage_seconds.labels(self.role, stage)
+            for stage in JOIN_STAGES:
+                self.join_stage_seconds.labels(self.role, stage)
             for result in PROBE_RESULTS:
                 self.kv_probes.labels(self.role, result)
         kind, reasons = ("ticket", ("signature", "mismatch", "digest", "part")) if self.role == "decode" else \

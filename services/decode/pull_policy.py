@@ -86,6 +86,9 @@ class StartedRequest:
 
     emit_first: tuple[int, ...] = ()
     recomputed_locally: bool = False
+    #: ``time.perf_counter()`` when the engine took a request whose KV was pulled (None otherwise): the stream
+    #: times its first decode step from it (``pdserve_kv_join_stage_seconds``, stage first_step).
+    resumed_at: float | None = dataclasses.field(default=None, compare=False)
 
 
 class PartPulls:
@@ -98,6 +101,7 @@ class PartPulls:
         self.last: kv_pb2.TransferTicket | None = None
         self.failure: str | None = None
         self.num_pulled = 0
+        self.resumed_at: float | None = None  # when the engine took the request after the last part
 
     def accept(self, ticket: kv_pb2.TransferTicket, rid: str) -> str | None:
         """Take the next part; why it does not fit, if it does not (it is not pulled then)."""
@@ -149,7 +153,7 @@ class PullPolicy:
             raise ValueError(f"ticket covers {ticket.num_tokens} tokens, the prompt has {len(prompt)}")
         started = time.perf_counter()
         try:
-            failure = await self._reserve_and_pull(rid, prompt, params, ticket, started)
+            outcome = await self._reserve_and_pull(rid, prompt, params, ticket, started)
         except ValueError:
             raise  # bad input (a duplicate id among them): nothing was reserved under this call
         except BaseException:
@@ -157,12 +161,12 @@ class PullPolicy:
             # reserving blocks and streaming: nobody will read this request, so it must not keep them.
             await asyncio.shield(self.engine.abort(rid))
             raise
-        if failure is None:
-            return StartedRequest()
+        if isinstance(outcome, StartedRequest):
+            return outcome
         if require_pull:
-            log.warning("request %s: %s; failing it (the router requires pulled KV)", rid, failure)
-            raise PullRequired(failure)
-        log.warning("request %s: %s; prefilling locally", rid, failure)
+            log.warning("request %s: %s; failing it (the router requires pulled KV)", rid, outcome)
+            raise PullRequired(outcome)
+        log.warning("request %s: %s; prefilling locally", rid, outcome)
         return await self._recompute(rid, prompt, params, ticket.first_token_id)
 
     async def start_parts(self, rid: str, prompt: list[int], params: SamplingParams,
@@ -189,7 +193,7 @@ class PullPolicy:
             await asyncio.shield(self.engine.abort(rid))
             raise
         if pulled.failure is None:
-            return StartedRequest()
+            return StartedRequest(resumed_at=pulled.resumed_at)
         if require_pull:
             log.warning("request %s: %s; failing it (the router requires pulled KV)", rid, pulled.failure)
             raise PullRequired(pulled.failure)
@@ -205,14 +209,19 @@ class PullPolicy:
         """Pull each part into the reserved blocks; after the last, complete the request with its first token.
         On any failure the reservation is dropped (or quarantined) at once; the parts are then read to their
         end (the last one has the first token a local prefill continues from) unless the pull is required."""
+        result, arrived, first_reserve_s = None, 0.0, 0.0
         async for ticket in parts:
+            arrived = time.perf_counter()
             problem = pulled.accept(ticket, rid)
             if pulled.failure is None and problem is not None:
                 pulled.failure = problem
                 self.metrics.kv_refused.labels("decode", "ticket", "part").inc()
                 await self.engine.abort(rid)
             if pulled.failure is None:
-                await self._pull_part(request, ticket, pulled, reserve_s)
+                result = await self._pull_part(request, ticket, pulled)
+                first_reserve_s = reserve_s if pulled.num_pulled == 1 else 0.0
+                if result is not None and pulled.last is None:
+                    self._count_pull(rid, result, first_reserve_s, 0.0)
             if (pulled.failure is not None and require_pull) or pulled.last is not None:
                 break
         if pulled.failure is not None:
@@ -222,15 +231,22 @@ class PullPolicy:
             pulled.failure = f"the prompt's KV parts ended at token {pulled.end} of {pulled.num_prompt_tokens}, " \
                              "before its last part (the prefill worker failed)"
             return
+        pulled_at = time.perf_counter()
         try:
             await self.engine.complete_external_kv(rid, pulled.last.first_token_id, pulled.last.first_token_logprob)
         except ValueError as e:  # the last part's first token does not fit (e.g. not in the grammar)
+            self._count_pull(rid, result, first_reserve_s, 0.0)  # its bytes did move
             await self.engine.abort(rid)
             pulled.failure = f"the ticket's first token is refused ({e})"
+            return
+        pulled.resumed_at = time.perf_counter()
+        self._count_pull(rid, result, first_reserve_s, pulled.resumed_at - pulled_at)
+        self._count_join(pulled_at - arrived, pulled.resumed_at - pulled_at)
 
-    async def _pull_part(self, request: Request, ticket: kv_pb2.TransferTicket, pulled: PartPulls,
-                         reserve_s: float) -> None:
-        """One part into the request's blocks (what its own prefix cache holds is not read again)."""
+    async def _pull_part(self, request: Request, ticket: kv_pb2.TransferTicket, pulled: PartPulls
+                         ) -> PullResult | None:
+        """One part into the request's blocks (what its own prefix cache holds is not read again); None when
+        it failed (``pulled.failure`` says why, the reservation is dropped)."""
         rid = request.request_id
         cached = min(max(request.num_cached_tokens, ticket.part_start_token), ticket.num_tokens)
         try:
@@ -239,9 +255,9 @@ class PullPolicy:
             await self._drop_failed_pull(rid, e)
             pulled.failure = f"KV pull of tokens {ticket.part_start_token}..{ticket.num_tokens} from " \
                              f"{ticket.engine_id} failed ({e})"
-            return
-        self._count_pull(rid, result, 0.0 if pulled.num_pulled else reserve_s, 0.0)
+            return None
         pulled.num_pulled += 1
+        return result
 
     async def _recompute(self, rid: str, prompt: list[int], params: SamplingParams,
                          first_token_id: int) -> StartedRequest:
@@ -252,10 +268,10 @@ class PullPolicy:
         return StartedRequest((first_token_id,), recomputed_locally=True)
 
     async def _reserve_and_pull(self, rid: str, prompt: list[int], params: SamplingParams,
-                                ticket: kv_pb2.TransferTicket, started: float) -> str | None:
-        """Reserve local blocks and pull the ticket's KV into them; None when the request runs on the
-        pulled KV, else why it cannot (no room in time, the pull failed, the first token was refused:
-        any reservation is dropped by then)."""
+                                ticket: kv_pb2.TransferTicket, started: float) -> StartedRequest | str:
+        """Reserve local blocks and pull the ticket's KV into them: the request running on the pulled KV,
+        else why it cannot (no room in time, the pull failed, the first token was refused: any reservation
+        is dropped by then)."""
         request = await self._reserve(rid, prompt, params)
         reserved = time.perf_counter()
         if request is None:
@@ -273,7 +289,8 @@ class PullPolicy:
             return f"the ticket's first token is refused ({e})"
         resumed = time.perf_counter()
         self._count_pull(rid, result, reserved - started, resumed - pulled)
-        return None
+        self._count_join(pulled - started, resumed - pulled)
+        return StartedRequest(resumed_at=resumed)
 
     async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams) -> Request | None:
         """Reserve local blocks for the pull, waiting (bounded, with backoff) for a seat or blocks to free up;
@@ -319,6 +336,11 @@ class PullPolicy:
         if isinstance(error, KVIntegrityError):  # the blocks are dropped with the reservation
             for group in error.groups:
                 self.metrics.kv_integrity_failures.labels("decode", str(group)).inc()
+
+    def _count_join(self, last_pull_s: float, resume_s: float) -> None:
+        """The first two stages of pdserve_kv_join_stage_seconds (the stream observes first_step)."""
+        self.metrics.join_stage_seconds.labels("decode", "last_pull").observe(last_pull_s)
+        self.metrics.join_stage_seconds.labels("decode", "resume").observe(resume_s)
 
     def _count_pull(self, rid: str, result: PullResult, reserve_s: float, resume_s: float) -> None:
         """The transfer counters, pdserve_kv_pull_stage_seconds, and one debug line with every stage (the

@@ -176,15 +176,19 @@ class DecodeServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.De
             await self.engine.abort(rid)
             yield self._give_back(num_prompt_tokens)
             return
-        last = None
+        last, num_outputs = None, 0
         self._streaming.add(rid)
         try:
             async for out in self.engine.outputs(rid):
                 now = time.monotonic()
+                num_outputs += 1
                 if last is None:
                     self.metrics.ttft.labels("decode").observe(now - started)
                 else:
                     self.metrics.itl.labels("decode").observe(now - last)
+                if num_outputs == 2 and start.resumed_at is not None:  # the first after the ticket's token
+                    self.metrics.join_stage_seconds.labels("decode", "first_step").observe(
+                        time.perf_counter() - start.resumed_at)
                 chunk = _chunk(out, num_prompt_tokens, start.recomputed_locally)
                 if last is None and out.prompt_logprobs is not None:
                     chunk.prompt_logprobs.extend(top_logprobs_to_proto(out.prompt_logprobs))

@@ -46,6 +46,8 @@ def test_greedy_tokens_equal_colocated_with_kv_parts_on_and_off(checkpoint: str)
     with stack(checkpoint, 1, 1, prefill_args=(*PREFILL_ARGS, "--max-num-batched-tokens", str(CHUNK))) as s:
         (p,), (d,) = s.prefill, s.decode
         one_piece = start_router(checkpoint, [p.address], [d.address], "--no-kv-parts")
+        stages = ("last_pull", "resume", "first_step")
+        joins_before = [metric_total(d, "pdserve_kv_join_stage_seconds_count", f'stage="{s}"') for s in stages]
         try:
             for seed, (url, per_chunk) in enumerate(((one_piece.url, False), (s.url, True))):
                 before = metric_total(p, "pdserve_requests_total", 'outcome="kv_part"')
@@ -63,6 +65,11 @@ def test_greedy_tokens_equal_colocated_with_kv_parts_on_and_off(checkpoint: str)
         finally:
             stop_router(one_piece)
         assert metric_total(d, "pdserve_local_recompute_fallbacks_total") == 0
+        # Every request's way from its last ticket to its first decode token is timed once, stage by stage
+        # (the router's start-up probe pulls too, before the routers are used).
+        for stage, before in zip(stages, joins_before, strict=True):
+            joins = metric_total(d, "pdserve_kv_join_stage_seconds_count", f'stage="{stage}"') - before
+            assert joins == 2 * 2 * 4, (stage, joins)
         assert metric_total(d, "pdserve_kv_transfer_failures_total") == 0
         deadline = time.monotonic() + 10
         while info(p).kv_blocks_pinned and time.monotonic() < deadline:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.common.metrics import PULL_STAGES, WorkerMetrics
+from services.common.metrics import JOIN_STAGES, PULL_STAGES, WorkerMetrics
 from services.contract.sampling_params import SamplingParams
 from services.decode.pull_policy import PullPolicy, PullRequired, StartedRequest
 from services.kv.handshake import HandshakeError
@@ -132,6 +132,51 @@ def test_a_successful_pull_completes_the_reservation_with_the_tickets_first_toke
     for stage in PULL_STAGES:  # every stage observed once, those the pull did not report as 0
         assert _value(metrics, "pdserve_kv_pull_stage_seconds_count", stage=stage) == 1
     assert _value(metrics, "pdserve_local_recompute_fallbacks_total") == 0
+    # the way to the first decode token: the pull and the resume here, the first step by the stream
+    assert started.resumed_at is not None
+    for stage in ("last_pull", "resume"):
+        assert _value(metrics, "pdserve_kv_join_stage_seconds_count", stage=stage) == 1
+
+
+def _parts(*ends: int) -> list[kv_pb2.TransferTicket]:
+    """Part tickets of PROMPT ending at ``ends`` (the last one ends at the prompt's end: the first token)."""
+    tickets, start = [], 0
+    for end in ends:
+        ticket = _ticket(end)
+        ticket.part_start_token, ticket.num_prompt_tokens = start, len(PROMPT)
+        tickets.append(ticket)
+        start = end
+    return tickets
+
+
+async def _aiter(items):
+    for item in items:
+        yield item
+
+
+def test_parts_are_pulled_in_order_and_the_join_is_timed_from_the_last_one() -> None:
+    engine, puller = FakeEngine(), FakePuller()
+    policy, metrics = _policy(engine, puller)
+    started = asyncio.run(policy.start_parts("r", PROMPT, PARAMS, _aiter(_parts(2, 4, 5))))
+    assert started == StartedRequest() and started.resumed_at is not None
+    # each from the later of its start and the locally cached prefix (4 tokens), clipped to its end
+    assert [cached for _, _, cached in puller.pulls] == [2, 4, 4]
+    assert engine.completed == [("r", FIRST, -0.5)] and engine.aborted == []
+    assert _value(metrics, "pdserve_kv_transfer_seconds_count") == 3  # every part is a pull
+    assert _value(metrics, "pdserve_kv_pull_stage_seconds_count", stage="resume") == 3  # 0 for the first two
+    for stage in ("last_pull", "resume"):  # once per request
+        assert _value(metrics, "pdserve_kv_join_stage_seconds_count", stage=stage) == 1
+    assert _value(metrics, "pdserve_kv_join_stage_seconds_count", stage="first_step") == 0  # the stream's
+
+
+def test_a_refused_first_token_after_the_last_part_still_counts_its_bytes() -> None:
+    engine, puller = FakeEngine(refuse_first_token=True), FakePuller()
+    policy, metrics = _policy(engine, puller)
+    started = asyncio.run(policy.start_parts("r", PROMPT, PARAMS, _aiter(_parts(2, 5))))
+    _assert_recomputed(started, engine, metrics)
+    assert _value(metrics, "pdserve_kv_transfer_bytes_total") == 2 * 4096
+    assert _value(metrics, "pdserve_kv_join_stage_seconds_count", stage="last_pull") == 0
+    assert set(JOIN_STAGES) == {"last_pull", "resume", "first_step"}
 
 
 @pytest.mark.parametrize(("error", "failure_metric"), [
