@@ -6,7 +6,7 @@ worker (told the reader's TP size), then ``Generate`` with its ticket on a decod
 every rank pulls its own head slice. Greedy tokens must equal a colocated TP1 engine's, the pull
 must really happen (no local recompute), and the prefill worker must free the request's blocks
 once every reading rank has notified. A random Llama checkpoint with 2 KV heads covers the split
-and the replicated sides; the bundled SmolLM2 (3 KV heads, 9 query heads) covers an uneven TP3; a
+and the replicated sides; one with SmolLM2's 3 KV heads and 9 query heads covers an uneven TP3; a
 Gemma-4-like checkpoint covers KV-cache groups (each sharded by its own head count) under TP.
 Pairs that cannot work are refused with the reason: a worker that cannot shard the model does
 not start, and a live worker no peer can pair with is named, with why, on the router's /health.
@@ -47,15 +47,16 @@ def _worker_args(tp: int, block_size: int, layout: str, num_blocks: int = 96) ->
             "--num-kv-blocks", str(num_blocks), "--max-num-seqs", "8")
 
 
-def _random_llama(tmp_path_factory, num_kv_heads: int, seed: int) -> str:
-    """A random 4-query-head Llama checkpoint saved by transformers."""
+def _random_llama(tmp_path_factory, num_kv_heads: int, seed: int, num_heads: int = 4) -> str:
+    """A random Llama checkpoint (``num_heads`` query heads of 16 dims) saved by transformers."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
     config = hf_config("llama")
-    config.num_key_value_heads = num_kv_heads
-    path = tmp_path_factory.mktemp(f"tp-llama-kv{num_kv_heads}")
+    config.num_key_value_heads, config.num_attention_heads = num_kv_heads, num_heads
+    config.hidden_size, config.intermediate_size = 16 * num_heads, 32 * num_heads
+    path = tmp_path_factory.mktemp(f"tp-llama-q{num_heads}-kv{num_kv_heads}")
     transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path, safe_serialization=True)
     return str(path)
 
@@ -162,12 +163,14 @@ def test_auto_layout_is_heads_outer_across_tp_sizes_and_equals_colocated_tp1(lla
             _wait_unpinned(prefill)
 
 
-def test_smollm2_uneven_tp3_pairs_equal_colocated() -> None:
-    """SmolLM2: 3 KV heads, so TP3 (one head per rank) against TP1, both ways, and with itself."""
+def test_uneven_tp3_pairs_equal_colocated(tmp_path_factory) -> None:
+    """3 KV heads and 9 query heads (SmolLM2's shape), so TP3 (one KV head per rank) against TP1, both ways, and
+    with itself."""
+    model = _random_llama(tmp_path_factory, 3, seed=3, num_heads=9)
     keys = [("prefill", 1), ("prefill", 3), ("decode", 1), ("decode", 3)]
-    specs = [(role, None, _worker_args(tp, 16, "cross_layer", num_blocks=64)) for role, tp in keys]
-    prompts = _prompts(1, 49152, seed=3)
-    expected = _colocated(None, prompts)
+    specs = [(role, model, _worker_args(tp, 16, "cross_layer", num_blocks=64)) for role, tp in keys]
+    prompts = _prompts(1, 320, seed=3)
+    expected = _colocated(model, prompts)
     with daemons(*specs) as started:
         workers = dict(zip(keys, started, strict=True))
         for p_tp, d_tp in ((3, 1), (1, 3), (3, 3)):  # TP1 -> TP1 is every other test's case

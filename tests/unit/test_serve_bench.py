@@ -28,6 +28,10 @@ def test_quick_serve_benchmark_runs_both_setups_without_failures() -> None:
     # 1p1d disaggregates every request; the replicas prefill their own and both take a share
     assert setups["1p1d"]["routes"]["disaggregated"] == 4 and setups["1p1d"]["routes"]["fallback"] == 0
     assert setups["2x-colocated"]["routes"]["direct"] == 4
+    # where the pulls went: each request's last ticket to its first decode token, stage by stage
+    profile = setups["1p1d"]["pull_profile"]
+    assert profile["pulls"] >= 4 and set(profile["mean_join_ms"]) == {"last_pull", "resume", "first_step"}
+    assert all(ms > 0 for ms in profile["mean_join_ms"].values()), profile
     assert len(setups["2x-colocated"]["decode_finished"]) == 2 and min(setups["2x-colocated"]["decode_finished"]) > 0
     assert "router_added_ms" in setups["2x-colocated"]
     ratio = next(r for r in rows if r["kind"] == "ratio")
