@@ -55,6 +55,8 @@ class DecodeEngine(Protocol):
     async def complete_external_kv(self, request_id: str, first_token_id: int,
                                    first_logprob: float | None = None) -> None: ...
 
+    def prepare_external_kv(self, request_id: str) -> None: ...
+
     async def abort(self, request_id: str) -> bool: ...
 
     async def quarantine_external_kv(self, request_id: str) -> str: ...
@@ -79,6 +81,17 @@ class PullRequired(Exception):
 
 
 @dataclass(frozen=True)
+class JoinTimes:
+    """A pulled request's way to the engine (``pdserve_kv_join_stage_seconds``, observed by the stream that serves
+    it, so a probe's pull is not counted): the pull of the ticket completing its KV (blocks reserved first for a
+    whole ticket), then the engine taking it; ``resumed_at`` (``time.perf_counter()``) starts its first step."""
+
+    last_pull_s: float
+    resume_s: float
+    resumed_at: float
+
+
+@dataclass(frozen=True)
 class StartedRequest:
     """A request the engine runs now. ``emit_first``: tokens to stream before the engine's own outputs
     (the ticket's first token, when the prompt was recomputed with it); ``recomputed_locally``: the
@@ -86,9 +99,7 @@ class StartedRequest:
 
     emit_first: tuple[int, ...] = ()
     recomputed_locally: bool = False
-    #: ``time.perf_counter()`` when the engine took a request whose KV was pulled (None otherwise): the stream
-    #: times its first decode step from it (``pdserve_kv_join_stage_seconds``, stage first_step).
-    resumed_at: float | None = dataclasses.field(default=None, compare=False)
+    join: JoinTimes | None = dataclasses.field(default=None, compare=False)  # its KV was pulled
 
 
 class PartPulls:
@@ -101,7 +112,7 @@ class PartPulls:
         self.last: kv_pb2.TransferTicket | None = None
         self.failure: str | None = None
         self.num_pulled = 0
-        self.resumed_at: float | None = None  # when the engine took the request after the last part
+        self.join: JoinTimes | None = None  # once the engine took the request after the last part
 
     def accept(self, ticket: kv_pb2.TransferTicket, rid: str) -> str | None:
         """Take the next part; why it does not fit, if it does not (it is not pulled then)."""
@@ -193,7 +204,7 @@ class PullPolicy:
             await asyncio.shield(self.engine.abort(rid))
             raise
         if pulled.failure is None:
-            return StartedRequest(resumed_at=pulled.resumed_at)
+            return StartedRequest(join=pulled.join)
         if require_pull:
             log.warning("request %s: %s; failing it (the router requires pulled KV)", rid, pulled.failure)
             raise PullRequired(pulled.failure)
@@ -239,9 +250,9 @@ class PullPolicy:
             await self.engine.abort(rid)
             pulled.failure = f"the ticket's first token is refused ({e})"
             return
-        pulled.resumed_at = time.perf_counter()
-        self._count_pull(rid, result, first_reserve_s, pulled.resumed_at - pulled_at)
-        self._count_join(pulled_at - arrived, pulled.resumed_at - pulled_at)
+        resumed = time.perf_counter()
+        self._count_pull(rid, result, first_reserve_s, resumed - pulled_at)
+        pulled.join = JoinTimes(pulled_at - arrived, resumed - pulled_at, resumed)
 
     async def _pull_part(self, request: Request, ticket: kv_pb2.TransferTicket, pulled: PartPulls
                          ) -> PullResult | None:
@@ -289,8 +300,7 @@ class PullPolicy:
             return f"the ticket's first token is refused ({e})"
         resumed = time.perf_counter()
         self._count_pull(rid, result, reserved - started, resumed - pulled)
-        self._count_join(pulled - started, resumed - pulled)
-        return StartedRequest(resumed_at=resumed)
+        return StartedRequest(join=JoinTimes(pulled - started, resumed - pulled, resumed))
 
     async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams) -> Request | None:
         """Reserve local blocks for the pull, waiting (bounded, with backoff) for a seat or blocks to free up;
@@ -299,8 +309,11 @@ class PullPolicy:
         delay_s = RESERVE_FIRST_DELAY_S
         while True:
             request = await self.engine.add_request_with_external_kv(rid, prompt, params)
-            if request is not None or time.monotonic() >= deadline:
+            if request is not None:
+                self.engine.prepare_external_kv(rid)  # while the KV is on the way
                 return request
+            if time.monotonic() >= deadline:
+                return None
             await asyncio.sleep(delay_s)
             delay_s = min(2 * delay_s, RESERVE_MAX_DELAY_S)
 
@@ -336,11 +349,6 @@ class PullPolicy:
         if isinstance(error, KVIntegrityError):  # the blocks are dropped with the reservation
             for group in error.groups:
                 self.metrics.kv_integrity_failures.labels("decode", str(group)).inc()
-
-    def _count_join(self, last_pull_s: float, resume_s: float) -> None:
-        """The first two stages of pdserve_kv_join_stage_seconds (the stream observes first_step)."""
-        self.metrics.join_stage_seconds.labels("decode", "last_pull").observe(last_pull_s)
-        self.metrics.join_stage_seconds.labels("decode", "resume").observe(resume_s)
 
     def _count_pull(self, rid: str, result: PullResult, reserve_s: float, resume_s: float) -> None:
         """The transfer counters, pdserve_kv_pull_stage_seconds, and one debug line with every stage (the

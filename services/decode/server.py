@@ -177,6 +177,10 @@ class DecodeServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.De
             yield self._give_back(num_prompt_tokens)
             return
         last, num_outputs = None, 0
+        join = self.metrics.join_stage_seconds
+        if start.join is not None:
+            join.labels("decode", "last_pull").observe(start.join.last_pull_s)
+            join.labels("decode", "resume").observe(start.join.resume_s)
         self._streaming.add(rid)
         try:
             async for out in self.engine.outputs(rid):
@@ -186,9 +190,8 @@ class DecodeServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.De
                     self.metrics.ttft.labels("decode").observe(now - started)
                 else:
                     self.metrics.itl.labels("decode").observe(now - last)
-                if num_outputs == 2 and start.resumed_at is not None:  # the first after the ticket's token
-                    self.metrics.join_stage_seconds.labels("decode", "first_step").observe(
-                        time.perf_counter() - start.resumed_at)
+                if num_outputs == 2 and start.join is not None:  # the first after the ticket's token
+                    join.labels("decode", "first_step").observe(time.perf_counter() - start.join.resumed_at)
                 chunk = _chunk(out, num_prompt_tokens, start.recomputed_locally)
                 if last is None and out.prompt_logprobs is not None:
                     chunk.prompt_logprobs.extend(top_logprobs_to_proto(out.prompt_logprobs))

@@ -163,6 +163,18 @@ class AsyncEngine:
 
         await self.call(complete)
 
+    def prepare_external_kv(self, request_id: str) -> None:
+        """``LLMEngine.prepare_external_kv`` on the engine thread, not awaited: the pull goes on meanwhile, and
+        its completion, queued later, finds the work done."""
+
+        def prepare() -> None:
+            try:
+                self.engine.prepare_external_kv(request_id)
+            except Exception:  # noqa: BLE001 - an optimisation: the completion does the work itself
+                log.exception("preparing request %s for its pulled KV failed", request_id)
+
+        self._commands.put(prepare)
+
     async def fail_external_kv(self, request_id: str) -> None:
         await self.call(lambda e: e.fail_external_kv(request_id))
 

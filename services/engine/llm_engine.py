@@ -245,8 +245,10 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
+        # Built-ins over the whole list first (a 32k-token prompt: ~1 ms against ~4 ms for a per-token check,
+        # on the engine thread); the per-token check only names the offenders.
+        if set(map(type, token_ids)) != {int} or min(token_ids) < 0 or max(token_ids) >= vocab:
+            bad = [t for t in token_ids if type(t) is not int or not 0 <= t < vocab]
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
@@ -282,6 +284,12 @@ class LLMEngine:
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise ValueError(f"first token id {first_token_id} is outside the vocabulary")
         return self.external_kv.pull_arrived(request_id, first_token_id, first_logprob)
+
+    def prepare_external_kv(self, request_id: str) -> None:
+        """Between reserving and completing: the work ``complete_external_kv`` would otherwise do on the way to
+        the request's first step (hashing its prompt's blocks for the prefix cache). Optional; a request no
+        longer reserved is skipped."""
+        self.external_kv.prepare_pull(request_id)
 
     def fail_external_kv(self, request_id: str) -> None:
         """The KV never arrived: prefill the prompt here instead (the request is not lost)."""

@@ -605,6 +605,13 @@ class Scheduler:
         bisect.insort(self._running, request, key=self._arrival_of)
         return request
 
+    def prehash_external(self, request_id: str) -> None:
+        """Hash a reserved pull's prompt blocks ahead of its completion (``KVCacheManager.hash_full_blocks``);
+        a request no longer waiting for its KV (aborted, failed) is skipped."""
+        request = self._waiting_for_kv.get(request_id)
+        if request is not None:
+            self.kv.hash_full_blocks(request, request.num_prompt_tokens)
+
     def fail_external(self, request_id: str) -> None:
         """The pull failed: free the blocks and queue the request to be prefilled here."""
         request = self._waiting_for_kv_request(request_id)

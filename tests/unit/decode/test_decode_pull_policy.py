@@ -51,6 +51,9 @@ class FakeEngine:
             return None
         return SimpleNamespace(request_id=request_id, block_ids=[[3, 4]], num_cached_tokens=4, state_slot=None)
 
+    def prepare_external_kv(self, request_id: str) -> None:
+        self.prepared = [*getattr(self, "prepared", []), request_id]
+
     async def complete_external_kv(self, request_id: str, first_token_id: int,
                                    first_logprob: float | None = None) -> None:
         if self.refuse_first_token:
@@ -122,7 +125,7 @@ def test_a_successful_pull_completes_the_reservation_with_the_tickets_first_toke
     started = asyncio.run(policy.start("r", PROMPT, PARAMS, _ticket()))
     assert started == StartedRequest() and not started.recomputed_locally
     assert puller.pulls == [("r", [[3, 4]], 4)]  # into the reserved blocks, past the locally cached prefix
-    assert engine.completed == [("r", FIRST, -0.5)]
+    assert engine.completed == [("r", FIRST, -0.5)] and engine.prepared == ["r"]  # hashed while pulling
     assert engine.added == [] and engine.aborted == []
     assert _value(metrics, "pdserve_kv_transfer_bytes_total") == 4096
     assert _value(metrics, "pdserve_kv_transfer_source_bytes_total", source="host") == 1024
@@ -132,10 +135,11 @@ def test_a_successful_pull_completes_the_reservation_with_the_tickets_first_toke
     for stage in PULL_STAGES:  # every stage observed once, those the pull did not report as 0
         assert _value(metrics, "pdserve_kv_pull_stage_seconds_count", stage=stage) == 1
     assert _value(metrics, "pdserve_local_recompute_fallbacks_total") == 0
-    # the way to the first decode token: the pull and the resume here, the first step by the stream
-    assert started.resumed_at is not None
-    for stage in ("last_pull", "resume"):
-        assert _value(metrics, "pdserve_kv_join_stage_seconds_count", stage=stage) == 1
+    # the way to the engine, for the stream to count (a probe's pull streams nothing and is not counted)
+    join = started.join
+    assert join is not None and min(join.last_pull_s, join.resume_s, join.resumed_at) > 0
+    for stage in JOIN_STAGES:
+        assert _value(metrics, "pdserve_kv_join_stage_seconds_count", stage=stage) == 0
 
 
 def _parts(*ends: int) -> list[kv_pb2.TransferTicket]:
@@ -158,15 +162,13 @@ def test_parts_are_pulled_in_order_and_the_join_is_timed_from_the_last_one() -> 
     engine, puller = FakeEngine(), FakePuller()
     policy, metrics = _policy(engine, puller)
     started = asyncio.run(policy.start_parts("r", PROMPT, PARAMS, _aiter(_parts(2, 4, 5))))
-    assert started == StartedRequest() and started.resumed_at is not None
+    assert started == StartedRequest() and started.join is not None
     # each from the later of its start and the locally cached prefix (4 tokens), clipped to its end
     assert [cached for _, _, cached in puller.pulls] == [2, 4, 4]
     assert engine.completed == [("r", FIRST, -0.5)] and engine.aborted == []
     assert _value(metrics, "pdserve_kv_transfer_seconds_count") == 3  # every part is a pull
     assert _value(metrics, "pdserve_kv_pull_stage_seconds_count", stage="resume") == 3  # 0 for the first two
-    for stage in ("last_pull", "resume"):  # once per request
-        assert _value(metrics, "pdserve_kv_join_stage_seconds_count", stage=stage) == 1
-    assert _value(metrics, "pdserve_kv_join_stage_seconds_count", stage="first_step") == 0  # the stream's
+    assert 0 < started.join.last_pull_s < 1 and 0 < started.join.resume_s < 1  # the last part's, not all three
 
 
 def test_a_refused_first_token_after_the_last_part_still_counts_its_bytes() -> None:
@@ -175,8 +177,7 @@ def test_a_refused_first_token_after_the_last_part_still_counts_its_bytes() -> N
     started = asyncio.run(policy.start_parts("r", PROMPT, PARAMS, _aiter(_parts(2, 5))))
     _assert_recomputed(started, engine, metrics)
     assert _value(metrics, "pdserve_kv_transfer_bytes_total") == 2 * 4096
-    assert _value(metrics, "pdserve_kv_join_stage_seconds_count", stage="last_pull") == 0
-    assert set(JOIN_STAGES) == {"last_pull", "resume", "first_step"}
+    assert started.join is None
 
 
 @pytest.mark.parametrize(("error", "failure_metric"), [

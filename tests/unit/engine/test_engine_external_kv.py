@@ -57,7 +57,10 @@ def _decode_rest(decode: LLMEngine, request_id: str, first_token: int) -> list[i
     return tokens
 
 
-def test_decode_engine_resumes_from_transferred_kv(checkpoint: str) -> None:
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+def test_decode_engine_resumes_from_transferred_kv(checkpoint: str, prepared: bool) -> None:
+    """``prepared``: the prompt's block hashes computed while the KV is on the way (the decode worker's way);
+    the completion then publishes the same prefix keys, so the second request's hit below is the same."""
     reference = _engine(checkpoint, LayoutKind.CROSS_LAYER, 4).generate([PROMPT], GREEDY)[0].token_ids
 
     prefill = _engine(checkpoint, LayoutKind.CROSS_LAYER, 4)
@@ -67,6 +70,11 @@ def test_decode_engine_resumes_from_transferred_kv(checkpoint: str) -> None:
 
     dst = decode.add_request_with_external_kv("r1", PROMPT, GREEDY)
     assert dst is not None and dst.num_cached_tokens == 0
+    chain = decode.kv_manager.block_hashes.of(dst)._chains
+    if prepared:
+        decode.prepare_external_kv("r1")
+        assert len(chain[8]) == len(PROMPT) // 8  # every full block hashed before the KV lands
+        decode.prepare_external_kv("no-such-request")  # skipped, like a request aborted meanwhile
     _copy_kv(prefill, decode, held.block_ids[0], dst)
     assert prefill.release_held_kv("r1")
     assert prefill.kv_manager.pool(0).num_free_blocks == 64
@@ -80,6 +88,8 @@ def test_decode_engine_resumes_from_transferred_kv(checkpoint: str) -> None:
     held2, first2 = _prefill(prefill, "r2", prompt2)
     dst2 = decode.add_request_with_external_kv("r2", prompt2, GREEDY)
     assert dst2.num_cached_tokens == 32
+    if prepared:
+        decode.prepare_external_kv("r2")
     _copy_kv(prefill, decode, held2.block_ids[0], dst2)
     assert _decode_rest(decode, "r2", first2.token_ids[0]) == reference2
 
