@@ -55,7 +55,7 @@ class DecodeEngine(Protocol):
     async def complete_external_kv(self, request_id: str, first_token_id: int,
                                    first_logprob: float | None = None) -> None: ...
 
-    def prepare_external_kv(self, request_id: str) -> None: ...
+    def prepare_external_kv(self, request_id: str, num_pulled_tokens: int = 0) -> None: ...
 
     async def abort(self, request_id: str) -> bool: ...
 
@@ -233,6 +233,7 @@ class PullPolicy:
                 first_reserve_s = reserve_s if pulled.num_pulled == 1 else 0.0
                 if result is not None and pulled.last is None:
                     self._count_pull(rid, result, first_reserve_s, 0.0)
+                    self.engine.prepare_external_kv(rid, ticket.num_tokens)  # publish what is in
             if (pulled.failure is not None and require_pull) or pulled.last is not None:
                 break
         if pulled.failure is not None:

@@ -163,13 +163,13 @@ class AsyncEngine:
 
         await self.call(complete)
 
-    def prepare_external_kv(self, request_id: str) -> None:
+    def prepare_external_kv(self, request_id: str, num_pulled_tokens: int = 0) -> None:
         """``LLMEngine.prepare_external_kv`` on the engine thread, not awaited: the pull goes on meanwhile, and
         its completion, queued later, finds the work done."""
 
         def prepare() -> None:
             try:
-                self.engine.prepare_external_kv(request_id)
+                self.engine.prepare_external_kv(request_id, num_pulled_tokens)
             except Exception:  # noqa: BLE001 - an optimisation: the completion does the work itself
                 log.exception("preparing request %s for its pulled KV failed", request_id)
 

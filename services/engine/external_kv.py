@@ -79,9 +79,10 @@ class ExternalKV:
         self.outputs.add(request, grammar)
         return request
 
-    def prepare_pull(self, request_id: str) -> None:
-        """While the KV is on the way: hash the prompt's blocks, so that ``pull_arrived`` only files them."""
-        self.scheduler.prehash_external(request_id)
+    def prepare_pull(self, request_id: str, num_pulled_tokens: int = 0) -> None:
+        """While the KV is on the way: hash the prompt's blocks and publish those already pulled, so that
+        ``pull_arrived`` only files the rest."""
+        self.scheduler.prepare_external(request_id, num_pulled_tokens)
 
     def pull_arrived(self, request_id: str, first_token_id: int, first_logprob: float | None) -> RequestOutput:
         """The blocks are filled: the request joins the batch with its first token (checked against

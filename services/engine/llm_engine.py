@@ -285,11 +285,12 @@ class LLMEngine:
             raise ValueError(f"first token id {first_token_id} is outside the vocabulary")
         return self.external_kv.pull_arrived(request_id, first_token_id, first_logprob)
 
-    def prepare_external_kv(self, request_id: str) -> None:
+    def prepare_external_kv(self, request_id: str, num_pulled_tokens: int = 0) -> None:
         """Between reserving and completing: the work ``complete_external_kv`` would otherwise do on the way to
-        the request's first step (hashing its prompt's blocks for the prefix cache). Optional; a request no
-        longer reserved is skipped."""
-        self.external_kv.prepare_pull(request_id)
+        the request's first step. Hashes the prompt's blocks for the prefix cache and publishes the full blocks
+        of the first ``num_pulled_tokens`` tokens (KV sent per chunk: the parts pulled and checked so far).
+        Optional; a request no longer reserved is skipped."""
+        self.external_kv.prepare_pull(request_id, num_pulled_tokens)
 
     def fail_external_kv(self, request_id: str) -> None:
         """The KV never arrived: prefill the prompt here instead (the request is not lost)."""

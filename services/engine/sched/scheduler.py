@@ -605,12 +605,15 @@ class Scheduler:
         bisect.insort(self._running, request, key=self._arrival_of)
         return request
 
-    def prehash_external(self, request_id: str) -> None:
-        """Hash a reserved pull's prompt blocks ahead of its completion (``KVCacheManager.hash_full_blocks``);
-        a request no longer waiting for its KV (aborted, failed) is skipped."""
+    def prepare_external(self, request_id: str, num_pulled_tokens: int = 0) -> None:
+        """Ahead of a reserved pull's completion: hash its prompt's blocks (``KVCacheManager.hash_full_blocks``)
+        and publish the full blocks of the first ``num_pulled_tokens`` (pulled and checked: the parts so far),
+        so later requests can hit them at once; a request no longer waiting for its KV is skipped."""
         request = self._waiting_for_kv.get(request_id)
         if request is not None:
             self.kv.hash_full_blocks(request, request.num_prompt_tokens)
+            if num_pulled_tokens:
+                self.kv.cache_full_blocks(request, min(num_pulled_tokens, request.num_prompt_tokens))
 
     def fail_external(self, request_id: str) -> None:
         """The pull failed: free the blocks and queue the request to be prefilled here."""

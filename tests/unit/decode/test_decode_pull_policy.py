@@ -51,8 +51,8 @@ class FakeEngine:
             return None
         return SimpleNamespace(request_id=request_id, block_ids=[[3, 4]], num_cached_tokens=4, state_slot=None)
 
-    def prepare_external_kv(self, request_id: str) -> None:
-        self.prepared = [*getattr(self, "prepared", []), request_id]
+    def prepare_external_kv(self, request_id: str, num_pulled_tokens: int = 0) -> None:
+        self.prepared = [*getattr(self, "prepared", []), (request_id, num_pulled_tokens)]
 
     async def complete_external_kv(self, request_id: str, first_token_id: int,
                                    first_logprob: float | None = None) -> None:
@@ -125,7 +125,7 @@ def test_a_successful_pull_completes_the_reservation_with_the_tickets_first_toke
     started = asyncio.run(policy.start("r", PROMPT, PARAMS, _ticket()))
     assert started == StartedRequest() and not started.recomputed_locally
     assert puller.pulls == [("r", [[3, 4]], 4)]  # into the reserved blocks, past the locally cached prefix
-    assert engine.completed == [("r", FIRST, -0.5)] and engine.prepared == ["r"]  # hashed while pulling
+    assert engine.completed == [("r", FIRST, -0.5)] and engine.prepared == [("r", 0)]  # hashed while pulling
     assert engine.added == [] and engine.aborted == []
     assert _value(metrics, "pdserve_kv_transfer_bytes_total") == 4096
     assert _value(metrics, "pdserve_kv_transfer_source_bytes_total", source="host") == 1024
@@ -166,6 +166,7 @@ def test_parts_are_pulled_in_order_and_the_join_is_timed_from_the_last_one() -> 
     # each from the later of its start and the locally cached prefix (4 tokens), clipped to its end
     assert [cached for _, _, cached in puller.pulls] == [2, 4, 4]
     assert engine.completed == [("r", FIRST, -0.5)] and engine.aborted == []
+    assert engine.prepared == [("r", 0), ("r", 2), ("r", 4)]  # hashed at once, each part published once in
     assert _value(metrics, "pdserve_kv_transfer_seconds_count") == 3  # every part is a pull
     assert _value(metrics, "pdserve_kv_pull_stage_seconds_count", stage="resume") == 3  # 0 for the first two
     assert 0 < started.join.last_pull_s < 1 and 0 < started.join.resume_s < 1  # the last part's, not all three

@@ -4,6 +4,8 @@ continues. Greedy tokens must equal one engine doing both (the colocated referen
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from services.contract.sampling_params import SamplingParams
@@ -133,3 +135,28 @@ def test_bad_first_token_is_refused(checkpoint: str) -> None:
     decode.add_request_with_external_kv("r", PROMPT, GREEDY)
     with pytest.raises(ValueError, match="vocabulary"):
         decode.complete_external_kv("r", 10**9)
+
+
+def test_parts_pulled_so_far_are_published_before_the_request_completes(checkpoint: str) -> None:
+    """KV sent per chunk: the blocks of the parts pulled so far go into the prefix cache at once, so a request
+    sharing them hits them while the first still waits for its last part; both decode like one engine."""
+    make = functools.partial(_engine, checkpoint, LayoutKind.CROSS_LAYER, 4)
+    reference = make().generate([PROMPT], GREEDY)[0].token_ids
+    sharer = PROMPT[:20] + [11, 12, 13]
+    reference2 = make().generate([sharer], GREEDY)[0].token_ids
+
+    prefill, decode = make(), _engine(checkpoint, LayoutKind.PER_LAYER, 8)
+    held, first = _prefill(prefill, "r1", PROMPT)
+    dst = decode.add_request_with_external_kv("r1", PROMPT, GREEDY)
+    _copy_kv(prefill, decode, held.block_ids[0], dst)  # the bytes of every part; the engine is told of 24 tokens
+    decode.prepare_external_kv("r1", 24)
+    second = decode.add_request("r2", sharer, GREEDY)
+    tokens2 = []
+    for _ in range(100):  # r1 waits for its KV all along: step until r2 is done
+        outs = [o for o in decode.step() if o.request_id == "r2"]
+        tokens2 += [t for o in outs for t in o.new_token_ids]
+        assert second.num_cached_tokens == 16  # the full 8-token blocks of the 20 shared tokens: r1 still waits
+        if any(o.finished for o in outs):
+            break
+    assert tokens2 == reference2
+    assert _decode_rest(decode, "r1", first.token_ids[0]) == reference
