@@ -245,7 +245,7 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        # Built-ins over the whole list first (a 32k-token prompt: ~1 ms against ~4 ms for a per-token check,
+        # Built-ins over the whole list first (a 32k-token prompt: 1.7 ms against 2.6 ms for a per-token check,
         # on the engine thread); the per-token check only names the offenders.
         if set(map(type, token_ids)) != {int} or min(token_ids) < 0 or max(token_ids) >= vocab:
             bad = [t for t in token_ids if type(t) is not int or not 0 <= t < vocab]
