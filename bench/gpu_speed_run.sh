@@ -11,6 +11,9 @@
 #                                         cuDNN SDPA, then the engine's prefill with the dense path on and off
 #   bash bench/gpu_speed_run.sh pull      the in-service KV pull beside a raw NIXL READ of the same bytes, 512 to
 #                                         32k tokens, contiguous and fragmented pools, with prepared lists and without
+#   bash bench/gpu_speed_run.sh staging   KV staging: its tests on CUDA (gather/scatter on the side stream, the READ rows,
+#                                         the CUDA digest), then the pull of fragmented pools staged (the default) and
+#                                         not (--no-staging), 2k to 32k tokens, beside raw READs of the same bytes
 #   bash bench/gpu_speed_run.sh prefill_graphs  prefill CUDA graphs: their tests on CUDA (captured vs eager, fp32 and
 #                                         bf16) with the decode-graph tests, then the engine's prefill at 128/512/2048
 #                                         tokens with the graphs on (default) and off (PDSERVE_PREFILL_GRAPH_TOKENS=0)
@@ -131,6 +134,14 @@ for part in "$@"; do
     digest_tcp)  # the same pull over UCX's TCP transport with host staging: a stand-in for a link between nodes
       UCX_TLS=tcp,cuda_copy timeout 200 python3 bench/pull_path.py --device cuda --tokens 2048,8192 --pools contiguous \
           --repeats 3 --json-out "$OUT/pull_path_digest_tcp.jsonl" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/pull_path_digest_tcp.txt" ;;
+    staging)
+      PDSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/kv/test_kv_staging.py \
+          tests/unit/kv/test_kv_digest.py tests/integration/test_kv_staging.py 2>&1 | tee "$OUT/staging_tests.log" | tail -6
+      for staging in "" --no-staging; do
+        timeout 200 python3 bench/pull_path.py --placements cuda:0/cuda:0 --tokens 512,2048,8192,32768 \
+            --pools contiguous,fragmented $staging --json-out "$OUT/pull_path_gpu${staging:+_unstaged}.jsonl" 2>&1 \
+            | grep -v "NIXL INFO" | tee "$OUT/pull_path${staging:+_unstaged}.txt"
+      done ;;
     pull)  # prepared descriptor lists (the default) and, for the A/B, every pull planned from scratch
       for lists in "" --no-prepared-lists; do
         timeout 200 python3 bench/pull_path.py --placements auto --tokens 512,2048,8192,32768 \

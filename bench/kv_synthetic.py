@@ -154,7 +154,7 @@ async def serve(cfg: dict) -> None:
             fill_rank(cache, values, cfg["tp"], rank, cfg)
         # Agent names are unique per life of the engine, so a reader never confuses a restarted peer.
         agent = TransferAgent(f"{cfg['engine_id']}-{epoch}-tp{rank}", device=device.type)
-        ranks.append(LocalKVRank(agent, layout, cache.buffers))
+        ranks.append(LocalKVRank(agent, layout, cache.buffers, staging_bytes=cfg.get("staging_bytes", 0)))
     exporter = KVExporter(engine_id=cfg["engine_id"], model_name="pattern", identity=identity_for(cfg, layout),
                           ranks=ranks, epoch=epoch)
     server = grpc.aio.server()
@@ -162,20 +162,24 @@ async def serve(cfg: dict) -> None:
     port = server.add_insecure_port(f"127.0.0.1:{cfg.get('port', 0)}")
     await server.start()
     address = f"127.0.0.1:{port}"
-    tickets = {
-        r["request_id"]: (await exporter.hand_out(
+    tickets, hand_out_s = {}, {}
+    for r in cfg["requests"]:
+        started = time.perf_counter()
+        ticket = await exporter.hand_out(
             r["request_id"], r["block_ids"], num_tokens=r["num_tokens"], first_token_id=7,
             handshake_address=address, reader_tp_size=r.get("reader_tp", cfg["reader_tp"]),
             reader_block_size=cfg.get("reader_block_size", 0),
-        )).SerializeToString().hex()
-        for r in cfg["requests"]
-    }
-    print(json.dumps({"port": port, "epoch": exporter.epoch, "tickets": tickets}), flush=True)
+        )
+        hand_out_s[r["request_id"]] = time.perf_counter() - started  # the owner's digest, and its gather if staged
+        tickets[r["request_id"]] = ticket.SerializeToString().hex()
+    print(json.dumps({"port": port, "epoch": exporter.epoch, "tickets": tickets, "hand_out_s": hand_out_s}),
+          flush=True)
 
     stdin_closed = asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     while not stdin_closed.done():
         for rid in exporter.released(exporter.collect_notifications()):
-            print(json.dumps({"released": rid}), flush=True)
+            print(json.dumps({"released": rid, "staged": exporter.num_staged,
+                              "staging_free": [r.staging.free_bytes if r.staging else 0 for r in ranks]}), flush=True)
         await asyncio.sleep(0.01)
     await server.stop(0)
     for r in ranks:

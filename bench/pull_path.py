@@ -17,7 +17,10 @@ repeat so that all four see the same machine:
   raw_1     NIXL alone, ONE descriptor of the same bytes (the ceiling the issue compares with)
 
 Pools: ``contiguous`` (consecutive block ids on both sides: one merged descriptor) and
-``fragmented`` (every other block on both sides: one descriptor per 2 MiB block). The first pull of
+``fragmented`` (every other block on both sides: one descriptor per 2 MiB block; the owner stages such a
+ticket, ``services.kv.staging``, so the pull reads its span into the reader's staging area and scatters it,
+``staged``/``p.descs``; ``--no-staging``: it reads the blocks). ``hand-out ms`` is the owner's ticket: its
+digest, and its gather when staged. The raw variants read the blocks either way. The first pull of
 each placement is reported on its own (``first``: handshake, peer connection, first READ).
 
 Pull stages (``KVPuller.pull``'s ``PullResult.stages``): handshake (peer-cache lookup), check (the
@@ -171,7 +174,8 @@ class Case:
     async def pull(self) -> dict[str, float]:
         r = await self.puller.pull(self.ticket, [self.local_ids])
         assert r.num_bytes == self.num_bytes, (r.num_bytes, self.num_bytes)
-        return {"total": r.seconds, **{k: v for k, v in r.stages.items() if k in PULL_STAGES}}
+        return {"total": r.seconds, "descriptors": r.num_descriptors,
+                **{k: v for k, v in r.stages.items() if k in PULL_STAGES}}
 
     async def agent_read(self) -> dict[str, float]:
         stages: dict[str, float] = {}
@@ -190,7 +194,7 @@ class Case:
 def block_lists(puller: KVPuller, agent: TransferAgent, ticket: kv_pb2.TransferTicket) -> tuple:
     """NIXL descriptor lists of every whole block (one descriptor each), prepared once on both sides."""
     owner = puller.peers.cached(ticket.engine_id, ticket.epoch).ranks[0]
-    (local,), (remote,) = agent.regions, owner.regions
+    local, (remote,) = agent.regions[0], owner.regions  # the KV buffer (registered first; then the staging area)
     block = owner.layout.buffers()[0].block_stride_bytes
     idx = np.arange(owner.layout.num_blocks, dtype=np.uint64)
     nixl, peer = agent._nixl, agent.add_peer(owner.agent_metadata)
@@ -209,18 +213,24 @@ def median_stages(samples: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run_placement(owner_device: str, reader_device: str, tokens: list[int], pools: list[str], repeats: int,
-                  load: bool, prepared_lists: bool = True) -> list[dict]:
+                  load: bool, prepared_lists: bool = True, staging: bool = True) -> list[dict]:
     cfg = {**SHAPE, "kind": "cross_layer", "num_blocks": 2 * -(-max(tokens) // SHAPE["block_size"]) + 1}
     requests = [{"request_id": f"{n}-{pool}", "num_tokens": n,
                  "block_ids": [block_ids(-(-n // SHAPE["block_size"]), POOLS[pool])]}
                 for n in tokens for pool in pools]
+    # Staging areas that hold what a fragmented pool stages: the owner hands every ticket out at once, the reader
+    # pulls one at a time. A contiguous pool's tickets are one run, never staged.
+    block_bytes = layout_for(cfg, 1).block_bytes(0)
+    staged_bytes = [-(-n // SHAPE["block_size"]) * block_bytes for n in tokens for pool in pools
+                    if staging and POOLS[pool] > 1]
     owner = Owner({**cfg, "engine_id": f"pull-path-{uuid.uuid4().hex[:6]}", "tp": 1, "reader_tp": 1, "seed": 0,
-                   "fill": "none", "devices": [owner_device], "requests": requests})
+                   "fill": "none", "devices": [owner_device], "requests": requests,
+                   "staging_bytes": sum(staged_bytes) + 4096 * len(staged_bytes)})
     rows = []
     try:
         hello = owner.hello()
         layout = layout_for(cfg, 1)
-        (rank,) = make_ranks(layout, [reader_device], "pull-path-reader")
+        (rank,) = make_ranks(layout, [reader_device], "pull-path-reader", max(staged_bytes, default=0))
         puller = KVPuller(engine_id="pull-path-reader", identity=identity_for(cfg, layout), ranks=[rank],
                           transfer_timeout_s=TIMEOUT_S, prepared_lists=prepared_lists)
         base = dict(scenario="pull_path", owner_device=owner_device, reader_device=reader_device, load=load)
@@ -252,8 +262,12 @@ def run_placement(owner_device: str, reader_device: str, tokens: list[int], pool
                     warm = case.planning_warm()
                     for variant, s in samples.items():
                         med = median_stages(s)
+                        own = variant == "pull"  # its own descriptors (a staged span's), the others the blocks'
                         rows.append({**base, "tokens": n, "pool": pool, "variant": variant, "bytes": case.num_bytes,
-                                     "descriptors": 1 if variant == "raw_1" else case.num_descriptors,
+                                     "descriptors": 1 if variant == "raw_1" else
+                                     int(med.pop("descriptors")) if own else case.num_descriptors,
+                                     "staged": bool(ticket.staged_offsets) if own else False,
+                                     "hand_out_seconds": hello["hand_out_s"][f"{n}-{pool}"],
                                      "seconds": med.pop("total"), "best_seconds": min(x["total"] for x in s),
                                      "stages": med, **({"planning_warm_seconds": warm} if variant == "pull" else {})})
 
@@ -279,16 +293,18 @@ def print_rows(rows: list[dict], repeats: int) -> None:
         print(f"\n# KV pull vs raw NIXL READ, P {o} -> D {d}{load}: Llama-3.1-8B KV (cross-layer, bf16, block 16), "
               f"median of {repeats}")
         print(f"{'tokens':>6} {'pool':>10} {'MiB':>7} {'descs':>5} {'raw_1 ms':>9} {'GB/s':>7} {'raw_plan':>9} "
-              f"{'raw_prep':>9} {'agent':>8} {'pull ms':>8} {'GB/s':>7} {'pull/raw_1':>10}")
+              f"{'raw_prep':>9} {'agent':>8} {'pull ms':>8} {'GB/s':>7} {'pull/raw_1':>10} {'staged':>6} "
+              f"{'p.descs':>7} {'hand-out ms':>11}")
         keys = [k for k in by if k[:2] == (o, d) and k[4] == "pull"]
         for _, _, n, pool, _ in keys:
             p, r1 = by[o, d, n, pool, "pull"], by[o, d, n, pool, "raw_1"]
             rp, ag, pp = by[o, d, n, pool, "raw_plan"], by[o, d, n, pool, "agent"], by[o, d, n, pool, "raw_prep"]
-            print(f"{n:>6} {pool:>10} {p['bytes'] / 2**20:>7.0f} {p['descriptors']:>5} {r1['seconds'] * 1e3:>9.3f} "
+            print(f"{n:>6} {pool:>10} {p['bytes'] / 2**20:>7.0f} {rp['descriptors']:>5} {r1['seconds'] * 1e3:>9.3f} "
                   f"{r1['bytes'] / r1['seconds'] / 1e9:>7.1f} {rp['seconds'] * 1e3:>9.3f} {pp['seconds'] * 1e3:>9.3f} "
                   f"{ag['seconds'] * 1e3:>8.3f} "
                   f"{p['seconds'] * 1e3:>8.3f} {p['bytes'] / p['seconds'] / 1e9:>7.1f} "
-                  f"{r1['seconds'] / p['seconds']:>10.2f}")
+                  f"{r1['seconds'] / p['seconds']:>10.2f} {'yes' if p['staged'] else 'no':>6} {p['descriptors']:>7} "
+                  f"{p['hand_out_seconds'] * 1e3:>11.3f}")
         print("\n  KV digest (the reader's check of every pulled byte, inside the pull), median: its cost as a "
               "ratio to the pull without it")
         print(f"  {'tokens':>6} {'pool':>10} {'digest ms':>10} {'GB/s':>7} {'pull ms':>8} {'digest/pull':>11}")
@@ -329,6 +345,8 @@ def main() -> None:
     ap.add_argument("--engine-load", action="store_true", help="run a busy engine-like thread in the reader")
     ap.add_argument("--no-prepared-lists", action="store_true",
                     help="plan every pull from scratch (KVPuller(prepared_lists=False)), as before prepared lists")
+    ap.add_argument("--no-staging", action="store_true",
+                    help="no KV staging areas (services/kv/staging.py): a fragmented pool's pull reads every block")
     ap.add_argument("--json", action="store_true", help="one JSON object per row on stdout, no tables")
     ap.add_argument("--json-out", default=None, help="also write the JSON lines to this file")
     args = ap.parse_args()
@@ -346,7 +364,7 @@ def main() -> None:
     rows = []
     for owner_device, reader_device in placements:
         rows += run_placement(owner_device, reader_device, tokens, pools, args.repeats, args.engine_load,
-                              not args.no_prepared_lists)
+                              not args.no_prepared_lists, not args.no_staging)
     if not emit_json(rows, args.json_out, args.json):
         print_rows(rows, args.repeats)
 

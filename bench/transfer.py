@@ -109,15 +109,16 @@ def rank_devices(names: list[str], tp: int) -> list[str]:
     return [names[rank % len(names)] for rank in range(tp)]
 
 
-def make_ranks(layout, devices: list[str], prefix: str) -> list[LocalKVRank]:
-    """One reader rank per device: its own KV cache and NIXL agent, allocated and registered on that device."""
+def make_ranks(layout, devices: list[str], prefix: str, staging_bytes: int = 0) -> list[LocalKVRank]:
+    """One reader rank per device: its own KV cache and NIXL agent, allocated and registered on that device (and a
+    KV staging area of ``staging_bytes``)."""
     ranks = []
     for device in map(torch.device, devices):
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device.index)  # the rank's allocation, CUDA context and NIXL registration
         cache = KVCache(layout, device)
         agent = TransferAgent(f"{prefix}-{uuid.uuid4().hex[:6]}", device=device.type)
-        ranks.append(LocalKVRank(agent, layout, cache.buffers))  # the agent keeps the buffers alive
+        ranks.append(LocalKVRank(agent, layout, cache.buffers, staging_bytes=staging_bytes))  # kept alive by agent
     return ranks
 
 

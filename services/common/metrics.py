@@ -81,6 +81,11 @@ class WorkerMetrics:
         # about; "failed" says the pair cannot transfer (the router does not use it).
         self.kv_probes = Counter("pdserve_kv_probes", "KV probe transfers from a prefill worker, by result (ok, "
                                  "failed)", ["role", "result"], registry=r)
+        # KV staging (services/kv/staging.py): prefill counts its tickets staged ("staged") and those worth staging
+        # that found no room ("full", read from their blocks); decode its pulls that read a staged span ("read").
+        self.kv_staged = Counter("pdserve_kv_staged", "KV tickets gathered into the staging area (prefill: staged, "
+                                 "full) and pulls that read a staged span (decode: read)", ["role", "outcome"],
+                                 registry=r)
         self.lease_expiries = Counter("pdserve_kv_lease_expiries", "Pinned KV freed by lease expiry, never pulled",
                                       labels, registry=r)
         # Prefix cache and host KV tier (services/engine/offload/); the engine counts, these follow.
@@ -132,6 +137,8 @@ class WorkerMetrics:
             self.kv_events.labels(self.role, kind)
         for reason in KV_EVENT_DROP_REASONS:
             self.kv_event_streams_dropped.labels(self.role, reason)
+        for outcome in ("staged", "full") if self.role == "prefill" else ("read",):
+            self.kv_staged.labels(self.role, outcome)
         for tier in ("device", "host"):
             self.prefix_cached_tokens.labels(self.role, tier)
             for result in ("hit", "miss"):

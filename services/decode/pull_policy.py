@@ -359,6 +359,8 @@ class PullPolicy:
         m.transfer_source_bytes.labels("decode", "host").inc(result.host_bytes)
         m.transfer_source_bytes.labels("decode", "device").inc(result.num_bytes - result.host_bytes)
         m.transfer_descriptors.labels("decode").inc(result.num_descriptors)
+        if result.staged:
+            m.kv_staged.labels("decode", "read").inc()
         m.transfer_seconds.labels("decode").observe(result.seconds)
         stages = {"reserve": reserve_s, **result.stages, "resume": resume_s}
         for stage in PULL_STAGES:

@@ -22,10 +22,17 @@ from services.kv.digest import MASK32, DigestJob
 from services.kv.handshake import EngineDescription, RankExport
 from services.kv.notifications import NotificationTracker
 from services.kv.pair_support import group_heads_from_fields
-from services.kv.rank import KVRank
+from services.kv.rank import KVRank, LocalKVRank
+from services.kv.staging import staged_spans, staged_start, worth_staging
 from services.kv.state_runs import state_runs
 from services.kv.topology import group_rank_reads, group_readers_per_remote_rank
-from services.kv.wire import notification_key, notification_parts, notification_request, ticket_signature
+from services.kv.wire import (
+    MemoryRegion,
+    notification_key,
+    notification_parts,
+    notification_request,
+    ticket_signature,
+)
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 
@@ -55,7 +62,8 @@ class KVExporter:
             engine_id=engine_id, epoch=self.epoch, model_name=model_name, num_layers=identity.num_layers,
             num_kv_heads=identity.num_kv_heads, head_dim=identity.head_dim, compat=self.compat, groups=layout.groups,
             ranks=tuple(
-                RankExport(i, r.name, r.metadata(), r.regions, r.layout, r.host_layout, r.host_regions, r.state_region)
+                RankExport(i, r.name, r.metadata(), r.regions, r.layout, r.host_layout, r.host_regions, r.state_region,
+                           _staging_region(r))
                 for i, r in enumerate(ranks)
             ),
             kv_sharing=identity.sharing,
@@ -70,6 +78,10 @@ class KVExporter:
         self._waiting: dict[str, set[tuple[int, bool, str]]] = {}
         self._nonces: dict[str, list[str]] = {}  # request id -> its tickets' notification nonces
         self._open: dict[str, int] = {}  # request id -> end of its last part ticket, while its last is not out
+        # (request id, nonce) -> per owner rank, its staged span's offset while that rank's readers have not notified
+        self._staged: dict[tuple[str, str], dict[int, int]] = {}
+        self.num_staged = 0  # tickets staged, and those worth it that found no room (``hand_out``)
+        self.num_staging_full = 0
 
     @property
     def tp_size(self) -> int:
@@ -135,9 +147,14 @@ class KVExporter:
             if self.identity.digest_on and num_tokens else []
         state_digests = await self._state_digests(state_slot, reader_tp_size) \
             if self.identity.digest_on and state_slot is not None else []
+        staged = await self._stage(block_ids, num_tokens, reader_tp_size, reader_block_size, part_start_token, whole) \
+            if not num_host_tokens and state_slot is None else {}
         if self._open.get(request_id) != opened:  # abandoned (or another part went out) while digesting
+            self._unstage(staged)
             raise ValueError(f"request {request_id!r} was abandoned while its part was digested")
         nonce = self._expect(request_id, reader_tp_size, bool(num_host_tokens))
+        if staged:
+            self._staged[request_id, nonce] = staged
         if num_tokens < whole:
             self._open[request_id] = num_tokens
         else:
@@ -151,9 +168,45 @@ class KVExporter:
             notify_nonce=nonce, digests=digests, part_start_token=part_start_token,
             num_prompt_tokens=num_prompt_tokens if num_tokens < whole or part_start_token else 0,
             has_state=state_slot is not None, state_slot=state_slot or 0, state_digests=state_digests,
+            staged_offsets=[staged[r] for r in sorted(staged)],
         )
         ticket.signature = ticket_signature(ticket, self._ticket_key)
         return ticket
+
+    async def _stage(self, block_ids: Sequence[Sequence[int]], num_tokens: int, reader_tp_size: int,
+                     reader_block_size: int, begin: int, window_end: int) -> dict[int, int]:
+        """Gather the ticket's blocks into every rank's staging area (``services.kv.staging``) when they lie in
+        runs enough to pay for it and a reader of the same TP size and block size could read the span; the span's
+        offset per rank ({}: not staged). All ranks or none: a rank without room frees the others' spans."""
+        layout = self._ranks[0].layout
+        can_stage = all(isinstance(r, LocalKVRank) and r.staging is not None for r in self._ranks)
+        if not can_stage or reader_tp_size != self.tp_size or not num_tokens or \
+                reader_block_size not in (0, math.gcd(*(g.block_size for g in layout.groups))):
+            return {}
+        ids = []
+        for g in layout.groups:
+            used = -(-num_tokens // g.block_size)
+            ids.append(np.asarray(block_ids[g.group_id][:used], dtype=np.int64)[
+                staged_start(layout, g.group_id, begin, window_end):])
+        if not worth_staging(layout, ids):
+            return {}
+        _, num_bytes = staged_spans(layout, [len(i) for i in ids])
+        offsets = {rank: off for rank, r in enumerate(self._ranks) if (off := r.staging.alloc(num_bytes)) is not None}
+        if len(offsets) < self.tp_size:
+            self.num_staging_full += 1
+            self._unstage(offsets)
+            return {}
+        try:
+            await asyncio.gather(*(self._ranks[rank].gather(off, ids) for rank, off in offsets.items()))
+        except BaseException:
+            self._unstage(offsets)
+            raise
+        self.num_staged += 1
+        return offsets
+
+    def _unstage(self, offsets: dict[int, int]) -> None:
+        for rank, offset in offsets.items():
+            self._ranks[rank].staging.free(offset)
 
     def _expect(self, request_id: str, reader_tp_size: int, host: bool) -> str:
         """Register the notifications one ticket's readers will send (each source of each owner rank a
@@ -229,6 +282,7 @@ class KVExporter:
             for key in self._trackers[rank].feed(rank_notes):
                 rid, host, nonce = notification_parts(key)
                 self._waiting.get(rid, set()).discard((rank, host, nonce))
+                self._release_span(rid, nonce, rank)
         done = [rid for rid, ranks in self._waiting.items() if not ranks and rid not in self._open]
         for rid in done:
             del self._waiting[rid]
@@ -255,11 +309,20 @@ class KVExporter:
         """Stop waiting for a request's readers, of all its tickets (it was aborted or a lease ran out); a
         later part of it is refused."""
         for nonce in self._nonces.pop(request_id, []):
+            self._unstage(self._staged.pop((request_id, nonce), {}))
             for tracker in self._trackers:
                 for host in (False, True):
                     tracker.discard(notification_key(request_id, host, nonce))
         self._open.pop(request_id, None)
         return self._waiting.pop(request_id, None) is not None
+
+    def _release_span(self, request_id: str, nonce: str, rank: int) -> None:
+        """A rank's readers of a ticket have all notified: its staged span (if any) is free again."""
+        spans = self._staged.get((request_id, nonce))
+        if spans is not None and rank in spans:
+            self._ranks[rank].staging.free(spans.pop(rank))
+            if not spans:
+                del self._staged[request_id, nonce]
 
     @property
     def num_outstanding(self) -> int:
@@ -278,3 +341,7 @@ def _num_state_slots(identity: KVIdentity, ranks: Sequence[KVRank]) -> int:
     if len(counts) != 1:
         raise ValueError(f"the ranks registered different numbers of state slots: {sorted(counts)}")
     return counts.pop()
+
+
+def _staging_region(rank: KVRank) -> MemoryRegion | None:
+    return rank.staging.region if rank.staging is not None else None

@@ -61,6 +61,8 @@ class RankExport:
     host_regions: tuple[MemoryRegion, ...] = ()
     # A model with state layers: the rank's state slots (``EngineDescription.state``'s slot layout).
     state_region: MemoryRegion | None = None
+    # The rank's KV staging buffer (``services.kv.staging``), if it has one.
+    staging_region: MemoryRegion | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ def description_to_proto(d: EngineDescription) -> kv_pb2.HandshakeResponse:
                 host_layout=layout_to_proto(r.host_layout) if r.host_layout is not None else None,
                 host_regions=[region_to_proto(x) for x in r.host_regions],
                 state_region=region_to_proto(r.state_region) if r.state_region is not None else None,
+                staging_region=region_to_proto(r.staging_region) if r.staging_region is not None else None,
             )
             for r in d.ranks
         ],
@@ -124,7 +127,8 @@ def description_from_proto(m: kv_pb2.HandshakeResponse) -> EngineDescription:
                        layout_from_proto(r.layout),
                        layout_from_proto(r.host_layout) if r.HasField("host_layout") else None,
                        tuple(region_from_proto(x) for x in r.host_regions),
-                       region_from_proto(r.state_region) if r.HasField("state_region") else None)
+                       region_from_proto(r.state_region) if r.HasField("state_region") else None,
+                       region_from_proto(r.staging_region) if r.HasField("staging_region") else None)
             for r in m.ranks
         )
         state, num_state_slots = state_from_proto(m.state) if m.HasField("state") else (None, 0)

@@ -6,11 +6,11 @@ the ticket's remote block ids and the reader's own block ids into token runs (sk
 the reader already holds and, for sliding-window groups, blocks outside the window); the planner
 turns those into the fewest descriptors, one plan per (local rank, remote rank) across groups.
 Each READ's notification is ``<request id>#<ticket nonce>`` (``/host`` appended for a host-tier
-READ: ``wire.notification_key``), so the owner can count its readers and free the blocks.
-
-A sliding-window group's ticket may name a placeholder (any in-range id, e.g. the owner's scratch
-block, repeated) for blocks that fell out of the window: they are range-checked like every id and
-never read, since the pieces start at ``window_start_token``.
+READ: ``wire.notification_key``), so the owner can count its readers and free the blocks. A ticket
+whose blocks the owner staged (``services.kv.staging``) is read from that span when this engine's
+layout and TP size are the owner's. A sliding-window group's ticket may name a placeholder (any
+in-range id, e.g. the owner's scratch block, repeated) for blocks that fell out of the window: they
+are range-checked like every id and never read, since the pieces start at ``window_start_token``.
 
 A ticket is untrusted input: it must carry the owner's signature (HMAC under the key of the owner's
 epoch, from the handshake), and its groups, block ids and token count are checked against the
@@ -45,6 +45,7 @@ from services.kv.pair_support import group_heads_from_fields
 from services.kv.planner import TransferPlan, plan_groups
 from services.kv.rank import KVRank, LocalKVRank
 from services.kv.read_lists import ListLayout, list_layout
+from services.kv.staging import StagedRead, plan_rows, release_spans, same_layout, span_inside, staged_blocks, unstage
 from services.kv.state_runs import StateRun, state_owner_ranks, state_runs
 from services.kv.topology import (
     RankRead,
@@ -87,12 +88,12 @@ class PullResult:
     num_reads: int
     seconds: float
     host_bytes: int = 0  # of num_bytes, read from the owner's host KV tier
-    #: Seconds per stage, in order: handshake (the peer cache; the Handshake RPC on first contact), check
-    #: (the ticket), pieces (token runs), plan (descriptor rows, every rank), read (every READ, until the
-    #: last completion reached this coroutine), digest (the KV digest of what arrived, every rank); and
-    #: "read.<stage>" inside one READ (``TransferAgent.read``:
-    #: submit, prepare, post, complete, wake; the largest over the ranks when several read).
+    #: Seconds per stage, in order: handshake (the peer cache; the Handshake RPC on first contact), check (the
+    #: ticket), pieces (token runs), plan (descriptor rows, every rank), read (every READ until the last completion
+    #: reached this coroutine, and a staged span's scatter), digest (the KV digest of what arrived, every rank); and
+    #: "read.<stage>" in one READ (``TransferAgent.read``: submit, prepare, post, complete, wake; the ranks' largest).
     stages: dict[str, float] = field(default_factory=dict)
+    staged: bool = False  # read from the owner's staged span (``services.kv.staging``), not from its blocks
 
 
 @dataclass(frozen=True)
@@ -296,14 +297,21 @@ class KVPuller:
         digest_jobs = self._digest_jobs(ticket, remote, local_ids, num_cached_tokens, corrupt) if check_digests \
             else []
         t_check = time.perf_counter()
-        # The state's runs are appended to the device READs, so those are planned (prepared lists take indices).
-        targets = self._targets(remote, (False,) if host_ids is None else (True, False),
-                                self._prepared_lists and state is None)
-        units, pieces = self._source_maps(ticket, remote, remote_ids, host_ids, local_ids, num_cached_tokens, targets)
+        staged = self._staged_reads(ticket, remote, local_ids, num_cached_tokens) \
+            if ticket.staged_offsets and host_ids is None and state is None else None
+        spans = [(read.rank, plan) for read, plan in staged or ()]  # (reading rank, its staged READ)
         t_pieces = time.perf_counter()
-        reads = self._plan_reads(targets, units, pieces)
-        if state is not None:
-            reads = [self._with_state_rows(r, state) if not r.host_tier else r for r in reads]
+        if staged is None:  # the state's runs join the device READs, so those are planned (lists take indices)
+            targets = self._targets(remote, (False,) if host_ids is None else (True, False),
+                                    self._prepared_lists and state is None)
+            units, pieces = self._source_maps(ticket, remote, remote_ids, host_ids, local_ids, num_cached_tokens,
+                                              targets)
+            t_pieces = time.perf_counter()
+            reads = self._plan_reads(targets, units, pieces)
+            if state is not None:
+                reads = [self._with_state_rows(r, state) if not r.host_tier else r for r in reads]
+        else:
+            reads = [read for read, _ in staged]
         t_plan = time.perf_counter()
         nonce = ticket.notify_nonce
         try:
@@ -311,11 +319,14 @@ class KVPuller:
                 results = [await self._read(reads[0], ticket.request_id, nonce)]
             else:
                 results = await asyncio.gather(*(self._read(read, ticket.request_id, nonce) for read in reads))
+            await unstage(spans)
         except TransferError:
             # The owner may have restarted (its old agents are gone): handshake afresh next time, so
             # later tickets of the dead epoch fail fast as stale instead of timing out on reads.
             self.peers.forget(ticket.engine_id)
             raise
+        finally:
+            release_spans(spans)
         t_read = time.perf_counter()
         if check_digests:
             await self._check_digests(ticket, digest_jobs)
@@ -329,7 +340,7 @@ class KVPuller:
                 stages[f"read.{name}"] = max(stages.get(f"read.{name}", 0.0), seconds)
         return PullResult(
             num_bytes=sum(r[0] for r in results), num_descriptors=sum(r[1] for r in results), num_reads=len(results),
-            seconds=done - started, stages=stages,
+            seconds=done - started, stages=stages, staged=staged is not None,
             host_bytes=sum(r[0] for r, read in zip(results, reads, strict=True) if read.host_tier),
         )
 
@@ -426,6 +437,28 @@ class KVPuller:
         if bad:
             raise KVIntegrityError(f"request {ticket.request_id!r}: the state pulled from engine {ticket.engine_id} "
                                    f"does not match the ticket's state digest on reading rank(s) {bad}", [])
+
+    def _staged_reads(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription, local_ids: list[np.ndarray],
+                      num_cached_tokens: int) -> list[tuple[PlannedRead, StagedRead]] | None:
+        """The READs of a staged ticket's spans (``services.kv.staging``: local rank q from owner rank q), or None
+        when they are not its blocks' bytes (TP size, layout, a block it needs not staged): it reads the blocks."""
+        if len(ticket.staged_offsets) != remote.tp_size:
+            raise TicketError(f"ticket names {len(ticket.staged_offsets)} staged spans, owner TP {remote.tp_size}")
+        if remote.tp_size != self.tp_size or any(o.staging_region is None for o in remote.ranks) or \
+                not all(same_layout(o.layout, q.layout) for o, q in zip(remote.ranks, self._ranks, strict=True)):
+            return None
+        window = _window_end(ticket)
+        blocks = staged_blocks(remote.ranks[0].layout, ticket.num_tokens, ticket.part_start_token, window,
+                               self._group_starts(remote, self._ranks[0].layout, window, num_cached_tokens), local_ids)
+        if blocks is None:
+            return None
+        if not all(span_inside(o.layout, blocks[0], offset, o.staging_region)
+                   for o, offset in zip(remote.ranks, ticket.staged_offsets, strict=True)):
+            raise TicketError(f"ticket's staged spans {list(ticket.staged_offsets)} leave the owner's staging areas")
+        plans = [plan_rows(o.layout, o.staging_region, offset, *blocks, q.layout.num_blocks, q.regions, q.staging)
+                 for q, o, offset in zip(self._ranks, remote.ranks, ticket.staged_offsets, strict=True)]
+        return [(PlannedRead(q, o, p.local_rows, p.remote_rows, p.num_bytes, len(p.local_rows)), p)
+                for q, o, p in zip(self._ranks, remote.ranks, plans, strict=True)]
 
     def planned_reads(self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]],
                       num_cached_tokens: int = 0, *, prepared: bool | None = None) -> list[PlannedRead]:
@@ -664,3 +697,4 @@ def _ticket_groups(groups: Sequence[kv_pb2.GroupBlocks], remote: EngineDescripti
 
 def _inside(ids: np.ndarray, num_blocks: int) -> bool:
     return ids.size == 0 or (int(ids.min()) >= 0 and int(ids.max()) < num_blocks)
+

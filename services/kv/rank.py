@@ -21,6 +21,7 @@ from services.kv.digest_compute import DigestRunner
 from services.kv.layout import KVLayoutSpec
 from services.kv.nixl.agent import TransferAgent
 from services.kv.nixl.descriptors import MemKind
+from services.kv.staging import StagingArea, gather, scatter
 from services.kv.wire import MemoryRegion
 
 
@@ -39,6 +40,8 @@ class KVRank(Protocol):
     host_regions: tuple[MemoryRegion, ...]
     # A model with state layers: the rank's state slots ([slots, slot bytes]), registered with the same agent.
     state_region: MemoryRegion | None
+    # The rank's KV staging area (``services.kv.staging``), when it has one; only a rank in this process does.
+    staging: StagingArea | None
 
     def metadata(self) -> bytes:
         """NIXL agent metadata for a peer (connection info and registered memory)."""
@@ -84,11 +87,12 @@ def register_rank(
 
 class LocalKVRank:
     """A rank whose KV buffers and agent live in this process; registers the buffers at once,
-    and the host tier's (``host_layout``/``host_buffers``) when it has one, so a peer can read either."""
+    and the host tier's (``host_layout``/``host_buffers``) when it has one, so a peer can read either.
+    ``staging_bytes`` > 0: a staging area of that size beside the KV, registered too (``services.kv.staging``)."""
 
     def __init__(self, agent: TransferAgent, layout: KVLayoutSpec, buffers: Sequence[torch.Tensor],
                  host_layout: KVLayoutSpec | None = None, host_buffers: Sequence[torch.Tensor] = (),
-                 state_buffer: torch.Tensor | None = None) -> None:
+                 state_buffer: torch.Tensor | None = None, staging_bytes: int = 0) -> None:
         self.agent = agent
         self.name = agent.name
         self.layout = layout
@@ -103,6 +107,11 @@ class LocalKVRank:
         if state_buffer is not None:
             r = agent.register([state_buffer])[0]
             self.state_region = MemoryRegion(0, r.addr, r.length, r.device_id, r.mem_kind)
+        self.staging = None
+        if staging_bytes > 0:
+            area = torch.empty(staging_bytes, dtype=torch.uint8, device=self.buffers[0].device)
+            r = agent.register([area])[0]
+            self.staging = StagingArea(area, MemoryRegion(0, r.addr, r.length, r.device_id, r.mem_kind))
 
     def metadata(self) -> bytes:
         return self.agent.metadata()
@@ -130,3 +139,18 @@ class LocalKVRank:
         if self.state_buffer is None:
             raise ValueError(f"rank {self.name} holds no state slots")
         return await asyncio.to_thread(state_digest, self.state_buffer[slot], runs)
+
+    async def gather(self, offset: int, block_ids: Sequence[np.ndarray]) -> None:
+        """Stage blocks (per group) into this rank's staging span at ``offset`` (``staging.gather``), done on return."""
+        await asyncio.to_thread(self._staging().run, gather, self.layout, self.buffers, self.staging, offset,
+                                block_ids)
+
+    async def scatter(self, offset: int, block_ids: Sequence[np.ndarray]) -> None:
+        """The staged span at ``offset`` into blocks (per group) of this rank (``staging.scatter``), done on return."""
+        await asyncio.to_thread(self._staging().run, scatter, self.layout, self.buffers, self.staging, offset,
+                                block_ids)
+
+    def _staging(self) -> StagingArea:
+        if self.staging is None:
+            raise ValueError(f"rank {self.name} has no staging area")
+        return self.staging

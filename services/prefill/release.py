@@ -35,6 +35,9 @@ class Notifications(Protocol):
 
     def refused_notifications(self) -> dict[str, int]: ...
 
+    num_staged: int  # tickets gathered into staging areas, and those worth it that found no room
+    num_staging_full: int
+
 
 class HeldKV(Protocol):
     """The engine side of a release (``AsyncEngine`` has it)."""
@@ -58,6 +61,7 @@ class ReleaseLoop:
         self._clock = clock
         self._last_expiry = clock()
         self._refused = dict.fromkeys(exporter.refused_notifications(), 0)  # totals already counted
+        self._staged = {"staged": 0, "full": 0}
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -73,6 +77,7 @@ class ReleaseLoop:
         notes = await asyncio.to_thread(self._exporter.collect_notifications)
         for rid in self._exporter.released(notes):
             await self._engine.release_held_kv(rid)
+        self._count_staged()
         if self._clock() - self._last_expiry > min(1.0, self._lease_s / 4):
             self._last_expiry = self._clock()
             await self._expire()
@@ -83,6 +88,12 @@ class ReleaseLoop:
             log.warning("request %s: KV lease of %.0fs expired before it was pulled", rid, self._lease_s)
             self._metrics.lease_expiries.labels("prefill").inc()
             await self._engine.release_held_kv(rid)
+
+    def _count_staged(self) -> None:
+        for outcome, total in (("staged", self._exporter.num_staged), ("full", self._exporter.num_staging_full)):
+            if total > self._staged[outcome]:
+                self._metrics.kv_staged.labels("prefill", outcome).inc(total - self._staged[outcome])
+                self._staged[outcome] = total
 
     def _count_refused(self) -> None:
         for reason, total in self._exporter.refused_notifications().items():

@@ -32,6 +32,10 @@ class WorkerConfig:
     kv_digest: bool = flag(
         True, "do not checksum transferred KV (the digest a prefill worker puts in each ticket and the decode "
         "worker checks before decoding); both workers of a pair must agree", name="--no-kv-digest", negated=True)
+    kv_staging_mib: int | None = flag(
+        None, "a staging area of this many MiB beside the KV (0: none): a ticket whose blocks lie in many short runs "
+        "is gathered there and read as one span, and a pull scatters such a span from there (default: 512 on a GPU, "
+        "where NIXL's cost per descriptor outweighs the copies; 0 on CPU)", parse=int)
     tls: TLSConfig | None = None  # mTLS for gRPC: services.common.tls adds its flags (the router shares them)
 
 

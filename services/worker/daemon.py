@@ -31,7 +31,7 @@ from services.kv.rank import KVRank
 from services.worker.config import WorkerConfig
 from services.worker.grpc_server import WorkerServer
 from services.worker.kv_events import KVEventPublisher
-from services.worker.kv_ranks import close_kv_ranks, go_down_with_tp_group, kv_identity, open_kv_ranks
+from services.worker.kv_ranks import close_kv_ranks, go_down_with_tp_group, kv_identity, open_kv_ranks, staging_mib
 from services.worker.role_switch import RoleSwitch
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ async def serve(config: WorkerConfig, engine: LLMEngine, role: Role, others: Seq
     address = join_host_port(config.advertise_host or advertised_host(config.host), port)
     epoch = time.time_ns()
     engine_id = config.engine_id or f"{role.name if not others else 'worker'}@{address}"
-    ranks = open_kv_ranks(engine, engine_id, epoch)
+    ranks = open_kv_ranks(engine, engine_id, epoch, staging_mib(config, engine.device.type))
     identity = kv_identity(engine, config.kv_digest)
     # Prefix-cache keys salted with the compatibility hash Info reports: a router computes the same keys.
     engine.set_cache_salt(cache_salt_for(CompatInfo.of_identity(identity).hash))

@@ -129,6 +129,7 @@ class FollowerKVRank:
         self.layout = layout
         self.host_layout = None  # host KV tiers run at TP 1 only (EngineConfig)
         self.host_regions = ()
+        self.staging = None  # KV staging gathers and scatters where the KV is: ranks in this process only
         state = opened.state_region
         self.state_region = MemoryRegion(0, state.address, state.length, state.device_id, state.kind) \
             if state is not None else None

@@ -11,17 +11,20 @@ from services.engine.llm_engine import LLMEngine
 from services.kv.compat import DIGEST_OFF, DIGEST_SCHEME, KVIdentity
 from services.kv.nixl.agent import TransferAgent
 from services.kv.rank import KVRank, LocalKVRank
+from services.worker.config import WorkerConfig
 from services.worker.follower_kv_rank import FollowerKVRanks
 from services.worker.grpc_server import WorkerServer
 
 log = logging.getLogger(__name__)
 
 
-def open_kv_ranks(engine: LLMEngine, engine_id: str, epoch: int) -> list[KVRank]:
+def open_kv_ranks(engine: LLMEngine, engine_id: str, epoch: int, staging_mib: int = 0) -> list[KVRank]:
     """Rank 0's NIXL agent and KV shard here, then every follower's (each opens its own agent).
 
     Agent names carry the epoch, so a restarted worker's agents never collide with its old ones
-    in a peer's NIXL state.
+    in a peer's NIXL state. ``staging_mib``: the KV staging area (``services.kv.staging``) of a TP-1 engine; the
+    ranks of a larger one have none (a gather or scatter runs where the KV is, and followers do not stage), so it
+    stages nothing and reads owners' blocks, or straight from their staged spans.
     """
     def name(rank: int) -> str:
         return f"{engine_id}-{epoch}-tp{rank}"
@@ -29,10 +32,20 @@ def open_kv_ranks(engine: LLMEngine, engine_id: str, epoch: int) -> list[KVRank]
     tier = engine.host_tier
     ranks: list[KVRank] = [LocalKVRank(TransferAgent(name(0), device=engine.device.type), engine.kv_layout,
                                        engine.kv_cache.buffers, tier.layout if tier else None,
-                                       tier.buffers if tier else (), state_buffer=_state_buffer(engine))]
+                                       tier.buffers if tier else (), state_buffer=_state_buffer(engine),
+                                       staging_bytes=0 if engine.tp_group is not None else staging_mib << 20)]
     if engine.tp_group is not None:
         ranks += FollowerKVRanks(engine.tp_group).open(name, engine.kv_layout)
     return ranks
+
+
+def staging_mib(config: WorkerConfig, device_type: str) -> int:
+    """The KV staging area's size: the flag's, or by default 512 MiB on a GPU and none on CPU."""
+    if config.kv_staging_mib is not None:
+        if config.kv_staging_mib < 0:
+            raise ValueError(f"--kv-staging-mib must be >= 0, got {config.kv_staging_mib}")
+        return config.kv_staging_mib
+    return 512 if device_type == "cuda" else 0
 
 
 def kv_identity(engine: LLMEngine, kv_digest: bool = True) -> KVIdentity:

@@ -97,6 +97,7 @@ class Reader:
     agents: list[TransferAgent]
     cfg: dict
     tp: int
+    ranks: list[LocalKVRank]
 
     def close(self) -> None:
         for a in self.agents:
@@ -104,7 +105,7 @@ class Reader:
 
 
 @contextmanager
-def reader(cfg: dict, tp: int, token: str | None = None, corrupt: bool = False):
+def reader(cfg: dict, tp: int, token: str | None = None, corrupt: bool = False, staging_bytes: int = 0):
     layout = layout_for(cfg, tp)
     caches, agents, ranks = [], [], []
     for rank in range(tp):
@@ -114,11 +115,11 @@ def reader(cfg: dict, tp: int, token: str | None = None, corrupt: bool = False):
         agent = TransferAgent(f"reader-{uuid.uuid4().hex[:8]}-tp{rank}")
         caches.append(cache)
         agents.append(agent)
-        ranks.append(LocalKVRank(agent, layout, cache.buffers))
+        ranks.append(LocalKVRank(agent, layout, cache.buffers, staging_bytes=staging_bytes))
     puller = KVPuller(engine_id="reader", identity=identity_for(cfg, layout), ranks=ranks,
                       auth_token=token, handshake_timeout_s=10, transfer_timeout_s=20,
                       corrupt_pulled_kv_after=0 if corrupt else None)
-    r = Reader(puller, caches, agents, cfg, tp)
+    r = Reader(puller, caches, agents, cfg, tp, ranks)
     try:
         yield r
     finally:

@@ -224,3 +224,18 @@ def test_worker_flags_are_the_role_config_fields(monkeypatch: pytest.MonkeyPatch
     assert config_from_args(DecodeConfig, args).kv_digest
     for role, config in (("prefill", PrefillConfig), ("decode", DecodeConfig)):
         assert not config_from_args(config, build_parser().parse_args([role, "--no-kv-digest"])).kv_digest
+
+
+
+def test_kv_staging_area_defaults_to_gpu_only_and_takes_the_flag() -> None:
+    from services.common.config_flags import config_from_args
+    from services.worker.config import DecodeConfig, PrefillConfig
+    from services.worker.kv_ranks import staging_mib
+
+    for role, config in (("prefill", PrefillConfig), ("decode", DecodeConfig)):
+        default = config_from_args(config, build_parser().parse_args([role]))
+        assert (staging_mib(default, "cuda"), staging_mib(default, "cpu")) == (512, 0)
+        sized = config_from_args(config, build_parser().parse_args([role, "--kv-staging-mib", "64"]))
+        assert (staging_mib(sized, "cuda"), staging_mib(sized, "cpu")) == (64, 64)
+    with pytest.raises(ValueError, match="kv-staging-mib"):
+        staging_mib(DecodeConfig(kv_staging_mib=-1), "cpu")

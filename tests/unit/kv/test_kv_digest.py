@@ -200,6 +200,7 @@ class TensorRank:
         self.regions = tuple(MemoryRegion(i, 0, 1, 0, "DRAM") for i, _ in enumerate(buffers))
         self.host_regions = ()
         self.state_region = None
+        self.staging = None
 
     def metadata(self) -> bytes:
         return b""

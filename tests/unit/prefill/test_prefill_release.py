@@ -68,6 +68,9 @@ class FakeExporter:
     def refused_notifications(self) -> dict[str, int]:
         return dict(self.refused)
 
+    num_staged = 0
+    num_staging_full = 0
+
 
 def _loop(lease_s: float = 8.0) -> tuple[ReleaseLoop, FakeEngine, FakeExporter, FakeClock, WorkerMetrics]:
     clock, engine, metrics = FakeClock(), FakeEngine(), WorkerMetrics("prefill")
@@ -146,6 +149,18 @@ def test_refused_notifications_are_counted_by_reason_once_each() -> None:
     assert _value(metrics, "pdserve_kv_refused_total", kind="notification", reason="unknown") == 5
     assert _value(metrics, "pdserve_kv_refused_total", kind="notification", reason="duplicate") == 1
     assert engine.released == []
+
+
+def test_staged_tickets_and_staging_misses_are_counted_once_each() -> None:
+    loop, _, exporter, _, metrics = _loop()
+    assert _value(metrics, "pdserve_kv_staged_total", outcome="staged") == 0
+    exporter.num_staged, exporter.num_staging_full = 3, 1
+    asyncio.run(loop.tick())
+    asyncio.run(loop.tick())  # nothing new: nothing added
+    exporter.num_staged = 4
+    asyncio.run(loop.tick())
+    assert _value(metrics, "pdserve_kv_staged_total", outcome="staged") == 4
+    assert _value(metrics, "pdserve_kv_staged_total", outcome="full") == 1
 
 
 def test_run_ticks_until_stopped() -> None:
