@@ -13,7 +13,8 @@
 #                                         32k tokens, contiguous and fragmented pools, with prepared lists and without
 #   bash bench/gpu_speed_run.sh staging   KV staging: its tests on CUDA (gather/scatter on the side stream, the READ rows,
 #                                         the CUDA digest), then the pull of fragmented pools staged (the default) and
-#                                         not (--no-staging), 2k to 32k tokens, beside raw READs of the same bytes
+#                                         not (--no-staging), 512 to 32k tokens, beside raw READs of the same bytes;
+#                                         and the staging copies alone (bench/staging_copy.py) beside torch's index ops
 #   bash bench/gpu_speed_run.sh prefill_graphs  prefill CUDA graphs: their tests on CUDA (captured vs eager, fp32 and
 #                                         bf16) with the decode-graph tests, then the engine's prefill at 128/512/2048
 #                                         tokens with the graphs on (default) and off (PDSERVE_PREFILL_GRAPH_TOKENS=0)
@@ -137,6 +138,8 @@ for part in "$@"; do
     staging)
       PDSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/kv/test_kv_staging.py \
           tests/unit/kv/test_kv_digest.py tests/integration/test_kv_staging.py 2>&1 | tee "$OUT/staging_tests.log" | tail -6
+      timeout 100 python3 bench/staging_copy.py --device cuda --tokens 512,2048,8192,32768 \
+          --json-out "$OUT/staging_copy.jsonl" 2>&1 | tee "$OUT/staging_copy.txt"
       for staging in "" --no-staging; do
         timeout 200 python3 bench/pull_path.py --placements cuda:0/cuda:0 --tokens 512,2048,8192,32768 \
             --pools contiguous,fragmented $staging --json-out "$OUT/pull_path_gpu${staging:+_unstaged}.jsonl" 2>&1 \

@@ -28,7 +28,8 @@ ticket against the owner's handshake, its signature and digest entries), pieces 
 group), plan (indices into the prepared lists, every rank), and the agent's READ: submit (until a
 thread posts it: the caller's for a short post, else the agent's worker thread), prepare
 (``make_prepped_xfer``), post (``transfer``; on DRAM the copy runs inside it), complete (post
-returned -> its end was seen), wake (-> the awaiting coroutine resumed). ``other`` is what the stages
+returned -> its end was seen), wake (-> the awaiting coroutine resumed), scatter (a staged span's, from the
+reader's staging area into its blocks: queued on a GPU, where it runs before the digest). ``other`` is what the stages
 do not cover. ``--no-prepared-lists`` measures the pull planned from scratch per READ instead.
 
     python bench/pull_path.py                                  # CPU (DRAM), 512/2k/8k tokens
@@ -67,7 +68,7 @@ POOLS = {"contiguous": 1, "fragmented": 2}
 VARIANTS = ("pull", "agent", "raw_plan", "raw_prep", "raw_1")
 # Those a pull reports are printed (read.rows: older pullers); read and digest are the READ and the KV digest.
 PULL_STAGES = ("handshake", "check", "pieces", "plan", "read.rows", "read.submit", "read.prepare", "read.post",
-               "read.complete", "read.wake", "read", "digest")
+               "read.complete", "read.wake", "read.scatter", "read", "digest")
 RAW_STAGES = ("prepare", "post", "complete")
 TIMEOUT_S = 120.0
 

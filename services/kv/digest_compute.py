@@ -88,6 +88,11 @@ class DigestRunner:
                 bs = group.block_size
                 self.run([DigestJob(group.group_id, [0], 0, bs, bs, 0, layout.kv_heads(group.group_id), 0)])
 
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The side stream the device digests run on (None on CPU)."""
+        return self._stream
+
     async def digests(self, jobs: Sequence[DigestJob]) -> list[np.ndarray]:
         """``run`` on the loop for device jobs, in a worker thread when any reads host memory."""
         if self._stream is not None and not any(job.host_tier for job in jobs):

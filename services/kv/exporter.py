@@ -190,7 +190,7 @@ class KVExporter:
                 staged_start(layout, g.group_id, begin, window_end):])
         if not worth_staging(layout, ids):
             return {}
-        _, num_bytes = staged_spans(layout, [len(i) for i in ids])
+        _, num_bytes = staged_spans(layout, tuple(len(i) for i in ids))
         offsets = {rank: off for rank, r in enumerate(self._ranks) if (off := r.staging.alloc(num_bytes)) is not None}
         if len(offsets) < self.tp_size:
             self.num_staging_full += 1

@@ -88,10 +88,11 @@ class PullResult:
     num_reads: int
     seconds: float
     host_bytes: int = 0  # of num_bytes, read from the owner's host KV tier
-    #: Seconds per stage, in order: handshake (the peer cache; the Handshake RPC on first contact), check (the
-    #: ticket), pieces (token runs), plan (descriptor rows, every rank), read (every READ until the last completion
-    #: reached this coroutine, and a staged span's scatter), digest (the KV digest of what arrived, every rank); and
-    #: "read.<stage>" in one READ (``TransferAgent.read``: submit, prepare, post, complete, wake; the ranks' largest).
+    #: Seconds per stage, in order: handshake (the peer cache; the Handshake RPC on first contact), check (the ticket),
+    #: pieces (token runs), plan (descriptor rows, every rank), read (every READ until the last completion reached this
+    #: coroutine), digest (the KV digest of what arrived, every rank; a staged span's scatter: on CPU in read); and
+    #: "read.<stage>" in one READ (``TransferAgent.read``: submit, prepare, post, complete, wake; the ranks' largest;
+    #: and scatter, of a staged span: a GPU's is queued, and done in digest).
     stages: dict[str, float] = field(default_factory=dict)
     staged: bool = False  # read from the owner's staged span (``services.kv.staging``), not from its blocks
 
@@ -188,10 +189,8 @@ class KVPuller:
 
     # ---- handshake-time checks -----------------------------------------------------------------
     def _check_topology(self, remote: EngineDescription) -> None:
-        """Refuse a pair we could never transfer between: TP, groups, per-group shape and block sizes.
-
-        Runs once per handshake, after the compatibility check, and names the group and field.
-        """
+        """Refuse a pair we could never transfer between: TP, groups, per-group shape and block sizes. Runs once
+        per handshake, after the compatibility check, and names the group and field."""
         local = self._ranks[0].layout
         if len(local.groups) != len(remote.groups):
             raise ValueError(f"remote has {len(remote.groups)} KV groups, local {len(local.groups)}")
@@ -315,26 +314,28 @@ class KVPuller:
         t_plan = time.perf_counter()
         nonce = ticket.notify_nonce
         try:
-            if len(reads) == 1:  # no task to create and schedule for the one READ of a TP-1 pair
-                results = [await self._read(reads[0], ticket.request_id, nonce)]
-            else:
-                results = await asyncio.gather(*(self._read(read, ticket.request_id, nonce) for read in reads))
-            await unstage(spans)
-        except TransferError:
-            # The owner may have restarted (its old agents are gone): handshake afresh next time, so
-            # later tickets of the dead epoch fail fast as stale instead of timing out on reads.
-            self.peers.forget(ticket.engine_id)
-            raise
+            try:
+                if len(reads) == 1:  # no task to create and schedule for the one READ of a TP-1 pair
+                    results = [await self._read(reads[0], ticket.request_id, nonce)]
+                else:
+                    results = await asyncio.gather(*(self._read(read, ticket.request_id, nonce) for read in reads))
+            except TransferError:
+                # The owner may have restarted (its old agents are gone): handshake afresh next time, so
+                # later tickets of the dead epoch fail fast as stale instead of timing out on reads.
+                self.peers.forget(ticket.engine_id)
+                raise
+            scatter_s = await unstage(spans)  # a GPU's scatter is queued before the digest, on its stream
+            t_read = time.perf_counter()
+            if check_digests:
+                await self._check_digests(ticket, digest_jobs)
         finally:
-            release_spans(spans)
-        t_read = time.perf_counter()
-        if check_digests:
-            await self._check_digests(ticket, digest_jobs)
+            release_spans(spans)  # once the scatters are done
         if state is not None and self.identity.digest_on:
             await self._check_state_digest(ticket, state)
         done = time.perf_counter()
         stages = {"handshake": t_handshake - started, "check": t_check - t_handshake, "pieces": t_pieces - t_check,
-                  "plan": t_plan - t_pieces, "read": t_read - t_plan, "digest": done - t_read}
+                  "plan": t_plan - t_pieces, "read": t_read - t_plan, "digest": done - t_read,
+                  **({"read.scatter": scatter_s} if spans else {})}
         for _, _, sub in results:
             for name, seconds in sub.items():
                 stages[f"read.{name}"] = max(stages.get(f"read.{name}", 0.0), seconds)
@@ -388,9 +389,8 @@ class KVPuller:
 
     def _check_state_ticket(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription,
                             local_state_slot: int | None) -> _StateRead | None:
-        """What a ticket that carries the state reads (None for one that does not); a TicketError for a state
-        slot out of range, a digest missing, or the state missing where it belongs (the whole ticket or the last
-        part of a model with state layers) or present where it does not."""
+        """What a ticket carrying the state reads (None: none); a TicketError for a slot out of range, a digest missing,
+        or the state missing where it belongs (a whole ticket or last part) or present where it does not."""
         spec = self.identity.state
         last = not ticket.num_prompt_tokens or ticket.num_tokens == ticket.num_prompt_tokens
         if spec is None or not (last and ticket.num_tokens):

@@ -111,7 +111,8 @@ class LocalKVRank:
         if staging_bytes > 0:
             area = torch.empty(staging_bytes, dtype=torch.uint8, device=self.buffers[0].device)
             r = agent.register([area])[0]
-            self.staging = StagingArea(area, MemoryRegion(0, r.addr, r.length, r.device_id, r.mem_kind))
+            self.staging = StagingArea(area, MemoryRegion(0, r.addr, r.length, r.device_id, r.mem_kind),
+                                       self._digests.stream)
 
     def metadata(self) -> bytes:
         return self.agent.metadata()
@@ -146,9 +147,14 @@ class LocalKVRank:
                                 block_ids)
 
     async def scatter(self, offset: int, block_ids: Sequence[np.ndarray]) -> None:
-        """The staged span at ``offset`` into blocks (per group) of this rank (``staging.scatter``), done on return."""
-        await asyncio.to_thread(self._staging().run, scatter, self.layout, self.buffers, self.staging, offset,
-                                block_ids)
+        """The staged span at ``offset`` into blocks (per group) of this rank (``staging.scatter``). On a GPU it is
+        queued on the side stream this rank's digest shares, not waited for (``staging.wait``); on CPU it is done
+        on return, in a worker thread."""
+        staging = self._staging()
+        if staging.stream is not None:
+            staging.enqueue(scatter, self.layout, self.buffers, staging, offset, block_ids)
+        else:
+            await asyncio.to_thread(staging.run, scatter, self.layout, self.buffers, staging, offset, block_ids)
 
     def _staging(self) -> StagingArea:
         if self.staging is None:

@@ -100,7 +100,7 @@ def test_gather_then_scatter_moves_every_block_between_pools(case: str) -> None:
     src, dst = random_cache(owner, 1), zero_cache(reader)
     ids = [np.array([7, 2, 19, 4, 11][: 5 - g], dtype=np.int64) for g in range(len(owner.groups))]
     to = [np.array([12, 0, 5, 3, 9][: 5 - g], dtype=np.int64) for g in range(len(owner.groups))]
-    _, num_bytes = staged_spans(owner, [len(i) for i in ids])
+    _, num_bytes = staged_spans(owner, tuple(len(i) for i in ids))
     staging = area(num_bytes + ALIGN)
     offset = staging.alloc(num_bytes)
     staging.run(gather, owner, src.buffers, staging, offset, ids)
@@ -185,5 +185,6 @@ def test_staging_pays_only_for_many_short_runs() -> None:
 def test_a_block_needed_before_the_staged_ones_declines_the_span() -> None:
     layout = layout_for({**BASE, "kind": "cross_layer", "num_blocks": 64}, 1)
     ids = [np.arange(8, dtype=np.int64)]
-    assert staged_blocks(layout, 32, 16, 32, {0: 16}, ids)[0] == [4]  # a part from token 16: blocks 4..7
+    assert staged_blocks(layout, 32, 16, 32, {0: 16}, ids)[0] == (4,)  # a part from token 16: blocks 4..7
     assert staged_blocks(layout, 32, 16, 32, {0: 8}, ids) is None
+
