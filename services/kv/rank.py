@@ -142,9 +142,14 @@ class LocalKVRank:
         return await asyncio.to_thread(state_digest, self.state_buffer[slot], runs)
 
     async def gather(self, offset: int, block_ids: Sequence[np.ndarray]) -> None:
-        """Stage blocks (per group) into this rank's staging span at ``offset`` (``staging.gather``), done on return."""
-        await asyncio.to_thread(self._staging().run, gather, self.layout, self.buffers, self.staging, offset,
-                                block_ids)
+        """Stage blocks (per group) into this rank's staging span at ``offset`` (``staging.gather``), done on return:
+        on a GPU queued on the side stream from here and awaited, on CPU in a worker thread."""
+        staging = self._staging()
+        if staging.stream is None:
+            await asyncio.to_thread(staging.run, gather, self.layout, self.buffers, staging, offset, block_ids)
+        else:
+            staging.enqueue(gather, self.layout, self.buffers, staging, offset, block_ids)
+            await staging.settled()
 
     async def scatter(self, offset: int, block_ids: Sequence[np.ndarray]) -> None:
         """The staged span at ``offset`` into blocks (per group) of this rank (``staging.scatter``). On a GPU it is

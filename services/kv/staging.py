@@ -99,6 +99,14 @@ class StagingArea:
         with torch.cuda.stream(self.stream):
             fn(*args)
 
+    async def settled(self) -> None:
+        """Until everything queued on the side stream so far is done, the event loop serving others meanwhile."""
+        if self.stream is not None:
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            while not done.query():
+                await asyncio.sleep(0)
+
     def wait(self) -> None:
         """Until everything queued on the side stream is done (nothing to wait for on CPU)."""
         if self.stream is not None:
@@ -176,6 +184,12 @@ def _rows(s: Span, ids: np.ndarray, pool_blocks: int) -> np.ndarray:
     return (planes * pool_blocks + np.asarray(ids, dtype=np.int64)[None, :]).ravel()
 
 
+def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Row numbers on the copy's device, through pinned memory on a GPU (a pageable upload costs the caller more)."""
+    index = torch.from_numpy(rows)
+    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
+
+
 def gather(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], area: StagingArea, offset: int,
            ids: Sequence[np.ndarray]) -> None:
     """Copy each group's blocks ``ids[g]`` (in order) from the KV buffers into the span at ``offset``: one
@@ -186,7 +200,7 @@ def gather(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], area: StagingA
         if s.num_blocks:
             pool, span = _views(layout, buffers, area, offset, s)
             pool_rows = _rows(s, ids[s.group_id], layout.num_blocks)
-            torch.index_select(pool, 0, torch.as_tensor(pool_rows, device=pool.device), out=span)
+            torch.index_select(pool, 0, _index(pool_rows, pool.device), out=span)
 
 
 def scatter(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], area: StagingArea, offset: int,
@@ -197,7 +211,7 @@ def scatter(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], area: Staging
         if s.num_blocks:
             pool, span = _views(layout, buffers, area, offset, s)
             pool_rows = _rows(s, ids[s.group_id], layout.num_blocks)
-            pool.index_copy_(0, torch.as_tensor(pool_rows, device=pool.device), span)
+            pool.index_copy_(0, _index(pool_rows, pool.device), span)
 
 
 @functools.lru_cache(maxsize=64)

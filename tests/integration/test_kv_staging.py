@@ -1,11 +1,14 @@
 """KV staging end to end: an owner process gathers a ticket's scattered blocks into its registered staging
 area, this process reads the span over real NIXL (into its own area, then scattered, or straight into its
 blocks) and every byte lands where the colocated KV has it; the owner frees its span once read or abandoned.
+``PDSERVE_TEST_DEVICE=cuda`` puts both sides' KV and staging areas on the GPU (gathers and scatters on the side
+stream, READs over cuda_ipc).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 
 import pytest
@@ -26,6 +29,7 @@ from tests.integration.test_kv_transfer import (
     reader,
 )
 
+DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
 AREA = 1 << 20
 NUM_TOKENS = 29  # 8 blocks of 4, the last partial
 FRAGMENTED = list(range(1, 17, 2))  # no two adjacent
@@ -38,6 +42,7 @@ CASES = {  # name: (layout overrides, TP size on both sides)
 
 def owner_cfg(name: str, over: dict, tp: int) -> dict:
     return {**BASE, **over, "engine_id": f"owner-staged-{name}", "tp": tp, "reader_tp": tp, "staging_bytes": AREA,
+            "device": DEVICE,
             "reader_block_size": BASE["block_size"],
             "requests": [{"request_id": "frag", "num_tokens": NUM_TOKENS, "block_ids": [FRAGMENTED]},
                          {"request_id": "held", "num_tokens": NUM_TOKENS, "block_ids": [FRAGMENTED[::-1]]},
@@ -58,7 +63,7 @@ def test_scattered_blocks_are_read_from_the_owner_staging_span(case: str) -> Non
     cfg = owner_cfg(case, over, tp)
     reader_cfg = {**BASE, **over}
     local_ids = list(range(22, 6, -2))  # no two adjacent on this side either
-    with owner_process(cfg) as owner, reader(reader_cfg, tp, staging_bytes=AREA) as r:
+    with owner_process(cfg) as owner, reader(reader_cfg, tp, staging_bytes=AREA, device=DEVICE) as r:
         assert all(len(t.staged_offsets) == tp for rid, t in owner.tickets.items() if rid != "contiguous")
         assert not owner.tickets["contiguous"].staged_offsets  # one run: nothing to gain
         # Into this side's staging area, then scattered: one descriptor per rank (the span's rows merge).
@@ -89,15 +94,16 @@ def test_scattered_blocks_are_read_from_the_owner_staging_span(case: str) -> Non
 def test_owner_frees_each_span_once_read_and_on_abandon() -> None:
     """The owner's area after reads and after an abandoned ticket: nothing staged is left held."""
     cfg = owner_cfg("release", {"kind": "cross_layer"}, 1)
-    with owner_process(cfg) as owner, reader({**BASE, "kind": "cross_layer"}, 1, staging_bytes=AREA) as r:
+    with owner_process(cfg) as owner, reader({**BASE, "kind": "cross_layer"}, 1, staging_bytes=AREA,
+                                             device=DEVICE) as r:
         for rid in ("frag", "held", "direct"):
             asyncio.run(r.puller.pull(owner.tickets[rid], [list(range(8))]))
         msgs = [wait_release(owner, rid) for rid in ("frag", "held", "direct")]
         assert msgs[-1]["staged"] == 3
         assert max(m["staging_free"][0] for m in msgs) == AREA  # after the three reads, every span is free
-    agent = TransferAgent(f"owner-{uuid.uuid4().hex[:8]}")
+    agent = TransferAgent(f"owner-{uuid.uuid4().hex[:8]}", device=torch.device(DEVICE).type)
     layout = layout_for({**BASE, "kind": "cross_layer"}, 1)
-    cache = KVCache(layout, torch.device("cpu"))
+    cache = KVCache(layout, torch.device(DEVICE))
     rank = LocalKVRank(agent, layout, cache.buffers, staging_bytes=AREA)
     try:
         exporter = KVExporter(engine_id="owner-abandon", model_name="pattern",
@@ -122,7 +128,8 @@ def test_owner_frees_each_span_once_read_and_on_abandon() -> None:
 
 def test_a_staged_span_outside_the_owner_area_is_refused_before_any_read() -> None:
     cfg = owner_cfg("forged", {"kind": "cross_layer"}, 1)
-    with owner_process(cfg) as owner, reader({**BASE, "kind": "cross_layer"}, 1, staging_bytes=AREA) as r:
+    with owner_process(cfg) as owner, reader({**BASE, "kind": "cross_layer"}, 1, staging_bytes=AREA,
+                                             device=DEVICE) as r:
         asyncio.run(r.puller.pull(owner.tickets["contiguous"], [list(range(8))]))  # handshake
         forged = owner.tickets["frag"]
         forged.staged_offsets[0] = AREA - 256

@@ -105,14 +105,15 @@ class Reader:
 
 
 @contextmanager
-def reader(cfg: dict, tp: int, token: str | None = None, corrupt: bool = False, staging_bytes: int = 0):
+def reader(cfg: dict, tp: int, token: str | None = None, corrupt: bool = False, staging_bytes: int = 0,
+           device: str = "cpu"):
     layout = layout_for(cfg, tp)
     caches, agents, ranks = [], [], []
     for rank in range(tp):
-        cache = KVCache(layout, torch.device("cpu"))
+        cache = KVCache(layout, torch.device(device))
         for b in cache.buffers:
             b.fill_(SENTINEL)
-        agent = TransferAgent(f"reader-{uuid.uuid4().hex[:8]}-tp{rank}")
+        agent = TransferAgent(f"reader-{uuid.uuid4().hex[:8]}-tp{rank}", device=torch.device(device).type)
         caches.append(cache)
         agents.append(agent)
         ranks.append(LocalKVRank(agent, layout, cache.buffers, staging_bytes=staging_bytes))
@@ -161,7 +162,8 @@ def check_received(owner_cfg: dict, r: Reader, ticket: kv_pb2.TransferTicket, lo
         last_block, tail = local_ids[gid][(n - 1) // lbs], n % lbs
         for rank, cache in enumerate(r.caches):
             for layer in g["layers"]:
-                for kv, (got, exp) in enumerate(zip(cache.views[layer], expected[rank][layer], strict=True)):
+                for kv, (got, exp) in enumerate(zip((v.cpu() for v in cache.views[layer]), expected[rank][layer],
+                                                    strict=True)):
                     if tail:  # slots past the prompt in its last block may hold padding: don't care
                         exp[last_block, tail:] = got[last_block, tail:]
                     assert torch.equal(got, exp), f"rank {rank} group {gid} layer {layer} {'KV'[kv]} differs"
