@@ -142,7 +142,7 @@ def expected_views(owner_cfg: dict, r: Reader, remote_ids: list[list[int]], loca
             rbs, lbs = og["block_size"], lg["block_size"]
             for layer in lg["layers"]:
                 k, v = cache.views[layer]
-                exp = [torch.full_like(k, SENTINEL), torch.full_like(v, SENTINEL)]
+                exp = [torch.full_like(k, SENTINEL, device="cpu"), torch.full_like(v, SENTINEL, device="cpu")]
                 for t in range(starts[gid], num_tokens):
                     for kv in (0, 1):
                         src = values[layer][kv, remote_ids[gid][t // rbs], t % rbs, h0:h1]
