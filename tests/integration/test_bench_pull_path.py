@@ -33,3 +33,17 @@ def test_pull_path_breakdown_reports_every_variant_and_stage() -> None:
         assert sum(pull["stages"][k] for k in ("handshake", "check", "pieces", "plan")) < pull["seconds"]
         assert 0 < pull["planning_warm_seconds"] < pull["seconds"]
         assert set(by["raw_1"]["stages"]) == {"prepare", "post", "complete"}
+
+
+def test_staging_benchmarks_run_on_the_ci_machine() -> None:
+    """bench/staging_copy.py (the copies beside one contiguous copy) and bench/profile_staged_scatter.py (the
+    scatter's steps inside real staged pulls) run on CPU and report every path and step."""
+    out = subprocess.run([sys.executable, "bench/staging_copy.py", "--tokens", "256", "--repeats", "2", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert {r["path"] for r in rows} == {"gather", "scatter", "contiguous"}
+    assert all(r["bytes"] == 256 * KV_BYTES_PER_TOKEN and r["run_seconds"] > 0 for r in rows)
+    out = subprocess.run([sys.executable, "bench/profile_staged_scatter.py", "--tokens", "256", "--repeats", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=180, check=True)
+    steps = out.stdout.split("a staged pull's scatter, host time per step")[1]
+    assert all(f"{step}:" in steps for step in ("views", "rows", "upload", "copy call"))
