@@ -130,7 +130,7 @@ class Span:
 
 
 def staged_start(layout: KVLayoutSpec, group_id: int, part_start_token: int, window_end: int) -> int:
-    """The group's first staged block: past a part ticket's earlier parts and outside no sliding window."""
+    """The group's first staged block: past a part ticket's earlier parts, and the first its sliding window needs."""
     group = layout.groups[group_id]
     return max(group.first_needed_block(window_end), part_start_token // group.block_size)
 
@@ -185,7 +185,7 @@ def _rows(s: Span, ids: np.ndarray, pool_blocks: int) -> np.ndarray:
 
 
 def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Row numbers on the copy's device, through pinned memory on a GPU (a pageable upload costs the caller more)."""
+    """Row numbers on the copy's device; on a GPU through pinned memory, so the upload is queued on the stream."""
     index = torch.from_numpy(rows)
     return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
