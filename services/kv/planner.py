@@ -540,6 +540,12 @@ def plan_groups(
     return concat_plans(plans, remote_rank, max(b.num_bytes for b in remote.buffers()) if len(plans) > 1 else 0)
 
 
+def merged_plan(remote_rank: int, cols: Sequence[np.ndarray], src_buffer_bytes: int = 1 << 40) -> TransferPlan:
+    """A plan of runs given in any order (``_FIELDS`` columns), joined where they continue each other on both sides
+    (``_merge``): for READs planned outside the planner (``services.kv.staging``)."""
+    return TransferPlan._owned(remote_rank, _merge([np.asarray(c, dtype=np.int64) for c in cols], src_buffer_bytes))
+
+
 def concat_plans(plans: Sequence[TransferPlan], remote_rank: int, src_buffer_bytes: int = 1 << 40) -> TransferPlan:
     """Join plans that read the same remote rank, merging runs that meet across them."""
     if any(p.remote_rank != remote_rank for p in plans):

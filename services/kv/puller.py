@@ -697,4 +697,3 @@ def _ticket_groups(groups: Sequence[kv_pb2.GroupBlocks], remote: EngineDescripti
 
 def _inside(ids: np.ndarray, num_blocks: int) -> bool:
     return ids.size == 0 or (int(ids.min()) >= 0 and int(ids.max()) < num_blocks)
-

@@ -142,24 +142,25 @@ class LocalKVRank:
         return await asyncio.to_thread(state_digest, self.state_buffer[slot], runs)
 
     async def gather(self, offset: int, block_ids: Sequence[np.ndarray]) -> None:
-        """Stage blocks (per group) into this rank's staging span at ``offset`` (``staging.gather``), done on return:
-        on a GPU queued on the side stream from here and awaited, on CPU in a worker thread."""
-        staging = self._staging()
-        if staging.stream is None:
-            await asyncio.to_thread(staging.run, gather, self.layout, self.buffers, staging, offset, block_ids)
-        else:
-            staging.enqueue(gather, self.layout, self.buffers, staging, offset, block_ids)
-            await staging.settled()
+        """Stage blocks (per group) into this rank's staging span at ``offset`` (``staging.gather``), done on return."""
+        await self._staging_copy(gather, offset, block_ids, settle=True)
 
     async def scatter(self, offset: int, block_ids: Sequence[np.ndarray]) -> None:
         """The staged span at ``offset`` into blocks (per group) of this rank (``staging.scatter``). On a GPU it is
-        queued on the side stream this rank's digest shares, not waited for (``staging.wait``); on CPU it is done
-        on return, in a worker thread."""
+        queued on the side stream this rank's digest shares, not waited for (``staging.wait``)."""
+        await self._staging_copy(scatter, offset, block_ids, settle=False)
+
+    async def _staging_copy(self, copy, offset: int, block_ids: Sequence[np.ndarray], *,  # noqa: ANN001
+                            settle: bool) -> None:
+        """``copy`` (``gather`` or ``scatter``) between this rank's KV and its staging area: on a GPU queued on the
+        side stream from here (and awaited when ``settle``), on CPU done in a worker thread."""
         staging = self._staging()
-        if staging.stream is not None:
-            staging.enqueue(scatter, self.layout, self.buffers, staging, offset, block_ids)
-        else:
-            await asyncio.to_thread(staging.run, scatter, self.layout, self.buffers, staging, offset, block_ids)
+        if staging.stream is None:
+            await asyncio.to_thread(staging.run, copy, self.layout, self.buffers, staging, offset, block_ids)
+            return
+        staging.enqueue(copy, self.layout, self.buffers, staging, offset, block_ids)
+        if settle:
+            await staging.settled()
 
     def _staging(self) -> StagingArea:
         if self.staging is None:

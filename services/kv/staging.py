@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from services.kv.layout import KVLayoutSpec
+from services.kv.planner import merged_plan
 from services.kv.wire import MemoryRegion
 
 ALIGN = 256  # bytes: every staged span starts on this boundary
@@ -231,20 +232,6 @@ class StagedRead:
     scatter: tuple[int, list[np.ndarray]] | None = None
 
 
-def _merge_rows(rows: list[tuple[int, int, int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(remote address, local address, length, remote device, local device) rows -> (local, remote) [n, 3]
-    arrays, a row joining the one before when both of its ends continue it."""
-    merged: list[list[int]] = []
-    for src, dst, n, sdev, ddev in rows:
-        last = merged[-1] if merged else None
-        if last is not None and last[0] + last[2] == src and last[1] + last[2] == dst and last[3:] == [sdev, ddev]:
-            last[2] += n
-        else:
-            merged.append([src, dst, n, sdev, ddev])
-    table = np.array(merged, dtype=np.uint64).reshape(-1, 5)
-    return table[:, [1, 2, 4]].copy(), table[:, [0, 2, 3]].copy()
-
-
 def plan_rows(owner: KVLayoutSpec, owner_region: MemoryRegion, owner_offset: int, counts: tuple[int, ...],
               skip: Sequence[int], local_ids: Sequence[np.ndarray], local_num_blocks: int,
               local_regions: Sequence[MemoryRegion], area: StagingArea | None) -> StagedRead:
@@ -254,37 +241,44 @@ def plan_rows(owner: KVLayoutSpec, owner_region: MemoryRegion, owner_offset: int
     no room in ``area``; else into ``area``, to be scattered."""
     spans, _ = staged_spans(owner, counts)
     wanted = [counts[g] - skip[g] for g in range(len(counts))]
-    base = owner_region.address + owner_offset
-    sdev = owner_region.device_id
     direct_rows = sum(_runs(local_ids[s.group_id]) * s.planes for s in spans)
     staged_rows = sum(s.planes for s in spans if wanted[s.group_id])
     local_offset = None
     if area is not None and direct_rows > staged_rows:
         local_offset = area.alloc(sum(s.planes * wanted[s.group_id] * s.stride for s in spans))
-    rows: list[tuple[int, int, int, int, int]] = []
-    if local_offset is None:
-        for s in spans:
-            ids, region = local_ids[s.group_id], local_regions[s.buffer_index]
+    # Runs as the planner's columns: source offsets in the owner's area (its buffer 0); destinations in this rank's
+    # KV buffers, or in its area (buffer index len(local_regions)).
+    cols: list[list[np.ndarray]] = [[], [], [], []]  # src offset, dst buffer, dst offset, length
+    done = 0
+    for s in spans:
+        ids = np.asarray(local_ids[s.group_id], dtype=np.int64)
+        if not len(ids):
+            continue
+        first_staged = owner_offset + s.offset + skip[s.group_id] * s.stride
+        planes = np.arange(s.planes, dtype=np.int64)
+        if local_offset is None:  # a run of consecutive local blocks per (plane, run)
             breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-            for p in range(s.planes):
-                for first, run in zip(np.concatenate([[0], breaks]), np.split(ids, breaks), strict=True):
-                    if len(run):
-                        src = base + s.offset + (p * s.num_blocks + skip[s.group_id] + int(first)) * s.stride
-                        dst = region.address + (p * local_num_blocks + int(run[0])) * s.stride
-                        rows.append((src, dst, len(run) * s.stride, sdev, region.device_id))
-        scatter = None
-    else:
-        local = area.region.address + local_offset
-        done = 0
-        for s in spans:
-            n = wanted[s.group_id]
-            for p in range(s.planes):
-                src = base + s.offset + (p * s.num_blocks + skip[s.group_id]) * s.stride
-                rows.append((src, local + done, n * s.stride, sdev, area.region.device_id))
-                done += n * s.stride
-        scatter = (local_offset, list(local_ids))
-    local_rows, remote_rows = _merge_rows([r for r in rows if r[2]])
-    return StagedRead(local_rows, remote_rows, int(sum(r[2] for r in rows)), scatter)
+            firsts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [len(ids)]])
+            src = first_staged + (planes[:, None] * s.num_blocks + firsts) * s.stride
+            dst = (planes[:, None] * local_num_blocks + ids[firsts]) * s.stride
+            length = np.broadcast_to((ends - firsts) * s.stride, src.shape)
+            buffer = s.buffer_index
+        else:  # the wanted blocks of each plane, one after another in this rank's area
+            n = len(ids) * s.stride
+            src = first_staged + planes * s.num_blocks * s.stride
+            dst = local_offset + done + planes * n
+            length = np.full(s.planes, n)
+            buffer, done = len(local_regions), done + s.planes * n
+        for col, values in zip(cols, (src, np.full(src.shape, buffer), dst, length), strict=True):
+            col.append(np.ravel(values))
+    src_off, dst_buf, dst_off, length = (np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols)
+    plan = merged_plan(0, [np.zeros(len(length), np.int64), src_off, dst_buf, dst_off, length])
+    local_table = [(r.address, r.device_id) for r in local_regions]
+    if area is not None:
+        local_table.append((area.region.address, area.region.device_id))
+    remote_rows, local_rows = plan.address_rows([(owner_region.address, owner_region.device_id)], local_table)
+    scatter = None if local_offset is None else (local_offset, list(local_ids))
+    return StagedRead(local_rows, remote_rows, plan.total_bytes, scatter)
 
 
 def staged_blocks(owner: KVLayoutSpec, num_tokens: int, part_start_token: int, window_end: int,
