@@ -50,6 +50,12 @@ def mla_kernel_config(num_heads: int, max_query_len: int, latent: int, dtype: to
     return KernelConfig(block_m, block_n, num_warps=4, num_stages=2)
 
 
+# The split rule the latent kernel was measured with (``bench/mla_moe.py``): about two programs per SM, at
+# least 128 keys per split. The paged kernel's rule (four, 64) came from its own sweep, not re-run for MLA.
+MLA_PROGRAMS_PER_SM = 2
+MLA_MIN_KEYS_PER_SPLIT = 128
+
+
 class TritonMLABackend(TritonPagedBackend, MLABackend):
     """``triton_paged``'s metadata (block tables and write slots, no dense plan) and split rule; the MLA forms
     above. ``num_splits``/``config``: fixed instead of chosen per step (tests and the benchmark)."""
@@ -84,7 +90,8 @@ class TritonMLABackend(TritonPagedBackend, MLABackend):
         if self.num_splits is not None:
             splits = self.num_splits
         elif q_tiles == 1:
-            splits = choose_num_splits(batch.num_reqs * head_tiles, batch.max_context_len, _num_sms(q.device))
+            splits = choose_num_splits(batch.num_reqs * head_tiles, batch.max_context_len, _num_sms(q.device),
+                                       MLA_PROGRAMS_PER_SM, MLA_MIN_KEYS_PER_SPLIT)
         else:
             splits = 1
         out = q.new_empty(num_tokens, num_heads, latent_dim)

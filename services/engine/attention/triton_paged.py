@@ -40,11 +40,15 @@ from services.engine.triton_support import triton_import_error
 MAX_HEAD_DIM = 512
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Split-K: at least this many keys per split (fewer and the partials cost more than they save),
-# at most this many splits, aiming at about two programs per SM.
-MIN_KEYS_PER_SPLIT = 128
+# Split-K (flash-decoding): a decode step's (request, KV head) programs split their keys until the grid
+# holds about PROGRAMS_PER_SM programs per SM, each split keeping at least MIN_KEYS_PER_SPLIT keys (one
+# 64-key tile), at most MAX_SPLITS. Chosen by ``bench/attention.py --splits N`` on an H200 (Llama-3-8B
+# heads, batches 1-64 x contexts 512-8k): at every batch the fastest split count put ~512 programs on its
+# 132 SMs. The earlier rule (no split once there were as many programs as SMs) left batch 32 unsplit, 1.4x
+# slower at 2k context.
+MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 64
-PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM = 4
 
 # A chunk of at least this many fresh tokens attends to itself through the dense kernel
 # (``dense_causal``) on CUDA; shorter ones stay in the paged kernel, where a dense call's host cost
@@ -93,18 +97,17 @@ def kernel_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dt
     return KernelConfig(block_m, block_n, num_warps=num_warps, num_stages=2)
 
 
-def choose_num_splits(programs: int, max_context_len: int, num_sms: int) -> int:
+def choose_num_splits(programs: int, max_context_len: int, num_sms: int, programs_per_sm: int = PROGRAMS_PER_SM,
+                      min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
     """Splits of each request's keys (decode-shaped steps only, where ``programs`` -- requests x KV
-    heads -- can be too few for the GPU): 1 once the unsplit grid fills the GPU, else enough to reach
-    ``PROGRAMS_PER_SM`` programs per SM, keeping ``MIN_KEYS_PER_SPLIT`` keys per split; a power of two.
+    heads -- can be too few for the GPU): the largest power of two that keeps the grid within
+    ``programs_per_sm`` programs per SM and ``min_keys`` keys per split (at most ``MAX_SPLITS``), else 1.
 
-    Llama-3-8B (8 KV heads) on 132 SMs: bs 1 at 2k context -> 16 splits (128 programs of 128 keys);
-    bs 8 at 8k -> 4 splits; bs 32 -> 1.
+    Llama-3-8B (8 KV heads) on 132 SMs: bs 1 at 2k context -> 32 splits (256 programs of 64 keys);
+    bs 8 -> 8; bs 32 -> 2; bs 64 -> 1.
     """
-    if programs >= num_sms:
-        return 1
-    wanted = min(-(-PROGRAMS_PER_SM * num_sms // programs), max_context_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS)
-    return 1 if wanted < 2 else 1 << (wanted.bit_length() - 1)
+    limit = min(programs_per_sm * num_sms // max(programs, 1), max_context_len // min_keys, MAX_SPLITS)
+    return 1 if limit < 2 else 1 << (limit.bit_length() - 1)
 
 
 def split_partials(out: torch.Tensor, splits: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -42,6 +42,7 @@ from services.engine.attention import (  # noqa: E402
     triton_paged,
 )
 from services.engine.attention.torch_sdpa import TorchSDPABackend  # noqa: E402
+from services.engine.attention.triton_mla import MLA_MIN_KEYS_PER_SPLIT, MLA_PROGRAMS_PER_SM  # noqa: E402
 from services.engine.attention.triton_paged import (  # noqa: E402
     KernelConfig,
     TritonPagedBackend,
@@ -247,13 +248,19 @@ def test_upper_bound_context_and_tile_override() -> None:
 
 
 def test_split_and_tile_rules() -> None:
-    # Llama-3-8B (8 KV heads) on 132 SMs
-    assert choose_num_splits(8, 2048, 132) == 16
-    assert choose_num_splits(8, 512, 132) == 4
-    assert choose_num_splits(8 * 8, 8192, 132) == 4
-    assert choose_num_splits(32 * 8, 8192, 132) == 1  # the unsplit grid fills the GPU
+    # Llama-3-8B (8 KV heads) on 132 SMs: ~512 programs, the fastest split count at every batch on an H200
+    assert choose_num_splits(8, 2048, 132) == 32
+    assert choose_num_splits(8, 512, 132) == 8  # 64 keys per split
+    assert choose_num_splits(8 * 8, 8192, 132) == 8
+    assert choose_num_splits(16 * 8, 2048, 132) == 4
+    assert choose_num_splits(32 * 8, 8192, 132) == 2  # 256 programs leave the 132 SMs half full
+    assert choose_num_splits(64 * 8, 8192, 132) == 1  # the unsplit grid fills the GPU
     assert choose_num_splits(8, 100, 132) == 1  # too short to split
     assert choose_num_splits(1, 1 << 20, 132) == 64  # capped
+    # the latent kernel's own rule (two programs per SM, 128 keys per split)
+    assert choose_num_splits(32, 8192, 132, MLA_PROGRAMS_PER_SM, MLA_MIN_KEYS_PER_SPLIT) == 8
+    assert choose_num_splits(132, 8192, 132, MLA_PROGRAMS_PER_SM, MLA_MIN_KEYS_PER_SPLIT) == 2
+    assert choose_num_splits(1, 2048, 132, MLA_PROGRAMS_PER_SM, MLA_MIN_KEYS_PER_SPLIT) == 16
     assert kernel_config(128, 4, 1, torch.bfloat16).block_m == 16  # decode: one token's 4 heads in 16 rows
     assert kernel_config(128, 4, 512, torch.bfloat16) == KernelConfig(128, 64, 8, 2)
     assert kernel_config(512, 8, 512, torch.bfloat16).block_n == 16
