@@ -386,12 +386,13 @@ def _sweep_configs(case: Case, head_dim: int, kernel_config_cls) -> list[tuple[i
     out: list[tuple[int | None, object]] = []
     block_ns = [n for n in (16, 32, 64, 128) if n * head_dim <= 128 * 128]
     if case.kind == "decode":
-        for splits in (1, 2, 4, 8, 16, 32):
+        for splits in (1, 2, 4, 8, 16, 32, 64):
             if splits * 64 > case.context:
                 continue
             for block_n in block_ns:
                 for warps in (4, 8):
-                    out.append((splits, kernel_config_cls(16, block_n, warps, 2)))
+                    for stages in (2, 3, 4):
+                        out.append((splits, kernel_config_cls(16, block_n, warps, stages)))
     else:
         for block_m in (64, 128):
             for block_n in block_ns:
