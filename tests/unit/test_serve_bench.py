@@ -1,4 +1,9 @@
-"""bench/serve.py --quick runs both setups on CPU (real daemons, a real router) and every request completes."""
+"""bench/serve.py --quick runs both setups on CPU (real daemons, a real router) and every request completes.
+
+The model is a small random Llama checkpoint (``--model``), not the bundled SmolLM2: the bench's harness is what
+is under test here, and SmolLM2 cost each of the run's four workers and two routers a GGUF parse and a
+dequantization (~10 s apiece on 2 cores). Its vocabulary covers the bench's random prompt ids (100-29999).
+"""
 
 from __future__ import annotations
 
@@ -9,13 +14,29 @@ from pathlib import Path
 
 import pytest
 
+from tests.checkpoints import hf_config
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    """The shared test Llama shape with a vocabulary of 32000 (the bench's prompts draw ids up to 29999)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = hf_config("llama")
+    config.vocab_size = 32000
+    path = tmp_path_factory.mktemp("bench-llama")
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
 @pytest.mark.slow
-def test_quick_serve_benchmark_runs_both_setups_without_failures() -> None:
+def test_quick_serve_benchmark_runs_both_setups_without_failures(model: str) -> None:
     out = subprocess.run([sys.executable, "bench/serve.py", "--quick", "--device", "cpu", "--num-requests", "4",
-                          "--json"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+                          "--model", model, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     setups = {r["setup"]: r for r in rows if r["kind"] == "setup"}
