@@ -163,10 +163,16 @@ def test_auto_layout_is_heads_outer_across_tp_sizes_and_equals_colocated_tp1(lla
             _wait_unpinned(prefill)
 
 
-def test_uneven_tp3_pairs_equal_colocated(tmp_path_factory) -> None:
+@pytest.fixture(scope="module")
+def smol_shaped_llama(tmp_path_factory) -> str:
+    """3 KV heads and 9 query heads (SmolLM2's shape): one KV head per rank at TP3, no split at TP2."""
+    return _random_llama(tmp_path_factory, 3, seed=3, num_heads=9)
+
+
+def test_uneven_tp3_pairs_equal_colocated(smol_shaped_llama: str) -> None:
     """3 KV heads and 9 query heads (SmolLM2's shape), so TP3 (one KV head per rank) against TP1, both ways, and
     with itself."""
-    model = _random_llama(tmp_path_factory, 3, seed=3, num_heads=9)
+    model = smol_shaped_llama
     keys = [("prefill", 1), ("prefill", 3), ("decode", 1), ("decode", 3)]
     specs = [(role, model, _worker_args(tp, 16, "cross_layer", num_blocks=64)) for role, tp in keys]
     prompts = _prompts(1, 320, seed=3)
@@ -181,24 +187,27 @@ def test_uneven_tp3_pairs_equal_colocated(tmp_path_factory) -> None:
             _wait_unpinned(prefill)
 
 
-def test_worker_that_cannot_shard_the_model_refuses_to_start() -> None:
-    """SmolLM2 over 2 ranks: 3 KV heads (and 9 query heads) do not split in two; no rank starts."""
-    result = subprocess.run([sys.executable, "-m", "services.cli", "decode", "--tp", "2", "--device", "cpu",
-                             "--port", "0"], capture_output=True, text=True, timeout=120)
+def test_worker_that_cannot_shard_the_model_refuses_to_start(smol_shaped_llama: str) -> None:
+    """SmolLM2's shape over 2 ranks: 3 KV heads (and 9 query heads) do not split in two; no rank starts. (The
+    bundled SmolLM2 itself is refused the same way through `pdserve up` in test_up.py.)"""
+    result = subprocess.run([sys.executable, "-m", "services.cli", "decode", "--model", smol_shaped_llama, "--tp",
+                             "2", "--device", "cpu", "--port", "0"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "3 KV heads over 2 ranks" in result.stderr
     assert "9 attention heads over 2 ranks" in result.stderr
 
 
-def test_router_pairs_tp_workers_and_names_a_worker_nobody_can_pair_with(llama: str) -> None:
-    """Router + P tp2 + D tp1, and a decode worker whose KV page layout (HND) no prefill worker
-    shares: requests go through the supported pair; /health names the odd worker and says why."""
-    specs = [("prefill", llama, _worker_args(2, 16, "cross_layer")),
-             ("decode", llama, _worker_args(1, 64, "per_layer")),
-             ("decode", llama, (*_worker_args(1, 16, "cross_layer"), "--kv-block-order", "HND"))]
-    prompts = _prompts(3, 320, seed=11)
+@pytest.mark.parametrize("llama_workers", ["cross_layer"], indirect=True)
+def test_router_pairs_tp_workers_and_names_a_worker_nobody_can_pair_with(llama: str, llama_workers) -> None:
+    """Router + P tp2 (block size 16) + D tp1 (block size 64), the cross-layer workers above, and a decode worker
+    whose KV page layout (HND) no prefill worker shares: requests go through the supported pair; /health names the
+    odd worker and says why."""
+    _, workers = llama_workers
+    prefill, decode = workers[("prefill", 2, 16)], workers[("decode", 1, 64)]
+    prompts = _prompts(3, 320, seed=31)  # a seed no other test's prompts use: nothing cached anywhere
     expected = _colocated(llama, prompts)
-    with daemons(*specs) as (prefill, decode, odd):
+    pulled = metric_total(decode, "pdserve_kv_transfer_bytes_total")
+    with daemons(("decode", llama, (*_worker_args(1, 16, "cross_layer"), "--kv-block-order", "HND"))) as (odd,):
         router = start_router(llama, [prefill.address], [decode.address, odd.address])
         try:
             with httpx.Client(timeout=120) as client:
@@ -213,11 +222,12 @@ def test_router_pairs_tp_workers_and_names_a_worker_nobody_can_pair_with(llama: 
         finally:
             stop_router(router)
         assert metric_total(odd, "pdserve_requests_total") == 0  # never paired, never given work
-        assert metric_total(decode, "pdserve_kv_transfer_bytes_total") > 0
-    workers = {w["address"]: w for w in health["workers"]}
-    assert workers[prefill.address]["tp_size"] == 2
-    assert "unpaired_reason" not in workers[decode.address]
-    reason = workers[odd.address]["unpaired_reason"]
+        assert metric_total(decode, "pdserve_kv_transfer_bytes_total") > pulled
+        _wait_unpinned(prefill)
+    listed = {w["address"]: w for w in health["workers"]}
+    assert listed[prefill.address]["tp_size"] == 2
+    assert "unpaired_reason" not in listed[decode.address]
+    reason = listed[odd.address]["unpaired_reason"]
     assert "kv_layout" in reason and "NHD" in reason and "HND" in reason, reason
 
 
