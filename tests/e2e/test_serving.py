@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,7 +19,7 @@ from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import completion_tokens, finished_requests, info, metric_total, stack
+from tests.e2e.stack import Stack, completion_tokens, finished_requests, info, metric_total, stack
 
 MAX_TOKENS = 10
 
@@ -60,38 +61,60 @@ def _wait_unpinned(daemons, timeout_s: float = 10.0) -> list[int]:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize(("num_prefill", "num_decode"), [(1, 1), (2, 2)], ids=["1P1D", "2P2D"])
-def test_disaggregated_equals_colocated(model: str, colocated, num_prefill: int, num_decode: int) -> None:
+@pytest.fixture(scope="module")
+def served(request, model: str) -> Iterator[Stack]:
+    """A stack of ``request.param`` = (prefill workers, decode workers); tests asking for the same split share it."""
+    num_prefill, num_decode = request.param
     with stack(model, num_prefill, num_decode) as s:
-        prompts = _prompts(6)
-        for prompt in prompts:  # sequential: later prompts hit the prefix cache of earlier ones
-            for stream in (False, True):
-                assert completion_tokens(s.url, prompt, MAX_TOKENS, stream) == colocated(prompt)
-
-        # The same prompt again: a prefill worker that saw it serves all but its last block from its
-        # prefix cache (with two prefill workers, after one round each).
-        with httpx.Client(timeout=60) as client:
-            for _ in range(num_prefill):
-                usage = client.post(f"{s.url}/v1/completions", json={
-                    "prompt": prompts[-1], "max_tokens": 2, "temperature": 0}).json()["usage"]
-        assert usage["prompt_tokens_details"]["cached_tokens"] >= len(prompts[-1]) - 4
-
-        many = _prompts(32, seed=11)
-        with ThreadPoolExecutor(32) as pool:
-            results = list(pool.map(lambda p: completion_tokens(s.url, p[1], MAX_TOKENS, p[0] % 2 == 0),
-                                    enumerate(many)))
-        for prompt, tokens in zip(many, results, strict=True):
-            assert tokens == colocated(prompt)
-        assert _wait_unpinned(s.prefill) == [0] * num_prefill
-        # Every worker took part (least-outstanding pairing spreads the load), as its /metrics says.
-        assert all(finished_requests(d) > 0 for d in s.decode)
-        # Disaggregated for real: every decode worker pulled KV, and none recomputed a prompt instead.
-        assert all(metric_total(d, "pdserve_kv_transfer_bytes_total") > 0 for d in s.decode)
-        assert sum(metric_total(d, "pdserve_local_recompute_fallbacks_total") for d in s.decode) == 0
+        yield s
 
 
-def test_bad_requests_get_openai_errors_and_touch_no_worker(model: str) -> None:
-    with stack(model) as s, httpx.Client(timeout=60) as client:
+def _wait_idle(daemons, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(i.num_running or i.num_waiting or i.kv_blocks_pinned for i in map(info, daemons)):
+        assert time.monotonic() < deadline, "the workers did not go idle"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("served", [(1, 1), (2, 2)], ids=["1P1D", "2P2D"], indirect=True)
+def test_disaggregated_equals_colocated(colocated, served: Stack) -> None:
+    s, num_prefill = served, len(served.prefill)
+    # The stack may have served another test's requests: what this test checks on the workers is what it adds.
+    finished = [finished_requests(d) for d in s.decode]
+    pulled = [metric_total(d, "pdserve_kv_transfer_bytes_total") for d in s.decode]
+    recomputed = sum(metric_total(d, "pdserve_local_recompute_fallbacks_total") for d in s.decode)
+    prompts = _prompts(6)
+    for prompt in prompts:  # sequential: later prompts hit the prefix cache of earlier ones
+        for stream in (False, True):
+            assert completion_tokens(s.url, prompt, MAX_TOKENS, stream) == colocated(prompt)
+
+    # The same prompt again: a prefill worker that saw it serves all but its last block from its
+    # prefix cache (with two prefill workers, after one round each).
+    with httpx.Client(timeout=60) as client:
+        for _ in range(num_prefill):
+            usage = client.post(f"{s.url}/v1/completions", json={
+                "prompt": prompts[-1], "max_tokens": 2, "temperature": 0}).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= len(prompts[-1]) - 4
+
+    many = _prompts(32, seed=11)
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda p: completion_tokens(s.url, p[1], MAX_TOKENS, p[0] % 2 == 0),
+                                enumerate(many)))
+    for prompt, tokens in zip(many, results, strict=True):
+        assert tokens == colocated(prompt)
+    assert _wait_unpinned(s.prefill) == [0] * num_prefill
+    # Every worker took part (least-outstanding pairing spreads the load), as its /metrics says.
+    assert all(finished_requests(d) > n for d, n in zip(s.decode, finished, strict=True))
+    # Disaggregated for real: every decode worker pulled KV, and none recomputed a prompt instead.
+    assert all(metric_total(d, "pdserve_kv_transfer_bytes_total") > n for d, n in zip(s.decode, pulled, strict=True))
+    assert sum(metric_total(d, "pdserve_local_recompute_fallbacks_total") for d in s.decode) == recomputed
+
+
+@pytest.mark.parametrize("served", [(1, 1)], ids=["1P1D"], indirect=True)
+def test_bad_requests_get_openai_errors_and_touch_no_worker(served: Stack) -> None:
+    s = served
+    with httpx.Client(timeout=60) as client:
+        _wait_idle(s.prefill + s.decode)  # the stack may have just served another test's requests
         before = [info(d) for d in s.prefill + s.decode]
         url = f"{s.url}/v1/completions"
         cases = [
