@@ -215,3 +215,17 @@ def test_missing_tensor(tmp_path):
                              drop="blk.1.ffn_up.weight")
     with pytest.raises(ValueError, match=r"holey\.gguf: missing tensors \['blk\.1\.ffn_up\.weight'\]"):
         load_gguf(path)
+
+
+def test_an_unchanged_file_reopened_reuses_its_reader_and_a_changed_one_is_read_again(tmp_path):
+    """``open_gguf_reader`` keeps the last few readers: the same unchanged file gets its reader back (no second
+    header parse); a file rewritten since is parsed again, and a damaged rewrite still fails."""
+    from services.text.gguf_metadata import open_gguf_reader
+
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(smollm2_path().read_bytes())
+    first = open_gguf_reader(copy)
+    assert open_gguf_reader(copy) is first and open_gguf_reader(str(copy)) is first
+    copy.write_bytes(smollm2_path().read_bytes()[: copy.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"copy\.gguf.*(corrupt|truncated)"):
+        open_gguf_reader(copy)
