@@ -32,7 +32,7 @@ import httpx
 
 from services.launch.spawn import Daemon, Router
 from services.proto_gen.pdserve.v1 import worker_pb2
-from tests.e2e.stack import PREFILL_ARGS, info, metric_total
+from tests.e2e.stack import PREFILL_ARGS, http_client, http_get, info, metric_total
 
 REPORTS: list[FaultReport] = []
 DEADLINE_S = 60.0
@@ -83,7 +83,7 @@ def run_request(url: str, prompt: list[int], max_tokens: int, expected: list[int
     tokens: list[int] = []
     finished = errored = done = False
     try:
-        with httpx.Client(timeout=DEADLINE_S) as client, \
+        with http_client(timeout=DEADLINE_S) as client, \
                 client.stream("POST", f"{url}/v1/completions", json=body(prompt, max_tokens)) as response:
             if response.status_code != 200:
                 response.read()
@@ -132,7 +132,7 @@ def abort_before_headers(url: str, prompt: list[int], max_tokens: int) -> str:
 def references(url: str, prompts: Sequence[list[int]], max_tokens: int) -> list[list[int]]:
     """The fault-free answers (greedy: the same tokens every time)."""
     out = []
-    with httpx.Client(timeout=DEADLINE_S) as client:
+    with http_client(timeout=DEADLINE_S) as client:
         for prompt in prompts:
             response = client.post(f"{url}/v1/completions", json=body(prompt, max_tokens, stream=False))
             response.raise_for_status()
@@ -200,7 +200,7 @@ def lease_expiries(workers: Sequence[Daemon]) -> int:
 def router_metric_total(router: Router, name: str, label: str = "") -> float:
     """Sum of a metric's samples on the router's /metrics (those whose labels contain ``label``); like
     ``tests.e2e.stack.metric_total``, a missing series is an error, not 0. Matches unlabelled series too."""
-    text = httpx.get(f"{router.local_url}/metrics", timeout=10).text
+    text = http_get(f"{router.local_url}/metrics", timeout=10).text
     samples = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if (line.startswith(name + "{") and label in line) or (not label and line.startswith(name + " "))]
     assert samples, f"no {name} sample with {label!r} on the router's /metrics"

@@ -19,12 +19,11 @@ import threading
 import time
 
 import grpc
-import httpx
 import pytest
 
 from services.launch.spawn import Daemon, spawn_daemon, wait_ready
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from tests.e2e.stack import Stack, info, metric_total, stack
+from tests.e2e.stack import Stack, http_get, info, metric_total, stack
 from tests.faults.harness import (
     SETTLE_S,
     FaultReport,
@@ -86,7 +85,7 @@ def _counters(worker: Daemon, names: tuple[str, ...]) -> dict[str, float]:
 def _wait_paired(url: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if httpx.get(f"{url}/health", timeout=5).json().get("status") == "ok":
+        if http_get(f"{url}/health", timeout=5).json().get("status") == "ok":
             return
         time.sleep(0.2)
     raise AssertionError("the router did not pair the workers again")
