@@ -20,7 +20,8 @@ from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 
 # The tests' HTTP clients talk plain HTTP to local processes, yet httpx builds a TLS context (loading the CA bundle)
 # for every new client: ~30 ms of CPU apiece, under the GIL, which a load of a thousand requests paid a thousand
-# times. One context, httpx's default, built once, serves every client made through http_client() and http_get().
+# times. One context, httpx's default, built once, serves every client made through http_client(), http_get() and
+# http_post().
 TLS_CONTEXT = httpx.create_ssl_context()
 
 
@@ -32,6 +33,11 @@ def http_client(**kwargs) -> httpx.Client:
 def http_get(url: str, **kwargs) -> httpx.Response:
     """``httpx.get(url, **kwargs)`` with the shared TLS context."""
     return httpx.get(url, verify=TLS_CONTEXT, **kwargs)
+
+
+def http_post(url: str, **kwargs) -> httpx.Response:
+    """``httpx.post(url, **kwargs)`` with the shared TLS context."""
+    return httpx.post(url, verify=TLS_CONTEXT, **kwargs)
 
 
 # Small pools and blocks so prompts span several blocks; prefill and decode differ in layout and

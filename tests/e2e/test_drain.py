@@ -21,14 +21,22 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.launch.spawn import daemons, start_router, stop_router
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.checkpoints import colocated_reference, make_checkpoint
-from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, hold_ticket, info, metric_total, random_prompt
+from tests.e2e.stack import (
+    DECODE_ARGS,
+    PREFILL_ARGS,
+    hold_ticket,
+    http_client,
+    http_get,
+    info,
+    metric_total,
+    random_prompt,
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +69,12 @@ def _wait(what: str, done: Callable[[], bool], timeout_s: float = 60.0) -> None:
 
 
 def _probed_pairs(url: str) -> int:
-    pairs = httpx.get(f"{url}/health", timeout=10).json().get("pairs", [])
+    pairs = http_get(f"{url}/health", timeout=10).json().get("pairs", [])
     return sum(p["state"] == "probed" for p in pairs)
 
 
 def _migrated(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = http_get(f"{url}/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("pdserve_router_migrated_requests_total "))
 
@@ -77,7 +85,7 @@ def _stream(url: str, prompt: list[int], max_tokens: int, started: threading.Eve
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "logprobs": 0,
             "return_tokens_as_token_ids": True, "ignore_eos": True}
     tokens: list[int] = []
-    with httpx.Client(timeout=120) as client, \
+    with http_client(timeout=120) as client, \
             client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():

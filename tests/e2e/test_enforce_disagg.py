@@ -38,7 +38,7 @@ from services.common.grpc_auth import METADATA_KEY, bearer
 from services.launch.spawn import Daemon, daemons, free_port, terminate_all
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, metric_total
+from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, http_client, http_get, metric_total
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,7 @@ def _start_router(log_dir: Path, name: str, model: str, prefill: str, decode: st
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"router {name} exited: {log.read_text()[-2000:]}"
         try:
-            health = httpx.get(f"{router.url}/health", timeout=2).json()
+            health = http_get(f"{router.url}/health", timeout=2).json()
             if health["status"] == want and health["healthy_workers"]["decode"] == 1:
                 return router
         except (httpx.HTTPError, ValueError, KeyError):
@@ -136,7 +136,7 @@ def _complete(url: str, prompt: list[int], stream: bool, request_id: str) -> Ans
     """A greedy completion; its token ids as the client received them."""
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": stream,
             "logprobs": 0, "return_tokens_as_token_ids": True}
-    with httpx.Client(timeout=120, headers={"X-Request-Id": request_id}) as client:
+    with http_client(timeout=120, headers={"X-Request-Id": request_id}) as client:
         response = client.post(f"{url}/v1/completions", json=body)
     if not stream or response.status_code != 200:
         payload = response.json()
@@ -175,7 +175,7 @@ def _changes(cluster: Cluster, before: dict[str, float], expected: dict[str, flo
 
 
 def _routed(router: RouterProc) -> dict[str, float]:
-    text = httpx.get(f"{router.url}/metrics", timeout=10).text
+    text = http_get(f"{router.url}/metrics", timeout=10).text
     return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line.startswith("pdserve_router_routed_requests_total{")}
 
@@ -224,7 +224,7 @@ def test_disaggregated_and_direct_responses_say_so(cluster: Cluster, fault_free:
 
 
 def test_strict_without_a_prefill_worker_is_503_and_the_decode_worker_never_asked(cluster: Cluster) -> None:
-    health = httpx.get(f"{cluster.orphan.url}/health", timeout=5)
+    health = http_get(f"{cluster.orphan.url}/health", timeout=5)
     assert health.status_code == 503 and "--enforce-disagg" in health.json()["reason"]
     before = _decode_counts(cluster)
     for stream in (False, True):

@@ -15,13 +15,12 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import colocated_greedy, completion_tokens, info, metric_total, stack
+from tests.e2e.stack import colocated_greedy, completion_tokens, http_client, info, metric_total, stack
 
 MAX_TOKENS = 8
 # (prefill args, decode args): both layouts on each side, block-size ratios in both directions.
@@ -70,7 +69,7 @@ def test_hybrid_disaggregated_equals_colocated(model: str, window: int, colocate
             assert completion_tokens(s.url, prompt, MAX_TOKENS, stream=bool(i % 2)) == colocated(prompt), i
         # The shared 2-window prefix is served from the prefill worker's cache (full group from
         # token 0, sliding group over the window before the hit) and the output does not change.
-        with httpx.Client(timeout=60) as client:
+        with http_client(timeout=60) as client:
             body = {"prompt": prompts[-1], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
             answer = client.post(f"{s.url}/v1/completions", json=body).json()
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * window

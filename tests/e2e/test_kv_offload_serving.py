@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 
 from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import metric_total, stack
+from tests.e2e.stack import http_post, metric_total, stack
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +47,7 @@ def colocated(model: str) -> list[int]:
 def _complete(url: str, prompt: list[int]) -> tuple[list[int], int]:
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0,
             "return_tokens_as_token_ids": True, "ignore_eos": True}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    response = http_post(f"{url}/v1/completions", json=body, timeout=300)
     response.raise_for_status()
     answer = response.json()
     tokens = [int(t.removeprefix("token_id:")) for t in answer["choices"][0]["logprobs"]["tokens"]]

@@ -22,7 +22,7 @@ from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.launch.spawn import Daemon, start_router, stop_router
 from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import PREFILL_ARGS, completion_tokens, info, metric_total, random_prompt, stack
+from tests.e2e.stack import PREFILL_ARGS, completion_tokens, http_post, info, metric_total, random_prompt, stack
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def _complete(url: str, prompt: list[int], stream: bool) -> tuple[int, str]:
     """Status and body of a greedy completion (each token's id in its logprobs: a token is never held back)."""
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": stream,
             "logprobs": 0, "return_tokens_as_token_ids": True}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    response = http_post(f"{url}/v1/completions", json=body, timeout=120)
     return response.status_code, response.text
 
 

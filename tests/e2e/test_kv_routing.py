@@ -23,12 +23,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import httpx
 import pytest
 
 from services.launch.spawn import Daemon, Router, daemons, spawn_daemon, start_router, terminate, wait_ready
 from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, metric_total
+from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, http_get, http_post, metric_total
 
 pytestmark = pytest.mark.slow
 
@@ -138,7 +137,7 @@ def _wait(what: str, done: Callable[[], bool], timeout_s: float = 60.0) -> None:
 
 
 def _metric(router: Router, name: str, label: str = "") -> float:
-    text = httpx.get(f"{router.url}/metrics", timeout=10).text
+    text = http_get(f"{router.url}/metrics", timeout=10).text
     samples = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") and label in line]
     assert samples, f"no {name} sample with {label!r} on the router's /metrics"
@@ -167,7 +166,7 @@ class Answer:
 def _complete(router: Router, prompt: list[int], max_tokens: int = 2) -> Answer:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 0,
             "return_tokens_as_token_ids": True}
-    response = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
+    response = http_post(f"{router.url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     answer = response.json()
     tokens = [int(t.removeprefix("token_id:")) for t in answer["choices"][0]["logprobs"]["tokens"]]

@@ -30,6 +30,7 @@ import yaml
 from services.launch.spawn import free_port
 from tests.deploy import promql
 from tests.deploy.tools import tool
+from tests.e2e.stack import http_client
 
 pytestmark = pytest.mark.slow
 
@@ -169,7 +170,7 @@ def observed(tmp_path_factory) -> Observed:
             targets = prom.active_targets()
             return len(targets) == len(groups) and all(t["health"] == "up" for t in targets)
 
-        with httpx.Client(timeout=120) as client:
+        with http_client(timeout=120) as client:
             # One request first: the router's per-route series only exist once a request took that route,
             # and rates need a sample of them from before the traffic.
             _complete(client, router_url, 0)

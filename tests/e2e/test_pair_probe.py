@@ -31,7 +31,7 @@ from services.launch.spawn import (
     wait_ready,
 )
 from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, info, metric_total
+from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, http_get, http_post, info, metric_total
 from tests.e2e.test_enforce_disagg import RouterProc, _start_router
 
 pytestmark = pytest.mark.slow
@@ -76,7 +76,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
 
 
 def _health(url: str) -> dict:
-    return httpx.get(f"{url}/health", timeout=10).json()
+    return http_get(f"{url}/health", timeout=10).json()
 
 
 def _pairs(url: str) -> dict[str, dict]:
@@ -85,7 +85,7 @@ def _pairs(url: str) -> dict[str, dict]:
 
 
 def _router_metric(url: str, name: str, label: str = "") -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = http_get(f"{url}/metrics", timeout=10).text
     samples = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") and label in line]
     assert samples, f"no {name} sample with {label!r} on the router's /metrics"
@@ -101,7 +101,7 @@ def _wait(what: str, done: Callable[[], bool], timeout_s: float = 60.0) -> None:
 
 def _complete(url: str) -> httpx.Response:
     body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    return http_post(f"{url}/v1/completions", json=body, timeout=120)
 
 
 def test_a_healthy_pair_is_probed_before_any_request_and_a_failing_one_is_never_used(cluster: Cluster) -> None:
@@ -144,7 +144,7 @@ def test_a_strict_router_whose_only_pair_failed_its_probe_refuses_and_says_why(c
     url = cluster.strict.url
     _wait("the strict router's pair to fail its probe",
           lambda: _pairs(url).get(cluster.corrupting.address, {}).get("state") == "failed")
-    health = httpx.get(f"{url}/health", timeout=10)
+    health = http_get(f"{url}/health", timeout=10)
     assert health.status_code == 503 and health.json()["status"] == "unavailable"
     assert "failed its KV probe" in health.json()["reason"]
     response = _complete(url)

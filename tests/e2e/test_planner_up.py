@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from services.launch.spawn import free_port
-from tests.e2e.stack import stop_up
+from tests.e2e.stack import http_client, http_get, stop_up
 
 KEY = "planner-up-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -111,7 +111,7 @@ class Client(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        with httpx.Client(timeout=120) as client:
+        with http_client(timeout=120) as client:
             i = self.offset
             while not self.stop.is_set():
                 index = i % len(self.prompts)
@@ -124,7 +124,7 @@ class Client(threading.Thread):
 
 
 def _get(url: str, path: str) -> dict:
-    response = httpx.get(f"{url}{path}", headers=AUTH, timeout=10)
+    response = http_get(f"{url}{path}", headers=AUTH, timeout=10)
     response.raise_for_status()
     return response.json()
 
@@ -132,7 +132,7 @@ def _get(url: str, path: str) -> dict:
 def _metric(url: str, name: str, **labels: str) -> float:
     """The sum of ``name``'s series whose labels include ``labels``; a metric with no such series fails."""
     wanted = [f'{k}="{v}"' for k, v in labels.items()]
-    found = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(url, timeout=10).text.splitlines()
+    found = [float(line.rsplit(" ", 1)[1]) for line in http_get(url, timeout=10).text.splitlines()
              if line.startswith(name + "{") and all(w in line for w in wanted)]
     assert found, f"{name} {labels} not in {url}"
     return sum(found)

@@ -21,7 +21,7 @@ import pytest
 from services.launch.spawn import daemons, start_router, stop_router
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.checkpoints import colocated_reference, make_checkpoint
-from tests.e2e.stack import DECODE_ARGS, hold_ticket, metric_total, random_prompt
+from tests.e2e.stack import DECODE_ARGS, hold_ticket, http_client, http_get, http_post, metric_total, random_prompt
 
 KEY = "role-switch-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -54,7 +54,7 @@ def cluster(model: str):
 
 def _roles(url: str) -> dict[str, tuple[str, str]]:
     """address -> (role, state), from GET /admin/workers."""
-    body = httpx.get(f"{url}/admin/workers", headers=AUTH, timeout=10).json()
+    body = http_get(f"{url}/admin/workers", headers=AUTH, timeout=10).json()
     return {w["address"]: (w["role"], w["state"]) for w in body["workers"]}
 
 
@@ -69,13 +69,13 @@ def _wait_healthy(url: str, role: str, count: int, timeout_s: float = 30.0, want
 
 
 def _switch(url: str, worker: str, role: str, drain_timeout_s: float = 0.0) -> httpx.Response:
-    return httpx.post(f"{url}/admin/workers/{worker}/role", headers=AUTH, timeout=120,
-                      json={"role": role, "drain_timeout_s": drain_timeout_s})
+    return http_post(f"{url}/admin/workers/{worker}/role", headers=AUTH, timeout=120,
+                     json={"role": role, "drain_timeout_s": drain_timeout_s})
 
 
 def _migrated(url: str) -> float:
     """The router's pdserve_router_migrated_requests_total."""
-    text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=10).text
+    text = http_get(f"{url}/metrics", headers=AUTH, timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("pdserve_router_migrated_requests_total "))
 
@@ -85,7 +85,7 @@ def _stream(url: str, prompt: list[int], max_tokens: int, started: threading.Eve
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "logprobs": 0,
             "return_tokens_as_token_ids": True, "ignore_eos": True}
     tokens: list[int] = []
-    with httpx.Client(timeout=120) as client, \
+    with http_client(timeout=120) as client, \
             client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -104,10 +104,10 @@ def _stream(url: str, prompt: list[int], max_tokens: int, started: threading.Eve
 def test_admin_switch_refuses_without_the_key(cluster) -> None:
     router, _ = cluster
     worker = next(iter(_roles(router.url)))
-    response = httpx.post(f"{router.url}/admin/workers/{worker}/role", json={"role": "decode"}, timeout=10)
+    response = http_post(f"{router.url}/admin/workers/{worker}/role", json={"role": "decode"}, timeout=10)
     assert response.status_code == 401
-    wrong = httpx.post(f"{router.url}/admin/workers/{worker}/role", json={"role": "decode"}, timeout=10,
-                       headers={"Authorization": "Bearer wrong"})
+    wrong = http_post(f"{router.url}/admin/workers/{worker}/role", json={"role": "decode"}, timeout=10,
+                      headers={"Authorization": "Bearer wrong"})
     assert wrong.status_code == 401
 
 
@@ -231,4 +231,4 @@ def test_a_worker_dying_mid_switch_is_handled_like_any_dead_worker(cluster) -> N
     while _roles(url)[victim][1] != "unhealthy" and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _roles(url)[victim][1] == "unhealthy"
-    assert _stream(url, random_prompt(10), 6) and httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert _stream(url, random_prompt(10), 6) and http_get(f"{url}/health", timeout=10).status_code == 200

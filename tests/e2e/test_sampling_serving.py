@@ -3,14 +3,13 @@ both workers (the prefill samples the first token, the decode the rest) and act 
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import completion_tokens, stack
+from tests.e2e.stack import completion_tokens, http_client, stack
 
 MAX_TOKENS = 16
 PROMPTS = [[11, 42, 42, 7, 199, 23, 5, 88, 61, 3, 250, 17], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
@@ -46,7 +45,7 @@ def test_logit_bias_penalties_and_min_p_through_the_stack(model: str) -> None:
             sampled = completion_tokens(s.url, prompt, MAX_TOKENS, False, temperature=1.0, min_p=1.0)
             assert sampled == unpenalised
 
-        with httpx.Client(timeout=60) as client:
+        with http_client(timeout=60) as client:
             url = f"{s.url}/v1/completions"
             for body, param in [({"logit_bias": {"5": 200}}, "logit_bias"),
                                 ({"frequency_penalty": 3}, "frequency_penalty"),

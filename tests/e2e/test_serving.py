@@ -12,14 +12,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import Stack, completion_tokens, finished_requests, info, metric_total, stack
+from tests.e2e.stack import Stack, completion_tokens, finished_requests, http_client, info, metric_total, stack
 
 MAX_TOKENS = 10
 
@@ -90,7 +89,7 @@ def test_disaggregated_equals_colocated(colocated, served: Stack) -> None:
 
     # The same prompt again: a prefill worker that saw it serves all but its last block from its
     # prefix cache (with two prefill workers, after one round each).
-    with httpx.Client(timeout=60) as client:
+    with http_client(timeout=60) as client:
         for _ in range(num_prefill):
             usage = client.post(f"{s.url}/v1/completions", json={
                 "prompt": prompts[-1], "max_tokens": 2, "temperature": 0}).json()["usage"]
@@ -113,7 +112,7 @@ def test_disaggregated_equals_colocated(colocated, served: Stack) -> None:
 @pytest.mark.parametrize("served", [(1, 1)], ids=["1P1D"], indirect=True)
 def test_bad_requests_get_openai_errors_and_touch_no_worker(served: Stack) -> None:
     s = served
-    with httpx.Client(timeout=60) as client:
+    with http_client(timeout=60) as client:
         _wait_idle(s.prefill + s.decode)  # the stack may have just served another test's requests
         before = [info(d) for d in s.prefill + s.decode]
         url = f"{s.url}/v1/completions"

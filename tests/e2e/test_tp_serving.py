@@ -25,7 +25,6 @@ from itertools import product
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 
 from services.contract.sampling_params import SamplingParams
@@ -34,7 +33,7 @@ from services.engine.llm_engine import LLMEngine
 from services.launch.spawn import Daemon, daemons, start_router, stop_router
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.checkpoints import hf_config
-from tests.e2e.stack import info, metric_total
+from tests.e2e.stack import http_client, info, metric_total
 
 MAX_TOKENS = 6
 TPS = (1, 2)
@@ -210,7 +209,7 @@ def test_router_pairs_tp_workers_and_names_a_worker_nobody_can_pair_with(llama: 
     with daemons(("decode", llama, (*_worker_args(1, 16, "cross_layer"), "--kv-block-order", "HND"))) as (odd,):
         router = start_router(llama, [prefill.address], [decode.address, odd.address])
         try:
-            with httpx.Client(timeout=120) as client:
+            with http_client(timeout=120) as client:
                 for prompt, tokens in zip(prompts, expected, strict=True):
                     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                             "logprobs": 0, "return_tokens_as_token_ids": True}

@@ -9,12 +9,11 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
 from services.launch.spawn import free_port
 from tests.checkpoints import colocated_tokens, make_checkpoint
-from tests.e2e.stack import completion_tokens, stop_up
+from tests.e2e.stack import completion_tokens, http_client, http_get, stop_up
 
 
 def test_up_serves_the_default_model_and_stops_on_ctrl_c() -> None:
@@ -26,7 +25,7 @@ def test_up_serves_the_default_model_and_stops_on_ctrl_c() -> None:
         ready = proc.stdout.readline()  # the one line `pdserve up` prints when everything serves
         assert ready.startswith("pdserve up: ready on http://127.0.0.1:"), ready
         url = f"http://127.0.0.1:{port}"
-        with httpx.Client(timeout=120) as client:
+        with http_client(timeout=120) as client:
             assert client.get(f"{url}/health").status_code == 200
             model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
             answer = client.post(f"{url}/v1/chat/completions", json={
@@ -61,7 +60,7 @@ def _start_up(*flags: str) -> tuple[subprocess.Popen, str]:
 
 def _metric(url: str, name: str, **labels: str) -> float:
     wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in httpx.get(url, timeout=10).text.splitlines():
+    for line in http_get(url, timeout=10).text.splitlines():
         if line.startswith(name) and wanted in line:
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} {labels} not in {url}")
@@ -115,7 +114,7 @@ def test_a_killed_worker_comes_back_and_serves(checkpoint: str) -> None:
             return completion_tokens(url, prompt, 8, stream=False)
 
         def health() -> tuple[int, str]:
-            response = httpx.get(f"{url}/health", timeout=10)
+            response = http_get(f"{url}/health", timeout=10)
             return response.status_code, response.json()["status"]
 
         def disaggregated() -> float:
@@ -138,7 +137,7 @@ def test_a_killed_worker_comes_back_and_serves(checkpoint: str) -> None:
             _wait_for(lambda down=down: health() == down, f"/health {down} with the {role} worker dead", 10)
             _wait_for(lambda: health() == (200, "ok"), f"the {role} worker back")
             assert _metric(supervisor, "pdserve_up_worker_restarts_total", role=role) == 1
-            assert httpx.get(f"http://{workers[role]['metrics']}/metrics", timeout=10).status_code == 200
+            assert http_get(f"http://{workers[role]['metrics']}/metrics", timeout=10).status_code == 200
             before, (transferred_before, _) = disaggregated(), pulled()
             assert complete() == expected
             assert disaggregated() == before + 1  # pulled from the new prefill worker / by the new decode one
