@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
 import gguf
@@ -22,9 +23,12 @@ def open_gguf_reader(path: str | Path) -> gguf.GGUFReader:
     It lives in services.text, not in the weight loader, so that tokenizing never has to import torch.
     """
     path = Path(path)
-    if not path.is_file():
+    try:
+        stat = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        stat = None
+    if stat is None or not S_ISREG(stat.st_mode):
         raise FileNotFoundError(f"{path}: no such GGUF file")
-    stat = path.stat()
     key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
     if key in _READERS:
         _READERS.move_to_end(key)

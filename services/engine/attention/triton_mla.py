@@ -57,8 +57,9 @@ MLA_MIN_KEYS_PER_SPLIT = 128
 
 
 class TritonMLABackend(TritonPagedBackend, MLABackend):
-    """``triton_paged``'s metadata (block tables and write slots, no dense plan) and split rule; the MLA forms
-    above. ``num_splits``/``config``: fixed instead of chosen per step (tests and the benchmark)."""
+    """``triton_paged``'s metadata (block tables and write slots, no dense plan) and split function, with the
+    latent kernel's own constants (``MLA_PROGRAMS_PER_SM``, ``MLA_MIN_KEYS_PER_SPLIT``); the MLA forms above.
+    ``num_splits``/``config``: fixed instead of chosen per step (tests and the benchmark)."""
 
     name = "triton_mla"
 

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from services.engine.loading.gguf import _unpermute_rope_rows, load_gguf
+from services.text.gguf_metadata import open_gguf_reader
 from tests.gguf_files import decoder_shapes, finish
 from tests.unit._smollm2 import smollm2_checkpoint, smollm2_path, smollm2_tokenizer, transformers_model
 
@@ -176,6 +177,12 @@ def test_missing_file(tmp_path):
     path = tmp_path / "absent.gguf"
     with pytest.raises(FileNotFoundError, match="absent.gguf"):
         load_gguf(path)
+    # A directory, and a path under a file, are not GGUF files either: the same error, naming the path.
+    with pytest.raises(FileNotFoundError, match="no such GGUF file"):
+        open_gguf_reader(tmp_path)
+    (tmp_path / "plain").write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match="plain/x.gguf"):
+        open_gguf_reader(tmp_path / "plain" / "x.gguf")
 
 
 @pytest.mark.parametrize("kept_fraction", [0.0000002, 0.01, 0.9999999])
@@ -220,8 +227,6 @@ def test_missing_tensor(tmp_path):
 def test_an_unchanged_file_reopened_reuses_its_reader_and_a_changed_one_is_read_again(tmp_path):
     """``open_gguf_reader`` keeps the last few readers: the same unchanged file gets its reader back (no second
     header parse); a file rewritten since is parsed again, and a damaged rewrite still fails."""
-    from services.text.gguf_metadata import open_gguf_reader
-
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(smollm2_path().read_bytes())
     first = open_gguf_reader(copy)
