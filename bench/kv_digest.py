@@ -9,6 +9,8 @@ blocks scattered over the pool) is digested by:
               run as a KV rank runs it (``DigestRunner``).
   plain-sum   the sum of the raw bits (one reduction): the cheapest pass over the bytes, the floor a
               digest can reach; blind to reordering (a block read into the wrong slot sums the same).
+  read-floor  torch's float32 sum of as many contiguous bytes (no gather): what one read of them costs on the
+              device, the reference for the chosen digest's rate (not a digest of the blocks).
   crc32-host  zlib's CRC-32 of the gathered blocks, copied to the host first on CUDA (what "on the
               device where the KV lives" avoids); order-sensitive, so it cannot be split by token
               range or TP slice when the two sides' block sizes or layouts differ.
@@ -20,6 +22,7 @@ on an otherwise idle GPU pays the device's wake-up, which back-to-back timings h
 
     python bench/kv_digest.py                      # CPU
     python bench/kv_digest.py --device cuda        # GPU
+    python bench/kv_digest.py --device cuda --warps 1,2,4   # the kernel at other warp counts too
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
     return statistics.median(samples)
 
 
-def run(device: torch.device, tokens: int, repeats: int) -> list[dict]:
+def run(device: torch.device, tokens: int, repeats: int, warps: list[int], only: set[str]) -> list[dict]:
     num_blocks = 2 * -(-tokens // BLOCK) + 1
     group = KVCacheGroupSpec(0, AttentionKind.FULL, tuple(range(LAYERS)), BLOCK)
     layout = KVLayoutSpec(LayoutKind.CROSS_LAYER, BlockOrder.NHD, num_blocks, HEADS, HEAD_DIM, "bfloat16", (group,))
@@ -77,18 +80,36 @@ def run(device: torch.device, tokens: int, repeats: int) -> list[dict]:
         return blocks[index].view(torch.uint8).cpu().numpy().tobytes()
 
     runner = DigestRunner(layout, [buffer])  # as a KV rank runs it: its views and device buffers kept
+    contiguous = buffer.view(torch.int32)[: num_bytes // 4]
     candidates = {
         "mix32-sum": lambda: runner.run([job]),
+        **{f"mix32-sum/w{w}": _with_warps(w, lambda: runner.run([job])) for w in warps if device.type == "cuda"},
+        "read-floor": lambda: contiguous.view(torch.float32).sum().item(),
         "plain-sum": lambda: blocks[index].view(torch.int16).sum(dtype=torch.int64).item(),
         "crc32-host": lambda: zlib.crc32(host_bytes()),
         "adler32-host": lambda: zlib.adler32(host_bytes()),
     }
     rows = []
     for name, fn in candidates.items():
+        if only and name.split("/")[0] not in only:
+            continue
         seconds = timed(fn, device, repeats)
         rows.append({"scenario": "kv_digest", "device": str(device), "tokens": tokens, "candidate": name,
                      "bytes": num_bytes, "seconds": seconds, "gbps": num_bytes / seconds / 1e9})
     return rows
+
+
+def _with_warps(warps: int, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with the CUDA digest kernel launched at ``warps`` warps (its default restored after)."""
+    from services.kv import digest_triton
+
+    def call() -> object:
+        default, digest_triton.NUM_WARPS = digest_triton.NUM_WARPS, warps
+        try:
+            return fn()
+        finally:
+            digest_triton.NUM_WARPS = default
+    return call
 
 
 def after_idle(device: torch.device, tokens: int, gaps_ms: list[float], repeats: int) -> list[dict]:
@@ -118,12 +139,17 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--tokens", default="2048,8192")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--candidates", default="", help="only these (e.g. mix32-sum,read-floor; default: all, "
+                    "whose host checksums take seconds a run at 32k tokens)")
+    ap.add_argument("--warps", default="", help="also time the CUDA kernel at these warp counts (e.g. 1,2,4,8)")
     ap.add_argument("--idle-gaps", default="0,0.5,2,20", help="ms of idle device before each digest (second table)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
-    rows = [r for n in args.tokens.split(",") for r in run(device, int(n), args.repeats)]
+    warps = [int(w) for w in args.warps.split(",") if w]
+    rows = [r for n in args.tokens.split(",") for r in run(device, int(n), args.repeats, warps,
+                                                                  set(filter(None, args.candidates.split(","))))]
     gaps = [float(g) for g in args.idle_gaps.split(",") if g]
     idle = [r for n in args.tokens.split(",") for r in after_idle(device, int(n), gaps, 4 * args.repeats)] if gaps \
         else []

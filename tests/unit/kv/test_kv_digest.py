@@ -278,3 +278,22 @@ def test_the_triton_kernel_computes_the_host_digest(kind: LayoutKind, order: Blo
             want = D.digest_units_host(views, bs, job).cpu().tolist()
             got = [u & D.MASK32 for u in digest_units_cuda(views, bs, job).cpu().tolist()]
             assert got == want, (g, start, unit, heads)
+
+
+@pytest.mark.parametrize("head_dim", [8, 6], ids=["even-rows", "odd-rows"])
+def test_the_triton_kernel_computes_the_host_digest_of_rows_of_any_width(head_dim: int) -> None:
+    """Rows of 4 bf16 words, and rows of 3 (head_dim 6: not a power of two, so the kernel masks a word of its
+    tile; no address a multiple of 16 bytes), from mid-block starts and over head slices: the host digest."""
+    if DEVICE.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from services.kv.digest_triton import digest_units_cuda
+
+    layout, buffers = make(LayoutKind.CROSS_LAYER, BlockOrder.NHD, hybrid_groups(8, 16)[:1], num_blocks=6,
+                           heads=3, head_dim=head_dim)
+    n, ids = 21, [4, 0, 2]
+    write(layout, buffers, 0, logical_kv(layout, 0, n), ids)
+    views = D.layer_views(layout, buffers, 0)
+    for start, unit, heads in [(0, 8, (0, 3)), (4, 4, (1, 3))]:
+        job = D.DigestJob(0, ids, start, n, unit, *heads, 1)
+        want = D.digest_units_host(views, 8, job).cpu().tolist()
+        assert [u & D.MASK32 for u in digest_units_cuda(views, 8, job).cpu().tolist()] == want
