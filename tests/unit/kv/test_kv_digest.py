@@ -280,19 +280,21 @@ def test_the_triton_kernel_computes_the_host_digest(kind: LayoutKind, order: Blo
             assert got == want, (g, start, unit, heads)
 
 
-@pytest.mark.parametrize("head_dim", [8, 6], ids=["even-rows", "odd-rows"])
-def test_the_triton_kernel_computes_the_host_digest_of_rows_of_any_width(head_dim: int) -> None:
-    """Rows of 4 bf16 words, and rows of 3 (head_dim 6: not a power of two, so the kernel masks a word of its
-    tile; no address a multiple of 16 bytes), from mid-block starts and over head slices: the host digest."""
+@pytest.mark.parametrize(("head_dim", "align"), [(8, 4), (6, 1)], ids=["even-rows", "odd-rows"])
+def test_the_triton_kernel_computes_the_host_digest_of_rows_of_any_width(head_dim: int, align: int) -> None:
+    """Rows of 4 bf16 words (every address a multiple of 16 bytes: read four words a load), and rows of 3
+    (head_dim 6: not a power of two, so the kernel masks a word of its tile, and not aligned: read a word a load),
+    from mid-block starts and over head slices: the host digest."""
     if DEVICE.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from services.kv.digest_triton import digest_units_cuda
+    from services.kv.digest_triton import _view_table, digest_units_cuda
 
     layout, buffers = make(LayoutKind.CROSS_LAYER, BlockOrder.NHD, hybrid_groups(8, 16)[:1], num_blocks=6,
                            heads=3, head_dim=head_dim)
     n, ids = 21, [4, 0, 2]
     write(layout, buffers, 0, logical_kv(layout, 0, n), ids)
     views = D.layer_views(layout, buffers, 0)
+    assert _view_table(views)[2] == align
     for start, unit, heads in [(0, 8, (0, 3)), (4, 4, (1, 3))]:
         job = D.DigestJob(0, ids, start, n, unit, *heads, 1)
         want = D.digest_units_host(views, 8, job).cpu().tolist()
