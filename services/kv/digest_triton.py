@@ -5,13 +5,14 @@ CPU interpreter and on a GPU): a program takes one (block, layer and K/V) and wa
 ``[block_size, words per row]`` tiles of 32-bit words, mixes each word with its position key and adds
 it into a tile of uint32 accumulators (wrapping, as the digest's sum does), reduces that tile once
 (dropping the tokens outside the job's range there, once per token, not per word),
-and writes the sums of its units (or of its block) to cells of its own, so every cell of the output is
-written and none contends. ``CudaDigests`` runs a list of jobs with three device calls in all: one copy
-of every job's block ids from pinned memory, the launches, one copy of every cell back; the host adds
-cells into units (each further torch op is 10-20 us of host time, more than the kernel itself at short
-prompts: a digest of 512 tokens moved 64 MiB in ~50 us of kernel). Layers reach the kernel as a table
-of base addresses and strides, so per-layer and cross-layer buffers, NHD and HND blocks take the same
-launch. Rows whose addresses and strides are multiples of 16 bytes (every usual layout) are read four
+and adds the sums of its units (or of its block) into the job's slots (an atomic add per slot and program:
+the slots are in [0, 2**38), so int64 never wraps, and the host masks them to 32 bits). ``CudaDigests``
+runs a list of jobs with few device calls, because each is 10-50 us of host time, more than the kernel
+itself at short prompts (a digest of 512 tokens reads 64 MiB in ~20 us): a copy of the block ids that are
+not one run from pinned memory (a run of consecutive blocks, which a pull of the free-run allocator's blocks
+mostly is, goes as its first id), a fill of the slots, the launches, one copy of the slots back. Layers reach
+the kernel as a table of base addresses and strides, so per-layer and cross-layer buffers, NHD and HND blocks
+take the same launch. Rows whose addresses and strides are multiples of 16 bytes (every usual layout) are read four
 words a load: on an H200 under Nsight Compute that took the kernel from 85% to 55% of the SMs' issue rate and
 from 81% to 88% of DRAM bandwidth (a 32k-token pull's 4 GiB in 1.01 against 1.11 ms at base clocks; at boost
 clocks both are at the memory's rate), which matters when the digest shares the SMs with a prefill.
@@ -48,17 +49,20 @@ WORD_ALIGN = 4  # 32-bit words per 16 bytes: a row whose address is a multiple o
 
 
 # Token ranges, heads and slots change per request: not specialised on, so a new value never recompiles.
-@triton.jit(do_not_specialize=["first_block", "start", "end", "first_unit", "head_start", "head_key", "num_heads"])
+@triton.jit(do_not_specialize=["first_block", "run_start", "start", "end", "first_unit", "head_start", "head_key",
+                               "num_heads"])
 def _digest_kernel(
     Bases, Meta, BlockIds, Out,
-    first_block, start, end, first_unit, head_start, head_key, num_heads,
+    first_block, run_start, start, end, first_unit, head_start, head_key, num_heads,
     block_size, row_words,
     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, UNIT: tl.constexpr, ALIGN: tl.constexpr, EVEN_W: tl.constexpr,
+    RUN: tl.constexpr,
 ):
     """Grid (blocks, layer views). ``Meta[v]`` = (offset, block stride, token stride, head stride, position
     key of the view's layer and K/V), in 32-bit words; ``Bases[v]`` the view's buffer address. Each program
-    walks its block's heads and writes the sums of its slots (units, or its block when a unit spans blocks)
-    to its own column ``v`` of ``Out``'s rows (``num_views`` wide).
+    walks its block's heads and adds the sums of its slots (units, or its block when a unit spans blocks)
+    into ``Out``. Its block is ``BlockIds[blk]``, or ``run_start + blk`` when ``RUN`` (the job's blocks are
+    consecutive).
 
     Every row of the block is read, in range or not (a block is whole in memory), and a token's sum is
     dropped at the end when it is outside ``[start, end)``: one select per token, not one per word.
@@ -66,7 +70,10 @@ def _digest_kernel(
     words in one load); ``EVEN_W``: a row is ``BLOCK_W`` words, so no word is masked."""
     blk = tl.program_id(0)
     v = tl.program_id(1)
-    block_id = tl.load(BlockIds + first_block + blk).to(tl.int64)
+    if RUN:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
+        block_id = (run_start + blk).to(tl.int64)
+    else:
+        block_id = tl.load(BlockIds + blk).to(tl.int64)
     offset = tl.multiple_of(tl.load(Meta + v * 5 + 0), ALIGN)
     block_stride = tl.multiple_of(tl.load(Meta + v * 5 + 1), ALIGN)
     token_stride = tl.multiple_of(tl.load(Meta + v * 5 + 2), ALIGN)
@@ -96,15 +103,14 @@ def _digest_kernel(
             key += _K_HEAD
         acc = tl.where(word_ok, acc, 0)
     sums = tl.where(row_ok, tl.sum(acc, axis=1), 0)  # per token, wrapping mod 2**32
-    num_views = tl.num_programs(1)
     if UNIT >= BLOCK_T:  # a slot per block (a unit holds one or more blocks)
-        tl.store(Out + blk * num_views + v, tl.sum(sums, axis=0).to(tl.int64))
+        tl.atomic_add(Out + blk, tl.sum(sums, axis=0).to(tl.int64), sem="relaxed")
     else:  # a slot per unit
         per_unit = tl.sum(tl.reshape(sums, (BLOCK_T // UNIT, UNIT)), axis=1).to(tl.int64)
         units = ((first_block + blk) * block_size) // UNIT + tl.arange(0, BLOCK_T // UNIT)
         slot = units - first_unit
         unit_ok = (tl.arange(0, BLOCK_T // UNIT) * UNIT < block_size) & (slot >= 0) & (units * UNIT < end)
-        tl.store(Out + slot * num_views + v, per_unit, mask=unit_ok)
+        tl.atomic_add(Out + slot, per_unit, mask=unit_ok, sem="relaxed")
 
 
 def digest_units_cuda(views: list[tuple[int, int, torch.Tensor]], block_size: int, job: d.DigestJob
@@ -131,46 +137,52 @@ class CudaDigests:
             ) -> list[np.ndarray]:
         """Each job's unit digests (uint64, masked), on the current stream, waiting for them. A block size or
         unit that is not a power of two takes the host path."""
-        plans = []  # per item: (first block, end block, ids offset, cells offset, slots, views)
-        num_ids = num_cells = 0
-        for views, block_size, job in items:
+        plans = []  # per item: (first block, end block, ids offset or None (a run), its first id, slots offset, slots)
+        num_ids = num_slots = 0
+        for _, block_size, job in items:
             first, last = job.start // block_size, -(-job.end // block_size)
+            ids = np.asarray(job.block_ids[first:last], dtype=np.int64)
+            run_start = _run_start(ids)
             slots = last - first if job.unit >= block_size else job.num_units
-            plans.append((first, last, num_ids, num_cells, slots, len(views)))
-            num_ids += last
-            num_cells += slots * len(views)
+            plans.append((first, last, None if run_start is not None else num_ids, run_start or 0, num_slots, slots,
+                          ids))
+            num_ids += 0 if run_start is not None else len(ids)
+            num_slots += slots
         ids_host, ids_dev = self._ids = self._room(self._ids, num_ids, 256)
-        cells_host, cells_dev = self._cells = self._room(self._cells, num_cells, 4096)
-        ids_np = ids_host.numpy()
-        for (_, _, job), (_, last, at, *_) in zip(items, plans, strict=True):
-            ids_np[at:at + last] = job.block_ids[:last]
-        ids_dev[:num_ids].copy_(ids_host[:num_ids], non_blocking=True)
-        for (views, block_size, job), (first, last, at, cell_at, _, width) in zip(items, plans, strict=True):
+        cells_host, cells_dev = self._cells = self._room(self._cells, num_slots, 4096)
+        if num_ids:
+            ids_np = ids_host.numpy()
+            for _, _, at, _, _, _, ids in plans:
+                if at is not None:
+                    ids_np[at:at + len(ids)] = ids
+            ids_dev[:num_ids].copy_(ids_host[:num_ids], non_blocking=True)
+        cells_dev[:num_slots].zero_()
+        for (views, block_size, job), (first, last, at, run_start, slot_at, _, _) in zip(items, plans, strict=True):
             if last == first or _host_only(block_size, job):
                 continue
             bases, meta, align = _view_table(views)
             row_words = views[0][2].shape[3]
             block_w = triton.next_power_of_2(row_words)
-            _digest_kernel[(last - first, width)](
-                bases, meta, ids_dev[at:], cells_dev[cell_at:],
-                first, job.start, job.end, job.start // job.unit, job.head_start, job.head_key,
+            _digest_kernel[(last - first, len(views))](
+                bases, meta, ids_dev[at or 0:], cells_dev[slot_at:],
+                first, run_start, job.start, job.end, job.start // job.unit, job.head_start, job.head_key,
                 job.head_end - job.head_start, block_size, row_words,
                 BLOCK_T=block_size, BLOCK_W=block_w, UNIT=job.unit, ALIGN=align, EVEN_W=block_w == row_words,
-                num_warps=NUM_WARPS,
+                RUN=at is None, num_warps=NUM_WARPS,
             )
-        cells_host[:num_cells].copy_(cells_dev[:num_cells], non_blocking=True)
+        cells_host[:num_slots].copy_(cells_dev[:num_slots], non_blocking=True)
         if self._done is not None:
             self._done.record()
             self._done.synchronize()
         cells = cells_host.numpy().view(np.uint64)
         out = []
-        for (views, block_size, job), (first, last, _, cell_at, slots, width) in zip(items, plans, strict=True):
+        for (views, block_size, job), (first, last, _, _, slot_at, slots, _) in zip(items, plans, strict=True):
             if _host_only(block_size, job):
                 out.append(d.digest_units_host(views, block_size, job).numpy().view(np.uint64))
             elif last == first:
                 out.append(np.zeros(job.num_units, np.uint64))
             else:
-                sums = cells[cell_at:cell_at + slots * width].reshape(slots, width).sum(axis=1, dtype=np.uint64)
+                sums = cells[slot_at:slot_at + slots]
                 if job.unit > block_size:  # blocks into units (the last unit may hold fewer blocks)
                     sums = np.add.reduceat(sums, np.arange(0, slots, job.unit // block_size))
                 out.append(sums & np.uint64(d.MASK32))
@@ -185,6 +197,13 @@ class CudaDigests:
             pair = (torch.empty(size, dtype=torch.int64, pin_memory=self._pinned),
                     torch.empty(size, dtype=torch.int64, device=self.device))
         return pair
+
+
+def _run_start(ids: np.ndarray) -> int | None:
+    """The first of ``ids`` when they are consecutive (one run of blocks), else None."""
+    if ids.size and int(ids[-1]) - int(ids[0]) == ids.size - 1 and (ids.size < 3 or bool((np.diff(ids) == 1).all())):
+        return int(ids[0])
+    return None
 
 
 def _host_only(block_size: int, job: d.DigestJob) -> bool:

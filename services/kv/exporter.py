@@ -231,19 +231,21 @@ class KVExporter:
         layout = self._ranks[0].layout
         units = {g.group_id: math.gcd(g.block_size, reader_block_size or g.block_size) for g in layout.groups}
         jobs: list[list[tuple[int, int, DigestJob]]] = [[] for _ in self._ranks]  # per owner rank
+        device_ids = [np.asarray(ids, dtype=np.int64) for ids in block_ids]  # once, for every job that reads them
+        host_ids = [np.asarray(ids, dtype=np.int64) for ids in host_block_ids] if num_host_tokens else []
         for reader in range(reader_tp_size):
             reads = group_rank_reads(reader_tp_size, reader, self.tp_size, self._group_heads)
             for owner, by_group in reads.items():
                 for g, read in by_group.items():
                     group = layout.groups[g]
                     first_kept = max(group.first_needed_block(window_end) * group.block_size, begin)
-                    spans = [(True, host_block_ids[g] if num_host_tokens else (), 0, num_host_tokens),
-                             (False, block_ids[g], num_host_tokens, num_tokens)]
+                    spans = [(True, host_ids[g] if num_host_tokens else (), 0, num_host_tokens),
+                             (False, device_ids[g], num_host_tokens, num_tokens)]
                     for host, ids, span_start, span_end in spans:
                         start = max(span_start, first_kept)
                         if start < span_end:
                             jobs[owner].append((g, reader, DigestJob(
-                                g, list(ids), start, span_end, units[g], *read.remote_heads, read.local_heads[0],
+                                g, ids, start, span_end, units[g], *read.remote_heads, read.local_heads[0],
                                 host_tier=host)))
         answers = await asyncio.gather(*(rank.digest([j for _, _, j in rank_jobs])
                                          for rank, rank_jobs in zip(self._ranks, jobs, strict=True) if rank_jobs))

@@ -369,7 +369,7 @@ class KVPuller:
                                       f"for reading rank {q} from token {start} (unit {unit}, local block {bs})",
                                       reason="digest")
                 expected = ticket_units(entry.digests, unit, start, n) if self.identity.digest_on else None
-                rank_jobs.append((DigestJob(g, local_ids[g].tolist(), start, n, unit, 0, rank.layout.kv_heads(g), 0,
+                rank_jobs.append((DigestJob(g, local_ids[g], start, n, unit, 0, rank.layout.kv_heads(g), 0,
                                             corrupt=corrupt), expected))
             jobs.append(rank_jobs)
         return jobs

@@ -68,11 +68,16 @@ def notification_parts(key: bytes) -> tuple[str, bool, str]:
 
 
 def ticket_signature(ticket: kv_pb2.TransferTicket, key: bytes) -> bytes:
-    """HMAC-SHA256 of the ticket without its signature, serialized deterministically."""
-    unsigned = kv_pb2.TransferTicket()
-    unsigned.CopyFrom(ticket)
-    unsigned.ClearField("signature")
-    return hmac.new(key, unsigned.SerializeToString(deterministic=True), hashlib.sha256).digest()
+    """HMAC-SHA256 of the ticket without its signature, serialized deterministically. The signature is cleared
+    for the serialization and put back (a copy of a long prompt's ticket, its block ids and digests copied one
+    element at a time, took three times as long as serializing it)."""
+    signature = ticket.signature
+    ticket.ClearField("signature")
+    try:
+        data = ticket.SerializeToString(deterministic=True)
+    finally:
+        ticket.signature = signature
+    return hmac.new(key, data, hashlib.sha256).digest()
 
 
 def ticket_is_signed_by(ticket: kv_pb2.TransferTicket, key: bytes) -> bool:

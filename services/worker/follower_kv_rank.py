@@ -177,7 +177,8 @@ class FollowerKVRank:
         return done.num_bytes, done.num_descriptors
 
     async def digest(self, jobs: Sequence[DigestJob]) -> list[np.ndarray]:
-        units = await self._answer(m.Digest(id=0, jobs=msgspec.msgpack.encode(list(jobs))), "KV digest")
+        units = await self._answer(m.Digest(id=0, jobs=msgspec.msgpack.encode(list(jobs), enc_hook=_array_as_list)),
+                                   "KV digest")
         return [np.frombuffer(u, dtype=np.uint64) for u in units]
 
     async def _answer(self, message: m.Digest | m.StateDigest, what: str) -> list[bytes]:
@@ -197,3 +198,10 @@ class FollowerKVRank:
     async def state_digest(self, slot: int, runs: Sequence[tuple[int, int, int]]) -> int:
         (units,) = await self._answer(m.StateDigest(id=0, slot=slot, runs=[tuple(r) for r in runs]), "state digest")
         return int(np.frombuffer(units, dtype=np.uint64)[0])
+
+
+def _array_as_list(value: object) -> object:
+    """msgspec's hook for what it cannot encode itself: a job's block ids as the reader's int array."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")

@@ -268,16 +268,20 @@ def test_the_triton_kernel_computes_the_host_digest(kind: LayoutKind, order: Blo
     n = 45
     for g in (0, 1):
         bs = layout.block_size(g)
-        ids = random.Random(g).sample(range(12), -(-n // bs))
-        write(layout, buffers, g, logical_kv(layout, g, n), ids)
-        views = D.layer_views(layout, buffers, g)
-        last_head = (layout.kv_heads(g) - 1, layout.kv_heads(g))
-        for start, unit, heads in [(0, bs, (0, layout.kv_heads(g))), (8, 4, (0, 1)), (40, 8, last_head),
-                                   (32, 2 * bs, (0, 1))]:  # a unit of two blocks (a coarser owner, no hint)
-            job = D.DigestJob(g, ids, start, n, unit, *heads, 3)
-            want = D.digest_units_host(views, bs, job).cpu().tolist()
-            got = [u & D.MASK32 for u in digest_units_cuda(views, bs, job).cpu().tolist()]
-            assert got == want, (g, start, unit, heads)
+        num = -(-n // bs)
+        # Scattered blocks (their ids go to the device), one run (only its first id does), and a run after a
+        # block elsewhere (a run from the second block: what a pull from a mid-prompt start reads).
+        for ids in (random.Random(g).sample(range(12), num), list(range(12 - num, 12)),
+                    [0, *range(12 - num + 1, 12)]):
+            write(layout, buffers, g, logical_kv(layout, g, n), ids)
+            views = D.layer_views(layout, buffers, g)
+            last_head = (layout.kv_heads(g) - 1, layout.kv_heads(g))
+            for start, unit, heads in [(0, bs, (0, layout.kv_heads(g))), (8, 4, (0, 1)), (40, 8, last_head),
+                                       (32, 2 * bs, (0, 1))]:  # a unit of two blocks (a coarser owner, no hint)
+                job = D.DigestJob(g, ids, start, n, unit, *heads, 3)
+                want = D.digest_units_host(views, bs, job).cpu().tolist()
+                got = [u & D.MASK32 for u in digest_units_cuda(views, bs, job).cpu().tolist()]
+                assert got == want, (g, ids, start, unit, heads)
 
 
 @pytest.mark.parametrize(("head_dim", "align"), [(8, 4), (6, 1)], ids=["even-rows", "odd-rows"])
