@@ -269,10 +269,10 @@ def test_the_triton_kernel_computes_the_host_digest(kind: LayoutKind, order: Blo
     for g in (0, 1):
         bs = layout.block_size(g)
         num = -(-n // bs)
-        # Scattered blocks (their ids go to the device), one run (only its first id does), and a run after a
-        # block elsewhere (a run from the second block: what a pull from a mid-prompt start reads).
-        for ids in (random.Random(g).sample(range(12), num), list(range(12 - num, 12)),
-                    [0, *range(12 - num + 1, 12)]):
+        # Scattered blocks (their ids go to the device); in bf16 also one run (only its first id does) and a run
+        # after a block elsewhere (a run from the second block: what a pull from a mid-prompt start reads).
+        runs = [list(range(12 - num, 12)), [0, *range(12 - num + 1, 12)]] if dtype == "bfloat16" else []
+        for ids in (random.Random(g).sample(range(12), num), *runs):
             write(layout, buffers, g, logical_kv(layout, g, n), ids)
             views = D.layer_views(layout, buffers, g)
             last_head = (layout.kv_heads(g) - 1, layout.kv_heads(g))
