@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from services.kv import digest as d
+from services.kv.staging import count_runs
 
 # The digest's constants, as Triton sees module globals: compile-time values.
 _M1, _M2 = tl.constexpr(d.M1), tl.constexpr(d.M2)
@@ -201,9 +202,7 @@ class CudaDigests:
 
 def _run_start(ids: np.ndarray) -> int | None:
     """The first of ``ids`` when they are consecutive (one run of blocks), else None."""
-    if ids.size and int(ids[-1]) - int(ids[0]) == ids.size - 1 and (ids.size < 3 or bool((np.diff(ids) == 1).all())):
-        return int(ids[0])
-    return None
+    return int(ids[0]) if count_runs(ids) == 1 else None
 
 
 def _host_only(block_size: int, job: d.DigestJob) -> bool:

@@ -147,7 +147,8 @@ def staged_spans(layout: KVLayoutSpec, counts: tuple[int, ...]) -> tuple[tuple[S
     return tuple(spans), offset
 
 
-def _runs(ids: np.ndarray) -> int:
+def count_runs(ids: np.ndarray) -> int:
+    """How many runs of consecutive block ids ``ids`` falls into (0 for none)."""
     return int(np.count_nonzero(np.diff(ids) != 1)) + 1 if len(ids) else 0
 
 
@@ -156,7 +157,7 @@ def worth_staging(layout: KVLayoutSpec, ids: Sequence[np.ndarray]) -> bool:
     span, each small enough, for a gather to pay (a few long runs read as fast as one)."""
     direct = staged = total = 0
     for b in layout.buffers():
-        runs = _runs(ids[b.group_id])
+        runs = count_runs(ids[b.group_id])
         direct += runs * b.num_planes
         staged += b.num_planes if runs else 0
         total += len(ids[b.group_id]) * b.num_planes * b.block_stride_bytes
@@ -241,7 +242,7 @@ def plan_rows(owner: KVLayoutSpec, owner_region: MemoryRegion, owner_offset: int
     no room in ``area``; else into ``area``, to be scattered."""
     spans, _ = staged_spans(owner, counts)
     wanted = [counts[g] - skip[g] for g in range(len(counts))]
-    direct_rows = sum(_runs(local_ids[s.group_id]) * s.planes for s in spans)
+    direct_rows = sum(count_runs(local_ids[s.group_id]) * s.planes for s in spans)
     staged_rows = sum(s.planes for s in spans if wanted[s.group_id])
     local_offset = None
     if area is not None and direct_rows > staged_rows:
