@@ -171,7 +171,7 @@ class DeepseekV3ForCausalLM(LayerShapeTable, DecoderModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return nn.functional.linear(hidden, head).float()
+        return ops.linear(hidden, head).float()
 
     # ---- weight loading ------------------------------------------------------------------------
     def _ignored(self, name: str) -> bool:

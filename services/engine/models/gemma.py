@@ -104,8 +104,7 @@ class GemmaMLP(nn.Module):
         self.activation = check_activation(config.hidden_activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gated = ops.act_and_mul(self.activation, *self.gate_up_proj(x).chunk(2, dim=-1))
-        return all_reduce(self.down_proj(gated), self.parallel)
+        return all_reduce(self.down_proj.forward_gated(self.activation, self.gate_up_proj(x)), self.parallel)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -184,7 +183,7 @@ class GemmaForCausalLM(DecoderModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return softcap(nn.functional.linear(hidden, head).float(), self.config.final_logit_softcapping)
+        return softcap(ops.linear(hidden, head).float(), self.config.final_logit_softcapping)
 
     # ---- weight loading ------------------------------------------------------------------------
     def _ignored(self, name: str) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.engine import ops
 from services.engine.attention import AttentionBatch, TailBatch
 from services.engine.kv_cache.state_pool import StateBatch, StatePool
 from services.engine.model_config.hf import ModelConfig
@@ -127,7 +128,7 @@ class GraniteHybridForCausalLM(LayerShapeTable, DecoderModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return (nn.functional.linear(hidden, head) / self.spec.logits_scaling).float()
+        return (ops.linear(hidden, head) / self.spec.logits_scaling).float()
 
     # ---- weight loading ------------------------------------------------------------------------
     def _layer_shapes(self, layer_id: int) -> dict[str, tuple[int, ...]]:

@@ -32,7 +32,12 @@ class Linear(nn.Module):
         self.bias = param(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
+
+    def forward_gated(self, activation: str, gate_up: torch.Tensor) -> torch.Tensor:
+        """This layer applied to ``act(gate) * up`` of a fused gate/up output (an MLP's down projection):
+        one launch at batch 1 on CUDA (``ops.act_and_linear``)."""
+        return ops.act_and_linear(activation, gate_up, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

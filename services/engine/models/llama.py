@@ -72,7 +72,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))), self.parallel)
+        return all_reduce(self.down_proj.forward_gated("silu", self.gate_up_proj(x)), self.parallel)
 
 
 class DecoderLayer(nn.Module):
@@ -129,6 +129,6 @@ class LlamaForCausalLM(DecoderModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return nn.functional.linear(hidden, head).float()
+        return ops.linear(hidden, head).float()
 
 

@@ -40,7 +40,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(local, hidden, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward_gated("silu", self.gate_up_proj(x))
 
     def load(self, name: str, proj: str, tensor: torch.Tensor) -> None:
         """Copy this rank's shard of an HF ``gate_proj``/``up_proj``/``down_proj`` weight into place."""

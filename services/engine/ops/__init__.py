@@ -12,7 +12,10 @@ each op is one launch:
   their paged-cache slots (two ``index_put`` scatters unfused), and ``rope_and_write_kv``, the
   same launch rotating q and k first (what an attention layer does before attending);
 * ``silu_and_mul`` / ``gelu_tanh_and_mul`` on a fused gate/up projection output, and
-  ``act_and_mul`` on separate gate and up tensors.
+  ``act_and_mul`` on separate gate and up tensors;
+* ``linear(x, weight, bias)``, and ``act_and_linear`` (a down projection of ``act(gate) * up``):
+  cuBLAS, except one row (a batch-1 decode step) on CUDA, which takes the GEMV of ``gemv_triton``
+  (programmatic dependent launch, the activation as its prologue: ``bench/gemv.py``).
 
 Two implementations sit behind each: ``reference.py`` (torch, today's layer math op for op: the
 CPU path and the tests' reference) and ``triton_ops.py`` (one Triton kernel per op, computing in
@@ -27,7 +30,8 @@ device and the process-wide backend, set from ``PDSERVE_FUSED_OPS`` at import, e
 
 ``PDSERVE_FUSED_KV_WRITE=0`` keeps the other fused ops but writes K/V unfused (``apply_rope``, then
 two ``index_put`` scatters): the A/B switch of the K/V write alone (``bench/gpu_speed_run.sh``, part
-``decode_fused``).
+``decode_fused``). ``PDSERVE_DECODE_GEMV=0`` keeps the other fused ops but gives every projection
+to cuBLAS: the A/B switch of the GEMV.
 
 An input a kernel does not handle (another dtype, a norm wider than ``MAX_NORM_COLS``) takes the
 torch path. ``triton_ops`` is imported on first use, so a process that never takes a Triton path
@@ -52,6 +56,7 @@ _ALIASES = {"": "auto", "1": "auto", "on": "auto", "true": "auto", "auto": "auto
             "0": "torch", "off": "torch", "false": "torch", "torch": "torch", "triton": "triton"}
 ACTIVATIONS = tuple(reference.ACTIVATIONS)
 KV_WRITE_ENV_VAR = "PDSERVE_FUSED_KV_WRITE"
+GEMV_ENV_VAR = "PDSERVE_DECODE_GEMV"
 
 
 def _backend_from_env() -> str:
@@ -61,15 +66,16 @@ def _backend_from_env() -> str:
     return _ALIASES[value.strip().lower()]
 
 
-def _fused_kv_write_from_env() -> bool:
-    value = os.environ.get(KV_WRITE_ENV_VAR, "1").strip().lower()
+def _switch_from_env(name: str, meaning: str) -> bool:
+    value = os.environ.get(name, "1").strip().lower()
     if value not in ("0", "1"):
-        raise ValueError(f"{KV_WRITE_ENV_VAR}={value!r}: expected 1 (one launch) or 0 (rope, then two scatters)")
+        raise ValueError(f"{name}={value!r}: expected 1 or 0 ({meaning})")
     return value == "1"
 
 
 _backend = _backend_from_env()
-_fused_kv_write = _fused_kv_write_from_env()
+_fused_kv_write = _switch_from_env(KV_WRITE_ENV_VAR, "1: one launch, 0: rope, then two scatters")
+_decode_gemv = _switch_from_env(GEMV_ENV_VAR, "1: one-row projections through the Triton GEMV, 0: all through cuBLAS")
 _triton_ops: ModuleType | None = None
 
 
@@ -197,6 +203,22 @@ def act_and_mul(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.
     return _dispatch("act_and_mul", gate, activation, gate, up)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` (``nn.functional.linear``); one row on CUDA through the Triton GEMV."""
+    if not _decode_gemv:
+        return reference.linear(x, weight, bias)
+    return _dispatch("linear", x, x, weight, bias)
+
+
+def act_and_linear(activation: str, gate_up: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(act(gate) * up, weight, bias)`` of a fused [..., 2 * inter] gate/up projection output: an MLP's
+    down projection. One row on CUDA is one launch (the activation is the GEMV's prologue)."""
+    kernels = _kernels(gate_up) if _decode_gemv else None
+    out = kernels.act_and_linear(activation, gate_up, weight, bias) if kernels is not None else None
+    return out if out is not None else linear(act_and_mul(activation, *gate_up.chunk(2, dim=-1)), weight, bias)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a fused [..., 2 * inter] gate/up projection output -> [..., inter]."""
     return act_and_mul("silu", *gate_up.chunk(2, dim=-1))
@@ -211,12 +233,15 @@ __all__ = [
     "ACTIVATIONS",
     "BACKENDS",
     "ENV_VAR",
+    "GEMV_ENV_VAR",
     "KV_WRITE_ENV_VAR",
+    "act_and_linear",
     "act_and_mul",
     "apply_rope",
     "gelu_tanh_and_mul",
     "configure",
     "get_backend",
+    "linear",
     "rms_norm",
     "rope_and_write_kv",
     "set_backend",

@@ -68,3 +68,7 @@ ACTIVATIONS = {"silu": nn.functional.silu, "gelu_pytorch_tanh": gelu_tanh}
 def act_and_mul(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """See ``services.engine.ops.act_and_mul``."""
     return ACTIVATIONS[activation](gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return nn.functional.linear(x, weight, bias)

@@ -26,11 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.ops.gated_act_triton import gated_act
+
+# The GEMV's launchers, dispatched (``ops._dispatch``) like this module's own.
+from services.engine.ops.gemv_triton import act_and_linear, linear  # noqa: F401
+
 # Widest row RMSNorm keeps in registers in one program: 8192 (Llama-70B, Qwen2-72B) compiles for
 # sm_90 without spills at 16 warps, 16384 spills; wider rows take the torch path.
 MAX_NORM_COLS = 8192
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 # ---- kernels -----------------------------------------------------------------------------------------
@@ -200,19 +204,12 @@ def _act_and_mul_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """``act(gate) * up`` for a [BLOCK_M, BLOCK_N] tile, act rounded to the input dtype before the product."""
-    dtype = Out.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
-    g = tl.load(Gate + (rows * stride_gt)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(Up + (rows * stride_ut)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if GELU:  # 0.5 * g * (1 + tanh(z)) == g * sigmoid(2 z), without tanh's cancellation near -1
-        z = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
-        a = g / (1.0 + tl.exp(-2.0 * z))
-    else:
-        a = g / (1.0 + tl.exp(-g))
-    out = a.to(dtype).to(tl.float32) * u
-    tl.store(Out + rows[:, None] * num_cols + cols[None, :], out.to(dtype), mask=mask)
+    g = tl.load(Gate + (rows * stride_gt)[:, None] + cols[None, :], mask=mask, other=0.0)
+    u = tl.load(Up + (rows * stride_ut)[:, None] + cols[None, :], mask=mask, other=0.0)
+    tl.store(Out + rows[:, None] * num_cols + cols[None, :], gated_act(g, u, GELU), mask=mask)
 
 
 # ---- launchers ---------------------------------------------------------------------------------------
