@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @functools.cache
@@ -20,3 +25,27 @@ def triton_import_error() -> str | None:
     except Exception as e:  # a broken install raises anything
         return f"triton does not import: {e}"
     return None
+
+
+PDL_ENV_VAR = "PDSERVE_PDL"
+
+
+_PDL_SWITCH = os.environ.get(PDL_ENV_VAR, "1").strip() != "0"  # read once: it is asked at every launch
+
+
+@functools.cache
+def _pdl_device(index: int | None) -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether the engine's Triton kernels on ``device`` are launched with programmatic dependent launch:
+    a CUDA device of compute capability 9.0 (Hopper) or later, unless ``PDSERVE_PDL=0`` was set when this
+    module was imported (the A/B switch).
+
+    Such a launch lets a kernel start while the one before it drains; every kernel launched this way
+    waits (``triton_pdl.pdl_enter``) before it touches memory another kernel writes or reads, so only its
+    launch and what it loads from weights overlap the previous kernel."""
+    return device.type == "cuda" and _PDL_SWITCH and _pdl_device(device.index)

@@ -43,6 +43,8 @@ from typing import Any, NamedTuple
 import triton
 import triton.language as tl
 
+from services.engine.triton_pdl import pdl_enter
+
 LOG2E = 1.4426950408889634  # for the host
 _LOG2E = tl.constexpr(LOG2E)  # for the kernels
 # Row reductions, rebound under the interpreter by ``kernels`` (see ``_fast_interpreter_reductions``).
@@ -76,7 +78,9 @@ def _attention_kernel(
     SPLIT: tl.constexpr,
     MODES: tl.constexpr,  # a DensePlan's per-request modes: 0 paged, 1 prefix then merge, 2 skip
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32 rounding); 16-bit inputs ignore it
+    PDL: tl.constexpr,  # programmatic dependent launch (``triton_pdl``)
 ):
+    pdl_enter(PDL, not SPLIT)  # split: the reduce follows, with nothing to load before it waits
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -183,8 +187,10 @@ def _reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS: tl.constexpr,  # num_splits rounded up to a power of two
+    PDL: tl.constexpr,
 ):
     """Merge the splits of one (token, query head): weights exp2(max_s - max), divided by the total sum."""
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS)

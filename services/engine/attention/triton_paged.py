@@ -33,7 +33,7 @@ from services.engine.attention.base import (
     GroupAttentionMetadata,
 )
 from services.engine.attention.dense_causal import dense_causal, dense_unsupported_reason
-from services.engine.triton_support import triton_import_error
+from services.engine.triton_support import pdl_enabled, triton_import_error
 
 # Head dims up to this compile to tiles without register spills on sm_90 (512: Gemma-4's full
 # layers, with 16-32 row tiles of 16 keys); a group with wider heads falls back to torch_sdpa.
@@ -230,6 +230,7 @@ class TritonPagedBackend(AttentionBackend):
                 meta: GroupAttentionMetadata, scale: float, softcap: float | None,
                 fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         from services.engine.attention.triton_kernels import LOG2E, kernels
+        from services.engine.triton_pdl import launch_options
 
         num_tokens, num_heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
@@ -258,6 +259,7 @@ class TritonPagedBackend(AttentionBackend):
         attention_kernel, reduce_kernel = compiled.attention, compiled.reduce
         part_acc, part_max, part_sum = split_partials(out, splits, head_dim)
         window = meta.sliding_window
+        pdl = pdl_enabled(q.device)
         attention_kernel[(batch.num_reqs * q_tiles, kv_heads, splits)](
             q, k_cache, v_cache, out, part_acc, part_max, part_sum,
             meta.block_tables, batch.query_start, batch.context_lens, modes, lse,
@@ -270,12 +272,13 @@ class TritonPagedBackend(AttentionBackend):
             BLOCK_SIZE=block_size, GROUP=group, TOKENS_PER_TILE=config.block_m // group, HEAD_DIM=head_dim,
             BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SOFTCAP=softcap is not None,
             WINDOW=window is not None, SPLIT=splits > 1, MODES=plan is not None,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+            num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         )
         if splits > 1:
             reduce_kernel[(num_tokens, num_heads)](
                 out, part_acc, part_max, part_sum, *out.stride(), num_heads, splits,
-                HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=_next_pow2(splits), num_warps=4,
+                HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=_next_pow2(splits), PDL=pdl, num_warps=4,
+                **launch_options(pdl),
             )
         return out.reshape(num_tokens, num_heads * head_dim)

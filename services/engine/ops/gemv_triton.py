@@ -9,10 +9,10 @@ order of the sum differs).
 
 Two things a library GEMV cannot do:
 
-* **Programmatic dependent launch** (Hopper and later): the kernel is launched before the one that
-  writes ``x`` has finished, loads its first weight tile (weights never change), and only then
-  waits (``gdc_wait``) for that kernel's writes. The launch and the first DRAM round trip hide
-  behind the previous kernel's tail instead of following it.
+* **Programmatic dependent launch** (Hopper and later, ``triton_pdl``): the kernel is launched before
+  the one that writes ``x`` has finished, loads its first weight tile (weights never change), and
+  only then waits for that kernel's writes. The launch and the first DRAM round trip hide behind the
+  previous kernel's tail instead of following it.
 * **A gated prologue** (``gated=``): the down projection reads the gate/up projection's output and
   applies ``act(gate) * up`` (rounded where torch rounds it) as it loads each tile, so the MLP's
   activation is not a kernel of its own.
@@ -20,7 +20,6 @@ Two things a library GEMV cannot do:
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -28,6 +27,8 @@ import triton
 import triton.language as tl
 
 from services.engine.ops.gated_act_triton import gated_act
+from services.engine.triton_pdl import launch_options, pdl_enter
+from services.engine.triton_support import pdl_enabled
 
 ACTIVATION_CODES = {None: 0, "silu": 1, "gelu_pytorch_tanh": 2}
 
@@ -60,8 +61,7 @@ def _gemv_kernel(X, W, B, Y, N, K, stride_wn,
         w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
     else:
         w = tl.load(w_ptrs, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
-    if PDL:  # the first weight tile is in flight; x is the previous kernel's output
-        tl.extra.cuda.gdc_wait()
+    pdl_enter(PDL)  # the first weight tile is in flight; x is the previous kernel's output
     acc = w.to(tl.float32) * _x_tile(X, rk, K, ACT)[None, :]
     for k in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
@@ -89,30 +89,24 @@ def search_space() -> list[Tile]:
     return [Tile(n, k, w, s) for n in (4, 8, 16, 32) for k in (128, 256, 512) for w in (4, 8) for s in (2, 3, 4)]
 
 
-@functools.cache
-def pdl_supported(device_index: int) -> bool:
-    """Programmatic dependent launch needs compute capability 9.0 (Hopper) or later."""
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
          tile: Tile | None = None, gated: str | None = None, pdl: bool | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` of one row ([1, K]; with ``gated``, [1, 2K] holding gate then up,
-    multiplied as ``act(gate) * up`` first). ``pdl=None``: programmatic dependent launch where the device
-    has it (never under Triton's interpreter)."""
+    multiplied as ``act(gate) * up`` first). ``pdl=None``: programmatic dependent launch where
+    ``triton_support.pdl_enabled`` allows it (never on CPU, so never under Triton's interpreter)."""
     n, k = weight.shape
     if x.shape != (1, 2 * k if gated else k) or x.stride(-1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"gemv takes one contiguous row of {2 * k if gated else k} values, got {tuple(x.shape)}")
     tile = tile or default_tile(n, k)
     if pdl is None:
-        pdl = x.is_cuda and pdl_supported(x.device.index or 0)
+        pdl = pdl_enabled(x.device)
     if out is None:
         out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    extra = {"launch_pdl": True} if pdl else {}
     _gemv_kernel[(triton.cdiv(n, tile.block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0, HAS_BIAS=bias is not None,
-        ACT=ACTIVATION_CODES[gated], PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, **extra)
+        ACT=ACTIVATION_CODES[gated], PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **launch_options(pdl))
     return out
 
 

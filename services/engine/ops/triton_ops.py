@@ -30,6 +30,8 @@ from services.engine.ops.gated_act_triton import gated_act
 
 # The GEMV's launchers, dispatched (``ops._dispatch``) like this module's own.
 from services.engine.ops.gemv_triton import act_and_linear, linear  # noqa: F401
+from services.engine.triton_pdl import launch_options, pdl_enter
+from services.engine.triton_support import pdl_enabled
 
 # Widest row RMSNorm keeps in registers in one program: 8192 (Llama-70B, Qwen2-72B) compiles for
 # sm_90 without spills at 16 warps, 16384 spills; wider rows take the torch path.
@@ -50,8 +52,10 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     FP32_SCALE: tl.constexpr,  # Gemma: x_normed * (offset + weight) in fp32; else Llama: weight * cast(x_normed)
+    PDL: tl.constexpr,
 ):
     """BLOCK_ROWS rows of BLOCK_N columns per program; outputs are contiguous [num_rows, num_cols]."""
+    pdl_enter(PDL)
     dtype = Out.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -156,11 +160,13 @@ def _rope_write_kv_kernel(
     BLOCK_R: tl.constexpr,  # (token, head) rows per program
     HAS_POSITIONS: tl.constexpr,
     ROPE: tl.constexpr,  # rotate q and k (q_blocks programs for q), else only copy K/V into the cache
+    PDL: tl.constexpr,
 ):
     """The first ``q_blocks`` programs rotate query rows into ``QOut`` (as ``_rope_kernel``); each
     other program takes BLOCK_R (token, KV head) rows: the key rotated (ROPE) into ``KOut`` and into
     its cache slot, the value copied into its slot. A token's slot is (``WriteBlocks[t]``,
     ``WriteOffsets[t]``), addressed through the cache views' own strides (any layout)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid < q_blocks:  # none without ROPE
         _rope_rows(Q, QOut, Cos, Sin, Positions, stride_qt, stride_qh, stride_ct, stride_st, num_q_heads,
@@ -202,8 +208,10 @@ def _act_and_mul_kernel(
     GELU: tl.constexpr,  # tanh-approximated GELU, else SiLU
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``act(gate) * up`` for a [BLOCK_M, BLOCK_N] tile, act rounded to the input dtype before the product."""
+    pdl_enter(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
@@ -289,12 +297,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: f
     num_rows = x.numel() // num_cols
     if num_rows:
         block_n, block_rows, num_warps = _norm_config(num_cols)
+        pdl = pdl_enabled(x.device)
         _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
             x_rows, r_rows, weight if weight is not None else x_rows,
             out, residual_out if residual is not None else out,
             num_rows, num_cols, heads, sxt, sxh, srt, srh, float(eps), float(offset or 0.0),
             BLOCK_ROWS=block_rows, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
-            HAS_WEIGHT=weight is not None, FP32_SCALE=offset is not None, num_warps=num_warps,
+            HAS_WEIGHT=weight is not None, FP32_SCALE=offset is not None, PDL=pdl, num_warps=num_warps,
+            **launch_options(pdl),
         )
     return out if residual is None else (out, residual_out)
 
@@ -396,6 +406,7 @@ def rope_and_write_kv(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, 
         num_q_heads = q.shape[1] if rope else 0
         q_blocks = triton.cdiv(num_tokens * num_q_heads, block_r)
         kv_blocks = triton.cdiv(num_tokens * num_kv_heads, block_r)
+        pdl = pdl_enabled(k.device)
         _rope_write_kv_kernel[(q_blocks + kv_blocks,)](
             q if rope else k, k, v, q_out if rope else k, k_out, k_cache, v_cache,
             cos if rope else k, sin if rope else k, positions if positions is not None else k,
@@ -404,7 +415,7 @@ def rope_and_write_kv(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, 
             *((cos.stride(0), sin.stride(0)) if rope else (0, 0)), *k_cache.stride(), *v_cache.stride(),
             num_tokens, num_q_heads, num_kv_heads, q_blocks,
             HALF=half, BLOCK_HALF=block_half, BLOCK_R=block_r, HAS_POSITIONS=positions is not None, ROPE=rope,
-            num_warps=num_warps,
+            PDL=pdl, num_warps=num_warps, **launch_options(pdl),
         )
     return q_out, k_out
 
@@ -427,8 +438,10 @@ def act_and_mul(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.
     num_rows, num_cols = gate_rows.shape
     if out.numel():
         block_m, block_n, num_warps = _act_config(num_cols)
+        pdl = pdl_enabled(gate.device)
         _act_and_mul_kernel[(triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, block_n))](
             gate_rows, up_rows, out, num_rows, num_cols, sgt, sut,
-            GELU=activation == "gelu_pytorch_tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            GELU=activation == "gelu_pytorch_tanh", BLOCK_M=block_m, BLOCK_N=block_n, PDL=pdl, num_warps=num_warps,
+            **launch_options(pdl),
         )
     return out

@@ -294,12 +294,12 @@ for dtype, head_dim, group, max_q, modes in ((torch.bfloat16, 128, 4, 1, False),
                       TOKENS_PER_TILE=c.block_m // group, HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)),
                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, SOFTCAP=not modes, WINDOW=not modes,
                       SPLIT=max_q == 1, MODES=modes,
-                      DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+                      DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", PDL=max_q == 1)
     aligned = [n for n in pointers if n.isupper() or n[0].isupper()] + ["stride_kb", "stride_ks", "stride_kh"]
     print("attention", dtype, head_dim, group, max_q, modes, c, compile_(attention, pointers, constexprs, aligned,
                                                                   c.num_warps, c.num_stages))
 print("reduce", compile_(reduce, dict(Out="*bf16", PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32"),
-                         dict(stride_od=1, HEAD_DIM=128, BLOCK_D=128, SPLITS=16), [], 4, 2))
+                         dict(stride_od=1, HEAD_DIM=128, BLOCK_D=128, SPLITS=16, PDL=True), [], 4, 2))
 """
 
 

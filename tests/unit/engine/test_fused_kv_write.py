@@ -304,7 +304,8 @@ for dtype, head_dim, rope, positions in ((torch.bfloat16, 128, True, True), (tor
         to._rope_write_kv_kernel,
         dict(Q=t, K=t, V=t, QOut=t, KOut=t, KCache=t, VCache=t, Cos="*fp32", Sin="*fp32", Positions="*i64",
              WriteBlocks="*i64", WriteOffsets="*i64"),
-        dict(HALF=half, BLOCK_HALF=block_half, BLOCK_R=block_r, HAS_POSITIONS=positions, ROPE=rope), num_warps=warps))
+        dict(HALF=half, BLOCK_HALF=block_half, BLOCK_R=block_r, HAS_POSITIONS=positions, ROPE=rope, PDL=rope),
+        num_warps=warps))
 """
 
 

@@ -341,7 +341,8 @@ for dtype, cols, residual, fp32_scale in ((torch.bfloat16, 128, False, False), (
     block_n, rows, warps = to._norm_config(cols)
     compile_(f"rms_norm {dtype} {cols} residual={residual} fp32_scale={fp32_scale}", to._rms_norm_kernel,
              dict(X=t, Residual=t, Weight=t, Out=t, ResidualOut=t, eps="fp32", offset="fp32"),
-             dict(BLOCK_ROWS=rows, BLOCK_N=block_n, HAS_RESIDUAL=residual, HAS_WEIGHT=True, FP32_SCALE=fp32_scale),
+             dict(BLOCK_ROWS=rows, BLOCK_N=block_n, HAS_RESIDUAL=residual, HAS_WEIGHT=True, FP32_SCALE=fp32_scale,
+                  PDL=residual),
              warps)
 for dtype, head_dim, positions in ((torch.bfloat16, 128, True), (torch.bfloat16, 512, False),
                                    (torch.float32, 64, True)):
@@ -356,7 +357,7 @@ for dtype, head_dim, positions in ((torch.bfloat16, 128, True), (torch.bfloat16,
 for gelu in (False, True):
     block_m, block_n, warps = to._act_config(14336)
     compile_(f"act gelu={gelu}", to._act_and_mul_kernel, dict(Gate="*bf16", Up="*bf16", Out="*bf16"),
-             dict(GELU=gelu, BLOCK_M=block_m, BLOCK_N=block_n), warps)
+             dict(GELU=gelu, BLOCK_M=block_m, BLOCK_N=block_n, PDL=gelu), warps)
 """
 
 

@@ -143,3 +143,16 @@ for n, k in ((6144, 4096), (4096, 14336), (128256, 4096)):
 @pytest.mark.slow
 def test_gemv_compiles_for_sm90_without_spills() -> None:
     assert len(compile_script_lines(_COMPILE_FOR_SM90)) == 18
+
+
+def test_pdl_is_asked_per_device_and_switched_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programmatic dependent launch: never on CPU; on CUDA from compute capability 9.0 unless
+    ``PDSERVE_PDL=0``; every Triton launcher asks ``pdl_enabled``."""
+    from services.engine import triton_support
+
+    assert triton_support.pdl_enabled(torch.device("cpu")) is False
+    if not ON_CPU:
+        hopper = torch.cuda.get_device_capability(DEVICE)[0] >= 9
+        assert triton_support.pdl_enabled(DEVICE) is hopper
+        monkeypatch.setattr(triton_support, "_PDL_SWITCH", False)
+        assert triton_support.pdl_enabled(DEVICE) is False
