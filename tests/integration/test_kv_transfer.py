@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -317,20 +318,30 @@ def test_prefix_already_held_is_not_read() -> None:
         assert full.num_bytes == (7 - 3) * 4 * per_token  # local blocks 3..6 (the last padded), not 0..2
 
 
+@pytest.fixture(scope="module")
+def compat_owner() -> Iterator[Owner]:
+    """One owner for every incompatible reader below: each is refused at its own handshake (its reader is new,
+    with its own agent), before any READ, so the owner and its ticket stay as they were."""
+    owner_cfg = {**BASE, "engine_id": "owner-compat", "tp": 1, "reader_tp": 1,
+                 "requests": [_request("c", 12, 4, 0, shuffle=False)]}
+    with owner_process(owner_cfg) as owner:
+        yield owner
+
+
 @pytest.mark.parametrize(
     ("reader_over", "field"),
     [({"dtype": "bfloat16"}, "dtype"), ({"num_layers": 4}, "num_layers"), ({"head_dim": 16}, "head_dim"),
      ({"order": "HND"}, "kv_layout"), ({"kv_digest": "off"}, "kv_digest")],
 )
-def test_incompatible_reader_is_refused_with_the_field_named(reader_over: dict, field: str) -> None:
-    owner_cfg = {**BASE, "engine_id": f"owner-compat-{field}", "tp": 1, "reader_tp": 1,
-                 "requests": [_request("c", 12, 4, 0, shuffle=False)]}
+def test_incompatible_reader_is_refused_with_the_field_named(compat_owner: Owner, reader_over: dict,
+                                                             field: str) -> None:
     reader_cfg = {**BASE, **reader_over}
-    with owner_process(owner_cfg) as owner, reader(reader_cfg, 1) as r:
+    with reader(reader_cfg, 1) as r:
         with pytest.raises(KVCompatibilityError, match=field) as e:
-            asyncio.run(r.puller.pull(owner.tickets["c"], [[0, 1, 2]]))
+            asyncio.run(r.puller.pull(compat_owner.tickets["c"], [[0, 1, 2]]))
         assert field in e.value.differences
         assert all(bool((b == SENTINEL).all()) for b in r.caches[0].buffers)  # nothing was read
+    assert compat_owner.proc.poll() is None  # the refusal left the owner serving the next reader
 
 
 @pytest.mark.parametrize("digest", ["on", "off"])
