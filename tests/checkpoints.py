@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -111,20 +110,33 @@ def make_checkpoint(arch: str, directory: Path, seed: int = 0):
     return directory, model
 
 
-def colocated_reference(model: str, num_kv_blocks: int = 256) -> Callable[[list[int], int], list[int]]:
+class ColocatedReference:
+    """Greedy tokens of one engine doing prefill and decode on CPU in float32, as test workers run: the reference
+    a disaggregated answer must equal. One engine serves every call: ``ref(prompt, max_tokens)`` for one prompt,
+    ``ref.many(prompts, max_tokens)`` for several in one batch, as the workers batch them (each row's tokens are
+    those of its prompt alone, which the workers' answers must equal anyway; a batch of long outputs takes a
+    fraction of the engine steps of one call per prompt)."""
+
+    def __init__(self, model: str, num_kv_blocks: int = 256) -> None:
+        from services.engine.engine_config import EngineConfig
+        from services.engine.llm_engine import LLMEngine
+
+        self.engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=num_kv_blocks))
+
+    def __call__(self, prompt: list[int], max_tokens: int) -> list[int]:
+        return self.many([prompt], max_tokens)[0]
+
+    def many(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        from services.contract.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [out.token_ids for out in self.engine.generate(prompts, params)]
+
+
+def colocated_reference(model: str, num_kv_blocks: int = 256) -> ColocatedReference:
     """Greedy tokens ``(prompt, max_tokens)`` of one engine doing prefill and decode on CPU in float32, as
     test workers run: the reference a disaggregated answer must equal. One engine serves every call."""
-    from services.contract.sampling_params import SamplingParams
-    from services.engine.engine_config import EngineConfig
-    from services.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=num_kv_blocks))
-
-    def tokens(prompt: list[int], max_tokens: int) -> list[int]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        return engine.generate([prompt], params)[0].token_ids
-
-    return tokens
+    return ColocatedReference(model, num_kv_blocks)
 
 
 def colocated_tokens(model: str, prompt: list[int], max_tokens: int) -> list[int]:

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.launch.spawn import daemons, start_router, stop_router
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from tests.checkpoints import colocated_reference, make_checkpoint
+from tests.checkpoints import ColocatedReference, colocated_reference, make_checkpoint
 from tests.e2e.stack import (
     DECODE_ARGS,
     PREFILL_ARGS,
@@ -46,7 +46,7 @@ def model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(model: str) -> Callable[[list[int], int], list[int]]:
+def reference(model: str) -> ColocatedReference:
     return colocated_reference(model)
 
 
@@ -128,8 +128,8 @@ def test_decode_drain_migrates_running_streams_token_exact(model, reference) -> 
             assert answer["drained"] and answer["role"] == "decode" and answer["num_left"] == 0
             assert (after.num_running, after.num_waiting) == (0, 0) and after.draining
             assert answer["num_migrated"] >= 1  # the 0.2 s bound ran out with streams of 480 tokens running
-            for prompt, tokens in zip(prompts, outputs, strict=True):
-                assert tokens == reference(prompt, max_tokens)
+            for prompt, tokens, expected in zip(prompts, outputs, reference.many(prompts, max_tokens), strict=True):
+                assert tokens == expected, prompt
             assert _migrated(url) - migrated_before == answer["num_migrated"]
             assert metric_total(victim, "pdserve_requests_total", 'outcome="migrated"') == answer["num_migrated"]
             # Drained, not stopped: NOT_SERVING until the SIGTERM that follows, which stops it at once.
