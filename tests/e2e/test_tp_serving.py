@@ -14,6 +14,7 @@ not start, and a live worker no peer can pair with is named, with why, on the ro
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import signal
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from itertools import product
 from pathlib import Path
 
@@ -67,9 +69,15 @@ def llama(tmp_path_factory) -> str:
 
 
 def _colocated(model: str | None, prompts: list[list[int]]) -> list[list[int]]:
+    return _colocated_cached(model, tuple(map(tuple, prompts)))
+
+
+@functools.cache
+def _colocated_cached(model: str | None, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
+    """A fresh engine's greedy tokens, once per model and prompts (both layouts' TP pairs ask for the same)."""
     engine = LLMEngine(EngineConfig(model=model, device="cpu", num_kv_blocks=256))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [out.token_ids for out in engine.generate(prompts, params)]
+    return [out.token_ids for out in engine.generate([list(p) for p in prompts], params)]
 
 
 def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -135,31 +143,93 @@ def test_tp_pairs_equal_colocated_tp1(llama: str, llama_workers, prefill_tp: int
         _wait_unpinned(prefill)
 
 
-def test_auto_layout_is_heads_outer_across_tp_sizes_and_equals_colocated_tp1(llama: str) -> None:
+class PeerTPWorkers:
+    """Prefill and decode workers of TP 1 and 2, each told the other role's TP size (as ``pdserve up`` tells
+    them): 4 workers, 6 processes, started at the first ``live()``. A test that kills some (the dead-rank test)
+    leaves them dead: the next ``live()`` starts a fresh set, so no test depends on running before or after that
+    one. ``close()`` stops them (idle TP ranks still take CPU: they are not kept through other tests)."""
+
+    def __init__(self, model: str) -> None:
+        def args(tp: int, peer_tp: int) -> tuple[str, ...]:
+            return ("--tp", str(tp), "--peer-tp-size", str(peer_tp), "--device", "cpu", "--block-size", "16",
+                    "--num-kv-blocks", "96", "--max-num-seqs", "8")
+
+        self.keys = [("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)]
+        self.specs = [(role, model, args(tp, 3 - tp)) for role, tp in self.keys]
+        self.started = ExitStack()
+        self.workers: dict[tuple[str, int], Daemon] = {}
+
+    def live(self) -> dict[tuple[str, int], Daemon]:
+        if not self.workers or any(d.proc.poll() is not None for d in self.workers.values()):
+            self.close()
+            self.workers = _by_key(self.started.enter_context(daemons(*self.specs)), self.keys)
+        return self.workers
+
+    def close(self) -> None:
+        self.workers = {}
+        self.started.close()
+
+
+@pytest.fixture(scope="module")
+def peer_tp_workers(llama: str) -> Iterator[PeerTPWorkers]:
+    workers = PeerTPWorkers(llama)
+    try:
+        yield workers
+    finally:
+        workers.close()
+
+
+def test_auto_layout_is_heads_outer_across_tp_sizes_and_equals_colocated_tp1(llama: str,
+                                                                              peer_tp_workers: PeerTPWorkers) -> None:
     """Workers told the other role's TP size (as ``pdserve up`` tells them) pick the heads-outer KV layout
     when it differs: TP 1 -> 2 and 2 -> 1 pulls keep the greedy tokens, and each READ of consecutive blocks is
     one descriptor per head it reads (a head's plane holds every block), not one per block, layer and K/V."""
-    def args(tp: int, peer_tp: int) -> tuple[str, ...]:
-        return ("--tp", str(tp), "--peer-tp-size", str(peer_tp), "--device", "cpu", "--block-size", "16",
-                "--num-kv-blocks", "96", "--max-num-seqs", "8")
-
-    keys = [("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)]
-    specs = [(role, llama, args(tp, 3 - tp)) for role, tp in keys]
     prompts = _prompts(2, 320, seed=5)
     expected = _colocated(llama, prompts)
-    with daemons(*specs) as started:
-        workers = _by_key(started, keys)
-        for prefill_tp, decode_tp in ((1, 2), (2, 1)):
-            prefill, decode = workers["prefill", prefill_tp], workers["decode", decode_tp]
-            for i, prompt in enumerate(prompts):
-                before = metric_total(decode, "pdserve_kv_transfer_descriptors_total")
-                rid = f"auto-p{prefill_tp}-d{decode_tp}-{i}"
-                assert _disaggregated(prefill, decode, prompt, rid) == expected[i], rid
-                descriptors = metric_total(decode, "pdserve_kv_transfer_descriptors_total") - before
-                # 2 READs (one per rank pair) of one head each: fresh pools hand out consecutive blocks on both
-                # sides, so a head's plane is one run (a run per block and head before heads spanned the pool)
-                assert descriptors == 2, rid
-            _wait_unpinned(prefill)
+    workers = peer_tp_workers.live()
+    for prefill_tp, decode_tp in ((1, 2), (2, 1)):
+        prefill, decode = workers["prefill", prefill_tp], workers["decode", decode_tp]
+        for i, prompt in enumerate(prompts):
+            before = metric_total(decode, "pdserve_kv_transfer_descriptors_total")
+            rid = f"auto-p{prefill_tp}-d{decode_tp}-{i}"
+            assert _disaggregated(prefill, decode, prompt, rid) == expected[i], rid
+            descriptors = metric_total(decode, "pdserve_kv_transfer_descriptors_total") - before
+            # 2 READs (one per rank pair) of one head each: fresh pools hand out consecutive blocks on both
+            # sides, so a head's plane is one run (a run per block and head before heads spanned the pool)
+            assert descriptors == 2, rid
+        _wait_unpinned(prefill)
+
+
+def _children(pid: int) -> list[int]:
+    """Follower ranks of a daemon: its multiprocessing children (not the resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_dead_rank_takes_the_worker_down_and_a_dead_worker_takes_its_ranks(peer_tp_workers: PeerTPWorkers) -> None:
+    """SIGKILL a follower rank: the daemon stops serving and exits non-zero (it logs which rank).
+    SIGKILL a daemon: its follower ranks notice the closed pipe and exit (no orphans). (The TP-2 workers of the
+    auto-layout test, which is done with them: any TP-2 worker's ranks go down the same way.)"""
+    workers = peer_tp_workers.live()
+    decode, prefill = workers["decode", 2], workers["prefill", 2]
+    (rank1,) = _children(decode.proc.pid)
+    os.kill(rank1, signal.SIGKILL)
+    assert decode.proc.wait(timeout=60) == 1
+    (orphan,) = _children(prefill.proc.pid)
+    prefill.proc.kill()
+    prefill.proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while not _gone(orphan):
+        assert time.monotonic() < deadline, "a follower rank outlived its daemon"
+        time.sleep(0.1)
+    peer_tp_workers.close()  # the TP-1 ones too: nothing else uses them
 
 
 @pytest.fixture(scope="module")
@@ -258,36 +328,6 @@ def test_replicated_kv_head_is_read_once(mqa_llama: str) -> None:
     # one per rank that needs it; every other pair moves the TP1 bytes exactly
     assert pulled[(2, 1)] == pulled[(1, 1)] > 0
     assert pulled[(1, 2)] == pulled[(2, 2)] == 2 * pulled[(1, 1)]
-
-
-def _children(pid: int) -> list[int]:
-    """Follower ranks of a daemon: its multiprocessing children (not the resource tracker)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def test_a_dead_rank_takes_the_worker_down_and_a_dead_worker_takes_its_ranks(llama: str) -> None:
-    """SIGKILL a follower rank: the daemon stops serving and exits non-zero (it logs which rank).
-    SIGKILL a daemon: its follower ranks notice the closed pipe and exit (no orphans)."""
-    with daemons(("decode", llama, _worker_args(2, 16, "cross_layer")),
-                 ("prefill", llama, _worker_args(2, 16, "cross_layer"))) as (decode, prefill):
-        (rank1,) = _children(decode.proc.pid)
-        os.kill(rank1, signal.SIGKILL)
-        assert decode.proc.wait(timeout=60) == 1
-        (orphan,) = _children(prefill.proc.pid)
-        prefill.proc.kill()
-        prefill.proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while not _gone(orphan):
-            assert time.monotonic() < deadline, "a follower rank outlived its daemon"
-            time.sleep(0.1)
 
 
 def test_hybrid_groups_under_tp_with_block_size_ratios(tmp_path_factory) -> None:
