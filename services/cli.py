@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 import services  # noqa: F401  (sets the oneDNN ISA cap before torch loads)
-from services.common.config_flags import add_flags, argv_from_args, config_from_args, positive_int
+from services.common.config_flags import add_flags, argv_from_args, config_from_args, positive_float, positive_int
 from services.common.tls import add_tls_arguments, tls_from_args
 from services.engine.engine_config import EngineConfig
 from services.worker.config import CONFIG_OF_ROLE, SwitchableConfig
@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="start every worker able to switch roles in place (--role-switching, the same engine "
                          "flags for all) and the router with its P:D planner acting: it switches a worker's role "
                          "when the traffic calls for another prefill:decode split")
+    up.add_argument("--planner-interval-s", type=positive_float, default=None, metavar="SECONDS",
+                    help="the router's P:D planner evaluates this often (default: the router's, 10 s); with "
+                         "--role-planner a switch needs three evaluations in a row that call for it")
     up.add_argument("--metrics-port", type=int, default=0,
                     help="the supervisor's /metrics port (worker restarts; default: a free one, on the ready line)")
     up.add_argument("--prometheus-sd-file", default=None, metavar="PATH",

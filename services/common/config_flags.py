@@ -56,6 +56,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0 (an interval), else a usage error before any process starts."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def flag(default: Any = dataclasses.MISSING, help: str = "", *, default_factory: Callable[[], Any] | None = None,
          secret: bool = False, **options: Any) -> Any:
     """A dataclass field that is also a command-line flag (``options``: the fields of :class:`Flag`);

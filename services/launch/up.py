@@ -147,10 +147,12 @@ def _worker_restarter(worker: Daemon, extra: tuple[str, ...]) -> StartChild:
 
 def up_router_argv(args) -> list[str]:
     """The router flags of ``pdserve up`` passed on to the router it starts (pure): the served model name, the
-    acting P:D planner and strict disaggregation (``--direct-decode-threshold`` goes through ``start_router``'s
-    own argument)."""
+    acting P:D planner and its interval, and strict disaggregation (``--direct-decode-threshold`` goes through
+    ``start_router``'s own argument)."""
     argv = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     argv += ["--role-planner"] if getattr(args, "role_planner", False) else []
+    interval = getattr(args, "planner_interval_s", None)
+    argv += ["--planner-interval-s", str(interval)] if interval is not None else []
     return argv + (["--enforce-disagg"] if getattr(args, "enforce_disagg", False) else [])
 
 

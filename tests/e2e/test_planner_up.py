@@ -4,7 +4,8 @@ the traffic calls for it.
 Three switchable workers start as 1P2D (the planner keeps at least one worker per role, so two workers leave
 it nothing to move). Prefill-heavy load (prompts of a few hundred tokens, two output tokens; a second client
 keeps short prompts with longer outputs decoding meanwhile) makes the planner, at `pdserve up`'s own planner
-settings (an evaluation every 10 s, three in a row before a switch), move a decode worker to prefill. The test
+settings but for its interval (an evaluation every 4 s through `--planner-interval-s`, three in a row before a
+switch), move a decode worker to prefill. The test
 checks the router's and the worker's switch counters, that /admin/workers lists 2P1D with the switched worker
 as prefill, that no request failed before, during or after the switch, and that every answer equals the greedy
 tokens of one engine run in this process (the reference, computed before the stack starts).
@@ -41,7 +42,8 @@ PREFILL_HEAVY = 8  # distinct long prompts, cycled
 PREFILL_TOKENS = 2  # their outputs: the decode side has almost nothing to do
 DECODE_PROMPTS = 2  # short prompts with longer outputs, decoding while the switch happens
 DECODE_TOKENS = 16
-SWITCH_DEADLINE_S = 120.0  # from the ready line: the planner decides at the third evaluation with traffic (~30 s)
+PLANNER_INTERVAL_S = 4.0  # `pdserve up --planner-interval-s` (the router's default is 10 s)
+SWITCH_DEADLINE_S = 120.0  # from the ready line: the planner decides at the third evaluation with traffic (~12 s)
 AFTER_SWITCH = 4  # requests each client completes after the switch, served by the new split
 
 
@@ -147,7 +149,8 @@ def test_role_planner_moves_a_decode_worker_to_prefill_under_prefill_heavy_load(
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--role-planner", "--port", str(port), "--num-prefill", "1",
          "--num-decode", "2", "--device", "cpu", "--dtype", "float32", "--no-prefix-caching",
-         "--direct-decode-threshold", "0", "--max-model-len", "512", "--num-kv-blocks", "256"],
+         "--direct-decode-threshold", "0", "--max-model-len", "512", "--num-kv-blocks", "256",
+         "--planner-interval-s", str(PLANNER_INTERVAL_S)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_API_KEY": KEY})
     clients: list[Client] = []

@@ -107,6 +107,12 @@ def test_up_role_planner_starts_switchable_workers_with_one_engine_shape() -> No
     assert all("--role-switching" in a for _, _, a in specs)
     assert len({tuple(a) for _, _, a in specs}) == 1  # the same flags for every worker
     assert "--role-planner" in up_router_argv(build_parser().parse_args(["up", "--role-planner"]))
+    argv = up_router_argv(build_parser().parse_args(["up", "--role-planner", "--planner-interval-s", "2.5"]))
+    assert argv[argv.index("--planner-interval-s") + 1] == "2.5"
+    assert "--planner-interval-s" not in up_router_argv(build_parser().parse_args(["up"]))  # the router's default
+    for bad in ("0", "-1", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["up", "--planner-interval-s", bad])
     with pytest.raises(ValueError, match="--prefill-tp and --decode-tp"):
         _up_specs("--role-planner --prefill-tp 2", num_gpus=4)
 
