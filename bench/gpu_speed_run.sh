@@ -28,6 +28,10 @@
 #   bash bench/gpu_speed_run.sh decode_fused  the fused K/V write (RoPE of q/k and both cache writes in one launch):
 #                                         its CUDA tests, then dummy Llama-3.1-8B bf16 decode bs 1/32 at 2k with
 #                                         it on and off (PDSERVE_FUSED_KV_WRITE=1/0, the same engine otherwise)
+#   bash bench/gpu_speed_run.sh decode_launches  batch-1 decode's projections and launches: the GEMV's CUDA tests,
+#                                         bench/gemv.py (cuBLAS against the GEMV per projection), then the engine
+#                                         with everything on, PDL off (PDSERVE_PDL=0) and cuBLAS's projections
+#                                         (PDSERVE_DECODE_GEMV=0), alternating twice
 #   bash bench/gpu_speed_run.sh mla_moe   DeepSeek's CUDA paths: their CUDA tests and bench/mla_moe.py
 #   bash bench/gpu_speed_run.sh profile_families  bench/profile_step.py on both (decode bs 1/32, a 2k prefill)
 #   bash bench/gpu_speed_run.sh families  dummy DeepSeek-V2-Lite and Granite-4.0-H-Tiny shapes, bf16: prefill 512/2k
@@ -107,6 +111,18 @@ for part in "$@"; do
             --device cuda --prefill-lens 512 --batch-sizes 1,32 --decode-contexts 2048 --decode-steps 32 --rounds 2 \
             --json-out "$OUT/engine_kv_write$fused.jsonl" 2>&1 | grep -v Warning | tee "$OUT/engine_kv_write$fused.txt"
       done ;;
+    decode_launches)  # batch-1 projections through the Triton GEMV, and programmatic dependent launch, on and off
+      PDSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_gemv.py \
+          tests/unit/engine/test_engine_parity.py 2>&1 | tee "$OUT/decode_launches_tests.log" | tail -4
+      python3 bench/gemv.py --json-out "$OUT/gemv.jsonl" 2>&1 | tee "$OUT/gemv.txt" | tail -8
+      for round in 1 2; do
+        for switches in "" "PDSERVE_PDL=0" "PDSERVE_DECODE_GEMV=0 PDSERVE_PDL=0"; do
+          echo "== round $round: ${switches:-all on}"
+          env $switches timeout 100 python3 bench/engine.py --model dummy:llama-3.1-8b --dtype bfloat16 --device cuda \
+              --prefill-lens 512 --batch-sizes 1,8,32 --decode-contexts 2048 --decode-steps 32 --rounds 2 2>&1 \
+              | grep -A4 "graph ms"
+        done
+      done | tee "$OUT/decode_launches.txt" ;;
     offload)
       PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_kv_offload.py \
           2>&1 | tee "$OUT/offload_tests.log" | tail -8
