@@ -71,6 +71,10 @@ class FakeExporter:
     num_staged = 0
     num_staging_full = 0
 
+    @property
+    def num_outstanding(self) -> int:
+        return len(self.handed_out)
+
 
 def _loop(lease_s: float = 8.0) -> tuple[ReleaseLoop, FakeEngine, FakeExporter, FakeClock, WorkerMetrics]:
     clock, engine, metrics = FakeClock(), FakeEngine(), WorkerMetrics("prefill")
@@ -211,3 +215,17 @@ def test_a_slow_notification_poll_never_holds_the_event_loop() -> None:
     assert engine.released == ["a"]
     assert exporter.poll_threads and threading.get_ident() not in exporter.poll_threads
     assert len(gaps) >= 10 and max(gaps) < 0.1, gaps
+
+
+def test_polls_often_while_tickets_are_out_and_rarely_while_none_is() -> None:
+    """An idle prefill worker should not keep a CPU core busy polling; one with tickets out frees blocks soon."""
+    from services.prefill.release import IDLE_POLL_INTERVAL_S, POLL_INTERVAL_S
+
+    loop, _, exporter, _, _ = _loop()
+    assert POLL_INTERVAL_S < IDLE_POLL_INTERVAL_S <= 0.1
+    assert loop.poll_interval_s() == IDLE_POLL_INTERVAL_S
+    exporter.hand_out("r1")
+    assert loop.poll_interval_s() == POLL_INTERVAL_S
+    exporter.read_by_all.append("r1")
+    asyncio.run(loop.tick())
+    assert loop.poll_interval_s() == IDLE_POLL_INTERVAL_S
