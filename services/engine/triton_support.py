@@ -28,8 +28,6 @@ def triton_import_error() -> str | None:
 
 
 PDL_ENV_VAR = "PDSERVE_PDL"
-
-
 _PDL_SWITCH = os.environ.get(PDL_ENV_VAR, "1").strip() != "0"  # read once: it is asked at every launch
 
 

@@ -50,6 +50,15 @@ def _x_tile(X, offs, K, ACT: tl.constexpr):
 
 
 @triton.jit
+def _w_tile(w_ptrs, n_ok, offs, K, EVEN_K: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] weight tile as stored (converted where it is used, so the first tile's load stays in
+    flight across ``pdl_enter``): rows past N (and, unless EVEN_K, columns past K) are 0."""
+    if EVEN_K:
+        return tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+    return tl.load(w_ptrs, mask=n_ok[:, None] & (offs < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(X, W, B, Y, N, K, stride_wn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ACT: tl.constexpr, PDL: tl.constexpr):
@@ -57,19 +66,12 @@ def _gemv_kernel(X, W, B, Y, N, K, stride_wn,
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = W + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
-    if EVEN_K:
-        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-    else:
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+    w = _w_tile(w_ptrs, n_ok, rk, K, EVEN_K)
     pdl_enter(PDL)  # the first weight tile is in flight; x is the previous kernel's output
     acc = w.to(tl.float32) * _x_tile(X, rk, K, ACT)[None, :]
     for k in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & ((k + rk) < K)[None, :], other=0.0)
-        acc += w.to(tl.float32) * _x_tile(X, k + rk, K, ACT)[None, :]
+        acc += _w_tile(w_ptrs, n_ok, k + rk, K, EVEN_K).to(tl.float32) * _x_tile(X, k + rk, K, ACT)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)
