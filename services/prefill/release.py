@@ -22,10 +22,10 @@ log = logging.getLogger(__name__)
 
 #: How often the loop polls for notifications while tickets are out: a freed block is usable again within this.
 POLL_INTERVAL_S = 0.005
-#: ... and with none out. Polling (a thread hop and a NIXL call) every 5 ms kept an idle prefill worker at ~10%
-#: of a CPU core (measured on the CPU build machine, SmolLM2); at 50 ms it is ~1%. A ticket handed out during the
-#: longer sleep has its reader's notification taken up to that much later: its blocks are freed later, no
-#: request waits for it.
+#: ... and with none out. An idle prefill worker polling (a thread hop and a NIXL call) every 5 ms, its stats loop
+#: at the same pace, used 10-12% of a CPU core; with this at 50 ms, 5%, and with the stats at 50 ms too, 2%
+#: (SmolLM2 on the CPU build machine: bench/RESULTS.md). A ticket handed out during the longer sleep has its
+#: reader's notification taken up to that much later: its blocks are freed later, no request waits for it.
 IDLE_POLL_INTERVAL_S = 0.05
 
 
