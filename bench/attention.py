@@ -219,30 +219,13 @@ class Bench:
 
     def _time_graph(self, fn) -> float | None:
         """Median seconds per call from CUDA-graph replays of ``reps`` calls; None off CUDA."""
-        torch, a = self.torch, self.args
+        from bench._common import cuda_graph_ms
+
         if self.device.type != "cuda":
             return None
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            fn()  # compile and allocate outside the capture
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(a.reps):
-                fn()
-        for _ in range(max(1, a.warmup)):
-            graph.replay()
-        times = []
-        for _ in range(max(1, a.iters)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / a.reps)
-        del graph
-        return statistics.median(times)
+        a = self.args
+        return cuda_graph_ms(fn, max(1, a.iters), captures=a.reps, warmup_replays=max(1, a.warmup),
+                             device=self.device) / 1e3
 
     def measure(self, case: Case, backend, step, tables, q, fresh) -> tuple[dict, object]:
         torch = self.torch

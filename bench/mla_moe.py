@@ -34,7 +34,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import GPU_PEAKS, emit_json  # noqa: E402
+from bench._common import GPU_PEAKS, cuda_graph_ms, emit_json  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -80,19 +80,10 @@ class Timer:
         return statistics.median(times)
 
     def graph(self, fn: Callable[[], object]) -> float | None:
-        """Median ms per replay of ``fn`` captured in a CUDA graph (None off CUDA)."""
-        torch = self.torch
+        """Median ms per replay of ``fn`` captured in a CUDA graph (None off CUDA), timed as ``__call__`` times."""
         if self.device.type != "cuda":
             return None
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return self(graph.replay)
+        return cuda_graph_ms(fn, self.iters, replays=self.reps, warmup_replays=2, device=self.device)
 
 
 def moe_rows(args, device, dtype, timer: Timer, peak_bw: float | None) -> list[dict]:
