@@ -2,7 +2,9 @@
 
 Two processes: a synthetic owner (``bench.kv_synthetic``: pattern-free KV of a real model
 shape, handshake over gRPC, NIXL agent) and this process as the reader (``KVPuller``: handshake,
-plan, READ). Three scenarios (``--scenario``, default all):
+plan, READ). Each owner has a process of its own; ``--quick`` serves every owner of every scenario
+from one (``bench.transfer_owners``), started before the first pull: there a process's start-up
+takes seconds, its pulls milliseconds. Three scenarios (``--scenario``, default all):
 
 ``layouts``: Llama-3.1-8B KV shape; for each prompt length, every case moves the same bytes:
 
@@ -126,46 +128,102 @@ def block_ids(num_blocks: int, stride: int) -> list[int]:
     return list(range(0, num_blocks * stride, stride))
 
 
-def start_owner(kind: str, num_blocks: int, tokens: list[int], devices: list[str]) -> Owner:
+def layout_owner_cfgs(num_blocks: int, tokens: list[int], devices: list[str]) -> list[dict]:
+    """The synthetic owner of each layouts case, in ``CASES`` order: a ticket per prompt length and block stride."""
     requests = []
     for n in tokens:
         blocks = -(-n // SHAPE["block_size"])
         for stride in (1, 2):
             requests.append({"request_id": f"{n}-{stride}", "num_tokens": n, "block_ids": [block_ids(blocks, stride)]})
-    cfg = {**SHAPE, "kind": kind, "num_blocks": num_blocks, "engine_id": f"bench-{kind}", "tp": 1, "reader_tp": 1,
-           "seed": 0, "fill": "none", "devices": devices, "requests": requests}
-    return Owner(cfg)
+    return [{**SHAPE, "kind": kind, "num_blocks": num_blocks, "engine_id": f"bench-{case}", "tp": 1, "reader_tp": 1,
+             "seed": 0, "fill": "none", "devices": devices, "requests": requests} for case, (kind, _) in CASES.items()]
 
 
-class Owner:
-    """A synthetic owner process, started at once; ``hello()`` waits for its first line. Owners are
-    started before the first is waited for, so their start-ups (imports, NIXL) overlap."""
+class OwnerProcess:
+    """A synthetic owner process serving one config (``bench.kv_synthetic``) or several
+    (``bench.transfer_owners``), started at once; ``hello(engine_id)`` waits for that engine's first line."""
 
-    def __init__(self, cfg: dict) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.kv_synthetic", json.dumps(cfg)],
+    def __init__(self, cfgs: list[dict]) -> None:
+        module = "bench.kv_synthetic" if len(cfgs) == 1 else "bench.transfer_owners"
+        arg = cfgs[0] if len(cfgs) == 1 else cfgs
+        self.proc = subprocess.Popen([sys.executable, "-m", module, json.dumps(arg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [self._lines.put(line) for line in self.proc.stdout], daemon=True).start()
-        self._hello: dict | None = None
+        self._engines = [cfg["engine_id"] for cfg in cfgs]
+        self._hellos: dict[str, dict] = {}
+        self._running = set(self._engines)
+
+    def hello(self, engine_id: str) -> dict:
+        while engine_id not in self._hellos:
+            line = self._lines.get(timeout=120)
+            if line.startswith("{") and "tickets" in (hello := json.loads(line)):  # not a "released" line
+                self._hellos[self._engines[0] if len(self._engines) == 1 else engine_of(hello)] = hello
+        return self._hellos[engine_id]
+
+    def release(self, engine_id: str) -> bool:
+        """True once: when the last engine it serves is released (the process may stop)."""
+        if engine_id not in self._running:
+            return False
+        self._running.discard(engine_id)
+        return not self._running
+
+
+def engine_of(hello: dict) -> str:
+    """The engine a hello line is from: its tickets name it (one process may serve several engines)."""
+    ticket = next(iter(hello["tickets"].values()))
+    return kv_pb2.TransferTicket.FromString(bytes.fromhex(ticket)).engine_id
+
+
+class Owner:
+    """One synthetic owner engine: in a process of its own, started at once, or in ``process`` beside others.
+    ``hello()`` waits for its first line; ``stop()`` ends its process once every engine there is stopped."""
+
+    def __init__(self, cfg: dict, process: OwnerProcess | None = None) -> None:
+        self.engine_id = cfg["engine_id"]
+        self.process = process or OwnerProcess([cfg])
 
     def hello(self) -> dict:
-        while self._hello is None:
-            line = self._lines.get(timeout=120)
-            if line.startswith("{"):
-                self._hello = json.loads(line)
-        return self._hello
+        return self.process.hello(self.engine_id)
 
     def stop(self) -> None:
         stop_all([self])
 
 
+class OwnerStarter:
+    """Starts the synthetic owners a scenario asks for, each in a process of its own, or (``shared``: the CI
+    smoke run, where a process's imports and NIXL start-up cost far more than its pulls) all in one.
+    ``prestart`` starts every scenario's owners at once, so one start-up serves them all."""
+
+    def __init__(self, shared: bool) -> None:
+        self.shared = shared
+        self._prestarted: dict[str, Owner] = {}
+
+    def prestart(self, cfgs: list[dict]) -> None:
+        self._prestarted.update((owner.engine_id, owner) for owner in self._launch(cfgs))
+
+    def start(self, cfgs: list[dict]) -> list[Owner]:
+        """An owner per config, in order: the prestarted as they are, the rest started before the first is
+        waited for, so their start-ups overlap."""
+        fresh = iter(self._launch([cfg for cfg in cfgs if cfg["engine_id"] not in self._prestarted]))
+        return [self._prestarted.pop(cfg["engine_id"], None) or next(fresh) for cfg in cfgs]
+
+    def _launch(self, cfgs: list[dict]) -> list[Owner]:
+        if not (self.shared and cfgs):
+            return [Owner(cfg) for cfg in cfgs]
+        process = OwnerProcess(cfgs)
+        return [Owner(cfg, process) for cfg in cfgs]
+
+
 def stop_all(owners: list[Owner]) -> None:
-    """Close every owner's stdin first, then wait: their exits (NIXL teardown) overlap."""
-    for owner in owners:
-        owner.proc.stdin.close()
-    for owner in owners:
-        owner.proc.wait(timeout=60)
+    """Stop every owner; close the stdin of each process they leave with no engine running first, then
+    wait: their exits (NIXL teardown) overlap."""
+    done = [owner.process for owner in owners if owner.process.release(owner.engine_id)]
+    for process in done:
+        process.proc.stdin.close()
+    for process in done:
+        process.proc.wait(timeout=60)
 
 
 def make_reader(kind: str, num_blocks: int, devices: list[str]) -> tuple[KVPuller, TransferAgent]:
@@ -238,19 +296,25 @@ def ideal(cfg: dict, window: int, num_tokens: int) -> tuple[int, int]:
     return num_bytes, descriptors
 
 
+def group_owner_cfgs(name: str, shape: dict, num_tokens: int, owner_devices: list[str]) -> dict[str, dict]:
+    """The synthetic owner of each variant pulled of a hybrid shape, its pool fragmented."""
+    num_blocks = -(-num_tokens // GROUP_BLOCK_SIZE)
+    owner_ids = block_ids(num_blocks, 1)[::-1]  # backwards: no two blocks merge
+    request = {"request_id": "g", "num_tokens": num_tokens, "block_ids": [owner_ids, owner_ids]}
+    return {variant: {**hybrid_cfg(shape, all_full=variant == "all_full"), "num_blocks": num_blocks + 1,
+                      "engine_id": f"bench-{name}-{variant}", "tp": 1, "reader_tp": 1, "seed": 0, "fill": "none",
+                      "devices": owner_devices, "requests": [request]}
+            for variant in ("groups", "all_full")}
+
+
 def run_groups(shapes: dict[str, dict], num_tokens: int, repeats: int, device: str, owner_devices: list[str],
-               reader_devices: list[str]) -> list[dict]:
+               reader_devices: list[str], starter: OwnerStarter) -> list[dict]:
     rows = []
     num_blocks = -(-num_tokens // GROUP_BLOCK_SIZE)
     for name, shape in shapes.items():
-        measured, cfgs, owners = {}, {}, {}
-        owner_ids = block_ids(num_blocks, 1)[::-1]  # backwards: no two blocks merge
-        request = {"request_id": "g", "num_tokens": num_tokens, "block_ids": [owner_ids, owner_ids]}
-        for variant in ("groups", "all_full"):
-            cfgs[variant] = {**hybrid_cfg(shape, all_full=variant == "all_full"), "num_blocks": num_blocks + 1}
-            owners[variant] = Owner({**cfgs[variant], "engine_id": f"bench-{name}-{variant}", "tp": 1,
-                                     "reader_tp": 1, "seed": 0, "fill": "none", "devices": owner_devices,
-                                     "requests": [request]})
+        measured = {}
+        cfgs = group_owner_cfgs(name, shape, num_tokens, owner_devices)
+        owners = dict(zip(cfgs, starter.start(list(cfgs.values())), strict=True))
         for variant, cfg in cfgs.items():
             try:
                 hello = owners[variant].hello()
@@ -336,25 +400,40 @@ def tp_layouts(kinds: list[str], orders: list[str]) -> list[tuple[str, str]]:
     return [(kind, order) for kind in kinds for order in orders if BlockOrder(order) in LayoutKind(kind).orders]
 
 
+def tp_cfgs(layouts: list[tuple[str, str]], num_tokens: int) -> dict[tuple[str, str], dict]:
+    """The KV shape of each (layout kind, block order) of the tp scenario. One block more than the prompt: no
+    pull covers a whole pool (which would merge a heads-outer pull's head planes into one run, a case service
+    pools, far larger than a prompt, never see)."""
+    num_blocks = -(-num_tokens // SHAPE["block_size"])
+    return {(kind, order): {**SHAPE, "order": order, "kind": kind, "num_blocks": num_blocks + 1}
+            for kind, order in layouts}
+
+
+def tp_owner_cfgs(pairs: list[tuple[int, int]], layouts: list[tuple[str, str]], num_tokens: int,
+                  owner_devices: list[str]) -> dict[tuple[str, str, int], dict]:
+    """The synthetic owner of each (layout kind, block order, P tp): a ticket per D tp it is read into."""
+    ids = block_ids(-(-num_tokens // SHAPE["block_size"]), 1)
+    owner_cfgs = {}
+    for (kind, order), cfg in tp_cfgs(layouts, num_tokens).items():
+        for p_tp in dict.fromkeys(p for p, _ in pairs):
+            requests = [{"request_id": f"d{d_tp}", "num_tokens": num_tokens, "block_ids": [ids], "reader_tp": d_tp}
+                        for d_tp in dict.fromkeys(d for p, d in pairs if p == p_tp)]
+            owner_cfgs[kind, order, p_tp] = {
+                **cfg, "engine_id": f"bench-tp{p_tp}-{kind}-{order}", "tp": p_tp, "reader_tp": 1, "seed": 0,
+                "fill": "none", "devices": rank_devices(owner_devices, p_tp), "requests": requests,
+            }
+    return owner_cfgs
+
+
 def run_tp(pairs: list[tuple[int, int]], layouts: list[tuple[str, str]], num_tokens: int, repeats: int, device: str,
-           owner_devices: list[str], reader_devices: list[str]) -> list[dict]:
+           owner_devices: list[str], reader_devices: list[str], starter: OwnerStarter) -> list[dict]:
     rows = []
     num_blocks = -(-num_tokens // SHAPE["block_size"])
     ids = block_ids(num_blocks, 1)  # consecutive on both sides, as in service: runs merge across blocks
     expected = tp_kv_bytes(num_tokens)
-    # One block more than the prompt: no pull covers a whole pool (which would merge a heads-outer pull's
-    # head planes into one run, a case service pools, far larger than a prompt, never see).
-    cfgs = {(kind, order): {**SHAPE, "order": order, "kind": kind, "num_blocks": num_blocks + 1}
-            for kind, order in layouts}
-    owners = {}  # every owner starts at once, so their start-ups overlap; (kind, order, P tp) -> Owner
-    for (kind, order), cfg in cfgs.items():
-        for p_tp in dict.fromkeys(p for p, _ in pairs):
-            requests = [{"request_id": f"d{d_tp}", "num_tokens": num_tokens, "block_ids": [ids], "reader_tp": d_tp}
-                        for d_tp in dict.fromkeys(d for p, d in pairs if p == p_tp)]
-            owners[kind, order, p_tp] = Owner({
-                **cfg, "engine_id": f"bench-tp{p_tp}-{kind}-{order}", "tp": p_tp, "reader_tp": 1, "seed": 0,
-                "fill": "none", "devices": rank_devices(owner_devices, p_tp), "requests": requests,
-            })
+    cfgs = tp_cfgs(layouts, num_tokens)
+    owner_cfgs = tp_owner_cfgs(pairs, layouts, num_tokens, owner_devices)  # (kind, order, P tp) -> config
+    owners = dict(zip(owner_cfgs, starter.start(list(owner_cfgs.values())), strict=True))
     try:
         for (kind, order), cfg in cfgs.items():
             readers, agents = {}, []
@@ -504,8 +583,20 @@ def main() -> None:
         # Reading VRAM needs UCX's cuda_ipc GET (TransferAgent sets it too); set before the owners start.
         os.environ.setdefault(CUDA_IPC_GET_ENV, "y")
 
+    shapes = QUICK_GROUP_SHAPES if args.quick else GROUP_SHAPES
+    group_tokens = 512 if args.quick else args.group_tokens
+    starter = OwnerStarter(shared=args.quick)
+    if args.quick:  # every scenario's owners in one process, started before the first pull
+        cfgs = layout_owner_cfgs(num_blocks, tokens, owner_devices) if "layouts" in scenarios else []
+        if "groups" in scenarios:
+            cfgs += [cfg for name, shape in shapes.items()
+                     for cfg in group_owner_cfgs(name, shape, group_tokens, owner_devices).values()]
+        if "tp" in scenarios:
+            cfgs += tp_owner_cfgs(pairs, layouts, tp_tokens, owner_devices).values()
+        starter.prestart(cfgs)
+
     rows = []
-    owners = {case: start_owner(kind, num_blocks, tokens, owner_devices) for case, (kind, _) in CASES.items()} \
+    owners = dict(zip(CASES, starter.start(layout_owner_cfgs(num_blocks, tokens, owner_devices)), strict=True)) \
         if "layouts" in scenarios else {}
     for case, (kind, stride) in CASES.items() if "layouts" in scenarios else ():
         owner = owners[case]
@@ -530,11 +621,9 @@ def main() -> None:
 
     group_rows = []
     if "groups" in scenarios:
-        shapes = QUICK_GROUP_SHAPES if args.quick else GROUP_SHAPES
-        group_tokens = 512 if args.quick else args.group_tokens
-        group_rows = run_groups(shapes, group_tokens, repeats, args.device, owner_devices, reader_devices)
+        group_rows = run_groups(shapes, group_tokens, repeats, args.device, owner_devices, reader_devices, starter)
 
-    tp_rows = run_tp(pairs, layouts, tp_tokens, repeats, args.device, owner_devices, reader_devices) \
+    tp_rows = run_tp(pairs, layouts, tp_tokens, repeats, args.device, owner_devices, reader_devices, starter) \
         if "tp" in scenarios else []
 
     failed = sum(1 for r in tp_rows if r.get("error"))
