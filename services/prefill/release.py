@@ -54,7 +54,8 @@ class HeldKV(Protocol):
 class ReleaseLoop:
     """Frees pinned blocks as readers finish (notifications) or leases run out.
 
-    :meth:`tick` is one pass; :meth:`run` repeats it until stopped. Leases are checked at most every
+    :meth:`tick` is one pass; the worker's background task repeats it every :meth:`poll_interval_s` (the
+    servicer's, since a role switch replaces the loop with its exporter). Leases are checked at most every
     ``min(1 s, lease_s / 4)``: often enough that a block outlives its lease by a quarter at most.
     """
 
@@ -68,11 +69,6 @@ class ReleaseLoop:
         self._last_expiry = clock()
         self._refused = dict.fromkeys(exporter.refused_notifications(), 0)  # totals already counted
         self._staged = {"staged": 0, "full": 0}
-
-    async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await self.tick()
-            await asyncio.sleep(self.poll_interval_s())
 
     def poll_interval_s(self) -> float:
         """Short while tickets are out (a freed block is usable again soon), long while none is."""
