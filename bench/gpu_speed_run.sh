@@ -32,6 +32,13 @@
 #                                         bench/gemv.py (cuBLAS against the GEMV per projection), then the engine
 #                                         with everything on, PDL off (PDSERVE_PDL=0) and cuBLAS's projections
 #                                         (PDSERVE_DECODE_GEMV=0), alternating twice
+#   bash bench/gpu_speed_run.sh decode_rows  decode batches of 2-16 through the tensor-core GEMV: its CUDA tests,
+#                                         bench/gemv.py at 1, 8 and 16 rows (with the tile sweep at 8 and 16)
+#   bash bench/gpu_speed_run.sh decode_rows_engine  the engine's decode, bs 1-32, with the GEMVs on and off
+#                                         (PDSERVE_DECODE_GEMV=1/0), alternating twice
+#   bash bench/gpu_speed_run.sh parts_equal  disaggregated against colocated greedy tokens on the GPU (fp32, 1P1D
+#                                         on one GPU, 4096-token prompts: two prefill chunks), KV per chunk and in
+#                                         one pull (the router's --no-kv-parts)
 #   bash bench/gpu_speed_run.sh mla_moe   DeepSeek's CUDA paths: their CUDA tests and bench/mla_moe.py
 #   bash bench/gpu_speed_run.sh profile_families  bench/profile_step.py on both (decode bs 1/32, a 2k prefill)
 #   bash bench/gpu_speed_run.sh families  dummy DeepSeek-V2-Lite and Granite-4.0-H-Tiny shapes, bf16: prefill 512/2k
@@ -123,6 +130,27 @@ for part in "$@"; do
               | grep -A4 "graph ms"
         done
       done | tee "$OUT/decode_launches.txt" ;;
+    decode_rows)  # several rows through the tensor-core GEMV against cuBLAS
+      PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_gemv.py \
+          tests/unit/engine/test_engine_parity.py tests/unit/engine/test_cuda_graphs.py 2>&1 \
+          | tee "$OUT/decode_rows_tests.log" | tail -4
+      timeout 300 python3 bench/gemv.py --rows 1,8,16 --sweep-rows 8,16 --json-out "$OUT/gemv_rows.jsonl" 2>&1 \
+          | tee "$OUT/gemv_rows.txt" | grep -v "^{" ;;
+    decode_rows_engine)
+      timeout 100 python3 bench/gemv.py --rows 8,16 --json-out "$OUT/gemv_rows_default.jsonl" 2>&1 | grep "^|"
+      for round in 1 2; do
+        for gemv in 1 0; do
+          echo "== round $round: PDSERVE_DECODE_GEMV=$gemv"
+          PDSERVE_DECODE_GEMV=$gemv timeout 100 python3 bench/engine.py --model dummy:llama-3.1-8b --dtype bfloat16 \
+              --device cuda --prefill-lens 512 --batch-sizes 1,4,8,16,32 --decode-contexts 2048 --decode-steps 32 \
+              --rounds 2 2>&1 | grep -A6 "graph ms"
+        done
+      done | tee "$OUT/decode_rows.txt" ;;
+    parts_equal)  # greedy equality, disaggregated against colocated, KV per chunk and in one pull
+      for parts in "" --no-kv-parts; do
+        timeout 200 python3 bench/tp_serving.py --setups "1@cuda:0/1@cuda:0" --num-requests 8 --prompt-len 4096 \
+            --max-tokens 16 --num-kv-blocks 2048 $parts 2>&1 | tail -3
+      done | tee "$OUT/parts_equal.txt" ;;
     offload)
       PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_kv_offload.py \
           2>&1 | tee "$OUT/offload_tests.log" | tail -8

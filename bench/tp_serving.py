@@ -92,7 +92,8 @@ def run_setup(args, setup: str, prompts: list[list[int]], expected: list[list[in
     with daemons(("prefill", args.model, (*common, "--tp", str(p_tp), "--device", p_dev)),
                  ("decode", args.model, (*common, "--tp", str(d_tp), "--device", d_dev))) as (prefill, decode):
         up_s = time.perf_counter() - started
-        router = start_router(args.model, [prefill.address], [decode.address])
+        router = start_router(args.model, [prefill.address], [decode.address],
+                              *(["--no-kv-parts"] if args.no_kv_parts else []))
         try:
             complete(router.url, prompts[0][:32], 2)  # warm-up (and first handshake)
             before = {n: metric(decode, n) for n in ("pdserve_kv_transfer_bytes_total",
@@ -127,6 +128,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--num-kv-blocks", type=int, default=2048)
+    ap.add_argument("--no-kv-parts", action="store_true",
+                    help="the router's --no-kv-parts: each prompt's KV in one pull after its prefill")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     setups = [s for s in args.setups.split(";") if s.strip()]
@@ -145,7 +148,8 @@ def main() -> None:
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     emit_json(rows, args.json_out, to_stdout=False)
     print(f"\n# TP serving, {args.model} {args.dtype}, {args.num_requests} requests x {args.prompt_len} prompt "
-          f"tokens, {args.max_tokens} out, concurrency {args.concurrency}")
+          f"tokens, {args.max_tokens} out, concurrency {args.concurrency}, KV "
+          + ("in one pull" if args.no_kv_parts else "per prefill chunk"))
     print(f"{'prefill':>22} {'decode':>22} {'greedy=':>8} {'TTFT p50 ms':>11} {'tok/s':>8} {'pulls':>5} "
           f"{'GB':>7} {'ms/pull':>8} {'GB/s':>7}")
     for r in rows:

@@ -40,6 +40,7 @@ from services.engine.models.layers import (
     OffsetRMSNorm,
     RopeAngles,
     check_activation,
+    gated_mlp,
     param,
     softcap,
 )
@@ -104,7 +105,7 @@ class GemmaMLP(nn.Module):
         self.activation = check_activation(config.hidden_activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.down_proj.forward_gated(self.activation, self.gate_up_proj(x)), self.parallel)
+        return all_reduce(gated_mlp(self.activation, x, self.gate_up_proj, self.down_proj), self.parallel)
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -34,10 +34,12 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
 
-    def forward_gated(self, activation: str, gate_up: torch.Tensor) -> torch.Tensor:
-        """This layer applied to ``act(gate) * up`` of a fused gate/up output (an MLP's down projection):
-        one launch at batch 1 on CUDA (``ops.act_and_linear``)."""
-        return ops.act_and_linear(activation, gate_up, self.weight, self.bias)
+
+
+def gated_mlp(activation: str, x: torch.Tensor, gate_up_proj: Linear, down_proj: Linear) -> torch.Tensor:
+    """``down_proj(act(gate) * up)`` of a fused ``gate_up_proj(x)``: two launches at small decode batches on
+    CUDA, the activation fused into one of them (``ops.gated_mlp``)."""
+    return ops.gated_mlp(activation, x, gate_up_proj.weight, gate_up_proj.bias, down_proj.weight, down_proj.bias)
 
 
 class RMSNorm(nn.Module):

@@ -23,6 +23,7 @@ from services.engine.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    gated_mlp,
     param,
 )
 from services.engine.tp.parallel import ParallelConfig, all_reduce
@@ -72,7 +73,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.down_proj.forward_gated("silu", self.gate_up_proj(x)), self.parallel)
+        return all_reduce(gated_mlp("silu", x, self.gate_up_proj, self.down_proj), self.parallel)
 
 
 class DecoderLayer(nn.Module):

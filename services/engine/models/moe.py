@@ -20,7 +20,7 @@ from torch import nn
 from services.engine import ops
 from services.engine.model_config.deepseek import MoESpec
 from services.engine.model_config.granite import GraniteExpertsSpec
-from services.engine.models.layers import Linear, copy_weight, param
+from services.engine.models.layers import Linear, copy_weight, gated_mlp, param
 from services.engine.tp.parallel import ParallelConfig
 
 
@@ -40,7 +40,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(local, hidden, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_gated("silu", self.gate_up_proj(x))
+        return gated_mlp("silu", x, self.gate_up_proj, self.down_proj)
 
     def load(self, name: str, proj: str, tensor: torch.Tensor) -> None:
         """Copy this rank's shard of an HF ``gate_proj``/``up_proj``/``down_proj`` weight into place."""

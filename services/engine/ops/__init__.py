@@ -13,9 +13,11 @@ each op is one launch:
   same launch rotating q and k first (what an attention layer does before attending);
 * ``silu_and_mul`` / ``gelu_tanh_and_mul`` on a fused gate/up projection output, and
   ``act_and_mul`` on separate gate and up tensors;
-* ``linear(x, weight, bias)``, and ``act_and_linear`` (a down projection of ``act(gate) * up``):
-  cuBLAS, except one row (a batch-1 decode step) on CUDA, which takes the GEMV of ``gemv_triton``
-  (programmatic dependent launch, the activation as its prologue: ``bench/gemv.py``).
+* ``linear(x, weight, bias)``, ``act_and_linear`` (a down projection of ``act(gate) * up``) and
+  ``gated_mlp`` (both projections and the activation between): cuBLAS, except 1 to 32 rows (a small decode
+  batch) on CUDA, which take the GEMVs of ``gemv_triton`` (programmatic dependent launch; the activation
+  as the down projection's prologue for one row, as the gate/up projection's epilogue for several:
+  ``bench/gemv.py``).
 
 Two implementations sit behind each: ``reference.py`` (torch, today's layer math op for op: the
 CPU path and the tests' reference) and ``triton_ops.py`` (one Triton kernel per op, computing in
@@ -75,7 +77,7 @@ def _switch_from_env(name: str, meaning: str) -> bool:
 
 _backend = _backend_from_env()
 _fused_kv_write = _switch_from_env(KV_WRITE_ENV_VAR, "1: one launch, 0: rope, then two scatters")
-_decode_gemv = _switch_from_env(GEMV_ENV_VAR, "1: one-row projections through the Triton GEMV, 0: all through cuBLAS")
+_decode_gemv = _switch_from_env(GEMV_ENV_VAR, "1: small-batch projections through the Triton GEMVs, 0: all cuBLAS")
 _triton_ops: ModuleType | None = None
 
 
@@ -204,7 +206,7 @@ def act_and_mul(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` (``nn.functional.linear``); one row on CUDA through the Triton GEMV."""
+    """``x @ weight.T + bias`` (``nn.functional.linear``); 1 to 32 rows on CUDA through the Triton GEMVs."""
     if not _decode_gemv:
         return reference.linear(x, weight, bias)
     return _dispatch("linear", x, x, weight, bias)
@@ -217,6 +219,19 @@ def act_and_linear(activation: str, gate_up: torch.Tensor, weight: torch.Tensor,
     kernels = _kernels(gate_up) if _decode_gemv else None
     out = kernels.act_and_linear(activation, gate_up, weight, bias) if kernels is not None else None
     return out if out is not None else linear(act_and_mul(activation, *gate_up.chunk(2, dim=-1)), weight, bias)
+
+
+def gated_mlp(activation: str, x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
+              down_weight: torch.Tensor, down_bias: torch.Tensor | None) -> torch.Tensor:
+    """``down(act(gate) * up)`` of ``gate_up(x)`` (a fused [2 * inter, hidden] gate/up weight): a gated MLP.
+    On CUDA one row is two launches (the activation as the down projection's prologue), 2 to
+    ``gemv_triton.MAX_ROWS`` rows too (the activation as the gate/up projection's epilogue); more rows, or
+    ``PDSERVE_DECODE_GEMV=0``, take cuBLAS with the activation's kernel between."""
+    kernels = _kernels(x) if _decode_gemv else None
+    hidden = kernels.linear_and_act(activation, x, gate_up_weight, gate_up_bias) if kernels is not None else None
+    if hidden is not None:
+        return linear(hidden, down_weight, down_bias)
+    return act_and_linear(activation, linear(x, gate_up_weight, gate_up_bias), down_weight, down_bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -238,6 +253,7 @@ __all__ = [
     "act_and_linear",
     "act_and_mul",
     "apply_rope",
+    "gated_mlp",
     "gelu_tanh_and_mul",
     "configure",
     "get_backend",

@@ -29,7 +29,7 @@ import triton.language as tl
 from services.engine.ops.gated_act_triton import gated_act
 
 # The GEMV's launchers, dispatched (``ops._dispatch``) like this module's own.
-from services.engine.ops.gemv_triton import act_and_linear, linear  # noqa: F401
+from services.engine.ops.gemv_triton import act_and_linear, linear, linear_and_act  # noqa: F401
 from services.engine.triton_pdl import launch_options, pdl_enter
 from services.engine.triton_support import pdl_enabled
 

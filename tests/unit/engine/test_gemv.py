@@ -69,12 +69,54 @@ def test_gated_prologue_is_act_and_mul_then_linear(activation: str, dtype: torch
         assert _rel_error(got, expected) < TOLERANCE[dtype]
 
 
+# (rows, n, k, tile): rows below, at and between the MMA's 16; K and N multiples of the tile and not.
+ROW_SHAPES = [(2, 48, 256, gemv_triton.Tile(16, 128, 4, 2)), (5, 37, 300, gemv_triton.Tile(32, 128, 4, 2)),
+              (16, 40, 64, gemv_triton.Tile(16, 128, 4, 2)), (11, 70, 512, gemv_triton.Tile(64, 256, 4, 3))]
+
+
+@pytest.mark.parametrize("pdl", PDL)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k,tile", ROW_SHAPES)
+def test_several_rows_match_linear(rows: int, n: int, k: int, tile: gemv_triton.Tile, dtype: torch.dtype,
+                                   pdl: bool) -> None:
+    """A decode batch's rows through the tensor-core kernel: every row is its own ``linear``, the padding rows
+    write nothing (the output's rows past ``rows`` keep their sentinel)."""
+    x, weight = _randn(rows, k, dtype=dtype, seed=14), _randn(n, k, dtype=dtype, seed=15)
+    bias = _randn(n, dtype=dtype, seed=16)
+    for b in (None, bias):
+        out = torch.full((rows + 1, n), 7.0, dtype=dtype, device=DEVICE)
+        got = gemv_triton.gemv(x, weight, b, out=out[:rows], tile=tile, pdl=pdl)
+        assert _rel_error(got, reference.linear(x, weight, b)) < TOLERANCE[dtype]
+        assert (out[rows] == 7.0).all()
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_several_rows_gated_epilogue_and_strided(activation: str, dtype: torch.dtype) -> None:
+    """The gate/up projection's epilogue: ``act(gate) * up`` of its output per row, rounded where torch rounds,
+    reading rows of a wider buffer (a row stride that is not K); with a bias on both halves."""
+    rows, inter, k = 6, 40, 300
+    wide, weight = _randn(rows, k + 24, dtype=dtype, seed=17), _randn(2 * inter, k, dtype=dtype, seed=18) * 3
+    x, bias = wide[:, :k], _randn(2 * inter, dtype=dtype, seed=19)
+    for b in (None, bias):
+        expected = reference.act_and_mul(activation, *reference.linear(x, weight, b).chunk(2, dim=-1))
+        for tile in (gemv_triton.Tile(16, 128, 4, 2), gemv_triton.default_tile(inter, k, rows, gated_out=True)):
+            got = gemv_triton.gemv(x, weight, b, gated_out=activation, tile=tile)
+            assert _rel_error(got, expected) < TOLERANCE[dtype]
+
+
 def test_bad_input_is_refused() -> None:
     weight = _randn(8, 64, dtype=torch.float32, seed=6)
-    with pytest.raises(ValueError, match="one contiguous row"):
-        gemv_triton.gemv(_randn(2, 64, dtype=torch.float32, seed=7), weight)
-    with pytest.raises(ValueError, match="one contiguous row of 128"):
+    with pytest.raises(ValueError, match=f"1 to {gemv_triton.MAX_ROWS} contiguous rows of 64"):
+        gemv_triton.gemv(_randn(gemv_triton.MAX_ROWS + 1, 64, dtype=torch.float32, seed=7), weight)
+    with pytest.raises(ValueError, match="contiguous rows of 128"):
         gemv_triton.gemv(_randn(1, 64, dtype=torch.float32, seed=7), weight, gated="silu")
+    with pytest.raises(ValueError, match="contiguous rows"):
+        gemv_triton.gemv(_randn(64, 2, dtype=torch.float32, seed=7).T, weight)
+    with pytest.raises(ValueError, match="a gated input takes one row"):
+        gemv_triton.gemv(_randn(2, 128, dtype=torch.float32, seed=7), weight, gated="silu")
+    with pytest.raises(ValueError, match="a gated output several rows"):
+        gemv_triton.gemv(_randn(1, 64, dtype=torch.float32, seed=7), weight, gated_out="silu")
 
 
 def test_default_tiles_cover_the_sweep_space() -> None:
@@ -83,25 +125,34 @@ def test_default_tiles_cover_the_sweep_space() -> None:
         assert gemv_triton.default_tile(n, k) in gemv_triton.search_space()
 
 
-def test_dispatch_sends_one_row_on_cuda_to_the_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``ops.linear`` / ``ops.act_and_linear``: one 16-bit row on CUDA takes the GEMV; several rows, CPU
-    tensors, fp32, or ``PDSERVE_DECODE_GEMV=0`` take torch's ``linear``; the results agree."""
+def test_dispatch_sends_a_few_rows_on_cuda_to_the_gemvs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ops.linear`` / ``ops.act_and_linear`` / ``ops.gated_mlp``: 1 to ``MAX_ROWS`` 16-bit rows on CUDA take
+    the GEMVs (the MLP's activation in the down projection at one row, in the gate/up one at several); more
+    rows, CPU tensors, fp32, or ``PDSERVE_DECODE_GEMV=0`` take torch's ``linear``; the results agree."""
     calls = []
     real = gemv_triton.gemv
-    monkeypatch.setattr(gemv_triton, "gemv", lambda *a, **kw: calls.append(kw.get("gated")) or real(*a, **kw))
+    monkeypatch.setattr(gemv_triton, "gemv", lambda *a, **kw: calls.append(
+        (len(a[0]), kw.get("gated"), kw.get("gated_out"))) or real(*a, **kw))
     dtype = torch.float32 if ON_CPU else torch.bfloat16
-    weight, gate_up = _randn(64, 128, dtype=dtype, seed=8), _randn(1, 256, dtype=dtype, seed=9)
-    for rows in (1, 3):
+    weight, gate_up_w = _randn(64, 128, dtype=dtype, seed=8), _randn(256, 64, dtype=dtype, seed=20) * 0.2
+    for rows in (1, 3, gemv_triton.MAX_ROWS + 1):
         x = _randn(rows, 128, dtype=dtype, seed=10)
         assert _rel_error(ops.linear(x, weight), reference.linear(x, weight, None)) < TOLERANCE[dtype]
-    assert _rel_error(ops.act_and_linear("silu", gate_up, weight),
-                      reference.linear(reference.act_and_mul("silu", *gate_up.chunk(2, dim=-1)), weight, None)
-                      ) < TOLERANCE[dtype]
-    assert calls == ([] if ON_CPU else [None, "silu"])
+        gate_up = _randn(rows, 256, dtype=dtype, seed=9)
+        assert _rel_error(ops.act_and_linear("silu", gate_up, weight), reference.linear(
+            reference.act_and_mul("silu", *gate_up.chunk(2, dim=-1)), weight, None)) < TOLERANCE[dtype]
+        h = _randn(rows, 64, dtype=dtype, seed=21)
+        mlp = reference.linear(reference.act_and_mul("silu", *reference.linear(h, gate_up_w, None).chunk(2, dim=-1)),
+                               weight, None)
+        assert _rel_error(ops.gated_mlp("silu", h, gate_up_w, None, weight, None), mlp) < TOLERANCE[dtype]
+    expected = [(1, None, None), (1, "silu", None), (1, None, None), (1, "silu", None),
+                (3, None, None), (3, None, None), (3, None, "silu"), (3, None, None)]
+    assert calls == ([] if ON_CPU else expected)
     monkeypatch.setattr(ops, "_decode_gemv", False)
     ops.linear(_randn(1, 128, dtype=dtype, seed=10), weight)
-    ops.act_and_linear("silu", gate_up, weight)
-    assert calls == ([] if ON_CPU else [None, "silu"])
+    ops.act_and_linear("silu", _randn(1, 256, dtype=dtype, seed=9), weight)
+    ops.gated_mlp("silu", _randn(3, 64, dtype=dtype, seed=21), gate_up_w, None, weight, None)
+    assert calls == ([] if ON_CPU else expected)
     monkeypatch.setenv(ops.GEMV_ENV_VAR, "2")
     with pytest.raises(ValueError, match="PDSERVE_DECODE_GEMV"):
         ops._switch_from_env(ops.GEMV_ENV_VAR, "")
@@ -129,20 +180,27 @@ _COMPILE_FOR_SM90 = r"""
 from services.engine.ops import gemv_triton as g
 from tests.sm90_compile import compile_for_sm90
 
+PTRS = dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16")
 for n, k in ((6144, 4096), (4096, 14336), (128256, 4096)):
-    tile = g.default_tile(n, k)
     for act in (0, 1, 2):
         for pdl in (False, True):
+            tile = g.default_tile(n, k)
             print(n, k, act, pdl, compile_for_sm90(
-                g._gemv_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16"),
+                g._gemv_kernel, PTRS,
                 dict(BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=True, HAS_BIAS=act == 0, ACT=act, PDL=pdl),
+                num_warps=tile.num_warps, num_stages=tile.num_stages))
+            tile = g.default_tile(n // 2 if act else n, k, rows=g.MAX_ROWS, gated_out=act != 0)
+            print(n, k, act, pdl, compile_for_sm90(
+                g._gemv_rows_kernel, PTRS,
+                dict(BLOCK_M=16, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=True, HAS_BIAS=act == 0,
+                     ACT_OUT=act, PDL=pdl, PRECISION="tf32"),
                 num_warps=tile.num_warps, num_stages=tile.num_stages))
 """
 
 
 @pytest.mark.slow
 def test_gemv_compiles_for_sm90_without_spills() -> None:
-    assert len(compile_script_lines(_COMPILE_FOR_SM90)) == 18
+    assert len(compile_script_lines(_COMPILE_FOR_SM90)) == 36
 
 
 def test_pdl_is_asked_per_device_and_switched_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
