@@ -54,9 +54,9 @@ class HeldKV(Protocol):
 class ReleaseLoop:
     """Frees pinned blocks as readers finish (notifications) or leases run out.
 
-    :meth:`tick` is one pass; the worker's background task repeats it every :meth:`poll_interval_s` (the
-    servicer's, since a role switch replaces the loop with its exporter). Leases are checked at most every
-    ``min(1 s, lease_s / 4)``: often enough that a block outlives its lease by a quarter at most.
+    :meth:`tick` is one pass; :func:`run_current` repeats it every :meth:`poll_interval_s`. Leases are
+    checked at most every ``min(1 s, lease_s / 4)``: often enough that a block outlives its lease by a
+    quarter at most.
     """
 
     def __init__(self, engine: HeldKV, exporter: Notifications, metrics: WorkerMetrics, lease_s: float,
@@ -108,3 +108,12 @@ class ReleaseLoop:
                          total - self._refused[reason], reason)
                 self._metrics.kv_refused.labels("prefill", "notification", reason).inc(total - self._refused[reason])
                 self._refused[reason] = total
+
+
+async def run_current(current: Callable[[], ReleaseLoop], stop: asyncio.Event) -> None:
+    """Tick the current release loop until ``stop`` is set. ``current`` is asked on every pass: a role switch
+    back to prefill starts a new epoch with a new exporter, and its loop takes over from the next pass."""
+    while not stop.is_set():
+        loop = current()
+        await loop.tick()
+        await asyncio.sleep(loop.poll_interval_s())

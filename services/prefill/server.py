@@ -36,7 +36,7 @@ from services.engine.sched.request import Request, RequestStatus
 from services.kv.exporter import KVExporter
 from services.kv.groups import KVCacheGroupSpec
 from services.kv.handshake import HandshakeServicer, add_handshake_service
-from services.prefill.release import ReleaseLoop
+from services.prefill.release import ReleaseLoop, run_current
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.config import PrefillConfig
 from services.worker.daemon import Background, Role, WorkerContext
@@ -209,9 +209,7 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
 
     async def run_release_loop(self, stop: asyncio.Event) -> None:
         """The current epoch's lease loop (a background task of the daemon)."""
-        while not stop.is_set():
-            await self.release_loop.tick()
-            await asyncio.sleep(self.release_loop.poll_interval_s())
+        await run_current(lambda: self.release_loop, stop)
 
 
 def part_alignment(groups: Sequence[KVCacheGroupSpec], reader_block_size: int) -> int:

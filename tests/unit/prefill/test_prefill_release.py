@@ -11,7 +11,7 @@ import threading
 import time
 
 from services.common.metrics import WorkerMetrics
-from services.prefill.release import ReleaseLoop
+from services.prefill.release import ReleaseLoop, run_current
 
 
 class FakeClock:
@@ -167,23 +167,36 @@ def test_staged_tickets_and_staging_misses_are_counted_once_each() -> None:
     assert _value(metrics, "pdserve_kv_staged_total", outcome="full") == 1
 
 
-def test_run_ticks_until_stopped() -> None:
-    loop, engine, exporter, _, _ = _loop()
+def test_run_current_ticks_until_stopped_and_follows_a_new_loop() -> None:
+    """The daemon's task ticks whichever loop is current: after a role switch's new epoch replaces the loop
+    (and its exporter), the new one's reads are freed and the old one is ticked no more."""
+    old_loop, old_engine, old_exporter, _, _ = _loop()
+    new_loop, new_engine, new_exporter, _, _ = _loop()
+    current = [old_loop]
+
+    async def wait_for(engine: FakeEngine) -> None:
+        for _ in range(200):
+            if engine.released:
+                return
+            await asyncio.sleep(0.005)
 
     async def run_briefly() -> None:
         stop = asyncio.Event()
-        task = asyncio.create_task(loop.run(stop))
-        exporter.hand_out("a")
-        exporter.read_by_all.append("a")
-        for _ in range(200):
-            if engine.released:
-                break
-            await asyncio.sleep(0.005)
+        task = asyncio.create_task(run_current(lambda: current[0], stop))
+        old_exporter.hand_out("a")
+        old_exporter.read_by_all.append("a")
+        await wait_for(old_engine)
+        current[0] = new_loop
+        new_exporter.hand_out("b")
+        new_exporter.read_by_all.append("b")
+        old_exporter.hand_out("c")
+        old_exporter.read_by_all.append("c")
+        await wait_for(new_engine)
         stop.set()
         await asyncio.wait_for(task, timeout=1.0)
 
     asyncio.run(run_briefly())
-    assert engine.released == ["a"]
+    assert old_engine.released == ["a"] and new_engine.released == ["b"]
 
 
 def test_a_slow_notification_poll_never_holds_the_event_loop() -> None:
