@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 
@@ -184,6 +185,18 @@ async def serve(cfg: dict) -> None:
     await server.stop(0)
     for r in ranks:
         r.agent.close()
+
+
+def serve_on_pipes(cfg: dict, stdin, stdout) -> None:
+    """``serve(cfg)`` in a process forked from a server that imported this module already (tests start many
+    owners; each fresh interpreter would spend ~2 s importing torch): ``stdin`` and ``stdout`` (the read
+    end and the write end of two ``multiprocessing`` pipes) become its stdin and stdout."""
+    os.dup2(stdin.fileno(), 0)
+    os.dup2(stdout.fileno(), 1)
+    stdin.close()
+    stdout.close()
+    sys.stdin, sys.stdout = open(0, closefd=False), open(1, "w", closefd=False)  # noqa: SIM115 - the process's own
+    asyncio.run(serve(cfg))
 
 
 if __name__ == "__main__":

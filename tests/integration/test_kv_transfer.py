@@ -11,21 +11,20 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import multiprocessing
 import os
 import queue
-import subprocess
 import sys
 import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
-from bench.kv_synthetic import group_shapes, identity_for, layout_for, pattern
+from bench.kv_synthetic import group_shapes, identity_for, layout_for, pattern, serve_on_pipes
 from services.engine.kv_cache.buffers import KVCache
 from services.engine.tp.parallel import ParallelConfig
 from services.kv.compat import KVCompatibilityError
@@ -38,14 +37,45 @@ from services.kv.wire import ticket_signature
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 SENTINEL = -7.5
-REPO_ROOT = Path(__file__).resolve().parents[2]  # where ``python -m bench.kv_synthetic`` resolves
 BASE = dict(kind="per_layer", order="NHD", num_blocks=24, num_kv_heads=4, head_dim=8, dtype="float16",
             num_layers=3, block_size=4, seed=11)
 
 
+# Owners are forked from a server that imported ``bench.kv_synthetic`` once: a fresh interpreter per owner would
+# spend ~2 s of a 2-core CI machine importing torch, for some 30 owners here. Each is still a process of its own
+# (its own NIXL agents, gRPC server and memory), as in the benchmarks' ``python -m bench.kv_synthetic``.
+_OWNERS = multiprocessing.get_context("forkserver")
+_OWNERS.set_forkserver_preload(["bench.kv_synthetic"])
+
+
+class OwnerProcess:
+    """The owner's process: ``poll`` as ``subprocess.Popen`` answers it, and a stop that closes its stdin."""
+
+    def __init__(self, cfg: dict) -> None:
+        child_in, self._stdin = _OWNERS.Pipe(duplex=False)
+        self._stdout_r, child_out = _OWNERS.Pipe(duplex=False)
+        self.process = _OWNERS.Process(target=serve_on_pipes, args=(cfg, child_in, child_out), daemon=True)
+        self.process.start()
+        child_in.close()
+        child_out.close()
+        self.stdout = open(os.dup(self._stdout_r.fileno()))  # noqa: SIM115 - closed in stop()
+        self._stdout_r.close()
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self._stdin.close()  # the owner exits when its stdin closes
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.stdout.close()
+
+
 @dataclass
 class Owner:
-    proc: subprocess.Popen
+    proc: OwnerProcess
     port: int
     epoch: int
     tickets: dict[str, kv_pb2.TransferTicket]
@@ -60,9 +90,7 @@ class Owner:
 
 @contextmanager
 def owner_process(cfg: dict):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "bench.kv_synthetic", json.dumps(cfg)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+    proc = OwnerProcess(cfg)
     lines: queue.Queue = queue.Queue()
 
     def pump() -> None:
@@ -78,12 +106,7 @@ def owner_process(cfg: dict):
         tickets = {rid: kv_pb2.TransferTicket.FromString(bytes.fromhex(h)) for rid, h in first["tickets"].items()}
         yield Owner(proc, first["port"], first["epoch"], tickets, lines)
     finally:
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc.stop()
 
 
 def reader_block_size(reader_cfg: dict) -> int:
