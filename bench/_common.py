@@ -1,4 +1,5 @@
-"""What every benchmark here shares: GPU peaks, timing from CUDA-graph replays, writing its rows as JSON lines."""
+"""What every benchmark here shares: GPU peaks, timing from CUDA-graph replays, integer-list arguments,
+writing its rows as JSON lines."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def cuda_graph_ms(fn: Callable[[], object], samples: int, *, captures: int = 1, 
         end.synchronize()
         times.append(start.elapsed_time(end) / (replays * captures))
     return median(times)
+
+
+def int_list(text: str) -> list[int]:
+    """A comma-separated argument of integers (an argparse ``type``); empty items are skipped, so "" is none."""
+    return [int(v) for v in text.split(",") if v.strip()]
 
 
 def emit_json(rows: list[dict], json_out: str | None, to_stdout: bool) -> bool:

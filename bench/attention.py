@@ -41,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._common import int_list  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,8 @@ class Bench:
 
         self.torch = torch
         self.args, self.device, self.dtype = args, device, dtype
-        self.cases = [Case("decode", b, c, 1) for b in _ints(args.batches) for c in _ints(args.contexts)]
-        self.cases += [Case("prefill", 1, t, t) for t in _ints(args.prefills)]
+        self.cases = [Case("decode", b, c, 1) for b in int_list(args.batches) for c in int_list(args.contexts)]
+        self.cases += [Case("prefill", 1, t, t) for t in int_list(args.prefills)]
         for chunk in filter(None, args.chunks.split(",")):
             q_len, prefix = (int(x) for x in chunk.split("@"))
             self.cases.append(Case("prefill", 1, prefix + q_len, q_len))
@@ -389,8 +390,6 @@ def _diff(out, ref) -> dict:
     return dict(max_abs_diff=diff, rel_diff=diff / max(ref.abs().max().item(), 1e-30))
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def _f(value, width: int, digits: int, kind: str = "f") -> str:

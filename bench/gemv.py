@@ -25,7 +25,7 @@ import statistics
 import torch
 import triton
 
-from bench._common import GPU_PEAKS, cuda_graph_ms, emit_json
+from bench._common import GPU_PEAKS, cuda_graph_ms, emit_json, int_list
 
 # (name, out_features, in_features) of Llama-3.1-8B's fused projections and its LM head.
 LLAMA_8B = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
@@ -84,17 +84,13 @@ def measure(proj: str, n: int, k: int, rows: int, dtype: torch.dtype, copies: in
     return row
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copies", type=int, default=8, help="distinct weights per shape, read in turn")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--rows", type=_ints, default=[1], help="rows of x (a decode batch), comma-separated")
+    parser.add_argument("--rows", type=int_list, default=[1], help="rows of x (a decode batch), comma-separated")
     parser.add_argument("--sweep", action="store_true", help="time every tile of the search space, every row count")
-    parser.add_argument("--sweep-rows", type=_ints, default=[], help="row counts to sweep the tiles of")
+    parser.add_argument("--sweep-rows", type=int_list, default=[], help="row counts to sweep the tiles of")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)

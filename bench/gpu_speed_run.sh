@@ -32,7 +32,7 @@
 #                                         bench/gemv.py (cuBLAS against the GEMV per projection), then the engine
 #                                         with everything on, PDL off (PDSERVE_PDL=0) and cuBLAS's projections
 #                                         (PDSERVE_DECODE_GEMV=0), alternating twice
-#   bash bench/gpu_speed_run.sh decode_rows  decode batches of 2-16 through the tensor-core GEMV: its CUDA tests,
+#   bash bench/gpu_speed_run.sh decode_rows  decode batches through the tensor-core GEMV (2-32 rows): its CUDA tests,
 #                                         bench/gemv.py at 1, 8 and 16 rows (with the tile sweep at 8 and 16)
 #   bash bench/gpu_speed_run.sh decode_rows_engine  the engine's decode, bs 1-32, with the GEMVs on and off
 #                                         (PDSERVE_DECODE_GEMV=1/0), alternating twice
