@@ -1,7 +1,9 @@
-"""Whether Triton can be used in this process: asked by the fused ops and the attention backends.
+"""Whether Triton can be used in this process, and how: asked by the fused ops and the attention backends.
 
 Its own module so that neither of those packages imports the other for it (the attention layer
-calls the fused K/V write). Cached: the answer does not change while the process lives.
+calls the fused K/V write). Cached: the answer does not change while the process lives. The A/B
+switches of the Triton paths (``PDSERVE_PDL`` here, the fused ops' in ``ops``) are read once, at import,
+by ``switch_from_env``.
 """
 
 from __future__ import annotations
@@ -27,8 +29,17 @@ def triton_import_error() -> str | None:
     return None
 
 
+def switch_from_env(name: str, meaning: str) -> bool:
+    """An on/off A/B switch of the Triton paths from the environment: unset or 1 is on, 0 off, anything else
+    a clear error at import (``meaning`` says what each value does)."""
+    value = os.environ.get(name, "1").strip().lower()
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: expected 1 or 0 ({meaning})")
+    return value == "1"
+
+
 PDL_ENV_VAR = "PDSERVE_PDL"
-_PDL_SWITCH = os.environ.get(PDL_ENV_VAR, "1").strip() != "0"  # read once: it is asked at every launch
+_PDL_SWITCH = switch_from_env(PDL_ENV_VAR, "1: programmatic dependent launch on Hopper and later, 0: plain launches")
 
 
 @functools.cache

@@ -50,7 +50,7 @@ from types import ModuleType
 import torch
 
 from services.engine.ops import reference
-from services.engine.triton_support import triton_import_error
+from services.engine.triton_support import switch_from_env, triton_import_error
 
 ENV_VAR = "PDSERVE_FUSED_OPS"
 BACKENDS = ("auto", "torch", "triton")
@@ -68,16 +68,9 @@ def _backend_from_env() -> str:
     return _ALIASES[value.strip().lower()]
 
 
-def _switch_from_env(name: str, meaning: str) -> bool:
-    value = os.environ.get(name, "1").strip().lower()
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}={value!r}: expected 1 or 0 ({meaning})")
-    return value == "1"
-
-
 _backend = _backend_from_env()
-_fused_kv_write = _switch_from_env(KV_WRITE_ENV_VAR, "1: one launch, 0: rope, then two scatters")
-_decode_gemv = _switch_from_env(GEMV_ENV_VAR, "1: small-batch projections through the Triton GEMVs, 0: all cuBLAS")
+_fused_kv_write = switch_from_env(KV_WRITE_ENV_VAR, "1: one launch, 0: rope, then two scatters")
+_decode_gemv = switch_from_env(GEMV_ENV_VAR, "1: small-batch projections through the Triton GEMVs, 0: all cuBLAS")
 _triton_ops: ModuleType | None = None
 
 

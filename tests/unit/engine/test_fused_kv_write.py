@@ -33,7 +33,7 @@ if ON_CPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see the module docstring)
 pytest.importorskip("triton")
 
-from services.engine import ops  # noqa: E402
+from services.engine import ops, triton_support  # noqa: E402
 from services.engine.attention import Rope, paged_attention  # noqa: E402
 from services.engine.attention.base import step_batch  # noqa: E402
 from services.engine.attention.torch_sdpa import TorchSDPABackend  # noqa: E402
@@ -238,10 +238,10 @@ def test_unfused_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """``PDSERVE_FUSED_KV_WRITE=0``: RoPE through its own kernel, then the scatters; same bytes."""
     for value, on in (("1", True), ("0", False)):
         monkeypatch.setenv(ops.KV_WRITE_ENV_VAR, value)
-        assert ops._switch_from_env(ops.KV_WRITE_ENV_VAR, "") is on
+        assert triton_support.switch_from_env(ops.KV_WRITE_ENV_VAR, "") is on
     monkeypatch.setenv(ops.KV_WRITE_ENV_VAR, "yes")
     with pytest.raises(ValueError, match="PDSERVE_FUSED_KV_WRITE"):
-        ops._switch_from_env(ops.KV_WRITE_ENV_VAR, "")
+        triton_support.switch_from_env(ops.KV_WRITE_ENV_VAR, "")
     case = WriteCase("cross_layer-NHD", "d64-h4/2-t9+3", torch.float16)
     calls = []
     for name in ("rope_and_write_kv", "apply_rope"):

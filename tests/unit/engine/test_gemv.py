@@ -20,7 +20,7 @@ if ON_CPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton")
 
-from services.engine import ops  # noqa: E402
+from services.engine import ops, triton_support  # noqa: E402
 from services.engine.ops import gemv_triton, reference  # noqa: E402
 from services.engine.runner.cuda_graphs import capture_graph  # noqa: E402
 from tests.sm90_compile import compile_script_lines  # noqa: E402
@@ -155,7 +155,7 @@ def test_dispatch_sends_a_few_rows_on_cuda_to_the_gemvs(monkeypatch: pytest.Monk
     assert calls == ([] if ON_CPU else expected)
     monkeypatch.setenv(ops.GEMV_ENV_VAR, "2")
     with pytest.raises(ValueError, match="PDSERVE_DECODE_GEMV"):
-        ops._switch_from_env(ops.GEMV_ENV_VAR, "")
+        triton_support.switch_from_env(ops.GEMV_ENV_VAR, "")
 
 
 @pytest.mark.skipif(ON_CPU, reason="CUDA graphs need a GPU")
@@ -207,9 +207,10 @@ def test_gemv_compiles_for_sm90_without_spills() -> None:
 
 def test_pdl_is_asked_per_device_and_switched_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Programmatic dependent launch: never on CPU; on CUDA from compute capability 9.0 unless
-    ``PDSERVE_PDL=0``; every Triton launcher asks ``pdl_enabled``."""
-    from services.engine import triton_support
-
+    ``PDSERVE_PDL=0``, any other value than 1 or 0 refused; every Triton launcher asks ``pdl_enabled``."""
+    monkeypatch.setenv(triton_support.PDL_ENV_VAR, "off")
+    with pytest.raises(ValueError, match="PDSERVE_PDL='off': expected 1 or 0"):
+        triton_support.switch_from_env(triton_support.PDL_ENV_VAR, "")
     assert triton_support.pdl_enabled(torch.device("cpu")) is False
     if not ON_CPU:
         hopper = torch.cuda.get_device_capability(DEVICE)[0] >= 9
