@@ -35,7 +35,6 @@ class Linear(nn.Module):
         return ops.linear(x, self.weight, self.bias)
 
 
-
 def gated_mlp(activation: str, x: torch.Tensor, gate_up_proj: Linear, down_proj: Linear) -> torch.Tensor:
     """``down_proj(act(gate) * up)`` of a fused ``gate_up_proj(x)``: two launches at small decode batches on
     CUDA, the activation fused into one of them (``ops.gated_mlp``)."""
