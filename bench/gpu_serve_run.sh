@@ -15,6 +15,9 @@
 #                                                time to the second token with KV sent per chunk, with one pull
 #                                                (--no-kv-parts), and two colocated replicas' inter-token latency
 #   bash bench/gpu_serve_run.sh kv_parts_tcp     the same two disaggregated runs with UCX forced to TCP + host staging
+#   bash bench/gpu_serve_run.sh final_part       the short final chunk: 32k-token prompts on one GPU with the prefill's
+#                                                --kv-final-part-tokens at its default (512, beside colocated) and 0,
+#                                                then its price in prefill time alone (bench/final_part.py, 512 and 256)
 set -uo pipefail
 source bench/gpu_env.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -40,6 +43,18 @@ for part in "$@"; do
             --num-requests 6 --request-rate 0.25 --num-kv-blocks 6144 --setups "$setups" --router-args="$router_args" \
             --json-out "$OUT/kv_parts${router_args:+_off}.jsonl" 2>&1 | grep -v "NIXL INFO" \
             | tee "$OUT/kv_parts${router_args:+_off}.txt" | tail -12
+      done ;;
+    final_part)
+      for tokens in 512 0; do
+        setups=$([ "$tokens" = 512 ] && echo disagg,colocated || echo disagg)
+        timeout 300 python3 bench/serve.py --device cuda --model dummy:llama-3.1-8b --gpus 0,0 --mix 32768:16 \
+            --num-requests 6 --request-rate 0.25 --num-kv-blocks 6144 --setups "$setups" \
+            --worker-args="--kv-final-part-tokens=$tokens" --json-out "$OUT/final_part$tokens.jsonl" 2>&1 \
+            | grep -v "NIXL INFO" | tee "$OUT/final_part$tokens.txt" | tail -8
+      done
+      for tokens in 512 256; do
+        timeout 150 python3 bench/final_part.py --model dummy:llama-3.1-8b --dtype bfloat16 --device cuda \
+            --prompt-len 32768 --final-part-tokens "$tokens" --rounds 3 2>&1 | tail -4
       done ;;
     kv_parts_tcp)  # the same over UCX's TCP transport with host staging: a stand-in for nodes without RDMA
       for router_args in "" "--no-kv-parts"; do

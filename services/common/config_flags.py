@@ -45,15 +45,24 @@ class Flag:
     action: str | None = None  # argparse's action for a repeatable flag ("extend")
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: a bad value is a usage error before any worker starts."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a bad value is a usage error before any worker starts."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0 (where 0 turns something off), else a usage error."""
+    return _int_at_least(text, 0)
 
 
 def positive_float(text: str) -> float:

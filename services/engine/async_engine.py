@@ -114,13 +114,15 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                           hold_kv_on_finish: bool = False, grammar_prefix: Sequence[int] = (),
-                          kv_part_align: int = 0) -> Request:
+                          kv_part_align: int = 0, kv_final_part_tokens: int = 0) -> Request:
         """Queue a request; read its outputs with :meth:`outputs`. ValueError for bad input.
 
         ``grammar_prefix``: output tokens that are part of the prompt here (a first token sampled by the
         prefill worker, recomputed locally) and already part of the structured output's document.
         ``kv_part_align`` > 0 (prefill, KV sent per chunk): its prompt's computed blocks are pinned in parts
-        ending on multiples of that many tokens, read with :meth:`outputs_with_parts`.
+        ending on multiples of that many tokens, read with :meth:`outputs_with_parts`; with
+        ``kv_final_part_tokens`` > 0 a prompt chunked over several steps ends with a chunk of at most that many
+        tokens, so the part left after the first token (the one a reader waits for) is small.
         """
         grammar = await self._grammar(params, grammar_prefix)
         self._open_stream(request_id)
@@ -130,6 +132,8 @@ class AsyncEngine:
                                     grammar=grammar)
             if kv_part_align:
                 self._parts.watch(request_id, kv_part_align, len(prompt_token_ids))
+                if kv_final_part_tokens > 0:
+                    request.final_chunk_cap = (kv_final_part_tokens, kv_part_align)
             return request
 
         try:

@@ -58,8 +58,10 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
 
     def __init__(self, server: WorkerServer, engine: AsyncEngine, exporter: KVExporter, address: str,
                  metrics: WorkerMetrics, kv_events: KVEventPublisher, switch: RoleSwitch | None = None,
-                 new_exporter: Callable[[int], KVExporter] | None = None, lease_s: float = 30.0) -> None:
-        """``new_exporter``: the exporter of a new epoch (a role switch back to prefill)."""
+                 new_exporter: Callable[[int], KVExporter] | None = None, lease_s: float = 30.0,
+                 final_part_tokens: int = 0) -> None:
+        """``new_exporter``: the exporter of a new epoch (a role switch back to prefill); ``final_part_tokens``:
+        ``PrefillConfig.kv_final_part_tokens``."""
         self.server = server
         self.kv_events = kv_events
         self.engine = engine
@@ -69,6 +71,7 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
         self.switch = switch or RoleSwitch("prefill", exporter.epoch)
         self._new_exporter = new_exporter
         self.lease_s = lease_s
+        self.final_part_tokens = final_part_tokens
         self.release_loop = ReleaseLoop(engine, exporter, metrics, lease_s)
         self.num_prefilling = 0  # Prefill calls in flight
 
@@ -108,7 +111,7 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
         pinned for the request and stops waiting for its readers; the engine aborts it (``outputs``)."""
         rid, num_prompt_tokens = request.request_id, len(request.prompt_token_ids)
         align = part_alignment(self.engine.engine.kv_layout.groups, request.reader_block_size)
-        params, held = await self._add(request, context, align)
+        params, held = await self._add(request, context, align, self.final_part_tokens)
         parts_end, answered = 0, False
         try:
             final = None
@@ -135,13 +138,14 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
                 await asyncio.shield(self.engine.release_held_kv(rid))
 
     async def _add(self, request: worker_pb2.PrefillRequest, context,
-                   kv_part_align: int = 0) -> tuple[SamplingParams, Request]:
+                   kv_part_align: int = 0, kv_final_part_tokens: int = 0) -> tuple[SamplingParams, Request]:
         """The request queued for its first token, blocks held when it finishes; INVALID_ARGUMENT for bad input."""
         try:
             params = sampling_from_proto(request.params)
             held = await self.engine.add_request(request.request_id, list(request.prompt_token_ids),
                                                  _first_token_only(params), hold_kv_on_finish=True,
-                                                 kv_part_align=kv_part_align)
+                                                 kv_part_align=kv_part_align,
+                                                 kv_final_part_tokens=kv_final_part_tokens)
         except ValueError as e:
             self.metrics.requests.labels("prefill", "invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -248,7 +252,8 @@ def _attach(context: WorkerContext) -> list[Background]:
 
     switch = context.switch or RoleSwitch("prefill", context.epoch)
     servicer = PrefillServicer(context.server, context.aengine, exporter_of(switch.epoch), context.address,
-                               context.metrics, context.kv_events, switch, exporter_of, config.kv_lease_s)
+                               context.metrics, context.kv_events, switch, exporter_of, config.kv_lease_s,
+                               config.kv_final_part_tokens)
     servicer.default_drain_timeout_s = config.drain_timeout_s
     switch.add_side("prefill", servicer)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, context.server.server)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config_flags import flag
+from services.common.config_flags import flag, non_negative_int
 from services.common.tls import TLSConfig
 
 
@@ -42,6 +42,10 @@ class WorkerConfig:
 @dataclass(frozen=True)
 class PrefillConfig(WorkerConfig):
     kv_lease_s: float = flag(30.0, "free pinned KV that no decode worker pulled within this time", parse=float)
+    kv_final_part_tokens: int = flag(
+        512, "KV sent per chunk: a prompt prefilled over several steps ends with a chunk of at most this many "
+        "tokens, so the KV its decode worker still has to pull after the first token is small (one more "
+        "prefill step; 0: the last chunk is whatever the token budget leaves)", parse=non_negative_int)
 
 
 @dataclass(frozen=True)

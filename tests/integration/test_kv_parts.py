@@ -86,20 +86,24 @@ def _layer_kv(engine: LLMEngine, tables: list[list[int]], n: int) -> dict[int, t
     return out
 
 
-def _colocated_run(engine: LLMEngine, prompt: list[int]) -> tuple[LLMEngine, list[list[int]], list[int]]:
-    """``prompt`` prefilled on ``engine`` with its blocks held, and its greedy tokens: (engine, tables, tokens)."""
+def _colocated_run(engine: LLMEngine, prompt: list[int], final_chunk_cap: tuple[int, int] | None = None
+                   ) -> tuple[LLMEngine, list[list[int]], list[int]]:
+    """``prompt`` prefilled on ``engine`` with its blocks held (its last chunk capped as a prefill worker's
+    ``--kv-final-part-tokens`` caps it), and its greedy tokens: (engine, tables, tokens)."""
     held = engine.add_request("ref", prompt, SamplingParams(max_tokens=1, temperature=0.0),
                               hold_kv_on_finish=True)
+    held.final_chunk_cap = final_chunk_cap
     while engine.has_unfinished_requests():
         engine.step()
     return engine, held.block_ids, engine.generate([prompt], GREEDY)[0].token_ids
 
 
 def _colocated(checkpoint: str, prompt: list[int], layout: LayoutKind = LayoutKind.CROSS_LAYER,
-               block_size: int = 4) -> tuple[torch.Tensor, list[int]]:
+               block_size: int = 4, chunk: int = CHUNK, final_chunk_cap: tuple[int, int] | None = None
+               ) -> tuple[torch.Tensor, list[int]]:
     """The prefill's configuration run colocated: the prompt's KV after its prefill, and its greedy tokens."""
     engine, tables, tokens = _colocated_run(
-        _engine(checkpoint, layout, block_size, chunk=CHUNK, device=PREFILL_DEVICE), prompt)
+        _engine(checkpoint, layout, block_size, chunk=chunk, device=PREFILL_DEVICE), prompt, final_chunk_cap)
     return _token_kv(engine, tables, len(prompt)), tokens
 
 
@@ -189,6 +193,38 @@ def test_parts_pulled_as_they_come_are_byte_exact(checkpoint: str, pair: str) ->
             # Every part was read (the skipped ones' empty READs notify too): nothing stays pinned.
             info = _wait_for(p.address, "prefill", lambda i: i.kv_blocks_pinned == 0)
             assert info.kv_blocks_pinned == 0 and info.num_running == 0
+    finally:
+        agent.close()
+
+
+def test_a_long_prompt_ends_with_a_short_final_part(checkpoint: str) -> None:
+    """``--kv-final-part-tokens 8`` with chunks of 16: a 45-token prompt runs 16, 16, 8 (the last multiple of
+    8 that leaves at most 8) and 5 tokens, so its parts end at 16, 32 and 40 and the final ticket, the one a
+    decode worker waits for after the first token, holds 5 tokens. Pulled part by part, the KV equals byte for
+    byte a colocated engine chunking the same way, and the greedy tokens follow."""
+    prompt = _prompt(8, 45)
+    reader = _engine(checkpoint, LayoutKind.PER_LAYER, 8)
+    agent = TransferAgent(f"parts-reader-{uuid.uuid4().hex[:8]}")
+    args = (*_prefill_args(LayoutKind.CROSS_LAYER, 4), "--max-num-batched-tokens", "16", "--kv-final-part-tokens", "8")
+    try:
+        puller = KVPuller(engine_id="reader", identity=kv_identity(reader),
+                          ranks=[LocalKVRank(agent, reader.kv_layout, reader.kv_cache.buffers)],
+                          handshake_timeout_s=10, transfer_timeout_s=20)
+        with daemons(("prefill", checkpoint, args)) as (p,):
+            async def run() -> worker_pb2.PrefillResponse:
+                async with grpc.aio.insecure_channel(p.address) as channel:
+                    messages = await _prefill_parts(worker_pb2_grpc.PrefillWorkerStub(channel), "capped", prompt)
+                tickets = _tickets(messages, 3, len(prompt))
+                assert [t.num_tokens for t in tickets] == [16, 32, 40, 45]
+                request = reader.add_request_with_external_kv("capped", prompt, GREEDY)
+                for ticket in tickets:
+                    await puller.pull(ticket, request.block_ids, ticket.part_start_token)
+                return messages[-1].final
+
+            final = asyncio.run(run())
+        kv, tokens = _colocated(checkpoint, prompt, chunk=16, final_chunk_cap=(8, 8))
+        assert torch.equal(_token_kv(reader, reader.scheduler.get_request("capped").block_ids, len(prompt)), kv)
+        assert decode_pulled(reader, "capped", final) == tokens
     finally:
         agent.close()
 

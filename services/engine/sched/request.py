@@ -65,10 +65,28 @@ class Request:
     # held device blocks, as (host block ids per group from token 0, number of tokens).
     host_prefix: tuple[list[list[int]], int] | None = None
     num_preemptions: int = 0
+    # Prefill worker sending KV per chunk: (tokens, align): a prompt chunked over several steps ends with a
+    # chunk of at most ``tokens`` (the one before ends on a multiple of ``align``, a part boundary), since that
+    # chunk's KV is the part its reader waits for after the first token (``leave_final_chunk``).
+    final_chunk_cap: tuple[int, int] | None = None
     # Its row of the state pool (models with state layers), from its first allocation until its blocks go.
     state_slot: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     stop_reason: int | str | None = None
+
+    def leave_final_chunk(self, num_tokens: int) -> int:
+        """``num_tokens`` for this running request's next chunk, cut short when it would end the prompt with more
+        than ``final_chunk_cap``'s tokens: it then ends on the last multiple of the cap's alignment that leaves at
+        most that many for one more step. Only past the first chunk (a prompt that fit one step keeps it); the
+        extra step (one more pass over the weights) is small beside a long prompt's prefill."""
+        if self.final_chunk_cap is None:
+            return num_tokens
+        tokens, align = self.final_chunk_cap
+        start, prompt_len = self.num_computed_tokens, self.num_prompt_tokens
+        if start == 0 or start + num_tokens != prompt_len or num_tokens <= tokens:
+            return num_tokens
+        cut = -(-(prompt_len - tokens) // align) * align
+        return cut - start if start < cut < prompt_len else num_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -271,6 +271,7 @@ class Scheduler:
                 i += 1  # its last token is in a step in flight: it finishes when that step resolves
                 continue
             num_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
+            num_tokens = request.leave_final_chunk(num_tokens)
             if not num_tokens:
                 i += 1
                 continue

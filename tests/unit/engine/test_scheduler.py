@@ -193,6 +193,30 @@ def test_long_prefill_threshold_caps_one_request():
     assert chunks_of(step(sched)) == [("a", 0, 5, False), ("b", 0, 3, True)]
 
 
+def test_a_final_chunk_cap_leaves_a_short_last_chunk_on_a_part_boundary():
+    # Budget 16: a 45-token prompt would run 16, 16, 13; capped at 8 tokens on multiples of 4 the third chunk
+    # stops at 40 (the last multiple of 4 leaving <= 8), and the fourth samples.
+    sched = make_sched(max_num_batched_tokens=16)
+    a = req("a", range(45), max_tokens=2)
+    a.final_chunk_cap = (8, 4)
+    sched.add_request(a)
+    got = [chunks_of(step(sched))[0] for _ in range(4)]
+    assert got == [("a", 0, 16, False), ("a", 16, 16, False), ("a", 32, 8, False), ("a", 40, 5, True)]
+    assert a.output_token_ids[:1] == reference_output(list(range(45)), 1)
+    # A prompt that fits one step keeps its one chunk; a last chunk already short enough is left alone; so is
+    # one the alignment cannot shorten (the only boundary leaving <= 3 tokens would be past the prompt).
+    for prompt_len, cap, expected in ((12, (8, 4), [12]), (40, (8, 4), [16, 16, 8]), (34, (3, 16), [16, 16, 2]),
+                                      (36, (3, 16), [16, 16, 4])):
+        sched = make_sched(max_num_batched_tokens=16)
+        r = req("r", range(prompt_len), max_tokens=1)
+        r.final_chunk_cap = cap
+        sched.add_request(r)
+        sizes = []
+        while not r.finished:
+            sizes += [c.num_tokens for c in step(sched).chunks]
+        assert sizes == expected, (prompt_len, cap)
+
+
 def test_without_chunking_a_prompt_that_does_not_fit_waits_in_line():
     sched = make_sched(max_num_batched_tokens=64, enable_chunked_prefill=False)
     sched.add_request(req("a", range(40), max_tokens=2))
