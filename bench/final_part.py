@@ -62,7 +62,8 @@ def main() -> None:
     cap = (args.final_part_tokens, engine.kv_layout.groups[0].block_size)
     times: dict[str, list[float]] = {"capped": [], "uncapped": []}
     steps: dict[str, int] = {}
-    prefill_ms(engine, [7] * args.prompt_len, None)  # warm-up: kernels compiled, memory allocated
+    for c in (cap, None):  # warm-up: both ways' chunk shapes compiled, memory allocated
+        prefill_ms(engine, [7 + (c is None)] * args.prompt_len, c)
     for r in range(args.rounds):
         for name, c in (("capped", cap), ("uncapped", None)):
             prompt = [(r * 7919 + i * 31 + (name == "capped")) % 1000 + 3 for i in range(args.prompt_len)]
