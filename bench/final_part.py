@@ -33,8 +33,7 @@ def prefill_ms(engine: LLMEngine, prompt: list[int], cap: tuple[int, int] | None
     """ms from adding the prompt to its first token, and the steps it took."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     started, steps = time.perf_counter(), 0
-    request = engine.add_request(f"p{started}", prompt, params)
-    request.final_chunk_cap = cap
+    engine.add_request(f"p{started}", prompt, params, final_chunk_cap=cap)
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1

@@ -128,12 +128,11 @@ class AsyncEngine:
         self._open_stream(request_id)
 
         def add(e: LLMEngine) -> Request:
+            cap = (kv_final_part_tokens, kv_part_align) if kv_part_align and kv_final_part_tokens > 0 else None
             request = e.add_request(request_id, prompt_token_ids, params, hold_kv_on_finish=hold_kv_on_finish,
-                                    grammar=grammar)
+                                    grammar=grammar, final_chunk_cap=cap)
             if kv_part_align:
                 self._parts.watch(request_id, kv_part_align, len(prompt_token_ids))
-                if kv_final_part_tokens > 0:
-                    request.final_chunk_cap = (kv_final_part_tokens, kv_part_align)
             return request
 
         try:

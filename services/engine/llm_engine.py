@@ -191,14 +191,17 @@ class LLMEngine:
         *,
         hold_kv_on_finish: bool = False,
         grammar: GrammarMatcher | None = None,
+        final_chunk_cap: tuple[int, int] | None = None,
     ) -> Request:
         """Queue a request. Raises ValueError (and changes nothing) for bad input.
 
         ``grammar``: the request's matcher when ``params.structured`` is set, made beforehand off this
         thread (``GrammarCompiler.matcher_async``); made here when not given. ``hold_kv_on_finish``
-        (prefill worker): keep the blocks after it finishes until ``release_held_kv``.
+        (prefill worker): keep the blocks after it finishes until ``release_held_kv``. ``final_chunk_cap``
+        (prefill worker sending KV per chunk): ``Request.final_chunk_cap``.
         """
         request, grammar = self._new_request(request_id, prompt, params, grammar, hold_kv_on_finish)
+        request.final_chunk_cap = final_chunk_cap
         self.scheduler.add_request(request)
         self.outputs.add(request, grammar)
         return request

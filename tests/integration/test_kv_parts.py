@@ -91,8 +91,7 @@ def _colocated_run(engine: LLMEngine, prompt: list[int], final_chunk_cap: tuple[
     """``prompt`` prefilled on ``engine`` with its blocks held (its last chunk capped as a prefill worker's
     ``--kv-final-part-tokens`` caps it), and its greedy tokens: (engine, tables, tokens)."""
     held = engine.add_request("ref", prompt, SamplingParams(max_tokens=1, temperature=0.0),
-                              hold_kv_on_finish=True)
-    held.final_chunk_cap = final_chunk_cap
+                              hold_kv_on_finish=True, final_chunk_cap=final_chunk_cap)
     while engine.has_unfinished_requests():
         engine.step()
     return engine, held.block_ids, engine.generate([prompt], GREEDY)[0].token_ids
