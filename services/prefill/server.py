@@ -111,7 +111,7 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
         pinned for the request and stops waiting for its readers; the engine aborts it (``outputs``)."""
         rid, num_prompt_tokens = request.request_id, len(request.prompt_token_ids)
         align = part_alignment(self.engine.engine.kv_layout.groups, request.reader_block_size)
-        params, held = await self._add(request, context, align, self.final_part_tokens)
+        params, held = await self._add(request, context, align)
         parts_end, answered = 0, False
         try:
             final = None
@@ -138,14 +138,14 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
                 await asyncio.shield(self.engine.release_held_kv(rid))
 
     async def _add(self, request: worker_pb2.PrefillRequest, context,
-                   kv_part_align: int = 0, kv_final_part_tokens: int = 0) -> tuple[SamplingParams, Request]:
+                   kv_part_align: int = 0) -> tuple[SamplingParams, Request]:
         """The request queued for its first token, blocks held when it finishes; INVALID_ARGUMENT for bad input."""
         try:
             params = sampling_from_proto(request.params)
             held = await self.engine.add_request(request.request_id, list(request.prompt_token_ids),
                                                  _first_token_only(params), hold_kv_on_finish=True,
                                                  kv_part_align=kv_part_align,
-                                                 kv_final_part_tokens=kv_final_part_tokens)
+                                                 kv_final_part_tokens=self.final_part_tokens)
         except ValueError as e:
             self.metrics.requests.labels("prefill", "invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
