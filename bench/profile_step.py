@@ -63,10 +63,11 @@ def main() -> None:
         for _ in range(1 if args.prefill else args.steps):
             engine.step()
     sort = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    print(prof.key_averages().table(sort_by=sort, row_limit=15))
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=25))
+    print(averages.table(sort_by=sort, row_limit=15))
     if engine.device.type == "cuda" and not args.prefill:
-        print(kernel_kinds_table(prof.key_averages(), args.steps))
+        print(kernel_kinds_table(averages, args.steps))
 
 
 if __name__ == "__main__":
