@@ -408,13 +408,15 @@ def finished_on(d: Daemon, any_role: bool = False) -> int | None:
 
 
 def pull_totals(decode: list[Daemon]) -> dict[str, float]:
-    """Summed over the decode workers' /metrics: pulls (each KV part is one), bytes, and seconds per pull stage
-    (pdserve_kv_pull_stage_seconds: handshake, ticket check, planning, the READ, the digest...)."""
+    """Summed over the decode workers' /metrics: pulls (a KV part is one, or several read together: "coalesced"
+    counts the parts read with a later one), bytes, and seconds per pull stage (pdserve_kv_pull_stage_seconds:
+    handshake, ticket check, planning, the READ, the digest...)."""
     joins = [f"join.{stage}" for stage in JOIN_STAGES]
-    totals = dict.fromkeys(("pulls", "bytes", "joins", *PULL_STAGES, *joins), 0.0)
+    totals = dict.fromkeys(("pulls", "coalesced", "bytes", "joins", *PULL_STAGES, *joins), 0.0)
     for d in decode:
         samples = scrape(f"http://127.0.0.1:{d.metrics_port}/metrics")
         totals["pulls"] += sample(samples, "pdserve_kv_transfer_seconds_count", role="decode") or 0.0
+        totals["coalesced"] += sample(samples, "pdserve_kv_parts_coalesced_total", role="decode") or 0.0
         totals["bytes"] += sample(samples, "pdserve_kv_transfer_bytes_total", role="decode") or 0.0
         for stage in PULL_STAGES:
             totals[stage] += sample(samples, "pdserve_kv_pull_stage_seconds_sum", role="decode", stage=stage) or 0.0
@@ -430,7 +432,8 @@ def pull_profile(before: dict[str, float], after: dict[str, float]) -> dict:
     pulled request the mean milliseconds of each stage from its last ticket to its first decode token (what the
     decode worker adds to the gap between tokens 1 and 2)."""
     pulls = after["pulls"] - before["pulls"]
-    profile = {"pulls": int(pulls), "gib": round((after["bytes"] - before["bytes"]) / 2**30, 3)}
+    profile = {"pulls": int(pulls), "parts_coalesced": int(after["coalesced"] - before["coalesced"]),
+               "gib": round((after["bytes"] - before["bytes"]) / 2**30, 3)}
     if pulls:
         profile["mean_stage_ms"] = {stage: round((after[stage] - before[stage]) / pulls * 1e3, 3)
                                     for stage in PULL_STAGES}
@@ -877,7 +880,8 @@ def print_table(rows: list[dict], ratios: list[dict], note: str | None) -> None:
         if r.get("pull_profile", {}).get("pulls"):
             profile = r["pull_profile"]
             stages = " ".join(f"{k}={v:.2f}" for k, v in profile["mean_stage_ms"].items())
-            print(f"# {r['setup']}: {profile['pulls']} pulls, {profile['gib']} GiB; mean ms per pull: {stages}")
+            print(f"# {r['setup']}: {profile['pulls']} pulls ({profile.get('parts_coalesced', 0)} more parts read "
+                  f"with a later one), {profile['gib']} GiB; mean ms per pull: {stages}")
             if "mean_join_ms" in profile:
                 joins = " ".join(f"{k}={v:.2f}" for k, v in profile["mean_join_ms"].items())
                 print(f"# {r['setup']}: last ticket to first decode token, mean ms per request: {joins}")

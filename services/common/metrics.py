@@ -86,6 +86,10 @@ class WorkerMetrics:
         self.kv_staged = Counter("pdserve_kv_staged", "KV tickets gathered into the staging area (prefill: staged, "
                                  "full) and pulls that read a staged span (decode: read)", ["role", "outcome"],
                                  registry=r)
+        # KV sent per prefill chunk: a decode worker whose pull is slower than the prefill worker's chunks reads the
+        # parts that queued behind it in one pull (services/decode/pull_policy.py); each part read that way counts.
+        self.kv_parts_coalesced = Counter("pdserve_kv_parts_coalesced", "Part tickets read in one pull with the "
+                                          "part after them (the reader was behind its parts)", labels, registry=r)
         self.lease_expiries = Counter("pdserve_kv_lease_expiries", "Pinned KV freed by lease expiry, never pulled",
                                       labels, registry=r)
         # Prefix cache and host KV tier (services/engine/offload/); the engine counts, these follow.
@@ -129,9 +133,9 @@ class WorkerMetrics:
     def _start_at_zero(self) -> None:
         """Create this role's series now, so dashboards and rates see 0 rather than nothing before traffic."""
         for metric in (self.ttft, self.itl, self.e2e, self.queue_depth, self.running, self.transfer_bytes,
-                       self.transfer_seconds, self.transfer_descriptors, self.handshake_failures,
-                       self.transfer_failures, self.local_recomputes, self.lease_expiries, self.offload_skipped,
-                       self.kv_event_subscribers, self.kv_events_dropped):
+                       self.transfer_seconds, self.transfer_descriptors, self.kv_parts_coalesced,
+                       self.handshake_failures, self.transfer_failures, self.local_recomputes, self.lease_expiries,
+                       self.offload_skipped, self.kv_event_subscribers, self.kv_events_dropped):
             metric.labels(self.role)
         for kind in KV_EVENT_KINDS:
             self.kv_events.labels(self.role, kind)

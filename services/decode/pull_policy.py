@@ -32,7 +32,8 @@ from services.contract.sampling_params import SamplingParams
 from services.engine.sched.request import Request
 from services.kv.handshake import HandshakeError
 from services.kv.nixl.errors import TransferError, TransferTimeout
-from services.kv.puller import KVIntegrityError, PullResult, TicketError
+from services.kv.pull_errors import KVIntegrityError, TicketError
+from services.kv.puller import PullResult
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ class Puller(Protocol):
     """Reads a ticket's KV into local blocks (``KVPuller`` does)."""
 
     async def pull(self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]],
-                   num_cached_tokens: int = 0, local_state_slot: int | None = None) -> PullResult: ...
+                   num_cached_tokens: int = 0, local_state_slot: int | None = None, *,
+                   earlier: Sequence[kv_pb2.TransferTicket] = ()) -> PullResult: ...
 
 
 class PullRequired(Exception):
@@ -217,25 +219,46 @@ class PullPolicy:
 
     async def _pull_parts(self, rid: str, request: Request | None, parts: AsyncIterator[kv_pb2.TransferTicket],
                           pulled: PartPulls, require_pull: bool, reserve_s: float) -> None:
-        """Pull each part into the reserved blocks; after the last, complete the request with its first token.
-        On any failure the reservation is dropped (or quarantined) at once; the parts are then read to their
-        end (the last one has the first token a local prefill continues from) unless the pull is required."""
-        result, arrived, first_reserve_s = None, 0.0, 0.0
-        async for ticket in parts:
-            arrived = time.perf_counter()
-            problem = pulled.accept(ticket, rid)
-            if pulled.failure is None and problem is not None:
-                pulled.failure = problem
-                self.metrics.kv_refused.labels("decode", "ticket", "part").inc()
-                await self.engine.abort(rid)
-            if pulled.failure is None:
-                result = await self._pull_part(request, ticket, pulled)
-                first_reserve_s = reserve_s if pulled.num_pulled == 1 else 0.0
-                if result is not None and pulled.last is None:
-                    self._count_pull(rid, result, first_reserve_s, 0.0)
-                    self.engine.prepare_external_kv(rid, ticket.num_tokens)  # publish what is in
-            if (pulled.failure is not None and require_pull) or pulled.last is not None:
-                break
+        """Pull the parts into the reserved blocks as they come; after the last, complete the request with its first
+        token. The parts are read off their stream while a pull runs: the ones that queued meanwhile (a link slower
+        than the prefill) are read together in the next pull, one READ per pair for all of them, so a slow READ's
+        fixed cost is paid once. On any failure the reservation is dropped (or quarantined) at once; the parts are
+        then read to their end (the last one has the first token a local prefill continues from) unless the pull is
+        required."""
+        queue: asyncio.Queue = asyncio.Queue()
+        feeder = asyncio.create_task(_feed(parts, queue, pulled.num_prompt_tokens))
+        try:
+            result, arrived, first_reserve_s, ended = None, 0.0, 0.0, False
+            while not ended and pulled.last is None and not (pulled.failure is not None and require_pull):
+                todo: list[kv_pb2.TransferTicket] = []
+                for item in await _take_queued(queue):
+                    if isinstance(item, BaseException):
+                        raise item  # the stream broke or carried something else than a part
+                    if item is _END or pulled.last is not None:
+                        ended = item is _END
+                        break
+                    ticket, arrived = item
+                    problem = pulled.accept(ticket, rid)
+                    if pulled.failure is None and problem is not None:
+                        pulled.failure = problem
+                        self.metrics.kv_refused.labels("decode", "ticket", "part").inc()
+                        await self.engine.abort(rid)
+                    if pulled.failure is None:
+                        todo.append(ticket)
+                for batch in _pull_batches(todo):
+                    result = await self._pull_part(request, batch, pulled)
+                    if result is None:
+                        break
+                    first_reserve_s = reserve_s if pulled.num_pulled == 1 else 0.0
+                    if pulled.last is None or batch[-1] is not pulled.last:
+                        self._count_pull(rid, result, first_reserve_s, 0.0)
+                        self.engine.prepare_external_kv(rid, batch[-1].num_tokens)  # publish what is in
+            # The feeder stops after the last part, so this waits only when a required pull failed before it: the
+            # rest of the parts, as a refusal's status does (InputFirstContext); the stream has one reader at a time.
+            await feeder
+        except BaseException:
+            feeder.cancel()
+            raise
         if pulled.failure is not None:
             return
         if pulled.last is None:
@@ -255,20 +278,21 @@ class PullPolicy:
         self._count_pull(rid, result, first_reserve_s, resumed - pulled_at)
         pulled.join = JoinTimes(pulled_at - arrived, resumed - pulled_at, resumed)
 
-    async def _pull_part(self, request: Request, ticket: kv_pb2.TransferTicket, pulled: PartPulls
+    async def _pull_part(self, request: Request, tickets: list[kv_pb2.TransferTicket], pulled: PartPulls
                          ) -> PullResult | None:
-        """One part into the request's blocks (what its own prefix cache holds is not read again); None when
-        it failed (``pulled.failure`` says why, the reservation is dropped)."""
-        rid = request.request_id
-        cached = min(max(request.num_cached_tokens, ticket.part_start_token), ticket.num_tokens)
+        """Consecutive parts into the request's blocks in one pull (what its own prefix cache holds is not read
+        again); None when it failed (``pulled.failure`` says why, the reservation is dropped)."""
+        rid, first, last = request.request_id, tickets[0], tickets[-1]
+        cached = min(max(request.num_cached_tokens, first.part_start_token), last.num_tokens)
         try:
-            result = await self.puller.pull(ticket, request.block_ids, cached, request.state_slot)
+            result = await self.puller.pull(last, request.block_ids, cached, request.state_slot, earlier=tickets[:-1])
         except PULL_ERRORS as e:
             await self._drop_failed_pull(rid, e)
-            pulled.failure = f"KV pull of tokens {ticket.part_start_token}..{ticket.num_tokens} from " \
-                             f"{ticket.engine_id} failed ({e})"
+            pulled.failure = f"KV pull of tokens {first.part_start_token}..{last.num_tokens} from " \
+                             f"{last.engine_id} failed ({e})"
             return None
         pulled.num_pulled += 1
+        self.metrics.kv_parts_coalesced.labels("decode").inc(len(tickets) - 1)
         return result
 
     async def _recompute(self, rid: str, prompt: list[int], params: SamplingParams,
@@ -368,3 +392,40 @@ class PullPolicy:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s: pulled %d bytes in %d descriptors; stages (ms): %s", rid, result.num_bytes,
                       result.num_descriptors, " ".join(f"{k}={v * 1e3:.3f}" for k, v in stages.items()))
+
+
+_END = object()  # the parts' stream ended
+
+
+async def _feed(parts: AsyncIterator[kv_pb2.TransferTicket], queue: asyncio.Queue, num_prompt_tokens: int) -> None:
+    """Move the parts onto ``queue`` as they arrive, each with its arrival time, up to the one that ends the prompt;
+    then ``_END`` if the stream ended first, or what broke it (the reader raises it). Nothing past the last part is
+    read: the stream is left to whoever reads it next."""
+    try:
+        async for ticket in parts:
+            queue.put_nowait((ticket, time.perf_counter()))
+            if ticket.num_tokens >= num_prompt_tokens:
+                return
+    except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+        queue.put_nowait(e)
+    else:
+        queue.put_nowait(_END)
+
+
+async def _take_queued(queue: asyncio.Queue) -> list:
+    """The next item of ``queue`` (waiting for it) and every one queued behind it."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+def _pull_batches(tickets: list[kv_pb2.TransferTicket]) -> list[list[kv_pb2.TransferTicket]]:
+    """Consecutive parts read in one pull each: all of them, but a part with a host-tier prefix on its own."""
+    batches: list[list[kv_pb2.TransferTicket]] = []
+    for ticket in tickets:
+        if ticket.num_host_tokens or not batches or batches[-1][-1].num_host_tokens:
+            batches.append([ticket])
+        else:
+            batches[-1].append(ticket)
+    return batches

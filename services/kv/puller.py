@@ -34,8 +34,7 @@ import numpy as np
 
 from services.common.tls import TLSConfig
 from services.kv.compat import CompatInfo, KVIdentity
-from services.kv.digest import DigestJob, ticket_units, total
-from services.kv.groups import AttentionKind, StateGroupSpec
+from services.kv.groups import AttentionKind
 from services.kv.handshake import EngineDescription, PeerCache, RankExport
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.kv.nixl.agent import read_stages
@@ -43,10 +42,13 @@ from services.kv.nixl.errors import TransferError
 from services.kv.nixl.prepared import PreparedLists
 from services.kv.pair_support import group_heads_from_fields
 from services.kv.planner import TransferPlan, plan_groups
+from services.kv.pull_digests import check_digests, digest_jobs
+from services.kv.pull_errors import TicketError
+from services.kv.pull_state import StateRead, check_state_digest, check_state_ticket
 from services.kv.rank import KVRank, LocalKVRank
 from services.kv.read_lists import ListLayout, list_layout
 from services.kv.staging import StagedRead, plan_rows, release_spans, same_layout, span_inside, staged_blocks, unstage
-from services.kv.state_runs import StateRun, state_owner_ranks, state_runs
+from services.kv.state_runs import state_owner_ranks
 from services.kv.topology import (
     RankRead,
     group_rank_reads,
@@ -59,26 +61,6 @@ from services.kv.wire import notification_key, ticket_is_signed_by
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
-
-
-class TicketError(ValueError):
-    """The ticket does not fit the owner's engine (forged, truncated or from another model).
-
-    ``reason`` names the check that refused it, for the refusal counter.
-    """
-
-    def __init__(self, message: str, reason: str = "mismatch") -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class KVIntegrityError(TransferError):
-    """The pulled KV does not match the ticket's digest: the bytes that arrived are not the ones the
-    owner computed. ``groups``: the KV groups that differ (on any reading rank)."""
-
-    def __init__(self, message: str, groups: Sequence[int]) -> None:
-        super().__init__(message)
-        self.groups = tuple(groups)
 
 
 @dataclass(frozen=True)
@@ -111,19 +93,6 @@ class PlannedRead:
     #: Lists prepared for this (owner rank, local rank, source) (``read_lists``): the rows above are then
     #: int32 indices into them, and the READ is ``TransferAgent.read_prepared``.
     lists: PreparedLists | None = None
-
-
-@dataclass(frozen=True)
-class _StateRead:
-    """A pull's state: the owner's and this engine's state groups (their TP sizes), and the two slots."""
-
-    owner: StateGroupSpec
-    local: StateGroupSpec
-    owner_slot: int
-    local_slot: int
-
-    def runs(self, owner_rank: int, local_rank: int) -> tuple[StateRun, ...]:
-        return state_runs(self.owner, owner_rank, self.local, local_rank)
 
 
 @dataclass(frozen=True, eq=False)
@@ -263,9 +232,16 @@ class KVPuller:
     # ---- pulling -------------------------------------------------------------------------------
     async def pull(
         self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]], num_cached_tokens: int = 0,
-        local_state_slot: int | None = None,
+        local_state_slot: int | None = None, *, earlier: Sequence[kv_pb2.TransferTicket] = (),
     ) -> PullResult:
         """Fill the local blocks with the ticket's KV (all local ranks, concurrently).
+
+        ``earlier``: part tickets of the same request that ``ticket`` continues, in order, read together with it
+        (a reader that fell behind its parts): one READ per pair from the first one's start, planned from
+        ``ticket``'s block ids (a part's ids run from token 0), digested against the sum of the parts' digests, and
+        each earlier part's own notification sent after it, as a pull of a part whose blocks were all cached
+        does. Staged spans are not read then, only the blocks (the owner keeps them pinned either way); a part
+        with a host-tier prefix is pulled on its own.
 
         A model with state layers: a ticket with the state (a whole ticket, or a part ticket's last part) also
         fills ``local_state_slot`` with the owner's state slot: a few more runs of each device READ
@@ -283,21 +259,25 @@ class KVPuller:
         remote = self.peers.cached(ticket.engine_id, ticket.epoch) or \
             await self.peers.get(ticket.handshake_address, ticket.engine_id, ticket.epoch)
         t_handshake = time.perf_counter()
-        if not ticket_is_signed_by(ticket, remote.ticket_key):
-            # Not issued by that engine as it is (forged, altered in transit, or from a peer too old to sign):
-            # the blocks it names need not be this request's.
-            raise TicketError(f"ticket for request {ticket.request_id!r} is not signed by engine "
-                              f"{ticket.engine_id} (epoch {ticket.epoch})", reason="signature")
+        parts = (*earlier, ticket)
+        for part in parts:
+            if not ticket_is_signed_by(part, remote.ticket_key):
+                # Not issued by that engine as it is (forged, altered in transit, or from a peer too old to sign):
+                # the blocks it names need not be this request's.
+                raise TicketError(f"ticket for request {part.request_id!r} is not signed by engine "
+                                  f"{part.engine_id} (epoch {part.epoch})", reason="signature")
+        if earlier:
+            _check_consecutive(parts)
         remote_ids, host_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
-        state = self._check_state_ticket(ticket, remote, local_state_slot)
+        state = check_state_ticket(ticket, remote, self.identity, self._ranks, local_state_slot)
         self._num_pulls += 1
         corrupt = self._corrupt_after is not None and self._num_pulls > self._corrupt_after
-        check_digests = self.identity.digest_on or corrupt
-        digest_jobs = self._digest_jobs(ticket, remote, local_ids, num_cached_tokens, corrupt) if check_digests \
-            else []
+        digested = self.identity.digest_on or corrupt
+        starts = self._group_starts(remote, self._ranks[0].layout, _window_end(ticket), num_cached_tokens)
+        jobs = digest_jobs(parts, self._ranks, starts, local_ids, self.identity.digest_on, corrupt) if digested else []
         t_check = time.perf_counter()
         staged = self._staged_reads(ticket, remote, local_ids, num_cached_tokens) \
-            if ticket.staged_offsets and host_ids is None and state is None else None
+            if ticket.staged_offsets and host_ids is None and state is None and not earlier else None
         spans = [(read.rank, plan) for read, plan in staged or ()]  # (reading rank, its staged READ)
         t_pieces = time.perf_counter()
         if staged is None:  # the state's runs join the device READs, so those are planned (lists take indices)
@@ -319,6 +299,9 @@ class KVPuller:
                     results = [await self._read(reads[0], ticket.request_id, nonce)]
                 else:
                     results = await asyncio.gather(*(self._read(read, ticket.request_id, nonce) for read in reads))
+                if earlier:  # each earlier part's readers notify its own key, with nothing left to read
+                    await asyncio.gather(*(self._read(_notify_only(read), part.request_id, part.notify_nonce)
+                                           for part in earlier for read in reads))
             except TransferError:
                 # The owner may have restarted (its old agents are gone): handshake afresh next time, so
                 # later tickets of the dead epoch fail fast as stale instead of timing out on reads.
@@ -326,12 +309,12 @@ class KVPuller:
                 raise
             scatter_s = await unstage(spans)  # a GPU's scatter is queued before the digest, on its stream
             t_read = time.perf_counter()
-            if check_digests:
-                await self._check_digests(ticket, digest_jobs)
+            if digested:
+                await check_digests(ticket, self._ranks, jobs)
         finally:
             release_spans(spans)  # once the scatters are done
         if state is not None and self.identity.digest_on:
-            await self._check_state_digest(ticket, state)
+            await check_state_digest(ticket, self._ranks, state)
         done = time.perf_counter()
         stages = {"handshake": t_handshake - started, "check": t_check - t_handshake, "pieces": t_pieces - t_check,
                   "plan": t_plan - t_pieces, "read": t_read - t_plan, "digest": done - t_read,
@@ -345,98 +328,16 @@ class KVPuller:
             host_bytes=sum(r[0] for r, read in zip(results, reads, strict=True) if read.host_tier),
         )
 
-    def _digest_jobs(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription, local_ids: list[np.ndarray],
-                     num_cached_tokens: int, corrupt: bool) -> list[list[tuple[DigestJob, int | None]]]:
-        """Per local rank, the digest jobs covering every token the pull moves, each with the digest the
-        ticket promises for it (None with the digest off: only the fault injection runs). Checked before any
-        READ: a ticket without a usable digest is refused like any other that does not fit."""
-        n = ticket.num_tokens
-        starts = self._group_starts(remote, self._ranks[0].layout, _window_end(ticket), num_cached_tokens)
-        entries = {(e.group_id, e.reader_rank): e for e in ticket.digests}
-        jobs = []
-        for q, rank in enumerate(self._ranks):
-            rank_jobs = []
-            for g, start in starts.items():
-                if start >= n:
-                    continue  # every token of the group was in this reader's prefix cache
-                entry = entries.get((g, q))
-                bs = rank.layout.block_size(g)
-                unit = entry.unit if entry is not None and entry.unit else bs
-                usable = entry is not None and start % unit == 0 and not (bs % unit and unit % bs) and \
-                    len(entry.digests) == -(-n // unit)
-                if self.identity.digest_on and not usable:
-                    raise TicketError(f"ticket for request {ticket.request_id!r} has no usable KV digest of group {g} "
-                                      f"for reading rank {q} from token {start} (unit {unit}, local block {bs})",
-                                      reason="digest")
-                expected = ticket_units(entry.digests, unit, start, n) if self.identity.digest_on else None
-                rank_jobs.append((DigestJob(g, local_ids[g], start, n, unit, 0, rank.layout.kv_heads(g), 0,
-                                            corrupt=corrupt), expected))
-            jobs.append(rank_jobs)
-        return jobs
-
-    async def _check_digests(self, ticket: kv_pb2.TransferTicket,
-                             jobs: list[list[tuple[DigestJob, int | None]]]) -> None:
-        """Digest every pulled token on every local rank (where the KV now is) and compare with what the
-        ticket promised; KVIntegrityError names the groups that differ."""
-        answers = await asyncio.gather(*(rank.digest([job for job, _ in rank_jobs])
-                                         for rank, rank_jobs in zip(self._ranks, jobs, strict=True)))
-        bad = sorted({job.group_id for rank_jobs, got in zip(jobs, answers, strict=True)
-                      for (job, expected), units in zip(rank_jobs, got, strict=True)
-                      if expected is not None and total(units) != expected})
-        if bad:
-            raise KVIntegrityError(f"request {ticket.request_id!r}: the KV pulled from engine {ticket.engine_id} "
-                                   f"does not match the ticket's digest in KV group(s) {bad}", bad)
-
-    def _check_state_ticket(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription,
-                            local_state_slot: int | None) -> _StateRead | None:
-        """What a ticket carrying the state reads (None: none); a TicketError for a slot out of range, a digest missing,
-        or the state missing where it belongs (a whole ticket or last part) or present where it does not."""
-        spec = self.identity.state
-        last = not ticket.num_prompt_tokens or ticket.num_tokens == ticket.num_prompt_tokens
-        if spec is None or not (last and ticket.num_tokens):
-            if ticket.has_state:
-                raise TicketError(f"ticket for request {ticket.request_id!r} names a state slot "
-                                  + ("on a part before the last" if spec else "for a model without state layers"))
-            return None
-        if not ticket.has_state:
-            raise TicketError(f"ticket for request {ticket.request_id!r} carries no state of its {spec.label}",
-                              reason="state")
-        if ticket.state_slot >= remote.num_state_slots:
-            raise TicketError(f"ticket's state slot {ticket.state_slot} is outside the owner's "
-                              f"{remote.num_state_slots} slots")
-        num_local = self._ranks[0].state_region.length // spec.slot_bytes
-        if local_state_slot is None or not 0 <= local_state_slot < num_local:
-            raise TicketError(f"local state slot {local_state_slot} is outside this engine's {num_local} slots")
-        if self.identity.digest_on and len(ticket.state_digests) != self.tp_size:
-            raise TicketError(f"ticket for request {ticket.request_id!r} has {len(ticket.state_digests)} state "
-                              f"digests for {self.tp_size} reading ranks", reason="digest")
-        return _StateRead(remote.state, spec, ticket.state_slot, local_state_slot)
-
-    def _with_state_rows(self, read: PlannedRead, state: _StateRead) -> PlannedRead:
+    def _with_state_rows(self, read: PlannedRead, state: StateRead) -> PlannedRead:
         """The device READ of (local rank q, owner rank r) with the state runs q reads from r appended."""
-        runs = state.runs(read.owner.tp_rank, self._ranks.index(read.rank))
-        if not runs:
+        rows = state.rows(read.owner, read.rank, self._ranks.index(read.rank))
+        if rows is None:
             return read
-        owner, local = read.owner.state_region, read.rank.state_region
-        src = owner.address + state.owner_slot * state.owner.slot_bytes
-        dst = local.address + state.local_slot * state.local.slot_bytes
-        remote_rows = np.array([[src + x.src, x.length, owner.device_id] for x in runs], dtype=np.uint64)
-        local_rows = np.array([[dst + x.dst, x.length, local.device_id] for x in runs], dtype=np.uint64)
+        remote_rows, local_rows, num_bytes = rows
         return dataclasses.replace(read, local_rows=np.concatenate([read.local_rows.reshape(-1, 3), local_rows]),
                                    remote_rows=np.concatenate([read.remote_rows.reshape(-1, 3), remote_rows]),
-                                   num_bytes=read.num_bytes + sum(x.length for x in runs),
-                                   num_descriptors=read.num_descriptors + len(runs))
-
-    async def _check_state_digest(self, ticket: kv_pb2.TransferTicket, state: _StateRead) -> None:
-        """Each local rank digests the state runs it read (keyed by their place in its slot) against the ticket."""
-        got = await asyncio.gather(*(
-            rank.state_digest(state.local_slot, [(x.dst, x.length, x.dst) for r in range(state.owner.tp_size)
-                                                 for x in state.runs(r, q)])
-            for q, rank in enumerate(self._ranks)))
-        bad = [q for q, d in enumerate(got) if d != ticket.state_digests[q]]
-        if bad:
-            raise KVIntegrityError(f"request {ticket.request_id!r}: the state pulled from engine {ticket.engine_id} "
-                                   f"does not match the ticket's state digest on reading rank(s) {bad}", [])
+                                   num_bytes=read.num_bytes + num_bytes,
+                                   num_descriptors=read.num_descriptors + len(local_rows))
 
     def _staged_reads(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription, local_ids: list[np.ndarray],
                       num_cached_tokens: int) -> list[tuple[PlannedRead, StagedRead]] | None:
@@ -671,6 +572,26 @@ class KVPuller:
 def _window_end(ticket: kv_pb2.TransferTicket) -> int:
     """The prompt length sliding windows are clipped for: a part ticket's whole prompt, else its own tokens."""
     return max(ticket.num_prompt_tokens, ticket.num_tokens)
+
+
+def _check_consecutive(parts: Sequence[kv_pb2.TransferTicket]) -> None:
+    """Part tickets read in one pull: one request's, from one owner, each starting where the one before ended,
+    and none with a host-tier prefix (its READ from the host tier is a pull of its own)."""
+    first = parts[0]
+    for before, part in zip(parts, parts[1:], strict=False):
+        if (part.engine_id, part.epoch, part.request_id, part.num_prompt_tokens) != \
+                (first.engine_id, first.epoch, first.request_id, first.num_prompt_tokens) or \
+                part.part_start_token != before.num_tokens or not part.num_prompt_tokens:
+            raise ValueError(f"tickets of tokens {before.part_start_token}..{before.num_tokens} and "
+                             f"{part.part_start_token}..{part.num_tokens} are not consecutive parts of one request")
+    if any(p.num_host_tokens for p in parts):
+        raise ValueError("a part ticket that reads the owner's host tier is pulled on its own")
+
+
+def _notify_only(read: PlannedRead) -> PlannedRead:
+    """The same READ target with nothing to read: ``_read`` then only sends its notification."""
+    empty = np.empty((0, 3), dtype=np.uint64) if read.lists is None else np.empty(0, dtype=np.int32)
+    return dataclasses.replace(read, local_rows=empty, remote_rows=empty, num_bytes=0, num_descriptors=0)
 
 
 def _ticket_groups(groups: Sequence[kv_pb2.GroupBlocks], remote: EngineDescription, num_blocks: int,

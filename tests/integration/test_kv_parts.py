@@ -27,6 +27,7 @@ from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.kv.layout import KVLayoutSpec, LayoutKind
 from services.kv.nixl.agent import TransferAgent
+from services.kv.pull_errors import TicketError
 from services.kv.puller import KVPuller
 from services.kv.rank import LocalKVRank
 from services.launch.spawn import daemons
@@ -190,6 +191,61 @@ def test_parts_pulled_as_they_come_are_byte_exact(checkpoint: str, pair: str) ->
 
             asyncio.run(run_all())
             # Every part was read (the skipped ones' empty READs notify too): nothing stays pinned.
+            info = _wait_for(p.address, "prefill", lambda i: i.kv_blocks_pinned == 0)
+            assert info.kv_blocks_pinned == 0 and info.num_running == 0
+    finally:
+        agent.close()
+
+
+@pytest.mark.parametrize("pair", list(LAYOUT_PAIRS), ids=list(LAYOUT_PAIRS))
+def test_parts_read_together_in_one_pull_are_byte_exact(checkpoint: str, pair: str) -> None:
+    """A reader behind its parts reads the queued ones in one pull (``earlier``): one READ per pair from the first
+    one's start, checked against the sum of the parts' digests (the digest is on: a wrong sum fails the pull), and
+    every part's own notification sent, so nothing stays pinned. Parts that do not continue each other, or one not
+    signed as it is, are refused before anything is read."""
+    prefill_layout, prefill_bs, reader_layout, reader_bs = LAYOUT_PAIRS[pair]
+    reader = _engine(checkpoint, reader_layout, reader_bs)
+    agent = TransferAgent(f"parts-merged-{uuid.uuid4().hex[:8]}")
+    try:
+        puller = KVPuller(engine_id="reader", identity=kv_identity(reader),
+                          ranks=[LocalKVRank(agent, reader.kv_layout, reader.kv_cache.buffers)],
+                          handshake_timeout_s=10, transfer_timeout_s=20)
+        held_here = _prompt(5, 24)
+        reader.generate([held_here], GREEDY)  # in this reader's prefix cache only
+        # (request, prompt, its cached prefix here, the tickets read by each pull): the parts end at 8, 16, 24, 32
+        cases = [("middle", _prompt(1, 37), 0, [[0], [1, 2, 3], [4]]),  # three parts queued behind the first
+                 ("all", _prompt(2, 37), 0, [[0, 1, 2, 3, 4]]),  # every part with the final one
+                 ("cached", held_here + _prompt(6, 13), 24, [[0, 1, 2, 3, 4]])]  # three parts held here already
+        with daemons(("prefill", checkpoint, _prefill_args(prefill_layout, prefill_bs))) as (p,):
+            async def run_all() -> None:
+                async with grpc.aio.insecure_channel(p.address) as channel:
+                    stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+                    for rid, prompt, num_cached, pulls in cases:
+                        messages = await _prefill_parts(stub, rid, prompt, reader_bs)
+                        tickets = _tickets(messages, 4, len(prompt))
+                        request = reader.add_request_with_external_kv(rid, prompt, GREEDY)
+                        assert request.num_cached_tokens == num_cached
+                        if rid == "middle":
+                            with pytest.raises(ValueError, match="not consecutive parts"):
+                                await puller.pull(tickets[3], request.block_ids, 8, earlier=[tickets[1]])
+                            forged = kv_pb2.TransferTicket()
+                            forged.CopyFrom(tickets[1])
+                            forged.num_tokens += CHUNK
+                            with pytest.raises(TicketError, match="not signed"):
+                                await puller.pull(tickets[3], request.block_ids, 8, earlier=[forged, tickets[2]])
+                        for batch in pulls:
+                            parts = [tickets[i] for i in batch]
+                            start = max(num_cached, parts[0].part_start_token)
+                            result = await puller.pull(parts[-1], request.block_ids, min(start, parts[-1].num_tokens),
+                                                       earlier=parts[:-1])
+                            assert result.num_reads == 1 and result.num_bytes > 0
+                        kv, tokens = _colocated(checkpoint, prompt, prefill_layout, prefill_bs)
+                        pulled = _token_kv(reader, request.block_ids, len(prompt))
+                        assert torch.equal(pulled[:, :, num_cached:], kv[:, :, num_cached:]), rid
+                        assert decode_pulled(reader, rid, messages[-1].final) == tokens, rid
+
+            asyncio.run(run_all())
+            # Every part's notification went out, the merged ones' too: nothing stays pinned.
             info = _wait_for(p.address, "prefill", lambda i: i.kv_blocks_pinned == 0)
             assert info.kv_blocks_pinned == 0 and info.num_running == 0
     finally:

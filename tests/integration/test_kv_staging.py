@@ -18,7 +18,7 @@ from bench.kv_synthetic import identity_for, layout_for
 from services.engine.kv_cache.buffers import KVCache
 from services.kv.exporter import KVExporter
 from services.kv.nixl.agent import TransferAgent
-from services.kv.puller import TicketError
+from services.kv.pull_errors import TicketError
 from services.kv.rank import LocalKVRank
 from tests.integration.test_kv_transfer import (
     BASE,

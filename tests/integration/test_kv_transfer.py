@@ -31,7 +31,8 @@ from services.kv.compat import KVCompatibilityError
 from services.kv.handshake import HandshakeError, StaleTicketError
 from services.kv.nixl.agent import TransferAgent
 from services.kv.nixl.errors import TransferError
-from services.kv.puller import KVIntegrityError, KVPuller, TicketError
+from services.kv.pull_errors import KVIntegrityError, TicketError
+from services.kv.puller import KVPuller
 from services.kv.rank import LocalKVRank
 from services.kv.wire import ticket_signature
 from services.proto_gen.pdserve.v1 import kv_pb2

@@ -21,7 +21,8 @@ from services.contract.sampling_params import SamplingParams
 from services.contract.wire import sampling_to_proto
 from services.engine.llm_engine import LLMEngine
 from services.kv.nixl.agent import TransferAgent
-from services.kv.puller import KVIntegrityError, KVPuller, TicketError
+from services.kv.pull_errors import KVIntegrityError, TicketError
+from services.kv.puller import KVPuller
 from services.kv.rank import LocalKVRank
 from services.kv.wire import ticket_signature
 from services.launch.spawn import daemons

@@ -19,7 +19,7 @@ from services.common.metrics import WorkerMetrics
 from services.decode.probe import FAILURE_TTL_S, PairProber, ProbeResult
 from services.decode.pull_policy import PullPolicy
 from services.kv.handshake import HandshakeError
-from services.kv.puller import KVIntegrityError
+from services.kv.pull_errors import KVIntegrityError
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from tests.unit.decode.servicer import decode_stub
 from tests.unit.decode.test_decode_pull_policy import FakeEngine, FakePuller

@@ -19,7 +19,8 @@ from services.contract.sampling_params import SamplingParams
 from services.decode.pull_policy import PullPolicy, PullRequired, StartedRequest
 from services.kv.handshake import HandshakeError
 from services.kv.nixl.errors import TransferError, TransferTimeout
-from services.kv.puller import PullResult, TicketError
+from services.kv.pull_errors import TicketError
+from services.kv.puller import PullResult
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -80,16 +81,21 @@ class FakePuller:
         self.error = error
         self.gate = gate
         self.pulls: list[tuple[str, list[list[int]], int]] = []
+        self.parts: list[list[tuple[int, int]]] = []  # per pull, the (start, end) of each ticket it read
+        self.done = 0  # pulls that returned
         self.entered = asyncio.Event()
 
     async def pull(self, ticket: kv_pb2.TransferTicket, local_block_ids, num_cached_tokens: int = 0,
-                   local_state_slot: int | None = None) -> PullResult:
+                   local_state_slot: int | None = None, *, earlier: Sequence[kv_pb2.TransferTicket] = ()
+                   ) -> PullResult:
         self.pulls.append((ticket.request_id, [list(ids) for ids in local_block_ids], num_cached_tokens))
+        self.parts.append([(t.part_start_token, t.num_tokens) for t in (*earlier, ticket)])
         self.entered.set()
         if self.gate is not None:
             await self.gate.wait()
         if self.error is not None:
             raise self.error
+        self.done += 1
         return PullResult(num_bytes=4096, num_descriptors=3, num_reads=1, seconds=0.01, host_bytes=1024,
                           stages={"handshake": 0.001, "read": 0.002})
 
@@ -158,24 +164,102 @@ async def _aiter(items):
         yield item
 
 
+async def _paced(items, puller: FakePuller):
+    """Each part only once the pulls before it returned: a reader that keeps up with its parts."""
+    for i, item in enumerate(items):
+        while puller.done < i:
+            await asyncio.sleep(0.001)
+        yield item
+
+
 def test_parts_are_pulled_in_order_and_the_join_is_timed_from_the_last_one() -> None:
     engine, puller = FakeEngine(), FakePuller()
     policy, metrics = _policy(engine, puller)
-    started = asyncio.run(policy.start_parts("r", PROMPT, PARAMS, _aiter(_parts(2, 4, 5))))
+    started = asyncio.run(policy.start_parts("r", PROMPT, PARAMS, _paced(_parts(2, 4, 5), puller)))
     assert started == StartedRequest() and started.join is not None
     # each from the later of its start and the locally cached prefix (4 tokens), clipped to its end
     assert [cached for _, _, cached in puller.pulls] == [2, 4, 4]
+    assert puller.parts == [[(0, 2)], [(2, 4)], [(4, 5)]]  # one part per pull: none queued behind another
     assert engine.completed == [("r", FIRST, -0.5)] and engine.aborted == []
     assert engine.prepared == [("r", 0), ("r", 2), ("r", 4)]  # hashed at once, each part published once in
     assert _value(metrics, "pdserve_kv_transfer_seconds_count") == 3  # every part is a pull
     assert _value(metrics, "pdserve_kv_pull_stage_seconds_count", stage="resume") == 3  # 0 for the first two
+    assert _value(metrics, "pdserve_kv_parts_coalesced_total") == 0
     assert 0 < started.join.last_pull_s < 1 and 0 < started.join.resume_s < 1  # the last part's, not all three
+
+
+def test_parts_that_queue_behind_a_slow_pull_are_read_in_one_pull() -> None:
+    """The first part's pull is held (a slow link) while the prefill worker sends the other three: they are read
+    together in the next pull, which completes the request."""
+    engine, puller = FakeEngine(), FakePuller(gate=asyncio.Event())
+    policy, metrics = _policy(engine, puller)
+    tickets = _parts(1, 2, 3, 5)
+
+    async def run() -> StartedRequest:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def parts():
+            while True:
+                yield await queue.get()
+
+        queue.put_nowait(tickets[0])
+        task = asyncio.create_task(policy.start_parts("r", PROMPT, PARAMS, parts()))
+        await puller.entered.wait()  # the first part is being read
+        for ticket in tickets[1:]:
+            queue.put_nowait(ticket)
+        while not queue.empty():
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)  # the policy has them all
+        puller.gate.set()
+        return await task
+
+    started = asyncio.run(run())
+    assert started == StartedRequest() and started.join is not None
+    assert puller.parts == [[(0, 1)], [(1, 2), (2, 3), (3, 5)]]
+    # the second pull from the first queued part's start, past the locally cached prefix (4 tokens)
+    assert [cached for _, _, cached in puller.pulls] == [1, 4]
+    assert engine.prepared == [("r", 0), ("r", 1)] and engine.completed == [("r", FIRST, -0.5)]
+    assert _value(metrics, "pdserve_kv_transfer_seconds_count") == 2
+    assert _value(metrics, "pdserve_kv_parts_coalesced_total") == 2
+    # from the last part's arrival: its wait behind the held pull (the 10 ms above) is part of it
+    assert 0.01 <= started.join.last_pull_s < 1
+
+
+def test_a_part_with_a_host_tier_prefix_is_pulled_on_its_own() -> None:
+    """Parts queued at once are read together, but one reading the owner's host tier has a READ of its own."""
+    engine, puller = FakeEngine(), FakePuller()
+    policy, _ = _policy(engine, puller)
+    tickets = _parts(2, 4, 5)
+    tickets[0].num_host_tokens = 2
+    asyncio.run(policy.start_parts("r", PROMPT, PARAMS, _aiter(tickets)))
+    assert puller.parts == [[(0, 2)], [(2, 4), (4, 5)]]
+    assert engine.completed == [("r", FIRST, -0.5)]
+
+
+def test_a_required_pull_that_fails_reads_the_parts_to_the_last_before_it_refuses() -> None:
+    """The call's status must follow its input's end (grpc/grpc#36066): the parts after a failed required pull are
+    read to the last one (no further) before PullRequired."""
+    engine, puller = FakeEngine(), FakePuller(error=TransferError("peer gone"))
+    policy, _ = _policy(engine, puller)
+    read: list[int] = []
+
+    async def parts():
+        for i, ticket in enumerate(_parts(2, 4, 5)):
+            if i:
+                await asyncio.sleep(0.01)  # the first part's pull has failed by now
+            read.append(ticket.num_tokens)
+            yield ticket
+        read.append(-1)  # past the last part: must not be reached
+
+    with pytest.raises(PullRequired, match="KV pull of tokens 0..2"):
+        asyncio.run(policy.start_parts("r", PROMPT, PARAMS, parts(), require_pull=True))
+    assert read == [2, 4, 5] and engine.aborted == ["r"] and engine.added == []
 
 
 def test_a_refused_first_token_after_the_last_part_still_counts_its_bytes() -> None:
     engine, puller = FakeEngine(refuse_first_token=True), FakePuller()
     policy, metrics = _policy(engine, puller)
-    started = asyncio.run(policy.start_parts("r", PROMPT, PARAMS, _aiter(_parts(2, 5))))
+    started = asyncio.run(policy.start_parts("r", PROMPT, PARAMS, _paced(_parts(2, 5), puller)))
     _assert_recomputed(started, engine, metrics)
     assert _value(metrics, "pdserve_kv_transfer_bytes_total") == 2 * 4096
     assert started.join is None

@@ -13,7 +13,8 @@ import pytest
 from bench.kv_synthetic import identity_for, layout_for
 from services.kv.compat import CompatInfo
 from services.kv.handshake import EngineDescription, RankExport
-from services.kv.puller import KVPuller, TicketError
+from services.kv.pull_errors import TicketError
+from services.kv.puller import KVPuller
 from services.kv.wire import MemoryRegion, notification_key, notification_request
 from services.proto_gen.pdserve.v1 import kv_pb2
 
