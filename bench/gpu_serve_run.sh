@@ -14,7 +14,9 @@
 #   bash bench/gpu_serve_run.sh kv_parts         32k-token prompts on one GPU (dummy Llama-3.1-8B, P and D on GPU 0):
 #                                                time to the second token with KV sent per chunk, with one pull
 #                                                (--no-kv-parts), and two colocated replicas' inter-token latency
-#   bash bench/gpu_serve_run.sh kv_parts_tcp     the same two disaggregated runs with UCX forced to TCP + host staging
+#   bash bench/gpu_serve_run.sh kv_parts_tcp     the same two disaggregated runs with UCX forced to TCP + host staging;
+#                                                two requests TCP_RATE (default 0.02) req/s apart, so that one's pull
+#                                                does not share the link with the next one's (earlier runs: 0.05)
 #   bash bench/gpu_serve_run.sh final_part       the short final chunk: 32k-token prompts on one GPU with the prefill's
 #                                                --kv-final-part-tokens at its default (512, beside colocated) and 0,
 #                                                then its price in prefill time alone (bench/final_part.py, 512 and 256)
@@ -59,7 +61,7 @@ for part in "$@"; do
     kv_parts_tcp)  # the same over UCX's TCP transport with host staging: a stand-in for nodes without RDMA
       for router_args in "" "--no-kv-parts"; do
         UCX_TLS=tcp,cuda_copy timeout 280 python3 bench/serve.py --device cuda --model dummy:llama-3.1-8b --gpus 0,0 \
-            --mix 32768:8 --num-requests 2 --request-rate 0.05 --num-kv-blocks 6144 --setups disagg \
+            --mix 32768:8 --num-requests 2 --request-rate "${TCP_RATE:-0.02}" --num-kv-blocks 6144 --setups disagg \
             --router-args="$router_args" --json-out "$OUT/kv_parts_tcp${router_args:+_off}.jsonl" 2>&1 \
             | grep -v "NIXL INFO" | tee "$OUT/kv_parts_tcp${router_args:+_off}.txt" | tail -12
       done ;;
