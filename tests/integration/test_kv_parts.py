@@ -70,6 +70,13 @@ def _engine(checkpoint: str, layout: LayoutKind, block_size: int, chunk: int = 2
                                   block_size=block_size, num_kv_blocks=128, max_num_batched_tokens=chunk))
 
 
+def _puller(reader: LLMEngine, agent: TransferAgent) -> KVPuller:
+    """A puller reading into ``reader``'s KV through ``agent`` (this process: one TP rank)."""
+    return KVPuller(engine_id="reader", identity=kv_identity(reader),
+                    ranks=[LocalKVRank(agent, reader.kv_layout, reader.kv_cache.buffers)],
+                    handshake_timeout_s=10, transfer_timeout_s=20)
+
+
 def _token_kv(engine: LLMEngine, tables: list[list[int]], n: int) -> torch.Tensor:
     """Every layer's K and V of tokens 0..n-1, read through the request's block tables: [layers, 2, n, h, d]."""
     return torch.stack(list(_layer_kv(engine, tables, n).values()))
@@ -151,78 +158,35 @@ def _wait_for(address: str, role: str, done, timeout_s: float = 10.0) -> worker_
 
 @pytest.mark.parametrize("pair", list(LAYOUT_PAIRS), ids=list(LAYOUT_PAIRS))
 def test_parts_pulled_as_they_come_are_byte_exact(checkpoint: str, pair: str) -> None:
+    """Each part pulled as it comes, or (a reader behind its parts) the queued ones read in one pull (``earlier``):
+    one READ per pair from the first one's start, checked against the sum of the parts' digests (the digest is on: a
+    wrong sum fails the pull), and every part's own notification sent, so nothing stays pinned. Parts that do not
+    continue each other, or one not signed as it is, are refused before anything is read."""
     prefill_layout, prefill_bs, reader_layout, reader_bs = LAYOUT_PAIRS[pair]
     reader = _engine(checkpoint, reader_layout, reader_bs)
     agent = TransferAgent(f"parts-reader-{uuid.uuid4().hex[:8]}")
     try:
-        puller = KVPuller(engine_id="reader", identity=kv_identity(reader),
-                          ranks=[LocalKVRank(agent, reader.kv_layout, reader.kv_cache.buffers)],
-                          handshake_timeout_s=10, transfer_timeout_s=20)
-        long, held_here = _prompt(1, 37), _prompt(5, 24)
-        reader.generate([held_here], GREEDY)  # in this reader's prefix cache only
-        cases = [("long", long, 4, 0),  # parts end at 8, 16, 24, 32; the final has 32..36
+        puller = _puller(reader, agent)
+        long, held_here, held_too = _prompt(1, 37), _prompt(5, 24), _prompt(15, 24)
+        reader.generate([held_here, held_too], GREEDY)  # in this reader's prefix cache only
+        # (request, prompt, parts, its prefix cached here, the tickets each pull reads: one each when None)
+        cases = [("long", long, 4, 0, None),  # parts end at 8, 16, 24, 32; the final has 32..36
                  # Both prefix caches hold its first 16 tokens: the prefill computes 16..23 (a part), then the rest.
-                 ("shared", long[:16] + _prompt(2, 14), 1, 16),
+                 ("shared", long[:16] + _prompt(2, 14), 1, 16, None),
                  # The reader holds 24 tokens: its first three parts are skipped (empty READs, still notifying).
-                 ("skipped", held_here + _prompt(6, 13), 4, 24),
-                 ("short", _prompt(3, 6), 0, 0),  # one chunk: one whole ticket, one pull
-                 ("one-chunk", _prompt(7, CHUNK), 0, 0)]  # exactly one chunk: no part either
+                 ("skipped", held_here + _prompt(6, 13), 4, 24, None),
+                 ("short", _prompt(3, 6), 0, 0, None),  # one chunk: one whole ticket, one pull
+                 ("one-chunk", _prompt(7, CHUNK), 0, 0, None),  # exactly one chunk: no part either
+                 ("middle", _prompt(11, 37), 4, 0, [[0], [1, 2, 3], [4]]),  # three parts queued behind the first
+                 ("all", _prompt(12, 37), 4, 0, [[0, 1, 2, 3, 4]]),  # every part with the final one
+                 ("cached", held_too + _prompt(16, 13), 4, 24, [[0, 1, 2, 3, 4]])]  # three parts held here
         with daemons(("prefill", checkpoint, _prefill_args(prefill_layout, prefill_bs))) as (p,):
             async def run_all() -> None:
                 async with grpc.aio.insecure_channel(p.address) as channel:
                     stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-                    for rid, prompt, num_parts, num_cached in cases:
+                    for rid, prompt, num_parts, num_cached, pulls in cases:
                         messages = await _prefill_parts(stub, rid, prompt, reader_bs)
                         tickets = _tickets(messages, num_parts, len(prompt))
-                        request = reader.add_request_with_external_kv(rid, prompt, GREEDY)
-                        assert request.num_cached_tokens == num_cached
-                        for ticket in tickets:
-                            start = max(request.num_cached_tokens, ticket.part_start_token)
-                            result = await puller.pull(ticket, request.block_ids, min(start, ticket.num_tokens))
-                            assert (result.num_bytes == 0) == (ticket.num_tokens <= num_cached)
-                        kv, tokens = _colocated(checkpoint, prompt, prefill_layout, prefill_bs)
-                        pulled = _token_kv(reader, request.block_ids, len(prompt))
-                        # Every pulled token byte for byte; the reader's own cached prefix (computed in one chunk,
-                        # not the prefill's chunks of 8) to rounding.
-                        assert torch.equal(pulled[:, :, num_cached:], kv[:, :, num_cached:]), rid
-                        torch.testing.assert_close(pulled[:, :, :num_cached], kv[:, :, :num_cached])
-                        final = messages[-1].final
-                        assert decode_pulled(reader, rid, final) == tokens, rid
-
-            asyncio.run(run_all())
-            # Every part was read (the skipped ones' empty READs notify too): nothing stays pinned.
-            info = _wait_for(p.address, "prefill", lambda i: i.kv_blocks_pinned == 0)
-            assert info.kv_blocks_pinned == 0 and info.num_running == 0
-    finally:
-        agent.close()
-
-
-@pytest.mark.parametrize("pair", list(LAYOUT_PAIRS), ids=list(LAYOUT_PAIRS))
-def test_parts_read_together_in_one_pull_are_byte_exact(checkpoint: str, pair: str) -> None:
-    """A reader behind its parts reads the queued ones in one pull (``earlier``): one READ per pair from the first
-    one's start, checked against the sum of the parts' digests (the digest is on: a wrong sum fails the pull), and
-    every part's own notification sent, so nothing stays pinned. Parts that do not continue each other, or one not
-    signed as it is, are refused before anything is read."""
-    prefill_layout, prefill_bs, reader_layout, reader_bs = LAYOUT_PAIRS[pair]
-    reader = _engine(checkpoint, reader_layout, reader_bs)
-    agent = TransferAgent(f"parts-merged-{uuid.uuid4().hex[:8]}")
-    try:
-        puller = KVPuller(engine_id="reader", identity=kv_identity(reader),
-                          ranks=[LocalKVRank(agent, reader.kv_layout, reader.kv_cache.buffers)],
-                          handshake_timeout_s=10, transfer_timeout_s=20)
-        held_here = _prompt(5, 24)
-        reader.generate([held_here], GREEDY)  # in this reader's prefix cache only
-        # (request, prompt, its cached prefix here, the tickets read by each pull): the parts end at 8, 16, 24, 32
-        cases = [("middle", _prompt(1, 37), 0, [[0], [1, 2, 3], [4]]),  # three parts queued behind the first
-                 ("all", _prompt(2, 37), 0, [[0, 1, 2, 3, 4]]),  # every part with the final one
-                 ("cached", held_here + _prompt(6, 13), 24, [[0, 1, 2, 3, 4]])]  # three parts held here already
-        with daemons(("prefill", checkpoint, _prefill_args(prefill_layout, prefill_bs))) as (p,):
-            async def run_all() -> None:
-                async with grpc.aio.insecure_channel(p.address) as channel:
-                    stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-                    for rid, prompt, num_cached, pulls in cases:
-                        messages = await _prefill_parts(stub, rid, prompt, reader_bs)
-                        tickets = _tickets(messages, 4, len(prompt))
                         request = reader.add_request_with_external_kv(rid, prompt, GREEDY)
                         assert request.num_cached_tokens == num_cached
                         if rid == "middle":
@@ -233,19 +197,25 @@ def test_parts_read_together_in_one_pull_are_byte_exact(checkpoint: str, pair: s
                             forged.num_tokens += CHUNK
                             with pytest.raises(TicketError, match="not signed"):
                                 await puller.pull(tickets[3], request.block_ids, 8, earlier=[forged, tickets[2]])
-                        for batch in pulls:
+                        for batch in pulls or [[i] for i in range(len(tickets))]:
                             parts = [tickets[i] for i in batch]
                             start = max(num_cached, parts[0].part_start_token)
                             result = await puller.pull(parts[-1], request.block_ids, min(start, parts[-1].num_tokens),
                                                        earlier=parts[:-1])
-                            assert result.num_reads == 1 and result.num_bytes > 0
+                            assert result.num_reads == 1
+                            assert (result.num_bytes == 0) == (parts[-1].num_tokens <= num_cached)
                         kv, tokens = _colocated(checkpoint, prompt, prefill_layout, prefill_bs)
                         pulled = _token_kv(reader, request.block_ids, len(prompt))
+                        # Every pulled token byte for byte; the reader's own cached prefix (computed in one chunk,
+                        # not the prefill's chunks of 8) to rounding.
                         assert torch.equal(pulled[:, :, num_cached:], kv[:, :, num_cached:]), rid
-                        assert decode_pulled(reader, rid, messages[-1].final) == tokens, rid
+                        torch.testing.assert_close(pulled[:, :, :num_cached], kv[:, :, :num_cached])
+                        final = messages[-1].final
+                        assert decode_pulled(reader, rid, final) == tokens, rid
 
             asyncio.run(run_all())
-            # Every part's notification went out, the merged ones' too: nothing stays pinned.
+            # Every part was read (the skipped ones' empty READs notify too, and so do the parts read with a later
+            # one): nothing stays pinned.
             info = _wait_for(p.address, "prefill", lambda i: i.kv_blocks_pinned == 0)
             assert info.kv_blocks_pinned == 0 and info.num_running == 0
     finally:
@@ -262,9 +232,7 @@ def test_a_long_prompt_ends_with_a_short_final_part(checkpoint: str) -> None:
     agent = TransferAgent(f"parts-reader-{uuid.uuid4().hex[:8]}")
     args = (*_prefill_args(LayoutKind.CROSS_LAYER, 4), "--max-num-batched-tokens", "16", "--kv-final-part-tokens", "8")
     try:
-        puller = KVPuller(engine_id="reader", identity=kv_identity(reader),
-                          ranks=[LocalKVRank(agent, reader.kv_layout, reader.kv_cache.buffers)],
-                          handshake_timeout_s=10, transfer_timeout_s=20)
+        puller = _puller(reader, agent)
         with daemons(("prefill", checkpoint, args)) as (p,):
             async def run() -> worker_pb2.PrefillResponse:
                 async with grpc.aio.insecure_channel(p.address) as channel:
@@ -312,9 +280,7 @@ def test_sliding_window_parts_send_only_the_last_window(gemma: str, pair: str) -
     window_start = {sliding[0].group_id: 36}
     agent = TransferAgent(f"parts-gemma-{uuid.uuid4().hex[:8]}")
     try:
-        puller = KVPuller(engine_id="reader", identity=kv_identity(reader),
-                          ranks=[LocalKVRank(agent, reader.kv_layout, reader.kv_cache.buffers)],
-                          handshake_timeout_s=10, transfer_timeout_s=20)
+        puller = _puller(reader, agent)
         with daemons(("prefill", gemma, _prefill_args(prefill_layout, prefill_bs))) as (p,):
             async def run() -> None:
                 async with grpc.aio.insecure_channel(p.address) as channel:
