@@ -49,12 +49,15 @@ def _reference(checkpoint: str, chunk: int = CHUNK) -> Callable[[list[int]], lis
 
 def _served(url: str, prefill: Daemon, decode: Daemon, prompt: list[int], stream: bool) -> tuple[list[int], int, int]:
     """A completion through the router: its tokens, the part tickets the prefill worker issued for it and the
-    pulls the decode worker made."""
-    parts = metric_total(prefill, "pdserve_requests_total", 'outcome="kv_part"')
-    pulls = metric_total(decode, "pdserve_kv_transfer_seconds_count")
+    tickets the decode worker read (one per pull, and the parts it read with a later one in the same pull)."""
+    def read() -> float:
+        return metric_total(decode, "pdserve_kv_transfer_seconds_count") + \
+            metric_total(decode, "pdserve_kv_parts_coalesced_total")
+
+    parts, tickets = metric_total(prefill, "pdserve_requests_total", 'outcome="kv_part"'), read()
     tokens = completion_tokens(url, prompt, MAX_TOKENS, stream)
-    return (tokens, int(metric_total(prefill, "pdserve_requests_total", 'outcome="kv_part"') - parts),
-            int(metric_total(decode, "pdserve_kv_transfer_seconds_count") - pulls))
+    return tokens, int(metric_total(prefill, "pdserve_requests_total", 'outcome="kv_part"') - parts), \
+        int(read() - tickets)
 
 
 def _wait_unpinned(prefill: Daemon, timeout_s: float = 20.0) -> int:
