@@ -185,11 +185,13 @@ class PullPolicy:
     async def start_parts(self, rid: str, prompt: list[int], params: SamplingParams,
                           parts: AsyncIterator[kv_pb2.TransferTicket], *, require_pull: bool = False) -> StartedRequest:
         """Start ``rid`` from its KV in parts (``GenerateParts``): reserve the whole prompt's blocks now, pull
-        each part ticket into them as it arrives (parts.py checks they follow each other), then run with the
-        last part's first token. ValueError for bad input (nothing is left reserved).
+        the part tickets into them as they arrive (``PartPulls`` checks they follow each other; those that queued
+        behind a pull are read together), then run with the last part's first token. ValueError for bad input
+        (nothing is left reserved).
 
         On a failed part the reservation is dropped, the later parts are only read to their end, and the prompt
-        plus the last part's first token is prefilled here (``require_pull``: :class:`PullRequired` at once).
+        plus the last part's first token is prefilled here (``require_pull``: :class:`PullRequired` once the
+        parts are read to the last, which the call's status must follow).
         Parts that end before the last one (the prefill worker failed: the router has no first token either)
         leave the prompt to be prefilled here from scratch, as without a ticket."""
         started = time.perf_counter()
