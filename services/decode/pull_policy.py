@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -116,6 +116,10 @@ class PartPulls:
         self.num_pulled = 0
         self.join: JoinTimes | None = None  # once the engine took the request after the last part
 
+    def ends_prompt(self, ticket: kv_pb2.TransferTicket) -> bool:
+        """Whether ``ticket`` is the last part: it reaches the prompt's end (and carries the first token)."""
+        return ticket.num_tokens >= self.num_prompt_tokens
+
     def accept(self, ticket: kv_pb2.TransferTicket, rid: str) -> str | None:
         """Take the next part; why it does not fit, if it does not (it is not pulled then)."""
         whole = max(ticket.num_prompt_tokens, ticket.num_tokens)
@@ -125,7 +129,7 @@ class PartPulls:
         elif ticket.part_start_token != self.end or not self.end < ticket.num_tokens <= whole:
             problem = f"a KV part of tokens {ticket.part_start_token}..{ticket.num_tokens} after tokens 0..{self.end}"
         self.end = max(self.end, ticket.num_tokens)
-        if ticket.num_tokens >= self.num_prompt_tokens:
+        if self.ends_prompt(ticket):
             self.last = ticket
         return None if problem is None else f"{problem} does not continue the prompt's KV; refused"
 
@@ -228,7 +232,7 @@ class PullPolicy:
         then read to their end (the last one has the first token a local prefill continues from) unless the pull is
         required."""
         queue: asyncio.Queue = asyncio.Queue()
-        feeder = asyncio.create_task(_feed(parts, queue, pulled.num_prompt_tokens))
+        feeder = asyncio.create_task(_feed(parts, queue, pulled.ends_prompt))
         try:
             result, arrived, first_reserve_s, ended = None, 0.0, 0.0, False
             while not ended and pulled.last is None and not (pulled.failure is not None and require_pull):
@@ -399,14 +403,15 @@ class PullPolicy:
 _END = object()  # the parts' stream ended
 
 
-async def _feed(parts: AsyncIterator[kv_pb2.TransferTicket], queue: asyncio.Queue, num_prompt_tokens: int) -> None:
+async def _feed(parts: AsyncIterator[kv_pb2.TransferTicket], queue: asyncio.Queue,
+                ends_prompt: Callable[[kv_pb2.TransferTicket], bool]) -> None:
     """Move the parts onto ``queue`` as they arrive, each with its arrival time, up to the one that ends the prompt;
     then ``_END`` if the stream ended first, or what broke it (the reader raises it). Nothing past the last part is
     read: the stream is left to whoever reads it next."""
     try:
         async for ticket in parts:
             queue.put_nowait((ticket, time.perf_counter()))
-            if ticket.num_tokens >= num_prompt_tokens:
+            if ends_prompt(ticket):
                 return
     except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
         queue.put_nowait(e)

@@ -27,8 +27,7 @@ def digest_jobs(parts: Sequence[kv_pb2.TransferTicket], ranks: Sequence[KVRank],
     """The digest jobs covering every token a pull of ``parts`` moves (from each group's ``starts`` to the last
     part's end), with what the parts promise for them. Checked before any READ: a ticket without a usable digest
     is refused like any other that does not fit."""
-    last = parts[-1]
-    n = last.num_tokens
+    n = parts[-1].num_tokens
     entries = [{(e.group_id, e.reader_rank): e for e in p.digests} for p in parts]
     jobs = []
     for q, rank in enumerate(ranks):
@@ -37,9 +36,10 @@ def digest_jobs(parts: Sequence[kv_pb2.TransferTicket], ranks: Sequence[KVRank],
             if start >= n:
                 continue  # every token of the group was in this reader's prefix cache
             bs = rank.layout.block_size(g)
-            expected = _expected(parts, entries, g, q, bs, start) if digest_on else None
-            rank_jobs.append((DigestJob(g, local_ids[g], start, n, _unit(entries[-1].get((g, q)), bs), 0,
-                                        rank.layout.kv_heads(g), 0, corrupt=corrupt), expected))
+            unit = _unit(entries[-1].get((g, q)), bs)
+            expected = _expected(parts, entries, g, q, bs, unit, start) if digest_on else None
+            rank_jobs.append((DigestJob(g, local_ids[g], start, n, unit, 0, rank.layout.kv_heads(g), 0,
+                                        corrupt=corrupt), expected))
         jobs.append(rank_jobs)
     return jobs
 
@@ -49,10 +49,10 @@ def _unit(entry: kv_pb2.GroupDigests | None, block_size: int) -> int:
 
 
 def _expected(parts: Sequence[kv_pb2.TransferTicket], entries: list[dict], group: int, reader_rank: int,
-              block_size: int, start: int) -> int:
+              block_size: int, unit: int, start: int) -> int:
     """The sum the parts promise for group ``group`` on reading rank ``reader_rank`` over tokens ``start ..`` the
-    last part's end: each part's units over its own tokens past ``start``. All parts share one unit."""
-    unit, expected = _unit(entries[-1].get((group, reader_rank)), block_size), 0
+    last part's end: each part's units over its own tokens past ``start``. All parts share one ``unit``."""
+    expected = 0
     for part, by_key in zip(parts, entries, strict=True):
         entry = by_key.get((group, reader_rank))
         begin = max(start, part.part_start_token)

@@ -273,8 +273,9 @@ class KVPuller:
         self._num_pulls += 1
         corrupt = self._corrupt_after is not None and self._num_pulls > self._corrupt_after
         digested = self.identity.digest_on or corrupt
-        starts = self._group_starts(remote, self._ranks[0].layout, _window_end(ticket), num_cached_tokens)
-        jobs = digest_jobs(parts, self._ranks, starts, local_ids, self.identity.digest_on, corrupt) if digested else []
+        jobs = digest_jobs(parts, self._ranks,
+                           self._group_starts(remote, self._ranks[0].layout, _window_end(ticket), num_cached_tokens),
+                           local_ids, self.identity.digest_on, corrupt) if digested else []
         t_check = time.perf_counter()
         staged = self._staged_reads(ticket, remote, local_ids, num_cached_tokens) \
             if ticket.staged_offsets and host_ids is None and state is None and not earlier else None
