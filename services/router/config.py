@@ -102,6 +102,14 @@ class RouterConfig:
     max_inflight_requests: int | None = flag(None, "beyond this many requests in flight, answer 429 (default: no "
                                                    "limit)", parse=int)
     retry_after_s: int = 1
+    # Decode failover (failover.py): a request whose decode worker broke goes on at another decode worker.
+    decode_failover_grace_s: float = flag(2.0, "a decode worker marked down (failed health check or stream) has "
+                                               "every stream on it that was silent this long cut and continued on "
+                                               "another decode worker (default 2)", parse=float)
+    max_decode_failovers: int = flag(2, "how many times one request may move to another decode worker after its "
+                                        "decode worker broke (0: never; default 2)", parse=int, metavar="N")
+    # How long a failover waits for a decode worker to take the request (bounded by the request's deadline).
+    decode_failover_wait_s: float = 10.0
     # How long the router waits for Abort/Release after a client goes away.
     cleanup_timeout_s: float = 5.0
     # Longer request bodies get 413.
@@ -159,7 +167,8 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         for name in ("dns_refresh_s", "health_interval_s", "health_timeout_s", "request_timeout_s",
-                     "cleanup_timeout_s", "pair_probe_timeout_s", "pair_probe_retry_s"):
+                     "cleanup_timeout_s", "pair_probe_timeout_s", "pair_probe_retry_s", "decode_failover_grace_s",
+                     "decode_failover_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.direct_decode_threshold is not None and self.direct_decode_threshold < 0:
@@ -171,7 +180,7 @@ class RouterConfig:
             raise ValueError(f"kv_overload_factor must be >= 1, got {self.kv_overload_factor}")
         if not self.kv_valve_gain >= 1:
             raise ValueError(f"kv_valve_gain must be >= 1, got {self.kv_valve_gain}")
-        for name in ("direct_decode_max_uncached", "kv_overload_queue_tokens"):
+        for name in ("direct_decode_max_uncached", "kv_overload_queue_tokens", "max_decode_failovers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.kv_index_capacity < 1:

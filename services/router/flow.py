@@ -27,6 +27,14 @@ exactly where the first stopped under greedy sampling. Counted in ``pdserve_rout
 A decode worker that refuses the call for its role (``ROLE_REFUSED_KEY``: its switch ended while this request's
 Generate was on the way, after pairing) is the same case with nothing generated there yet.
 
+A decode worker that breaks mid-request (its stream fails with UNAVAILABLE, a reset or an internal error, ends
+before the request finished, or is cut because the worker was marked down and the stream went silent:
+``failover.py``) is failed over the same way: the request goes on at another decode worker (or the same one once
+it is back, within ``decode_failover_wait_s`` and the request's deadline) from the prompt and the tokens sent so
+far, at most ``--max-decode-failovers`` times; non-streamed requests never see it. Counted in
+``pdserve_router_decode_failovers_total{reason}`` and logged. Under ``--enforce-disagg`` the request fails as
+before (a failover would prefill the prompt on the decode worker).
+
 Whatever ends the stream early (the client went away, a worker failed, the router found a stop
 string first), the ``finally`` aborts the decode request and releases the prefill worker's pinned
 blocks, shielded from the cancellation that got it there, and uncounts the pair's outstanding work.
@@ -48,6 +56,7 @@ from services.contract.wire import ROLE_REFUSED_KEY
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2
 from services.router.config import RouterConfig
 from services.router.errors import (
+    FAILOVER_CODES,
     WORKER_FAULT_CODES,
     DisaggregationFailed,
     DisaggregationUnavailable,
@@ -56,6 +65,7 @@ from services.router.errors import (
     WorkerFailure,
     from_rpc_error,
 )
+from services.router.failover import DecodeWatch
 from services.router.kv_parts import PartRelay
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Assignment, PairingPolicy, Role
@@ -142,6 +152,8 @@ class Dispatcher:
         self.metrics = metrics
         self.traffic = traffic
         self.num_in_flight = 0
+        self.watch = DecodeWatch(policy, config.decode_failover_grace_s)  # failover.py: streams by decode worker
+        self.background: set[asyncio.Task] = set()  # best-effort calls nobody waits for (a lost worker's Abort)
 
     async def stream(self, request: GenerationRequest, outcome: Outcome,
                      affinity: Workers | None = None) -> AsyncIterator[Delta]:
@@ -215,6 +227,12 @@ class Dispatcher:
         return f"{what}, and --enforce-disagg forbids prefilling the prompt on a decode worker"
 
 
+def _being_cancelled() -> bool:
+    """This task is being cancelled (the client went away): a CancelledError is not a decode watch's cut."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def _refused_for_its_role(exc: grpc.aio.AioRpcError) -> bool:
     """A worker's UNAVAILABLE for a call of a role it does not serve now (``ROLE_REFUSED_KEY``): not a fault."""
     return exc.code() == grpc.StatusCode.UNAVAILABLE and any(
@@ -264,7 +282,7 @@ async def _timed(deltas: AsyncIterator[Delta], metrics: RouterMetrics, arrival_s
             yield delta
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the decode watch keeps runs in sets
 class _Run:
     """The per-request state the clean-up needs: what was started and what finished."""
 
@@ -283,6 +301,11 @@ class _Run:
     require_pull: bool = False  # the Generate call carries require_pull (--enforce-disagg, with a ticket)
     output_token_ids: list[int] = field(default_factory=list)  # every token sent on so far (a migration replays them)
     migrated: bool = False  # the last decode stream ended with the worker giving the request back
+    # The last decode stream broke: (failover reason label, detail); deltas() continues elsewhere.
+    lost: tuple[str, str] | None = None
+    last_chunk_s: float = 0.0  # when the decode stream last delivered (or started): the decode watch reads it
+    num_failovers: int = 0
+    failed_over: bool = False  # a decode worker broke: the ticket's blocks are released at the end in any case
     # Workers that failed this request: broken or gone, they are not asked to clean up.
     failed: set[Role] = field(default_factory=set)
     text: TextStream = field(init=False)
@@ -313,10 +336,17 @@ class _Run:
             async with aclosing(self._decode(self.assignment.decode, ticket)) as deltas:
                 async for delta in deltas:
                     yield delta
-            if not self.migrated:
+            if self.migrated:
+                self._migrate()
+            elif self.lost is not None:
+                await self._fail_over()
+            else:
                 return
             ticket = None  # the next decode worker replays prompt + output instead
-            self._migrate()
+            if len(self.output_token_ids) >= self.request.params.max_tokens:  # all out before the break
+                self.decode_finished = True
+                yield Delta(self.text.feed([], final=True), (), (), "length")
+                return
 
     def _migrate(self) -> None:
         """Move the request to another decode worker (its own gave it back): counted there from now on."""
@@ -331,6 +361,61 @@ class _Run:
         self.owner.metrics.migrated_requests.inc()
         log.info("request %s: decode worker %s gave it back (role switch) after %d tokens; continuing on %s",
                  self.request.request_id, old, len(self.output_token_ids), new)
+
+    async def _fail_over(self) -> None:
+        """The decode worker broke mid-request (``lost``): the request goes on at another decode worker."""
+        reason, detail = self.lost
+        self.lost = None
+        old, rid = self.assignment.decode, self.request.request_id
+        self.num_failovers += 1
+        self._worker_failed(Role.DECODE, old, detail)
+        self._abort_lost(old)
+        self.decode_call = None
+        self.failed_over = True
+        new = await self._next_decode_worker()
+        if new is None:
+            raise NoHealthyWorkers(f"decode worker {old} broke ({detail}) and no decode worker took request {rid} "
+                                   "on", retry_after_s=self.owner.config.retry_after_s)
+        self.failed.discard(Role.DECODE)  # the new worker is asked to clean up, if it comes to that
+        self.owner.metrics.decode_failovers.labels(reason).inc()
+        log.warning("request %s: decode worker %s broke (%s) after %d tokens; continuing on %s", rid, old, detail,
+                    len(self.output_token_ids), new)
+
+    def _may_fail_over(self) -> bool:
+        """A broken decode stream may be continued elsewhere: not strict, failovers left, time left."""
+        config = self.owner.config
+        deadline = self.request.arrival_s + config.request_timeout_s
+        return (not config.enforce_disagg and self.num_failovers < config.max_decode_failovers
+                and time.monotonic() < deadline)
+
+    async def _next_decode_worker(self) -> str | None:
+        """Another available decode worker (the lost one too, once a health check says it is back), waiting
+        up to ``decode_failover_wait_s`` within the deadline; None when none came."""
+        wait_s = min(self.owner.config.decode_failover_wait_s, self._remaining_s())
+        give_up = time.monotonic() + wait_s
+        while (new := self.owner.policy.move_decode(self.assignment, allow_same=True)) is None:
+            if time.monotonic() >= give_up:
+                return None
+            await asyncio.sleep(0.2)
+        return new
+
+    def _abort_lost(self, address: str) -> None:
+        """Tell a lost decode worker to drop the request, without waiting (it may be gone or unreachable)."""
+        call = self.decode_call
+        if call is not None:
+            call.cancel()
+        task = asyncio.ensure_future(self.owner.pool.abort(Role.DECODE, address, self.request.request_id,
+                                                           self.owner.config.cleanup_timeout_s))
+        background = self.owner.background
+        background.add(task)
+        task.add_done_callback(background.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an unreachable worker: nothing to say
+
+    def lose_decode(self, reason: str) -> None:
+        """The decode watch's cut (failover.py): the worker is marked down and this stream went silent."""
+        self.lost = ("marked_down", reason)
+        if self.decode_call is not None:
+            self.decode_call.cancel()  # the stream's reader gets CancelledError and fails over
 
     # ---- prefill ---------------------------------------------------------------------------------
 
@@ -403,6 +488,7 @@ class _Run:
             self.decode_call = self.owner.pool.generate_parts(
                 self.assignment.decode, self.request.request_id, prompt, params, self.parts,
                 timeout_s=self._remaining_s(), require_pull=self.require_pull)
+            self._watch(self.assignment.decode)
         self.parts.put(part)
 
     def _first_delta(self, response: worker_pb2.PrefillResponse) -> Delta:
@@ -457,9 +543,11 @@ class _Run:
                                             timeout_s=self._remaining_s(), require_pull=self.require_pull,
                                             num_output_tokens=num_output_tokens)
             self.decode_call = call
+            self._watch(address)
         skip_first, answered = ticket is not None, False
         try:
             async for chunk in call:
+                self.last_chunk_s = time.monotonic()
                 if chunk.migrated:  # the worker gave the request back (its role switch): go on elsewhere
                     self.migrated = True
                     return
@@ -477,6 +565,10 @@ class _Run:
                     yield delta
                 if delta.finish_reason is not None:
                     return
+        except asyncio.CancelledError:
+            if self.lost is None or _being_cancelled():
+                raise
+            return  # cut by the decode watch: deltas() fails over
         except grpc.aio.AioRpcError as exc:
             if not answered and _refused_for_its_role(exc):
                 # It switched roles after this request was paired with it (its Generate was on the way when
@@ -485,15 +577,32 @@ class _Run:
                 if ticket is not None:
                     self.ticket_refused = True
                 return
+            if exc.code() in FAILOVER_CODES and self._may_fail_over():
+                self.lost = ("broken", f"{exc.code().name}: {exc.details()}")
+                return
             if exc.code() in WORKER_FAULT_CODES:
                 self._worker_failed(Role.DECODE, address, f"{exc.code().name}: {exc.details()}")
+                log.warning("request %s: decode worker %s failed (%s: %s)", self.request.request_id, address,
+                            exc.code().name, exc.details())
             error = from_rpc_error(exc, Role.DECODE, address, pull_required=self.require_pull)
             if isinstance(error, DisaggregationFailed):  # refused, not served: no route to count
                 self.outcome.route = ""
                 log.warning("request %s: %s", self.request.request_id, error.message)
             raise error from None
+        finally:
+            self.owner.watch.untrack(self)
+        if self._may_fail_over():
+            self.lost = ("ended", "stream ended before the request finished")
+            return
         self._worker_failed(Role.DECODE, address, "stream ended before the request finished")
+        log.warning("request %s: decode worker %s ended the stream before the request finished",
+                    self.request.request_id, address)
         raise WorkerFailure(f"decode worker {address} ended the stream before the request finished")
+
+    def _watch(self, address: str) -> None:
+        """The decode stream on ``address`` starts: the decode watch may cut it if the worker is lost."""
+        self.last_chunk_s = time.monotonic()
+        self.owner.watch.track(self, address)
 
     def _decode_delta(self, chunk: worker_pb2.TokenChunk, token_ids: list[int], logprobs: list[float],
                       top: list[Alternatives]) -> Delta:
@@ -545,7 +654,7 @@ class _Run:
             pass
         elif self.prefill_sent and not self.prefill_answered:
             calls += [pool.abort(Role.PREFILL, prefill, rid, timeout_s), pool.release(prefill, rid, timeout_s)]
-        elif self.prefill_holds_blocks and (not self.decode_finished or self.ticket_refused
+        elif self.prefill_holds_blocks and (not self.decode_finished or self.ticket_refused or self.failed_over
                                             or self.outcome.recomputed_locally):
             # A finished decode pulled the blocks; otherwise (it recomputed the prompt after a failed pull, never
             # read the ticket, or did not finish) nobody will: the parts it did not read would wait for the lease.

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.router.failover import FAILOVER_REASONS
 from services.router.pair_probes import PairState
 from services.router.pairing import PairingPolicy, Role, ServingStatus
 from services.router.planner import Decision, DecisionReason
@@ -153,6 +154,9 @@ class RouterMetrics:
         self.migrated_requests = Counter("pdserve_router_migrated_requests", "Requests a decode worker gave back "
                                          "unfinished during its role switch, continued on another decode worker",
                                          registry=r)
+        self.decode_failovers = Counter("pdserve_router_decode_failovers", "Requests whose decode worker broke "
+                                        "mid-request, continued on another decode worker, by how it broke",
+                                        ["reason"], registry=r)
         self.worker_failures = Counter("pdserve_router_worker_failures", "Worker RPCs that failed, by role",
                                        ["role"], registry=r)
         self.client_disconnects = Counter("pdserve_router_client_disconnects",
@@ -179,6 +183,8 @@ class RouterMetrics:
                 metric.labels(route)
         for role in Role:
             self.worker_failures.labels(role.value)
+        for reason in FAILOVER_REASONS:
+            self.decode_failovers.labels(reason)
         for route, reasons in ((Route.DIRECT, (RouteReason.DECODE_CACHED, RouteReason.PREFILL_QUEUE,
                                                RouteReason.THRESHOLD, RouteReason.NO_PREFILL)),
                                (Route.DISAGGREGATED, (RouteReason.COST, RouteReason.THRESHOLD,

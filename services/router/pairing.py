@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from services.contract.prefix_keys import cache_salt_for
@@ -171,6 +171,8 @@ class PairingPolicy:
         self.index = index
         self.scoring = scoring or ScoringConfig()
         self._workers: dict[tuple[Role, str], WorkerState] = {}
+        # Called with (role, address) whenever a worker is marked unhealthy (failover.py's DecodeWatch).
+        self.down_listeners: list[Callable[[Role, str], None]] = []
 
     # ---- membership (driven by discovery) --------------------------------------------------------
 
@@ -202,6 +204,8 @@ class PairingPolicy:
         worker = self._workers.get((role, address))
         if worker is not None:
             worker.healthy, worker.last_error = False, reason
+            for listener in self.down_listeners:
+                listener(role, address)
 
     # ---- what is up ------------------------------------------------------------------------------
 
@@ -446,10 +450,11 @@ class PairingPolicy:
             _generate_unsent=True,
         )
 
-    def move_decode(self, assignment: Assignment) -> str | None:
+    def move_decode(self, assignment: Assignment, allow_same: bool = False) -> str | None:
         """Another available decode worker for a request its decode worker gave back (a role switch's
-        migration): counted there instead; its address, or None when there is none (nothing changes)."""
-        decodes = [d for d in self._available(Role.DECODE) if d.address != assignment.decode]
+        migration) or lost (a failover): counted there instead; its address, or None when there is none (nothing
+        changes). ``allow_same``: the request's own worker will do too, if it is available again (restarted)."""
+        decodes = [d for d in self._available(Role.DECODE) if allow_same or d.address != assignment.decode]
         if not decodes:
             return None
         decode = min(decodes, key=lambda w: (w.outstanding_requests, w.num_picks, w.address))

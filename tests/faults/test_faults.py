@@ -136,8 +136,9 @@ def test_prefill_killed_mid_stream_then_restarted_on_its_port(model: str) -> Non
 
 
 def test_decode_killed_mid_stream_under_load(model: str) -> None:
-    """Requests on the killed worker end with an error event; the rest complete; the prefill worker frees
-    the blocks the dead worker would have pulled."""
+    """Requests on the killed worker fail over to the other decode worker and complete with the fault-free
+    tokens (the router replays prompt plus output so far there); the prefill worker frees the blocks the dead
+    worker would have pulled."""
     # A ticket whose reader was killed mid-READ never gets its notification; the router releases it when the
     # reader's stream fails, but the lease freeing it is legitimate here (that is what the lease is for).
     # So this stack's lease is shorter than the settle wait, and what must hold instead of "no expiry" is
@@ -147,11 +148,14 @@ def test_decode_killed_mid_stream_under_load(model: str) -> None:
         pool = prompts(8, seed=2)
         refs = references(s.url, pool, MAX_TOKENS)
         victim = s.decode[0]
+        failovers = router_metric_total(s.router, "pdserve_router_decode_failovers_total")
         report = FaultReport("kill -9 decode mid-stream")
         run_load(report, _jobs(s.url, pool, refs, 24, _fire_once(threading.Event(), victim.kill)), concurrency=8)
-        assert report.failed_cleanly > 0  # the victim was serving some
+        moved = router_metric_total(s.router, "pdserve_router_decode_failovers_total") - failovers
+        assert report.completed == report.sent, report  # the victim's requests went on at the survivor
+        assert moved > 0, "the victim was serving requests, yet none failed over"
         run_load(report, _jobs(s.url, pool, refs, 8), concurrency=4)  # the survivor serves what comes next
-        record(report, [*s.prefill, *s.decode], NUM_BLOCKS, killed=[victim], max_lease_expiries=report.failed_cleanly)
+        record(report, [*s.prefill, *s.decode], NUM_BLOCKS, killed=[victim], max_lease_expiries=int(moved))
 
 
 def test_stalled_decode_worker(model: str) -> None:

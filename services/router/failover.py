@@ -1,0 +1,102 @@
+"""Decode failover: which requests decode where, and the streams of a worker marked down that went silent.
+
+A decode worker that dies takes its streams with it: each breaks (UNAVAILABLE, a reset, an early end) and the
+request goes on at another decode worker from the prompt and the tokens already sent (``flow.py``: the same
+replay as a role switch's migration, token-exact under greedy sampling). A worker whose link is blackholed
+breaks nothing: its streams wait for the channel's keepalive, a minute or more, although the health checks took
+the worker out within a second or two. So the router tracks which request decodes on which worker, and when a
+worker is marked down (a failed health check, or another of its streams failing) it looks again after
+``grace_s``: every stream still on a worker that is still down, and silent for the whole grace, is cut here and
+fails over. A worker that came back in the meantime keeps its streams, and so does a stream that still
+delivers (a slow health probe, not a dead link).
+
+    mark_unhealthy(decode, A) ──► after grace_s: A still down? ──► streams on A silent >= grace_s: cut
+                                                       │                 (flow.py continues each elsewhere)
+                                                       └── some spared (not silent): look again after grace_s
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from services.router.pairing import PairingPolicy, Role
+
+log = logging.getLogger(__name__)
+
+#: How a decode stream broke, the label of pdserve_router_decode_failovers_total: its RPC failed (``broken``:
+#: UNAVAILABLE, a reset, an internal error), it ended before the request finished (``ended``), or it was cut here
+#: because its worker was marked down and the stream went silent (``marked_down``).
+FAILOVER_REASONS = ("broken", "ended", "marked_down")
+
+
+class DecodeStream(Protocol):
+    """What the watch needs of one request's decode stream (``flow._Run``)."""
+
+    last_chunk_s: float  # monotonic time of the last chunk (or of the call's start)
+
+    def lose_decode(self, reason: str) -> None:
+        """Cut the stream: its worker is gone; the request fails over."""
+
+
+class DecodeWatch:
+    """The decode streams in flight, by worker; cuts the silent ones of a worker marked down (docstring above)."""
+
+    def __init__(self, policy: PairingPolicy, grace_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not grace_s > 0:
+            raise ValueError(f"grace_s must be > 0, got {grace_s!r}")
+        self._policy = policy
+        self._grace_s = grace_s
+        self._clock = clock
+        self._streams: dict[str, set[DecodeStream]] = {}
+        self._where: dict[DecodeStream, str] = {}
+        self._pending: dict[str, asyncio.TimerHandle] = {}
+        policy.down_listeners.append(self.worker_down)
+
+    def track(self, stream: DecodeStream, address: str) -> None:
+        """``stream`` decodes on ``address`` from now on (a failover's new worker replaces the old)."""
+        self.untrack(stream)
+        self._where[stream] = address
+        self._streams.setdefault(address, set()).add(stream)
+
+    def untrack(self, stream: DecodeStream) -> None:
+        address = self._where.pop(stream, None)
+        if address is not None:
+            streams = self._streams[address]
+            streams.discard(stream)
+            if not streams:
+                del self._streams[address]
+
+    def streams_on(self, address: str) -> int:
+        return len(self._streams.get(address, ()))
+
+    def worker_down(self, role: Role, address: str) -> None:
+        """The policy marked a worker unhealthy: look at its streams after the grace (once per grace)."""
+        if role != Role.DECODE or address not in self._streams or address in self._pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # marked outside the router's loop (a unit test of the policy): nothing in flight
+            return
+        self._pending[address] = loop.call_later(self._grace_s, self._check, address)
+
+    def _check(self, address: str) -> None:
+        self._pending.pop(address, None)
+        worker = self._policy.get(Role.DECODE, address)
+        if worker is not None and worker.healthy:
+            return  # back within the grace: its streams stay
+        reason = (worker.last_error if worker is not None else None) or "removed"
+        now, spared = self._clock(), False
+        for stream in list(self._streams.get(address, ())):
+            if now - stream.last_chunk_s >= self._grace_s:
+                log.warning("decode worker %s is down (%s) and a stream on it was silent %.1f s: cutting it",
+                            address, reason, now - stream.last_chunk_s)
+                self.untrack(stream)
+                stream.lose_decode(f"worker marked down: {reason}")
+            else:
+                spared = True
+        if spared:
+            self.worker_down(Role.DECODE, address)
