@@ -1,11 +1,12 @@
 """The cluster token on worker RPCs: workers refuse calls that do not carry it; callers add it.
 
-With ``--kv-auth-token`` (or ``$PDSERVE_KV_AUTH_TOKEN``) set, a worker answers ``Prefill``,
-``Generate``, ``Release``, ``Abort``, ``Info`` and ``Probe`` only for a caller whose metadata holds
-``authorization: Bearer <token>`` (compared in constant time), else ``UNAUTHENTICATED``: without it,
-anyone who can reach a worker's port could submit work or free another request's KV. Health checks
-stay open (probes carry no token), and so does the KV handshake, which checks the same token in its
-request before it gives out agent metadata.
+With ``--kv-auth-token`` (or ``$PDSERVE_KV_AUTH_TOKEN``) set, a worker answers every call (``Prefill``,
+``PrefillStream``, ``Generate``, ``GenerateParts``, ``Release``, ``Abort``, ``Info``, ``Probe``, ...) only for a
+caller whose metadata holds ``authorization: Bearer <token>`` (compared in constant time), else
+``UNAUTHENTICATED``: without it, anyone who can reach a worker's port could submit work or free another
+request's KV. A refused call's body is never parsed (its handler takes raw bytes), so a stranger's big message
+costs the worker no more than receiving it. Health checks stay open (probes carry no token), and so does the
+KV handshake, which checks the same token in its request before it gives out agent metadata.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ _REFUSAL = "missing or wrong cluster token (authorization: Bearer <--kv-auth-tok
 
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that aborts with UNAUTHENTICATED."""
+    """A handler of the same kind as ``handler`` that aborts with UNAUTHENTICATED, without a request
+    deserializer: the body arrives as bytes and is dropped unparsed (parsing a stranger's 60 MiB of token ids
+    is the CPU and memory the token is there to keep for callers who have it)."""
     async def deny(request, context: grpc.aio.ServicerContext):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
 
@@ -58,8 +61,7 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
         yield  # makes this a generator: a streaming handler
 
-    codecs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
+    codecs = {"request_deserializer": None, "response_serializer": handler.response_serializer}
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(deny, **codecs)
     if handler.unary_stream:
@@ -70,11 +72,12 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 def token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
-    """Channel interceptors adding ``authorization: Bearer <token>`` to every unary and server-streaming
-    call (the router's to its workers; a decode worker's pair probe to a prefill worker). One object per
-    kind: a channel files each interceptor under the first kind it is an instance of."""
+    """Channel interceptors adding ``authorization: Bearer <token>`` to calls of every kind (the router's to
+    its workers, ``GenerateParts`` among them; a decode worker's pair probe to a prefill worker). One object
+    per kind: a channel files each interceptor under the first kind it is an instance of, so an object that
+    is several kinds at once would add the token to one of them only."""
     entry = (METADATA_KEY, bearer(token))
-    return [_UnaryToken(entry), _StreamToken(entry)]
+    return [_UnaryUnaryToken(entry), _UnaryStreamToken(entry), _StreamUnaryToken(entry), _StreamStreamToken(entry)]
 
 
 def _with_token(details: grpc.aio.ClientCallDetails, entry: tuple[str, str]) -> grpc.aio.ClientCallDetails:
@@ -83,7 +86,7 @@ def _with_token(details: grpc.aio.ClientCallDetails, entry: tuple[str, str]) -> 
                                       details.wait_for_ready)
 
 
-class _UnaryToken(grpc.aio.UnaryUnaryClientInterceptor):
+class _UnaryUnaryToken(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, entry: tuple[str, str]) -> None:
         self._entry = entry
 
@@ -91,9 +94,25 @@ class _UnaryToken(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(_with_token(client_call_details, self._entry), request)
 
 
-class _StreamToken(grpc.aio.UnaryStreamClientInterceptor):
+class _UnaryStreamToken(grpc.aio.UnaryStreamClientInterceptor):
     def __init__(self, entry: tuple[str, str]) -> None:
         self._entry = entry
 
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(_with_token(client_call_details, self._entry), request)
+
+
+class _StreamUnaryToken(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, entry: tuple[str, str]) -> None:
+        self._entry = entry
+
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_token(client_call_details, self._entry), request_iterator)
+
+
+class _StreamStreamToken(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, entry: tuple[str, str]) -> None:
+        self._entry = entry
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_token(client_call_details, self._entry), request_iterator)

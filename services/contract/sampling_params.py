@@ -6,6 +6,9 @@ import json
 import math
 from dataclasses import dataclass
 
+# A request body's default bound (the router's --max-request-bytes, the workers' alike): the sampling params a
+# request carries to the workers (stop strings, a structured-output schema) come from a body no longer than it.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 # OpenAI's limit on logit_bias entries.
 MAX_LOGIT_BIAS = 300
 # OpenAI's limit on top_logprobs (alternatives per position); completions' logprobs get the same.

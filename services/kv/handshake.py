@@ -186,14 +186,32 @@ def _check_state_region(rank: RankExport, state: StateGroupSpec | None, num_slot
                          f"{num_slots} slots of {state.slot_bytes}")
 
 
+# A HandshakeRequest is a version, an engine id and the token: a few hundred bytes. The handshake is open to every
+# caller (the token is checked inside the request), so a bigger body is refused before it is parsed.
+MAX_HANDSHAKE_REQUEST_BYTES = 64 * 1024
+HANDSHAKE_SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KVHandshake"].full_name
+
+
+def bounded_handshake_request(data: bytes) -> kv_pb2.HandshakeRequest | None:
+    """The handshake's request deserializer: ``None`` (refused unread) for a body over
+    ``MAX_HANDSHAKE_REQUEST_BYTES``, so a stranger cannot make the owner parse megabytes."""
+    if len(data) > MAX_HANDSHAKE_REQUEST_BYTES:
+        return None
+    return kv_pb2.HandshakeRequest.FromString(data)
+
+
 class HandshakeServicer(kv_pb2_grpc.KVHandshakeServicer):
-    """Thin servicer: check version and token, then describe the engine."""
+    """Thin servicer: check size, version and token, then describe the engine."""
 
     def __init__(self, describe: Callable[[], EngineDescription], auth_token: str | None = None) -> None:
         self._describe = describe
         self._token = auth_token
 
-    async def Handshake(self, request: kv_pb2.HandshakeRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+    async def Handshake(self, request: kv_pb2.HandshakeRequest | None,  # noqa: N802
+                        context: grpc.aio.ServicerContext):
+        if request is None:  # bounded_handshake_request refused it unread
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"handshake request over {MAX_HANDSHAKE_REQUEST_BYTES} bytes")
         if request.protocol_version != PROTOCOL_VERSION:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -205,7 +223,12 @@ class HandshakeServicer(kv_pb2_grpc.KVHandshakeServicer):
 
 
 def add_handshake_service(server: grpc.aio.Server, servicer: HandshakeServicer) -> None:
-    kv_pb2_grpc.add_KVHandshakeServicer_to_server(servicer, server)
+    """The generated registration, with ``bounded_handshake_request`` as the request deserializer."""
+    handlers = {"Handshake": grpc.unary_unary_rpc_method_handler(
+        servicer.Handshake, request_deserializer=bounded_handshake_request,
+        response_serializer=kv_pb2.HandshakeResponse.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(HANDSHAKE_SERVICE, handlers),))
+    server.add_registered_method_handlers(HANDSHAKE_SERVICE, handlers)
 
 
 async def fetch_description(

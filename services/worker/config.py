@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config_flags import flag, non_negative_int
+from services.common.config_flags import flag, non_negative_int, positive_int
 from services.common.tls import TLSConfig
+from services.contract.sampling_params import DEFAULT_MAX_REQUEST_BYTES
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,11 @@ class WorkerConfig:
         None, "a staging area of this many MiB beside the KV (0: none): a ticket whose blocks lie in many short runs "
         "is gathered there and read as one span, and a pull scatters such a span from there (default: 512 on a GPU, "
         "where NIXL's cost per descriptor outweighs the copies; 0 on CPU)", parse=int)
+    max_request_bytes: int = flag(
+        DEFAULT_MAX_REQUEST_BYTES, "the routers' --max-request-bytes: the largest body whose sampling params (stop "
+        "strings, a structured-output schema) a call to this worker may carry; with the context length it sets the "
+        f"gRPC receive limit, beyond which a message is refused unread (default {DEFAULT_MAX_REQUEST_BYTES})",
+        parse=positive_int)
     tls: TLSConfig | None = None  # mTLS for gRPC: services.common.tls adds its flags (the router shares them)
 
 

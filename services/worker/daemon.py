@@ -32,6 +32,7 @@ from services.worker.config import WorkerConfig
 from services.worker.grpc_server import WorkerServer
 from services.worker.kv_events import KVEventPublisher
 from services.worker.kv_ranks import close_kv_ranks, go_down_with_tp_group, kv_identity, open_kv_ranks, staging_mib
+from services.worker.receive_limit import max_receive_bytes
 from services.worker.role_switch import RoleSwitch
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,10 @@ async def serve(config: WorkerConfig, engine: LLMEngine, role: Role, others: Seq
     metrics = WorkerMetrics(role.name)
     tls = config.tls
     roles = [role, *others]
+    receive_limit = max_receive_bytes(engine.max_model_len, len(engine.kv_layout.groups),
+                                      engine.config.parallel.tp_size, config.max_request_bytes)
     server = WorkerServer(list(dict.fromkeys(name for r in roles for name in r.service_names)),
-                          config.kv_auth_token, tls)
+                          config.kv_auth_token, tls, max_receive_bytes=receive_limit)
     port = server.bind(config.host, config.port)
     address = join_host_port(config.advertise_host or advertised_host(config.host), port)
     epoch = time.time_ns()

@@ -79,12 +79,15 @@ class DrainOutcome:
 class WorkerServer:
     """A grpc.aio server with grpc.health.v1, and the drain that stops it (the ``Drain`` RPC, SIGTERM)."""
 
-    def __init__(self, service_names: list[str], auth_token: str | None = None, tls: TLSConfig | None = None) -> None:
+    def __init__(self, service_names: list[str], auth_token: str | None = None, tls: TLSConfig | None = None, *,
+                 max_receive_bytes: int) -> None:
         """``auth_token``: the cluster token every call but health and handshake must carry (grpc_auth.py);
-        ``tls``: serve TLS only, to clients with a certificate the cluster CA signed (tls.py)."""
+        ``tls``: serve TLS only, to clients with a certificate the cluster CA signed (tls.py);
+        ``max_receive_bytes``: the largest message the worker can legitimately get (receive_limit.py), beyond
+        which grpc core answers RESOURCE_EXHAUSTED without handing the message to Python."""
         self.tls = tls
         interceptors = [TokenAuthInterceptor(auth_token)] if auth_token else None
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_receive_bytes)],
                                       interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -117,7 +117,7 @@ def test_stop_drain_lets_a_switch_under_way_end_first() -> None:
 
 def test_server_drain_is_one_drain_and_stops_only_on_terminate() -> None:
     async def run() -> None:
-        server = WorkerServer(["pdserve.v1.DecodeWorker"])
+        server = WorkerServer(["pdserve.v1.DecodeWorker"], max_receive_bytes=1 << 20)
         server.bind("127.0.0.1", 0)
         await server.server.start()
         calls: list[float] = []
@@ -152,7 +152,7 @@ def test_server_drain_is_one_drain_and_stops_only_on_terminate() -> None:
 
 def test_server_drained_by_the_rpc_keeps_running_until_terminate() -> None:
     async def run() -> None:
-        server = WorkerServer([])
+        server = WorkerServer([], max_receive_bytes=1 << 20)
         server.bind("127.0.0.1", 0)
         await server.server.start()
         server.in_flight.enter()  # a call without a role drain to wait for it: the old SIGTERM drain
