@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 import services  # noqa: F401  (sets the oneDNN ISA cap before torch loads)
-from services.common.config_flags import add_flags, argv_from_args, config_from_args, positive_float, positive_int
+from services.common.config_flags import add_flags, argv_from_args, config_from_args
 from services.common.tls import add_tls_arguments, tls_from_args
 from services.engine.engine_config import EngineConfig
 from services.worker.config import CONFIG_OF_ROLE, SwitchableConfig
@@ -16,25 +16,6 @@ from services.worker.config import CONFIG_OF_ROLE, SwitchableConfig
 if TYPE_CHECKING:
     from services.contract.sampling_params import SamplingParams
     from services.engine.llm_engine import LLMEngine
-
-
-def _direct_threshold(text: str) -> str:
-    """``auto`` or a token count >= 0, passed on to the router as written."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    if not text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"expected a token count >= 0 or 'auto', got {text!r}")
-    return str(int(text))
-
-
-def _gpu_list(text: str) -> list[int]:
-    """An argparse type for ``--prefill-gpus 0,1``."""
-    from services.launch.placement import parse_gpu_list
-
-    try:
-        return parse_gpu_list(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
@@ -151,40 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_health_parser(sub)
 
-    up = sub.add_parser("up", help="start a router, N prefill and M decode workers here; Ctrl-C stops all")
-    up.add_argument("--host", default="127.0.0.1", help="router address (default 127.0.0.1)")
-    up.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
-    up.add_argument("--num-prefill", type=int, default=1)
-    up.add_argument("--num-decode", type=int, default=1)
-    for role in ("prefill", "decode"):
-        up.add_argument(f"--{role}-tp", type=positive_int, default=None,
-                        help=f"tensor-parallel size of each {role} worker (default: --tp)")
-        up.add_argument(f"--{role}-block-size", type=int, default=None,
-                        help=f"KV block size of the {role} workers (default: --block-size)")
-        up.add_argument(f"--{role}-gpus", type=_gpu_list, default=None, metavar="I,J,...",
-                        help=f"GPU indices for the {role} workers' ranks, handed out in order "
-                             "(default: placed automatically)")
-    up.add_argument("--served-model-name", default=None)
-    up.add_argument("--direct-decode-threshold", type=_direct_threshold, default="auto", metavar="TOKENS|auto",
-                    help="the router's choice between disaggregating and serving on a decode worker directly: "
-                         "auto (default) decides per request by cost (the decode worker's own cache, the prefill "
-                         "queue); a token count serves shorter prompts directly (0: always disaggregate)")
-    up.add_argument("--enforce-disagg", action="store_true",
-                    help="the router's strict disaggregation: a request the prefill worker's KV cannot serve fails "
-                         "(503/502) instead of being prefilled on a decode worker (the router also reads "
-                         "$PDSERVE_ENFORCE_DISAGG)")
-    up.add_argument("--role-planner", action="store_true",
-                    help="start every worker able to switch roles in place (--role-switching, the same engine "
-                         "flags for all) and the router with its P:D planner acting: it switches a worker's role "
-                         "when the traffic calls for another prefill:decode split")
-    up.add_argument("--planner-interval-s", type=positive_float, default=None, metavar="SECONDS",
-                    help="the router's P:D planner evaluates this often (default: the router's, 10 s); with "
-                         "--role-planner a switch needs three evaluations in a row that call for it")
-    up.add_argument("--metrics-port", type=int, default=0,
-                    help="the supervisor's /metrics port (worker restarts; default: a free one, on the ready line)")
-    up.add_argument("--prometheus-sd-file", default=None, metavar="PATH",
-                    help="write every process's metrics address here as Prometheus file_sd targets")
-    add_flags(up, EngineConfig)
+    from services.launch.up_flags import add_up_parser
+
+    up = add_up_parser(sub)
     up.set_defaults(func=cmd_up)
 
     for role in ("prefill", "decode"):

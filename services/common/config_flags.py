@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 _KEY = "pdserve_flag"
@@ -43,6 +43,7 @@ class Flag:
     metavar: str | None = None
     env: str | None = None  # an environment variable whose value, when set and not empty, is the default
     action: str | None = None  # argparse's action for a repeatable flag ("extend")
+    secret: bool = False  # a token or key: kept out of the config's repr, and out of a child's command line
 
 
 def _int_at_least(text: str, low: int) -> int:
@@ -80,7 +81,7 @@ def flag(default: Any = dataclasses.MISSING, help: str = "", *, default_factory:
          secret: bool = False, **options: Any) -> Any:
     """A dataclass field that is also a command-line flag (``options``: the fields of :class:`Flag`);
     a ``secret`` one (a token, a key) stays out of the config's repr."""
-    metadata = {_KEY: Flag(help=help, **options)}
+    metadata = {_KEY: Flag(help=help, secret=secret, **options)}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=metadata, repr=not secret)
     return dataclasses.field(default=default, metadata=metadata, repr=not secret)
@@ -94,6 +95,12 @@ def _flags(config_type: type) -> list[tuple[dataclasses.Field, Flag, str]]:
         if spec is not None:
             out.append((f, spec, spec.name or "--" + f.name.replace("_", "-")))
     return out
+
+
+def declared_flags(config_type: type) -> dict[str, Flag]:
+    """Every flag of ``config_type`` by name, in declaration order: for a launcher that decides which of its
+    children takes which flag (``pdserve up``) from the declarations instead of a list of its own."""
+    return {name: spec for _f, spec, name in _flags(config_type)}
 
 
 def _dest(name: str) -> str:
@@ -118,9 +125,11 @@ def _env_switch(parser: argparse.ArgumentParser, spec: Flag) -> bool | None:
     return _SWITCH_WORDS[text.lower()]
 
 
-def add_flags(parser: argparse.ArgumentParser, config_type: type) -> None:
-    """Add one argument per flagged field of ``config_type``."""
+def add_flags(parser: argparse.ArgumentParser, config_type: type, only: Collection[str] | None = None) -> None:
+    """Add one argument per flagged field of ``config_type`` (with ``only``: those of the flags it names)."""
     for f, spec, name in _flags(config_type):
+        if only is not None and name not in only:
+            continue
         default = _field_default(f)
         if isinstance(default, bool):
             from_env = _env_switch(parser, spec)
@@ -134,6 +143,34 @@ def add_flags(parser: argparse.ArgumentParser, config_type: type) -> None:
         extra = {"action": spec.action} if spec.action is not None else {}
         parser.add_argument(name, type=spec.parse, default=cli_default, choices=spec.choices, help=spec.help,
                             metavar=spec.metavar, **extra)
+
+
+def add_forwarded_flags(parser: argparse.ArgumentParser, config_type: type, names: Collection[str]) -> None:
+    """The flags of ``config_type`` named in ``names``, for a launcher that hands them to a child which parses
+    them itself: each value is checked as the child checks it (a bad one is a usage error before anything
+    starts) and kept as typed; a flag not given is absent from the namespace, so the child applies its own
+    default and environment variable (which it inherits). A switch given is True; a repeatable flag, a list."""
+    for f, spec, name in _flags(config_type):
+        if name not in names:
+            continue
+        if isinstance(_field_default(f), bool):
+            parser.add_argument(name, action="store_true", default=argparse.SUPPRESS, help=spec.help)
+            continue
+        parser.add_argument(name, type=_checked_text(spec.parse), default=argparse.SUPPRESS, choices=spec.choices,
+                            help=spec.help, metavar=spec.metavar, action="append" if spec.action else None)
+
+
+def _checked_text(parse: Callable[[str], Any] | None) -> Callable[[str], str]:
+    """An argparse type that refuses what ``parse`` refuses and returns the text itself (what the child gets)."""
+    if parse is None:
+        return str
+
+    def check(text: str) -> str:
+        parse(text)
+        return text
+
+    check.__name__ = getattr(parse, "__name__", "value")  # argparse's "invalid <name> value" message
+    return check
 
 
 def config_from_args(config_type: type, args: argparse.Namespace, **fields: Any) -> Any:

@@ -23,6 +23,13 @@ from services.launch.spawn import (
     wait_ready,
 )
 from services.launch.supervisor import Child, StartChild, Supervisor
+from services.launch.up_flags import (
+    child_environment,
+    direct_decode_threshold,
+    process_argv,
+    up_router_argv,
+    up_router_config,
+)
 
 
 def visible_gpus(device: str) -> int:
@@ -39,14 +46,17 @@ def up_placement(args, num_gpus: int) -> Placement:
 
 
 def up_worker_specs(args, worker_argv: list[str], placement: Placement) -> list[tuple[str, None, tuple[str, ...]]]:
-    """The :func:`daemons` specs of ``pdserve up``: ``worker_argv`` with each role's tp and block size and
+    """The :func:`daemons` specs of ``pdserve up``: ``worker_argv`` (the engine's flags) with the role's own
+    flags from ``up``'s (:func:`~services.launch.up_flags.process_argv`), each role's tp and block size and
     each worker's ``--device`` from ``placement`` (pure, so tests check it without starting processes)."""
     specs = []
-    if getattr(args, "role_planner", False):
+    switching = getattr(args, "role_planner", False)
+    if switching:
         check_switchable(args)
         worker_argv = [*worker_argv, "--role-switching"]
     for role, devices in (("prefill", placement.prefill), ("decode", placement.decode)):
-        role_argv = _set_flag(worker_argv, "--tp", _role_flag(args, role, "tp"))
+        role_argv = [*worker_argv, *process_argv(args, role, role_planner=switching)]
+        role_argv = _set_flag(role_argv, "--tp", _role_flag(args, role, "tp"))
         # The other role's TP size: with --kv-layout auto, different sizes pick the heads-outer KV layout.
         role_argv = _set_flag(role_argv, "--peer-tp-size", _role_flag(args, _PEER_ROLE[role], "tp"))
         role_argv = _set_flag(role_argv, "--block-size", _role_flag(args, role, "block_size"))
@@ -97,7 +107,11 @@ def run_up(args, worker_argv: list[str]) -> int:
     start-up stops everything at once with its own message (exit 1). Once all serve, stdout gets one
     ready line naming every worker's role, address and metrics port, and a supervisor starts any child
     that dies again on its ports (:mod:`services.supervisor`).
+
+    A secret given on ``up``'s command line reaches its processes through their environment, never theirs.
     """
+    os.environ.update(child_environment(args))
+    up_router_config(args)  # the router's rules and files, checked before anything starts
     placement = up_placement(args, visible_gpus(args.device))
     specs = up_worker_specs(args, worker_argv, placement)
     print(f"pdserve up: {placement.explanation}", file=sys.stderr, flush=True)
@@ -130,7 +144,8 @@ def run_up(args, worker_argv: list[str]) -> int:
         supervisor.stop()
         routers = [c.proc for c in supervisor.children if c.role == "router"]
         terminate_all(routers)  # the router first: no new requests reach workers that are draining
-        terminate_all([c.proc for c in supervisor.children if c.role != "router"] + [s.proc for s in starting])
+        terminate_all([c.proc for c in supervisor.children if c.role != "router"] + [s.proc for s in starting],
+                      stop_timeout_s(args))
     return 0
 
 
@@ -145,15 +160,10 @@ def _worker_restarter(worker: Daemon, extra: tuple[str, ...]) -> StartChild:
     return start
 
 
-def up_router_argv(args) -> list[str]:
-    """The router flags of ``pdserve up`` passed on to the router it starts (pure): the served model name, the
-    acting P:D planner and its interval, and strict disaggregation (``--direct-decode-threshold`` goes through
-    ``start_router``'s own argument)."""
-    argv = ["--served-model-name", args.served_model_name] if args.served_model_name else []
-    argv += ["--role-planner"] if getattr(args, "role_planner", False) else []
-    interval = getattr(args, "planner_interval_s", None)
-    argv += ["--planner-interval-s", str(interval)] if interval is not None else []
-    return argv + (["--enforce-disagg"] if getattr(args, "enforce_disagg", False) else [])
+def stop_timeout_s(args) -> float:
+    """How long ``up`` lets a worker drain on Ctrl-C before it kills it: the workers' ``--drain-timeout-s``
+    and a margin to exit, at least the 30 s of ``terminate``."""
+    return max(float(getattr(args, "drain_timeout_s", 30.0)) + 15.0, 30.0)
 
 
 def _start_up_router(args, workers: list[Daemon], supervisor: Supervisor) -> Router:
@@ -162,8 +172,8 @@ def _start_up_router(args, workers: list[Daemon], supervisor: Supervisor) -> Rou
     extra = up_router_argv(args)
 
     def start(spawned: Callable[[subprocess.Popen], None]) -> subprocess.Popen:
-        return start_router(args.model, prefill, decode, *extra, host=args.host, port=args.port,
-                            direct_decode_threshold=args.direct_decode_threshold, on_spawn=spawned).proc
+        return start_router(None, prefill, decode, *extra, host=args.host, port=args.port,  # --model: in extra
+                            direct_decode_threshold=direct_decode_threshold(args), on_spawn=spawned).proc
 
     router = Router(start(lambda proc: None), args.host, args.port)
     supervisor.watch(Child("router", f"router {router.url}", start, router.proc))
