@@ -1,4 +1,5 @@
-"""`pdserve up` (what `make run` starts): the bundled SmolLM2 behind the router answers a chat request."""
+"""`pdserve up` (what `make run` starts): the bundled SmolLM2 behind the router answers a chat request; a worker
+killed comes back; with `--api-key` and `--kv-auth-token` it serves only with the key, long prompts too."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import subprocess
 import sys
 import time
 
+import grpc
+import httpx
 import pytest
 
+from services.common.grpc_auth import METADATA_KEY, bearer
 from services.launch.spawn import free_port
+from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.checkpoints import colocated_tokens, make_checkpoint
 from tests.e2e.stack import completion_tokens, http_client, http_get, stop_up
 
@@ -147,3 +152,73 @@ def test_a_killed_worker_comes_back_and_serves(checkpoint: str) -> None:
             assert transferred > transferred_before and recomputed == 0
     finally:
         stop_up(proc)
+
+
+# ---- access: the API key and the cluster token through `pdserve up` --------------------------------
+
+API_KEY, CLUSTER_TOKEN = "up-test-api-key", "up-test-cluster-token"
+LONG_PROMPT_TOKENS = 3000  # over the default 2048-token prefill budget: prefilled in several chunks
+
+
+@pytest.fixture(scope="module")
+def protected_up():
+    """One `pdserve up --api-key K --kv-auth-token T` on the bundled SmolLM2 (CPU) for the access tests; every
+    prompt disaggregated, so each goes through the workers' authenticated calls."""
+    port = free_port()
+    proc, ready = _start_up("--port", str(port), "--device", "cpu", "--api-key", API_KEY, "--kv-auth-token",
+                            CLUSTER_TOKEN, "--direct-decode-threshold", "0")
+    try:
+        assert ready.startswith(f"pdserve up: ready on http://127.0.0.1:{port}/v1"), ready
+        yield proc, f"http://127.0.0.1:{port}", {m["role"]: m for m in READY.finditer(ready)}
+    finally:
+        stop_up(proc)
+
+
+def _complete(url: str, prompt: list[int], headers: dict[str, str]) -> httpx.Response:
+    with http_client(timeout=300) as client:
+        return client.post(f"{url}/v1/completions", headers=headers, json={
+            "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+
+
+def test_up_with_an_api_key_serves_only_with_it_and_keeps_its_secrets_off_command_lines(protected_up) -> None:
+    proc, url, workers = protected_up
+    prompt = [(7 * i + 3) % 5000 + 1000 for i in range(40)]
+    assert _complete(url, prompt, {}).status_code == 401
+    assert _complete(url, prompt, {"Authorization": "Bearer wrong"}).status_code == 401
+    answer = _complete(url, prompt, {"Authorization": f"Bearer {API_KEY}"})
+    assert answer.status_code == 200 and answer.headers["x-pdserve-route"] == "disaggregated", answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 4
+    # The workers got the cluster token (through their environment): a call without it is refused.
+    for role, stub_type in (("prefill", worker_pb2_grpc.PrefillWorkerStub),
+                            ("decode", worker_pb2_grpc.DecodeWorkerStub)):
+        with grpc.insecure_channel(workers[role]["address"]) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                stub_type(channel).Info(worker_pb2.InfoRequest(), timeout=5)
+            assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            metadata = ((METADATA_KEY, bearer(CLUSTER_TOKEN)),)
+            assert stub_type(channel).Info(worker_pb2.InfoRequest(), timeout=5, metadata=metadata).role
+    # ps shows every process's command line: no child of `up` has either secret on its own.
+    children = [int(pid) for pid in subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True,
+                                                   text=True).stdout.split() if int(pid) != proc.pid]
+    assert len(children) >= 3  # the router and both workers
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().decode(errors="replace")
+        assert API_KEY not in cmdline and CLUSTER_TOKEN not in cmdline, cmdline
+
+
+def test_a_prompt_prefilled_in_several_chunks_works_through_up_with_the_cluster_token(protected_up) -> None:
+    """3000 tokens: the prefill worker sends its KV per chunk and the router relays the parts over
+    GenerateParts, a streaming call that must carry the token like every other."""
+    _proc, url, workers = protected_up
+    prefill_metrics = f"http://{workers['prefill']['metrics']}/metrics"
+    decode_metrics = f"http://{workers['decode']['metrics']}/metrics"
+    parts_before = _metric(prefill_metrics, "pdserve_requests_total", outcome="kv_part")
+    prompt = [(31 * i + 17) % 20000 + 1000 for i in range(LONG_PROMPT_TOKENS)]
+    answer = _complete(url, prompt, {"Authorization": f"Bearer {API_KEY}"})
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-pdserve-route"] == "disaggregated"
+    usage = answer.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (LONG_PROMPT_TOKENS, 4)
+    assert _metric(prefill_metrics, "pdserve_requests_total", outcome="kv_part") > parts_before
+    assert _metric(decode_metrics, "pdserve_local_recompute_fallbacks_total", role="decode") == 0
