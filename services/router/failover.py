@@ -21,8 +21,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
+from services.router.errors import RouterError
 from services.router.pairing import PairingPolicy, Role
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,16 @@ log = logging.getLogger(__name__)
 #: UNAVAILABLE, a reset, an internal error), it ended before the request finished (``ended``), or it was cut here
 #: because its worker was marked down and the stream went silent (``marked_down``).
 FAILOVER_REASONS = ("broken", "ended", "marked_down")
+
+
+@dataclass(frozen=True)
+class LostDecode:
+    """How one request's decode stream broke: what the failover counts and logs, and the error the client gets
+    when no decode worker takes the request on."""
+
+    reason: str  # one of FAILOVER_REASONS
+    detail: str
+    error: RouterError
 
 
 class DecodeStream(Protocol):
@@ -95,7 +107,7 @@ class DecodeWatch:
                 log.warning("decode worker %s is down (%s) and a stream on it was silent %.1f s: cutting it",
                             address, reason, now - stream.last_chunk_s)
                 self.untrack(stream)
-                stream.lose_decode(f"worker marked down: {reason}")
+                stream.lose_decode(reason)
             else:
                 spared = True
         if spared:

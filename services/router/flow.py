@@ -65,7 +65,7 @@ from services.router.errors import (
     WorkerFailure,
     from_rpc_error,
 )
-from services.router.failover import DecodeWatch
+from services.router.failover import DecodeWatch, LostDecode
 from services.router.kv_parts import PartRelay
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Assignment, PairingPolicy, Role
@@ -153,7 +153,6 @@ class Dispatcher:
         self.traffic = traffic
         self.num_in_flight = 0
         self.watch = DecodeWatch(policy, config.decode_failover_grace_s)  # failover.py: streams by decode worker
-        self.background: set[asyncio.Task] = set()  # best-effort calls nobody waits for (a lost worker's Abort)
 
     async def stream(self, request: GenerationRequest, outcome: Outcome,
                      affinity: Workers | None = None) -> AsyncIterator[Delta]:
@@ -301,8 +300,7 @@ class _Run:
     require_pull: bool = False  # the Generate call carries require_pull (--enforce-disagg, with a ticket)
     output_token_ids: list[int] = field(default_factory=list)  # every token sent on so far (a migration replays them)
     migrated: bool = False  # the last decode stream ended with the worker giving the request back
-    # The last decode stream broke: (failover reason label, detail); deltas() continues elsewhere.
-    lost: tuple[str, str] | None = None
+    lost: LostDecode | None = None  # the last decode stream broke: deltas() continues elsewhere
     last_chunk_s: float = 0.0  # when the decode stream last delivered (or started): the decode watch reads it
     num_failovers: int = 0
     failed_over: bool = False  # a decode worker broke: the ticket's blocks are released at the end in any case
@@ -364,22 +362,23 @@ class _Run:
 
     async def _fail_over(self) -> None:
         """The decode worker broke mid-request (``lost``): the request goes on at another decode worker."""
-        reason, detail = self.lost
-        self.lost = None
+        lost, self.lost = self.lost, None
         old, rid = self.assignment.decode, self.request.request_id
         self.num_failovers += 1
-        self._worker_failed(Role.DECODE, old, detail)
-        self._abort_lost(old)
+        self._worker_failed(Role.DECODE, old, lost.detail)
+        if self.decode_call is not None:
+            self.decode_call.cancel()  # its worker learns it (now, or once the link is back) and drops the request
         self.decode_call = None
         self.failed_over = True
         new = await self._next_decode_worker()
         if new is None:
-            raise NoHealthyWorkers(f"decode worker {old} broke ({detail}) and no decode worker took request {rid} "
-                                   "on", retry_after_s=self.owner.config.retry_after_s)
+            log.warning("request %s: decode worker %s broke (%s) and no decode worker took the request on",
+                        rid, old, lost.detail)
+            raise lost.error
         self.failed.discard(Role.DECODE)  # the new worker is asked to clean up, if it comes to that
-        self.owner.metrics.decode_failovers.labels(reason).inc()
-        log.warning("request %s: decode worker %s broke (%s) after %d tokens; continuing on %s", rid, old, detail,
-                    len(self.output_token_ids), new)
+        self.owner.metrics.decode_failovers.labels(lost.reason).inc()
+        log.warning("request %s: decode worker %s broke (%s) after %d tokens; continuing on %s", rid, old,
+                    lost.detail, len(self.output_token_ids), new)
 
     def _may_fail_over(self) -> bool:
         """A broken decode stream may be continued elsewhere: not strict, failovers left, time left."""
@@ -399,21 +398,11 @@ class _Run:
             await asyncio.sleep(0.2)
         return new
 
-    def _abort_lost(self, address: str) -> None:
-        """Tell a lost decode worker to drop the request, without waiting (it may be gone or unreachable)."""
-        call = self.decode_call
-        if call is not None:
-            call.cancel()
-        task = asyncio.ensure_future(self.owner.pool.abort(Role.DECODE, address, self.request.request_id,
-                                                           self.owner.config.cleanup_timeout_s))
-        background = self.owner.background
-        background.add(task)
-        task.add_done_callback(background.discard)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an unreachable worker: nothing to say
-
     def lose_decode(self, reason: str) -> None:
         """The decode watch's cut (failover.py): the worker is marked down and this stream went silent."""
-        self.lost = ("marked_down", reason)
+        address = self.assignment.decode
+        self.lost = LostDecode("marked_down", f"worker marked down: {reason}",
+                               WorkerFailure(f"decode worker {address} was lost mid-request ({reason})"))
         if self.decode_call is not None:
             self.decode_call.cancel()  # the stream's reader gets CancelledError and fails over
 
@@ -577,27 +566,28 @@ class _Run:
                 if ticket is not None:
                     self.ticket_refused = True
                 return
+            error = from_rpc_error(exc, Role.DECODE, address, pull_required=self.require_pull)
             if exc.code() in FAILOVER_CODES and self._may_fail_over():
-                self.lost = ("broken", f"{exc.code().name}: {exc.details()}")
+                self.lost = LostDecode("broken", f"{exc.code().name}: {exc.details()}", error)
                 return
             if exc.code() in WORKER_FAULT_CODES:
                 self._worker_failed(Role.DECODE, address, f"{exc.code().name}: {exc.details()}")
                 log.warning("request %s: decode worker %s failed (%s: %s)", self.request.request_id, address,
                             exc.code().name, exc.details())
-            error = from_rpc_error(exc, Role.DECODE, address, pull_required=self.require_pull)
             if isinstance(error, DisaggregationFailed):  # refused, not served: no route to count
                 self.outcome.route = ""
                 log.warning("request %s: %s", self.request.request_id, error.message)
             raise error from None
         finally:
             self.owner.watch.untrack(self)
+        error = WorkerFailure(f"decode worker {address} ended the stream before the request finished")
         if self._may_fail_over():
-            self.lost = ("ended", "stream ended before the request finished")
+            self.lost = LostDecode("ended", "stream ended before the request finished", error)
             return
         self._worker_failed(Role.DECODE, address, "stream ended before the request finished")
         log.warning("request %s: decode worker %s ended the stream before the request finished",
                     self.request.request_id, address)
-        raise WorkerFailure(f"decode worker {address} ended the stream before the request finished")
+        raise error
 
     def _watch(self, address: str) -> None:
         """The decode stream on ``address`` starts: the decode watch may cut it if the worker is lost."""

@@ -133,7 +133,7 @@ async def _serving(tokenizer: Tokenizer, prefill: ScriptedPrefill, decode: Scrip
         await decode_server.start()
     try:
         fields = {"model": "tiny", "prefill": (f"127.0.0.1:{prefill_port}",), "decode": tuple(decode_addresses),
-                  "health_interval_s": 3600, **config}
+                  "health_interval_s": 3600, "decode_failover_wait_s": 0.2, **config}
         app = create_app(RouterConfig(**fields), tokenizer_loader=lambda _: tokenizer)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
