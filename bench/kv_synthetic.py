@@ -14,9 +14,11 @@ out one ticket per configured request and prints, one JSON object per line:
 It exits when its stdin closes. Config keys: engine_id, tp, reader_tp, kind, order, num_blocks,
 num_kv_heads (total), head_dim, dtype, num_layers, block_size, window (optional), seed, requests
 [{request_id, num_tokens, block_ids: [[...] per group], reader_tp (optional, default the top-level
-reader_tp)}], and optionally epoch, port, token, device ("cpu", "cuda" or "cuda:N"), devices (one
-device per rank, e.g. ["cuda:0", "cuda:1"]; rank i takes entry i mod len; default: every rank on
-device) and fill ("pattern", or "none" for benchmarks that need no content).
+reader_tp), prompt (optional: the token ids the ticket's prompt hash is of, default ``prompt_of``)}], and
+optionally epoch, port, token, lease_s (the tickets' lease: their deadline; nothing here frees blocks by it),
+device ("cpu", "cuda" or "cuda:N"), devices (one device per rank, e.g. ["cuda:0", "cuda:1"]; rank i takes
+entry i mod len; default: every rank on device) and fill ("pattern", or "none" for benchmarks that need no
+content).
 
 Hybrid models (several KV groups with their own shape, Gemma-3/4 style) add ``groups``: one
 object per group, in group-id order, ``{"kind": "full" | "sliding_window", "layers": [...],
@@ -50,6 +52,7 @@ from services.kv.handshake import HandshakeServicer, add_handshake_service
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.kv.nixl.agent import TransferAgent
 from services.kv.rank import LocalKVRank
+from services.kv.wire import prompt_hash
 
 ARCHITECTURE = "llama"
 
@@ -136,6 +139,11 @@ def fill_rank(cache: KVCache, values: dict[int, torch.Tensor], tp_size: int, ran
         v.copy_(layer_values[1, :, :, start:end])
 
 
+def prompt_of(request: dict) -> list[int]:
+    """The prompt a configured request's ticket is bound to: its ``prompt``, else tokens 0 .. num_tokens - 1."""
+    return request.get("prompt") or list(range(request["num_tokens"]))
+
+
 def rank_devices(cfg: dict) -> list[torch.device]:
     """Each rank's device: ``devices`` (rank i takes entry i mod len) or else ``device`` for all."""
     names = cfg.get("devices") or [cfg.get("device", "cpu")]
@@ -157,7 +165,7 @@ async def serve(cfg: dict) -> None:
         agent = TransferAgent(f"{cfg['engine_id']}-{epoch}-tp{rank}", device=device.type)
         ranks.append(LocalKVRank(agent, layout, cache.buffers, staging_bytes=cfg.get("staging_bytes", 0)))
     exporter = KVExporter(engine_id=cfg["engine_id"], model_name="pattern", identity=identity_for(cfg, layout),
-                          ranks=ranks, epoch=epoch)
+                          ranks=ranks, epoch=epoch, lease_s=cfg.get("lease_s", 30.0))
     server = grpc.aio.server()
     add_handshake_service(server, HandshakeServicer(exporter.describe, cfg.get("token")))
     port = server.add_insecure_port(f"127.0.0.1:{cfg.get('port', 0)}")
@@ -169,7 +177,7 @@ async def serve(cfg: dict) -> None:
         ticket = await exporter.hand_out(
             r["request_id"], r["block_ids"], num_tokens=r["num_tokens"], first_token_id=7,
             handshake_address=address, reader_tp_size=r.get("reader_tp", cfg["reader_tp"]),
-            reader_block_size=cfg.get("reader_block_size", 0),
+            reader_block_size=cfg.get("reader_block_size", 0), prompt_hash=prompt_hash(prompt_of(r)),
         )
         hand_out_s[r["request_id"]] = time.perf_counter() - started  # the owner's digest, and its gather if staged
         tickets[r["request_id"]] = ticket.SerializeToString().hex()

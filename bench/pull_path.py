@@ -232,8 +232,9 @@ def run_placement(owner_device: str, reader_device: str, tokens: list[int], pool
         hello = owner.hello()
         layout = layout_for(cfg, 1)
         (rank,) = make_ranks(layout, [reader_device], "pull-path-reader", max(staged_bytes, default=0))
+        # Each ticket is pulled again and again (the samples): the ticket checks would refuse the second pull.
         puller = KVPuller(engine_id="pull-path-reader", identity=identity_for(cfg, layout), ranks=[rank],
-                          transfer_timeout_s=TIMEOUT_S, prepared_lists=prepared_lists)
+                          transfer_timeout_s=TIMEOUT_S, prepared_lists=prepared_lists, check_tickets=False)
         base = dict(scenario="pull_path", owner_device=owner_device, reader_device=reader_device, load=load)
         prepared: list = []  # the prepared descriptor lists, released under the agent's lock at the end
 

@@ -26,6 +26,10 @@ PULL_STAGES = ("reserve", "handshake", "check", "pieces", "plan", "read", "diges
 JOIN_STAGES = ("last_pull", "resume", "first_step")
 # pdserve_kv_probes_total's results (decode): the probe transfer worked, or it did not.
 PROBE_RESULTS = ("ok", "failed")
+# pdserve_kv_refused_total's reasons for a ticket (decode; services/kv/pull_errors.py TicketError.reason): not signed
+# by its owner, not fitting its blocks, no usable digest, a part out of order; of another prompt, past its lease,
+# pulled before, or naming neither lease nor prompt (services/kv/pull_tickets.py).
+TICKET_REFUSALS = ("signature", "mismatch", "digest", "part", "prompt_mismatch", "expired", "replayed", "unbound")
 # pdserve_kv_events_total's kinds, indexed by the event kind's number (services/engine/kv_cache/events.py).
 KV_EVENT_KINDS = ("stored", "removed", "cleared")
 # Why a KV event stream was cut off by the worker (the subscriber resubscribes and takes a snapshot).
@@ -72,8 +76,9 @@ class WorkerMetrics:
         self.local_recomputes = Counter("pdserve_local_recompute_fallbacks",
                                         "Requests prefilled locally because the pull failed", labels, registry=r)
         self.kv_refused = Counter("pdserve_kv_refused", "Transfer tickets (decode) and NIXL notifications (prefill) "
-                                  "refused: not signed by their owner, not fitting it, naming no pending ticket, "
-                                  "or repeated", ["role", "kind", "reason"], registry=r)
+                                  "refused: not signed by their owner, not fitting it, of another prompt, past "
+                                  "their lease, pulled before, naming no pending ticket, or repeated",
+                                  ["role", "kind", "reason"], registry=r)
         self.kv_integrity_failures = Counter("pdserve_kv_integrity_failures", "Pulls whose KV did not match the "
                                              "ticket's digest, by KV group (the blocks were dropped and the prompt "
                                              "prefilled here)", ["role", "group"], registry=r)
@@ -173,7 +178,7 @@ class WorkerMetrics:
                 self.join_stage_seconds.labels(self.role, stage)
             for result in PROBE_RESULTS:
                 self.kv_probes.labels(self.role, result)
-        kind, reasons = ("ticket", ("signature", "mismatch", "digest", "part")) if self.role == "decode" else \
+        kind, reasons = ("ticket", TICKET_REFUSALS) if self.role == "decode" else \
             ("notification", ("unknown", "duplicate"))
         for reason in reasons:
             self.kv_refused.labels(self.role, kind, reason)

@@ -15,6 +15,12 @@ request's KV lands in blocks a late READ overwrites; the prompt is prefilled her
 Strict disaggregation (``GenerateRequest.require_pull``, the router's ``--enforce-disagg``): the same
 failures drop the reservation the same way, then raise :class:`PullRequired` instead of recomputing,
 so the router can fail the request rather than serve it from a prompt this worker prefilled.
+
+A ticket the puller refuses before any READ (``services.kv.pull_tickets``: past its lease, pulled before, or from
+an owner that binds none) is such a failure: counted by reason, its blocks never read, the prompt recomputed with
+the ticket's first token (its own prompt's). A ticket of another prompt (its prompt hash differs from this
+prompt's, checked before anything is reserved) is bad input, as a ticket of another length is: its first token
+is another prompt's, so no continuation here would be this prompt's; the call fails (INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from services.engine.sched.request import Request
 from services.kv.handshake import HandshakeError
 from services.kv.nixl.errors import TransferError, TransferTimeout
 from services.kv.pull_errors import KVIntegrityError, TicketError
+from services.kv.pull_tickets import names_another_prompt
 from services.kv.puller import PullResult
+from services.kv.wire import prompt_hash
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
@@ -70,7 +78,7 @@ class Puller(Protocol):
 
     async def pull(self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]],
                    num_cached_tokens: int = 0, local_state_slot: int | None = None, *,
-                   earlier: Sequence[kv_pb2.TransferTicket] = ()) -> PullResult: ...
+                   earlier: Sequence[kv_pb2.TransferTicket] = (), prompt_hash: bytes | None = None) -> PullResult: ...
 
 
 class PullRequired(Exception):
@@ -108,11 +116,13 @@ class PartPulls:
     """How far a request's part tickets came (``start_parts``): each must start where the one before ended and
     name this request and prompt; the last ends at the prompt's end and carries the first token."""
 
-    def __init__(self, num_prompt_tokens: int) -> None:
+    def __init__(self, num_prompt_tokens: int, prompt_digest: bytes) -> None:
         self.num_prompt_tokens = num_prompt_tokens
+        self.prompt_digest = prompt_digest  # ``wire.prompt_hash`` of the whole prompt, which every part names
         self.end = 0  # tokens covered by the parts so far
         self.last: kv_pb2.TransferTicket | None = None
         self.failure: str | None = None
+        self.other_prompt = False  # a part named another prompt: bad input, never recomputed from its first token
         self.num_pulled = 0
         self.join: JoinTimes | None = None  # once the engine took the request after the last part
 
@@ -120,18 +130,24 @@ class PartPulls:
         """Whether ``ticket`` is the last part: it reaches the prompt's end (and carries the first token)."""
         return ticket.num_tokens >= self.num_prompt_tokens
 
-    def accept(self, ticket: kv_pb2.TransferTicket, rid: str) -> str | None:
-        """Take the next part; why it does not fit, if it does not (it is not pulled then)."""
+    def accept(self, ticket: kv_pb2.TransferTicket, rid: str) -> TicketError | None:
+        """Take the next part; why it does not fit, if it does not (it is not pulled then): reason ``part`` (of
+        another request or length, or out of order) or ``prompt_mismatch`` (of another prompt)."""
         whole = max(ticket.num_prompt_tokens, ticket.num_tokens)
-        problem = None
+        problem, reason = None, "part"
         if ticket.request_id != rid or whole != self.num_prompt_tokens:
             problem = f"a KV part of request {ticket.request_id!r} ({whole} tokens)"
         elif ticket.part_start_token != self.end or not self.end < ticket.num_tokens <= whole:
             problem = f"a KV part of tokens {ticket.part_start_token}..{ticket.num_tokens} after tokens 0..{self.end}"
+        elif names_another_prompt(ticket, self.prompt_digest):
+            problem, reason = f"a KV part of tokens {ticket.part_start_token}..{ticket.num_tokens} of another " \
+                              "prompt", "prompt_mismatch"
         self.end = max(self.end, ticket.num_tokens)
         if self.ends_prompt(ticket):
             self.last = ticket
-        return None if problem is None else f"{problem} does not continue the prompt's KV; refused"
+        if problem is None:
+            return None
+        return TicketError(f"{problem} does not continue the prompt's KV; refused", reason=reason)
 
 
 class PullPolicy:
@@ -168,9 +184,16 @@ class PullPolicy:
         pull is required, raise PullRequired)."""
         if list(ticket.groups) and ticket.num_tokens != len(prompt):
             raise ValueError(f"ticket covers {ticket.num_tokens} tokens, the prompt has {len(prompt)}")
+        digest = prompt_hash(prompt)
+        if names_another_prompt(ticket, digest):
+            self.metrics.kv_refused.labels("decode", "ticket", "prompt_mismatch").inc()
+            log.warning("request %s: its ticket (request %r of engine %s) was issued for another prompt of %d "
+                        "tokens; refused", rid, ticket.request_id, ticket.engine_id, len(prompt))
+            raise TicketError(f"the ticket of request {ticket.request_id!r} was issued for another prompt",
+                              reason="prompt_mismatch")
         started = time.perf_counter()
         try:
-            outcome = await self._reserve_and_pull(rid, prompt, params, ticket, started)
+            outcome = await self._reserve_and_pull(rid, prompt, params, ticket, digest, started)
         except ValueError:
             raise  # bad input (a duplicate id among them): nothing was reserved under this call
         except BaseException:
@@ -197,10 +220,11 @@ class PullPolicy:
         plus the last part's first token is prefilled here (``require_pull``: :class:`PullRequired` once the
         parts are read to the last, which the call's status must follow).
         Parts that end before the last one (the prefill worker failed: the router has no first token either)
-        leave the prompt to be prefilled here from scratch, as without a ticket."""
+        leave the prompt to be prefilled here from scratch, as without a ticket. A part of another prompt is a
+        ValueError once the parts are read to the last (its first token is that prompt's)."""
         started = time.perf_counter()
         request = await self._reserve(rid, prompt, params)  # ValueError here: nothing reserved under this call
-        pulled = PartPulls(len(prompt))
+        pulled = PartPulls(len(prompt), prompt_hash(prompt))
         if request is None:
             pulled.failure = f"no KV blocks or sequence seat free for {self.reserve_timeout_s:.0f} s"
         try:
@@ -213,6 +237,9 @@ class PullPolicy:
             raise
         if pulled.failure is None:
             return StartedRequest(join=pulled.join)
+        if pulled.other_prompt:  # bad input (as in ``start``): nothing here would continue this prompt
+            log.warning("request %s: %s", rid, pulled.failure)
+            raise ValueError(pulled.failure)
         if require_pull:
             log.warning("request %s: %s; failing it (the router requires pulled KV)", rid, pulled.failure)
             raise PullRequired(pulled.failure)
@@ -246,8 +273,9 @@ class PullPolicy:
                     ticket, arrived = item
                     problem = pulled.accept(ticket, rid)
                     if pulled.failure is None and problem is not None:
-                        pulled.failure = problem
-                        self.metrics.kv_refused.labels("decode", "ticket", "part").inc()
+                        pulled.failure = str(problem)
+                        pulled.other_prompt = problem.reason == "prompt_mismatch"
+                        self.metrics.kv_refused.labels("decode", "ticket", problem.reason).inc()
                         await self.engine.abort(rid)
                     if pulled.failure is None:
                         todo.append(ticket)
@@ -291,7 +319,8 @@ class PullPolicy:
         rid, first, last = request.request_id, tickets[0], tickets[-1]
         cached = min(max(request.num_cached_tokens, first.part_start_token), last.num_tokens)
         try:
-            result = await self.puller.pull(last, request.block_ids, cached, request.state_slot, earlier=tickets[:-1])
+            result = await self.puller.pull(last, request.block_ids, cached, request.state_slot, earlier=tickets[:-1],
+                                            prompt_hash=pulled.prompt_digest)
         except PULL_ERRORS as e:
             await self._drop_failed_pull(rid, e)
             pulled.failure = f"KV pull of tokens {first.part_start_token}..{last.num_tokens} from " \
@@ -310,7 +339,7 @@ class PullPolicy:
         return StartedRequest((first_token_id,), recomputed_locally=True)
 
     async def _reserve_and_pull(self, rid: str, prompt: list[int], params: SamplingParams,
-                                ticket: kv_pb2.TransferTicket, started: float) -> StartedRequest | str:
+                                ticket: kv_pb2.TransferTicket, digest: bytes, started: float) -> StartedRequest | str:
         """Reserve local blocks and pull the ticket's KV into them: the request running on the pulled KV,
         else why it cannot (no room in time, the pull failed, the first token was refused: any reservation
         is dropped by then)."""
@@ -319,7 +348,8 @@ class PullPolicy:
         if request is None:
             return f"no KV blocks or sequence seat free for {self.reserve_timeout_s:.0f} s"
         try:
-            result = await self.puller.pull(ticket, request.block_ids, request.num_cached_tokens, request.state_slot)
+            result = await self.puller.pull(ticket, request.block_ids, request.num_cached_tokens, request.state_slot,
+                                            prompt_hash=digest)
         except PULL_ERRORS as e:
             await self._drop_failed_pull(rid, e)
             return f"KV pull from {ticket.engine_id} failed ({e})"

@@ -5,6 +5,10 @@ may live in other processes). A ticket is handed out with the reader's TP size, 
 knows how many reading ranks will notify each of its ranks (``group_readers_per_remote_rank``,
 each KV group sharded by its own heads); the request's blocks are released once every owner rank
 has heard from all of its readers, or when the lease expires.
+
+A ticket names its lease's end (``lease_deadline_unix_ms``) and its prompt (``prompt_hash``), signed with the rest:
+a READ is one-sided, so it is the reader that refuses a ticket past its lease or of another prompt
+(``services.kv.pull_tickets``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import asyncio
 import math
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -45,9 +49,15 @@ class KVExporter:
         identity: KVIdentity,
         ranks: Sequence[KVRank],
         epoch: int | None = None,
+        lease_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         """``identity`` is the engine's (``KVIdentity.of``: the model's shape, its layout); it must
-        describe the ranks' layout."""
+        describe the ranks' layout. ``lease_s``: how long a ticket's blocks stay pinned unread (the lease the
+        caller's ``expire`` runs with: ``--kv-lease-s``), which sets each ticket's deadline on ``clock`` (wall
+        time, which the reader compares with its own)."""
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
         if not ranks:
             raise ValueError("an engine has at least one TP rank")
         layout = ranks[0].layout
@@ -55,6 +65,8 @@ class KVExporter:
         self.engine_id = engine_id
         self.identity = identity
         self.epoch = epoch if epoch is not None else time.time_ns()
+        self.lease_s = lease_s
+        self._clock = clock
         self._ticket_key = secrets.token_bytes(32)  # this epoch's; readers get it in the handshake
         self._ranks = list(ranks)
         self.compat = CompatInfo.of_identity(identity)
@@ -77,6 +89,7 @@ class KVExporter:
         # request id -> (owner rank, host tier, nonce) sources still expecting readers, over all its tickets
         self._waiting: dict[str, set[tuple[int, bool, str]]] = {}
         self._nonces: dict[str, list[str]] = {}  # request id -> its tickets' notification nonces
+        self._lease_ends: dict[str, dict[str, float]] = {}  # request id -> nonce -> that ticket's lease end (wall s)
         self._open: dict[str, int] = {}  # request id -> end of its last part ticket, while its last is not out
         # (request id, nonce) -> per owner rank, its staged span's offset while that rank's readers have not notified
         self._staged: dict[tuple[str, str], dict[int, int]] = {}
@@ -99,6 +112,7 @@ class KVExporter:
         first_token_id: int,
         handshake_address: str,
         reader_tp_size: int,
+        prompt_hash: bytes,
         first_token_logprob: float = 0.0,
         host_block_ids: Sequence[Sequence[int]] = (),
         num_host_tokens: int = 0,
@@ -114,6 +128,7 @@ class KVExporter:
         With the KV digest on, the ticket carries it per group and reading rank (computed on every
         owner rank, where the KV lives); ``reader_block_size`` (the reader's block size, or the gcd of
         its groups'; 0: this engine's) sets its unit, which must divide both sides' block sizes.
+        ``prompt_hash``: the whole prompt's (``wire.prompt_hash``, computed once per request), on every part.
 
         A part ticket (KV sent per prefill chunk) holds tokens ``part_start_token .. num_tokens`` of a
         prompt of ``num_prompt_tokens``: the request's parts follow each other (each starts where the one
@@ -126,6 +141,8 @@ class KVExporter:
         """
         whole = num_prompt_tokens or num_tokens
         last = num_tokens == whole
+        if len(prompt_hash) != 32:
+            raise ValueError(f"request {request_id!r}: a prompt hash is 32 bytes (SHA-256), got {len(prompt_hash)}")
         if self.identity.state is not None and last and num_tokens and state_slot is None:
             raise ValueError(f"request {request_id!r}: a model with state layers hands out its state slot")
         if state_slot is not None and not (last and 0 <= state_slot < self._description.num_state_slots):
@@ -152,7 +169,9 @@ class KVExporter:
         if self._open.get(request_id) != opened:  # abandoned (or another part went out) while digesting
             self._unstage(staged)
             raise ValueError(f"request {request_id!r} was abandoned while its part was digested")
+        issued = self._clock()  # before the lease starts (``_expect``): the deadline is never after its end
         nonce = self._expect(request_id, reader_tp_size, bool(num_host_tokens))
+        deadline = self._lease_deadline(request_id, nonce, issued + self.lease_s)
         if staged:
             self._staged[request_id, nonce] = staged
         if num_tokens < whole:
@@ -169,9 +188,19 @@ class KVExporter:
             num_prompt_tokens=num_prompt_tokens if num_tokens < whole or part_start_token else 0,
             has_state=state_slot is not None, state_slot=state_slot or 0, state_digests=state_digests,
             staged_offsets=[staged[r] for r in sorted(staged)],
+            lease_deadline_unix_ms=math.floor(deadline * 1000), prompt_hash=prompt_hash,
         )
         ticket.signature = ticket_signature(ticket, self._ticket_key)
         return ticket
+
+    def _lease_deadline(self, request_id: str, nonce: str, lease_end: float) -> float:
+        """The new ticket's deadline (wall s): its own ``lease_end``, or an earlier one of the request's tickets
+        still unread, since any lease that runs out frees the whole request's blocks (``expire`` abandons it)."""
+        unread = {n for _, _, n in self._waiting.get(request_id, ())}
+        ends = {n: end for n, end in self._lease_ends.get(request_id, {}).items() if n in unread}
+        ends[nonce] = lease_end
+        self._lease_ends[request_id] = ends
+        return min(ends.values())
 
     async def _stage(self, block_ids: Sequence[Sequence[int]], num_tokens: int, reader_tp_size: int,
                      reader_block_size: int, begin: int, window_end: int) -> dict[int, int]:
@@ -289,6 +318,7 @@ class KVExporter:
         for rid in done:
             del self._waiting[rid]
             self._nonces.pop(rid, None)
+            self._lease_ends.pop(rid, None)
         return done
 
     def refused_notifications(self) -> dict[str, int]:
@@ -316,6 +346,7 @@ class KVExporter:
                 for host in (False, True):
                     tracker.discard(notification_key(request_id, host, nonce))
         self._open.pop(request_id, None)
+        self._lease_ends.pop(request_id, None)
         return self._waiting.pop(request_id, None) is not None
 
     def _release_span(self, request_id: str, nonce: str, rank: int) -> None:

@@ -8,9 +8,11 @@ from services.kv.nixl.errors import TransferError
 
 
 class TicketError(ValueError):
-    """The ticket does not fit the owner's engine (forged, truncated or from another model).
+    """The ticket does not fit the owner's engine (forged, truncated or from another model), or may not be read
+    (``pull_tickets``: of another prompt, past its lease, pulled before).
 
-    ``reason`` names the check that refused it, for the refusal counter.
+    ``reason`` names the check that refused it, for the refusal counter (``services.common.metrics``
+    ``TICKET_REFUSALS``).
     """
 
     def __init__(self, message: str, reason: str = "mismatch") -> None:

@@ -13,10 +13,11 @@ in-range id, e.g. the owner's scratch block, repeated) for blocks that fell out 
 are range-checked like every id and never read, since the pieces start at ``window_start_token``.
 
 A ticket is untrusted input: it must carry the owner's signature (HMAC under the key of the owner's
-epoch, from the handshake), and its groups, block ids and token count are checked against the
-owner's handshake before anything is planned, and descriptors are only ever computed from the
-layout specs, so a forged ticket cannot point a READ outside the owner's registered KV buffers
-or the reader's own blocks.
+epoch, from the handshake), be of the prompt it came with, inside its lease and not pulled before
+(``pull_tickets``: a READ is one-sided, its owner cannot refuse it), and its groups, block ids and token
+count are checked against the owner's handshake before anything is planned, and descriptors are
+only ever computed from the layout specs, so a forged ticket cannot point a READ outside the owner's
+registered KV buffers or the reader's own blocks.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from services.kv.planner import TransferPlan, plan_groups
 from services.kv.pull_digests import check_digests, digest_jobs
 from services.kv.pull_errors import TicketError
 from services.kv.pull_state import StateRead, check_state_digest, check_state_ticket
+from services.kv.pull_tickets import TicketChecks
 from services.kv.rank import KVRank, LocalKVRank
 from services.kv.read_lists import ListLayout, list_layout
 from services.kv.staging import StagedRead, plan_rows, release_spans, same_layout, span_inside, staged_blocks, unstage
@@ -128,12 +130,15 @@ class KVPuller:
         tls: TLSConfig | None = None,
         corrupt_pulled_kv_after: int | None = None,
         prepared_lists: bool = True,
+        check_tickets: bool = True,
     ) -> None:
         """``identity`` is the reading engine's (``KVIdentity.of``); an owner must hash the same to be read.
         ``corrupt_pulled_kv_after``: fault injection (``kv_corrupt:N``): after N pulls, flip bits in every
         pulled block after its READ, before the digest check (None: never). ``prepared_lists``: read through
         descriptor lists prepared once per peer where the rank and layouts allow (``read_lists``); off, every
-        pull is planned from scratch."""
+        pull is planned from scratch. ``check_tickets``: refuse a ticket of another prompt, past its lease or pulled
+        before (``pull_tickets``; ``pull`` then takes the prompt's hash); off only for benchmarks and tests that pull
+        one ticket again and again."""
         if ranks:
             identity.check_layout(ranks[0].layout)
         self.engine_id = engine_id
@@ -143,6 +148,7 @@ class KVPuller:
         self.transfer_timeout_s = transfer_timeout_s
         self._corrupt_after = corrupt_pulled_kv_after
         self._num_pulls = 0
+        self.ticket_checks = TicketChecks() if check_tickets else None
         self._reads_of: dict[str, tuple[EngineDescription, list]] = {}  # engine id -> (its description, reads)
         self._prepared_lists = prepared_lists
         # engine id -> (its description, {(sources, prepared): the READs of a pull})
@@ -233,6 +239,7 @@ class KVPuller:
     async def pull(
         self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]], num_cached_tokens: int = 0,
         local_state_slot: int | None = None, *, earlier: Sequence[kv_pb2.TransferTicket] = (),
+        prompt_hash: bytes | None = None,
     ) -> PullResult:
         """Fill the local blocks with the ticket's KV (all local ranks, concurrently).
 
@@ -251,7 +258,13 @@ class KVPuller:
         ``num_cached_tokens`` (a local block boundary in every group) were already in the reader's
         prefix cache: each group skips its whole cached blocks. Sliding-window groups move only the
         blocks their window still reads (``window_start_token``); the rest of a table is not read.
+
+        ``prompt_hash`` (``wire.prompt_hash`` of the whole prompt; needed unless tickets go unchecked): every ticket
+        must name that prompt, be inside its lease and new to this reader (``TicketChecks.admit``), or the pull is a
+        ``TicketError`` before anything is read; once admitted, a ticket is never pulled again.
         """
+        if self.ticket_checks is not None and prompt_hash is None:
+            raise ValueError("a pull of checked tickets names its prompt's hash")
         started = time.perf_counter()
         if not 0 <= num_cached_tokens <= ticket.num_tokens:
             raise ValueError(f"num_cached_tokens {num_cached_tokens} outside [0, {ticket.num_tokens}]")
@@ -270,6 +283,8 @@ class KVPuller:
             _check_consecutive(parts)
         remote_ids, host_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
         state = check_state_ticket(ticket, remote, self.identity, self._ranks, local_state_slot)
+        if self.ticket_checks is not None:  # checked and recorded at once (one ticket, one READ), before any READ
+            self.ticket_checks.admit(parts, prompt_hash)
         self._num_pulls += 1
         corrupt = self._corrupt_after is not None and self._num_pulls > self._corrupt_after
         digested = self.identity.digest_on or corrupt

@@ -1,10 +1,14 @@
-"""Conversions between the KV value types and their protobuf messages (services/proto_gen)."""
+"""Conversions between the KV value types and their protobuf messages (services/proto_gen); notification keys; a
+ticket's signature and the hash that binds it to its prompt."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from services.kv.groups import AttentionKind, KVCacheGroupSpec, MambaShape, StateGroupSpec
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
@@ -82,6 +86,16 @@ def ticket_signature(ticket: kv_pb2.TransferTicket, key: bytes) -> bytes:
 
 def ticket_is_signed_by(ticket: kv_pb2.TransferTicket, key: bytes) -> bool:
     return bool(key) and hmac.compare_digest(ticket.signature, ticket_signature(ticket, key))
+
+
+def prompt_hash(token_ids: Sequence[int]) -> bytes:
+    """SHA-256 of a prompt's token ids packed as little-endian uint32: what a ticket names its prompt by
+    (``TransferTicket.prompt_hash``), computed once per request by the owner and by the reader. A token id
+    outside uint32 is a ValueError (numpy's own check)."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) > 0xFFFF_FFFF):
+        raise ValueError("a prompt's token ids must fit in uint32")
+    return hashlib.sha256(ids.astype("<u4").tobytes()).digest()
 
 
 @dataclass(frozen=True)

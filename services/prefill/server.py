@@ -36,6 +36,7 @@ from services.engine.sched.request import Request, RequestStatus
 from services.kv.exporter import KVExporter
 from services.kv.groups import KVCacheGroupSpec
 from services.kv.handshake import HandshakeServicer, add_handshake_service
+from services.kv.wire import prompt_hash
 from services.prefill.release import ReleaseLoop, run_current
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.config import PrefillConfig
@@ -112,7 +113,7 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
         rid, num_prompt_tokens = request.request_id, len(request.prompt_token_ids)
         align = part_alignment(self.engine.engine.kv_layout.groups, request.reader_block_size)
         params, held = await self._add(request, context, align)
-        parts_end, answered = 0, False
+        parts_end, answered, digest = 0, False, prompt_hash(request.prompt_token_ids)  # every part names the prompt
         try:
             final = None
             async for item in self.engine.outputs_with_parts(rid):
@@ -123,13 +124,13 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
                     ticket = await self.exporter.hand_out(
                         rid, item.block_ids, num_tokens=item.end, first_token_id=0, handshake_address=self.address,
                         reader_tp_size=request.reader_tp_size or 1, reader_block_size=request.reader_block_size,
-                        part_start_token=parts_end, num_prompt_tokens=num_prompt_tokens)
+                        part_start_token=parts_end, num_prompt_tokens=num_prompt_tokens, prompt_hash=digest)
                 except ValueError as e:  # abandoned meanwhile (Release, Abort, a part's lease)
                     await context.abort(grpc.StatusCode.ABORTED, f"request {rid}: {e}")
                 parts_end = item.end
                 self.metrics.requests.labels("prefill", "kv_part").inc()
                 yield worker_pb2.PrefillPart(part=ticket)
-            response = await self._answer(request, params, held, final, started, parts_end)
+            response = await self._answer(request, params, held, final, started, parts_end, digest)
             answered = True
             yield worker_pb2.PrefillPart(final=response)
         finally:
@@ -152,9 +153,11 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
         return params, held
 
     async def _answer(self, request: worker_pb2.PrefillRequest, params: SamplingParams, held: Request,
-                      final: RequestOutput, started: float, parts_end: int = 0) -> worker_pb2.PrefillResponse:
+                      final: RequestOutput, started: float, parts_end: int = 0, digest: bytes | None = None
+                      ) -> worker_pb2.PrefillResponse:
         """The first token and the ticket of the rest of the prompt (from ``parts_end``, where its part tickets
-        ended), or ``finished`` with every block released when the first token is also the last."""
+        ended), or ``finished`` with every block released when the first token is also the last. ``digest``: the
+        prompt's hash, when the parts already computed it."""
         rid, num_prompt_tokens = request.request_id, len(request.prompt_token_ids)
         self.metrics.ttft.labels("prefill").observe(time.monotonic() - started)
         response = _first_token_response(final, num_prompt_tokens)
@@ -174,6 +177,7 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
             reader_tp_size=request.reader_tp_size or 1, host_block_ids=host_ids, num_host_tokens=num_host_tokens,
             reader_block_size=request.reader_block_size, part_start_token=parts_end,
             num_prompt_tokens=num_prompt_tokens if parts_end else 0, state_slot=held.state_slot,
+            prompt_hash=digest or prompt_hash(request.prompt_token_ids),
         ))
         self.metrics.requests.labels("prefill", "ticket").inc()
         return response
@@ -248,7 +252,7 @@ def _attach(context: WorkerContext) -> list[Background]:
 
     def exporter_of(epoch: int) -> KVExporter:
         return KVExporter(engine_id=context.engine_id, model_name=engine.source.name, ranks=context.ranks,
-                          epoch=epoch, identity=context.identity)
+                          epoch=epoch, identity=context.identity, lease_s=config.kv_lease_s)
 
     switch = context.switch or RoleSwitch("prefill", context.epoch)
     servicer = PrefillServicer(context.server, context.aengine, exporter_of(switch.epoch), context.address,

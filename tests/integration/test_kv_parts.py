@@ -30,6 +30,7 @@ from services.kv.nixl.agent import TransferAgent
 from services.kv.pull_errors import TicketError
 from services.kv.puller import KVPuller
 from services.kv.rank import LocalKVRank
+from services.kv.wire import prompt_hash
 from services.launch.spawn import daemons
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.kv_ranks import kv_identity
@@ -191,17 +192,19 @@ def test_parts_pulled_as_they_come_are_byte_exact(checkpoint: str, pair: str) ->
                         assert request.num_cached_tokens == num_cached
                         if rid == "middle":
                             with pytest.raises(ValueError, match="not consecutive parts"):
-                                await puller.pull(tickets[3], request.block_ids, 8, earlier=[tickets[1]])
+                                await puller.pull(tickets[3], request.block_ids, 8, earlier=[tickets[1]],
+                                                  prompt_hash=prompt_hash(prompt))
                             forged = kv_pb2.TransferTicket()
                             forged.CopyFrom(tickets[1])
                             forged.num_tokens += CHUNK
                             with pytest.raises(TicketError, match="not signed"):
-                                await puller.pull(tickets[3], request.block_ids, 8, earlier=[forged, tickets[2]])
+                                await puller.pull(tickets[3], request.block_ids, 8, earlier=[forged, tickets[2]],
+                                                  prompt_hash=prompt_hash(prompt))
                         for batch in pulls or [[i] for i in range(len(tickets))]:
                             parts = [tickets[i] for i in batch]
                             start = max(num_cached, parts[0].part_start_token)
                             result = await puller.pull(parts[-1], request.block_ids, min(start, parts[-1].num_tokens),
-                                                       earlier=parts[:-1])
+                                                       earlier=parts[:-1], prompt_hash=prompt_hash(prompt))
                             assert result.num_reads == 1
                             assert (result.num_bytes == 0) == (parts[-1].num_tokens <= num_cached)
                         kv, tokens = _colocated(checkpoint, prompt, prefill_layout, prefill_bs)
@@ -241,7 +244,8 @@ def test_a_long_prompt_ends_with_a_short_final_part(checkpoint: str) -> None:
                 assert [t.num_tokens for t in tickets] == [16, 32, 40, 45]
                 request = reader.add_request_with_external_kv("capped", prompt, GREEDY)
                 for ticket in tickets:
-                    await puller.pull(ticket, request.block_ids, ticket.part_start_token)
+                    await puller.pull(ticket, request.block_ids, ticket.part_start_token,
+                                      prompt_hash=prompt_hash(prompt))
                 return messages[-1].final
 
             final = asyncio.run(run())
@@ -300,7 +304,8 @@ def test_sliding_window_parts_send_only_the_last_window(gemma: str, pair: str) -
                     assert pinned_parts == 48 // prefill_bs + (48 - first_kept) // prefill_bs, pinned_parts
                     request = reader.add_request_with_external_kv("gemma", prompt, GREEDY)
                     for ticket in tickets:
-                        result = await puller.pull(ticket, request.block_ids, ticket.part_start_token)
+                        result = await puller.pull(ticket, request.block_ids, ticket.part_start_token,
+                                                   prompt_hash=prompt_hash(prompt))
                         begin, end = ticket.part_start_token, ticket.num_tokens
                         exact = _moved_bytes(reader.kv_layout, window_start, begin, end)
                         if end < len(prompt):

@@ -20,6 +20,7 @@ from services.kv.exporter import KVExporter
 from services.kv.nixl.agent import TransferAgent
 from services.kv.pull_errors import TicketError
 from services.kv.rank import LocalKVRank
+from services.kv.wire import prompt_hash
 from tests.integration.test_kv_transfer import (
     BASE,
     SENTINEL,
@@ -33,6 +34,7 @@ DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
 AREA = 1 << 20
 NUM_TOKENS = 29  # 8 blocks of 4, the last partial
 FRAGMENTED = list(range(1, 17, 2))  # no two adjacent
+PROMPT_HASH = prompt_hash(range(NUM_TOKENS))
 CASES = {  # name: (layout overrides, TP size on both sides)
     "cross_layer": ({"kind": "cross_layer"}, 1),
     "per_layer": ({}, 1),
@@ -109,17 +111,20 @@ def test_owner_frees_each_span_once_read_and_on_abandon() -> None:
         exporter = KVExporter(engine_id="owner-abandon", model_name="pattern",
                               identity=identity_for({**BASE, "kind": "cross_layer"}, layout), ranks=[rank])
         ticket = asyncio.run(exporter.hand_out("a", [FRAGMENTED], num_tokens=NUM_TOKENS, first_token_id=1,
-                                               handshake_address="127.0.0.1:1", reader_tp_size=1))
+                                               handshake_address="127.0.0.1:1", reader_tp_size=1,
+                                             prompt_hash=PROMPT_HASH))
         assert ticket.staged_offsets and rank.staging.free_bytes < AREA
         assert exporter.abandon("a") and rank.staging.free_bytes == AREA
         # Another reader TP size cannot read the span: nothing is staged for it.
         other = asyncio.run(exporter.hand_out("b", [FRAGMENTED], num_tokens=NUM_TOKENS, first_token_id=1,
-                                              handshake_address="127.0.0.1:1", reader_tp_size=2))
+                                              handshake_address="127.0.0.1:1", reader_tp_size=2,
+                                              prompt_hash=PROMPT_HASH))
         assert not other.staged_offsets and rank.staging.free_bytes == AREA
         # No room: the ticket goes out unstaged (its blocks are read), and the miss is counted.
         hog = rank.staging.alloc(AREA - 256)
         full = asyncio.run(exporter.hand_out("c", [FRAGMENTED], num_tokens=NUM_TOKENS, first_token_id=1,
-                                             handshake_address="127.0.0.1:1", reader_tp_size=1))
+                                             handshake_address="127.0.0.1:1", reader_tp_size=1,
+                                             prompt_hash=PROMPT_HASH))
         assert not full.staged_offsets and exporter.num_staging_full == 1
         rank.staging.free(hog)
     finally:

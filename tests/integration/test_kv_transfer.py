@@ -131,7 +131,10 @@ class Reader:
 
 @contextmanager
 def reader(cfg: dict, tp: int, token: str | None = None, corrupt: bool = False, staging_bytes: int = 0,
-           device: str = "cpu"):
+           device: str = "cpu", check_tickets: bool = False):
+    """A reading engine of ``cfg`` in this process. Its tickets go unchecked unless ``check_tickets``: these tests
+    pull one ticket again on purpose (lists, restarts, refusals) and bind no prompt; test_kv_transfer_tickets.py
+    checks the tickets."""
     layout = layout_for(cfg, tp)
     caches, agents, ranks = [], [], []
     for rank in range(tp):
@@ -144,7 +147,7 @@ def reader(cfg: dict, tp: int, token: str | None = None, corrupt: bool = False, 
         ranks.append(LocalKVRank(agent, layout, cache.buffers, staging_bytes=staging_bytes))
     puller = KVPuller(engine_id="reader", identity=identity_for(cfg, layout), ranks=ranks,
                       auth_token=token, handshake_timeout_s=10, transfer_timeout_s=20,
-                      corrupt_pulled_kv_after=0 if corrupt else None)
+                      corrupt_pulled_kv_after=0 if corrupt else None, check_tickets=check_tickets)
     r = Reader(puller, caches, agents, cfg, tp, ranks)
     try:
         yield r

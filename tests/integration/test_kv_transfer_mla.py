@@ -24,6 +24,7 @@ from services.kv.layout import LayoutKind
 from services.kv.nixl.agent import TransferAgent
 from services.kv.puller import KVPuller
 from services.kv.rank import LocalKVRank
+from services.kv.wire import prompt_hash
 from services.launch.spawn import daemons
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.kv_ranks import kv_identity
@@ -112,7 +113,8 @@ def test_mla_rows_pulled_between_processes_are_byte_exact(deepseek: str, pair: s
                         local = reader.add_request_with_external_kv(rid, prompt, GREEDY)
                         assert local.num_cached_tokens == 0
                         for ticket in tickets:
-                            result = await puller.pull(ticket, local.block_ids, ticket.part_start_token)
+                            result = await puller.pull(ticket, local.block_ids, ticket.part_start_token,
+                                                       prompt_hash=prompt_hash(prompt))
                             exact = _row_bytes(ticket.num_tokens - ticket.part_start_token)
                             padded = _row_bytes(-(-ticket.num_tokens // 4) * 4 - ticket.part_start_token)
                             assert exact <= result.num_bytes <= padded, (rid, result.num_bytes, exact)

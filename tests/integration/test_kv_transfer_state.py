@@ -24,7 +24,7 @@ from services.kv.nixl.agent import TransferAgent
 from services.kv.pull_errors import KVIntegrityError, TicketError
 from services.kv.puller import KVPuller
 from services.kv.rank import LocalKVRank
-from services.kv.wire import ticket_signature
+from services.kv.wire import prompt_hash, ticket_signature
 from services.launch.spawn import daemons
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.kv_ranks import kv_identity
@@ -108,7 +108,7 @@ def test_state_and_kv_pulled_between_processes_are_byte_exact(granite: str, pair
                         pulled = 0
                         for ticket in tickets:
                             result = await puller.pull(ticket, local.block_ids, ticket.part_start_token,
-                                                       local.state_slot)
+                                                       local.state_slot, prompt_hash=prompt_hash(prompt))
                             pulled += result.num_bytes
                         exact = len(prompt) * kv_per_token + slot_bytes  # the KV of every token, the state once
                         padded = -(-len(prompt) // 8) * 8 * kv_per_token + slot_bytes
@@ -153,16 +153,19 @@ def test_state_ticket_checks_and_digest(granite: str) -> None:
                         forged.signature = ticket_signature(forged, remote.ticket_key)
                         return forged
 
+                    digest = prompt_hash(prompt)
                     with pytest.raises(TicketError, match="carries no state"):
-                        await puller.pull(altered(has_state=False), local.block_ids, 0, local.state_slot)
+                        await puller.pull(altered(has_state=False), local.block_ids, 0, local.state_slot,
+                                          prompt_hash=digest)
                     with pytest.raises(TicketError, match="outside the owner's"):
                         await puller.pull(altered(state_slot=remote.num_state_slots), local.block_ids, 0,
-                                          local.state_slot)
+                                          local.state_slot, prompt_hash=digest)
                     with pytest.raises(TicketError, match="local state slot"):
-                        await puller.pull(ticket, local.block_ids, 0, None)
+                        await puller.pull(ticket, local.block_ids, 0, None, prompt_hash=digest)
+                    # The three above were refused before the ticket checks recorded the nonce: this is its first pull.
                     with pytest.raises(KVIntegrityError, match="state digest"):
                         await puller.pull(altered(state_digests=[ticket.state_digests[0] ^ 1]), local.block_ids, 0,
-                                          local.state_slot)
+                                          local.state_slot, prompt_hash=digest)
 
             asyncio.run(run())
             info = _wait_for(p.address, "prefill", lambda i: i.kv_blocks_pinned == 0)

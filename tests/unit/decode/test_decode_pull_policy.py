@@ -81,14 +81,16 @@ class FakePuller:
         self.error = error
         self.gate = gate
         self.pulls: list[tuple[str, list[list[int]], int]] = []
+        self.prompt_hashes: list[bytes | None] = []  # per pull, the prompt hash the policy passed
         self.parts: list[list[tuple[int, int]]] = []  # per pull, the (start, end) of each ticket it read
         self.done = 0  # pulls that returned
         self.entered = asyncio.Event()
 
     async def pull(self, ticket: kv_pb2.TransferTicket, local_block_ids, num_cached_tokens: int = 0,
-                   local_state_slot: int | None = None, *, earlier: Sequence[kv_pb2.TransferTicket] = ()
-                   ) -> PullResult:
+                   local_state_slot: int | None = None, *, earlier: Sequence[kv_pb2.TransferTicket] = (),
+                   prompt_hash: bytes | None = None) -> PullResult:
         self.pulls.append((ticket.request_id, [list(ids) for ids in local_block_ids], num_cached_tokens))
+        self.prompt_hashes.append(prompt_hash)
         self.parts.append([(t.part_start_token, t.num_tokens) for t in (*earlier, ticket)])
         self.entered.set()
         if self.gate is not None:

@@ -22,9 +22,10 @@ from services.kv.digest_compute import digest_job
 from services.kv.exporter import KVExporter
 from services.kv.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
-from services.kv.wire import MemoryRegion
+from services.kv.wire import MemoryRegion, prompt_hash
 
 DEVICE = torch.device(os.environ.get("PDSERVE_TEST_DEVICE", "cpu"))
+PROMPT_HASH = prompt_hash(range(30))  # the tickets' prompt (nothing here reads it)
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -225,7 +226,8 @@ def test_a_ticket_digests_its_host_tier_part_and_device_part_as_one_prompt() -> 
     exporter = KVExporter(engine_id="owner", model_name="m", identity=identity,
                           ranks=[TensorRank(layout, buffers, host_layout, host_buffers)])
     ticket = asyncio.run(exporter.hand_out("r", [device_ids], num_tokens=n, first_token_id=1, handshake_address="x",
-                                           reader_tp_size=1, host_block_ids=[[7, 2]], num_host_tokens=host_tokens,
+                                           reader_tp_size=1, prompt_hash=PROMPT_HASH, host_block_ids=[[7, 2]],
+                                           num_host_tokens=host_tokens,
                                            reader_block_size=4))
     (entry,) = ticket.digests
     assert (entry.group_id, entry.reader_rank, entry.unit, len(entry.digests)) == (0, 0, 4, 8)
@@ -239,7 +241,8 @@ def test_a_ticket_digests_its_host_tier_part_and_device_part_as_one_prompt() -> 
     # A wrong host-tier block in the ticket's source would not match: the host part is really covered.
     host_buffers[0].view(8, -1)[2, 0] += 1
     again = asyncio.run(exporter.hand_out("r2", [device_ids], num_tokens=n, first_token_id=1, handshake_address="x",
-                                          reader_tp_size=1, host_block_ids=[[7, 2]], num_host_tokens=host_tokens,
+                                          reader_tp_size=1, prompt_hash=PROMPT_HASH, host_block_ids=[[7, 2]],
+                                          num_host_tokens=host_tokens,
                                           reader_block_size=4))
     assert list(again.digests[0].digests)[2:4] != list(entry.digests)[2:4]
     assert list(again.digests[0].digests)[4:] == list(entry.digests)[4:]
@@ -252,7 +255,7 @@ def test_no_digest_when_it_is_off() -> None:
                              kv_digest="off")
     exporter = KVExporter(engine_id="owner", model_name="m", identity=identity, ranks=[TensorRank(layout, buffers)])
     ticket = asyncio.run(exporter.hand_out("r", [[0, 1]], num_tokens=7, first_token_id=1, handshake_address="x",
-                                           reader_tp_size=1))
+                                           reader_tp_size=1, prompt_hash=PROMPT_HASH))
     assert not ticket.digests
 
 
