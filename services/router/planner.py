@@ -4,17 +4,21 @@ Rate matching at the SLO targets. Over the last window (``traffic.py``) requests
 with ``L_in`` prompt tokens to compute (the prompt less the prefix a cache held) and ``L_out`` output tokens
 on average. Each role's demand, in workers:
 
-    prefill_need = λ · L_in  / prefill_capacity      decode_need = λ · L_out / decode_capacity
+    prefill_need = λ · L_in  / prefill_capacity
+    decode_need  = max(λ · L_out / decode_capacity, decoding / decode_sequences)
 
 **Prefill capacity** (prompt tokens/s one worker sustains with TTFT within ``slo_ttft_s``): a worker
 computes ``R`` prompt tokens/s (``WorkerLoad.prefill_tokens_per_s``, the mean over the prefill workers
 that measured one; ``default_prefill_tokens_per_s`` before any did). A mean prompt takes ``S = L_in / R``.
 Seen as one M/D/1 server, TTFT = S + ρ·S / (2(1-ρ)), so TTFT <= T holds up to the utilization
 
-    ρ_max = 2(T - S) / (2T - S)          prefill_capacity = R · ρ_max
+    ρ_max = max(2(T - S) / (2T - S), MIN_UTILIZATION)          prefill_capacity = R · ρ_max
 
-(ρ_max -> 1 for short prompts; a prompt that alone takes longer than T cannot meet the target:
-``MIN_UTILIZATION`` then, and ``slo_unattainable`` says so).
+(ρ_max -> 1 for short prompts). The bound falls to 0 as S nears T, where more workers buy little: at
+``MIN_UTILIZATION`` (0.5) the queue adds S/2, so the TTFT is within 1.5 S, and planning lower would ask for
+many times the work in workers for the last third of it (on CPU, where S is close to T, that asked for 32
+prefill workers of 4). A prompt that alone takes longer than T cannot meet the target: ``slo_unattainable``
+says so.
 
 **Decode capacity** (output tokens/s one worker delivers with ITL within ``slo_itl_s``): a decode step's
 time grows with the sequences it carries, ``step(b) = base + per_seq · b``, fitted by least squares
@@ -22,7 +26,17 @@ to the (concurrency, ITL) each decode worker showed in recent evaluations. At th
 carries ``b* = (T - base) / per_seq`` sequences, at most what its KV pool holds (``kv_blocks_total ·
 block_size / (prompt + L_out)``, with the whole prompt), and delivers ``b* / step(b*)`` tokens/s. Until
 the fit has two concurrencies at least a sequence apart (or its slope is not positive),
-``default_decode_tokens_per_s``.
+``default_decode_tokens_per_s``, which at the target is ``default · T`` sequences.
+
+**Decoding now** (``decoding``): the window counts a request when it ends, so a decode worker's backlog
+shows there only one request duration later, and a saturated one delivers (and so shows) no more than its
+own throughput. The sequences the decode workers carry for this router now (per worker the smaller of the
+router's requests whose Generate it sent, which include KV pulls in progress, and the engine's running and
+waiting, which count every router's) are demand at once: ``decoding / decode_sequences`` workers, where
+``decode_sequences`` is what one carries at the target (``b*``, at least 1). Below the target it is at most
+the rate term (Little's law), so it decides only when decode runs past its target. Prefill has no such
+term: its queue also grows when decode is saturated (prefilled KV waits to be pulled), which is decode's
+demand, not prefill's.
 
 **Split** (acting mode, a fixed pool of N workers): prefill gets ``N · prefill_need / (prefill_need +
 decode_need)`` workers, rounded, at least one per role. A switch is proposed only when
@@ -32,10 +46,12 @@ decode_need)`` workers, rounded, at least one per role. A switch is proposed onl
   (the same direction each time),
 * no switch happened in the last ``min_dwell_s``, and none is in progress (one switch at a time).
 
-The worker to switch is the least loaded available worker of the over-provisioned role.
+The worker to switch is the least loaded available worker of the over-provisioned role. A window in which
+nothing ended is sized by what is decoding (nothing: ``no_traffic``).
 
 **Desired** (advisory, for a Kubernetes HPA): each role's need rounded up, at least 1; the HPA's own
-stabilization is its hysteresis. Pure: no I/O and no clock; the caller passes ``now_s``.
+stabilization is its hysteresis. With a fixed pool (``fixed_pool``: acting mode) no more than the pool: when
+the rounded needs add up to more, the split above. Pure: no I/O and no clock; the caller passes ``now_s``.
 """
 
 from __future__ import annotations
@@ -50,8 +66,8 @@ from services.router.pairing import Role
 from services.router.prefix_index import Load
 from services.router.traffic import TrafficStats
 
-#: The utilization a prefill worker is planned at when one mean prompt alone misses the TTFT target.
-MIN_UTILIZATION = 0.05
+#: The lowest utilization a prefill worker is planned at (the M/D/1 bound is below it once S > 2T/3).
+MIN_UTILIZATION = 0.5
 #: Step-model samples kept (one per decode worker with traffic per evaluation).
 MAX_STEP_SAMPLES = 256
 #: A need within this of an integer is that integer (ceil(2.0000001) is not 3 workers).
@@ -66,7 +82,7 @@ class DecisionReason(enum.StrEnum):
     DWELL = "dwell"  # it does not, but the last switch is too recent
     SWITCH = "switch"  # a worker should change role now
     SWITCH_IN_PROGRESS = "switch_in_progress"  # one switch at a time
-    NO_TRAFFIC = "no_traffic"  # nothing ended in the window: nothing to size by
+    NO_TRAFFIC = "no_traffic"  # nothing ended in the window and nothing is decoding: nothing to size by
     TOO_FEW_WORKERS = "too_few_workers"  # fewer than one available worker per role
 
 
@@ -102,6 +118,7 @@ class WorkerView:
     load: Load | None = None  # its last WorkerLoad (None: unknown)
     outstanding_requests: int = 0  # the router's requests on it
     block_size: int | None = None
+    decoding_requests: int = 0  # decode role: the router's requests whose Generate it was sent (pulls included)
 
 
 @dataclass(frozen=True)
@@ -128,6 +145,16 @@ class StepModel:
 
 
 @dataclass(frozen=True)
+class DecodeCapacity:
+    """What one decode worker delivers within the ITL target, and the sequences it carries doing so."""
+
+    tokens_per_s: float
+    sequences: float  # at least 1
+    basis: str  # "fit", "kv_bound" or "default"
+    unattainable: bool = False  # one sequence's step alone is over the target
+
+
+@dataclass(frozen=True)
 class Estimate:
     """What a decision was computed from: the inputs the log and ``GET /admin/planner`` show."""
 
@@ -140,9 +167,11 @@ class Estimate:
     decode_capacity_tps: float  # one decode worker's output tokens/s within the ITL target
     decode_basis: str  # "fit", "kv_bound" or "default": where decode_capacity_tps came from
     prefill_need: float  # workers
-    decode_need: float
+    decode_need: float  # the larger of the rate's and the decoding sequences'
     slo_unattainable: tuple[str, ...] = ()  # roles whose target one worker cannot meet at any load
     step_model: StepModel | None = None
+    decoding_sequences: float = 0.0  # what the decode workers carry for this router now
+    decode_sequences: float = 1.0  # what one decode worker carries within the ITL target
 
     def to_json(self) -> dict[str, object]:
         model = self.step_model
@@ -153,6 +182,8 @@ class Estimate:
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
             "prefill_capacity_tps": round(self.prefill_capacity_tps, 1),
             "decode_capacity_tps": round(self.decode_capacity_tps, 1), "decode_basis": self.decode_basis,
+            "decoding_sequences": round(self.decoding_sequences, 1),
+            "decode_sequences": round(self.decode_sequences, 1),
             "prefill_need": round(self.prefill_need, 3), "decode_need": round(self.decode_need, 3),
             "slo_unattainable": list(self.slo_unattainable),
             "step_model": None if model is None else {"base_ms": round(model.base_s * 1e3, 3),
@@ -199,7 +230,8 @@ class Decision:
                 f"{self.desired.prefill}P{self.desired.decode}D rate={e.rate_rps:.3f}/s in={e.mean_prompt_tokens:.0f} "
                 f"computed={e.mean_computed_prompt_tokens:.0f} "
                 f"out={e.mean_output_tokens:.0f} prefill_cap={e.prefill_capacity_tps:.0f}tok/s "
-                f"decode_cap={e.decode_capacity_tps:.0f}tok/s ({e.decode_basis}) need={e.prefill_need:.2f}P"
+                f"decode_cap={e.decode_capacity_tps:.0f}tok/s ({e.decode_basis}) decoding={e.decoding_sequences:.0f}/"
+                f"{e.decode_sequences:.0f} need={e.prefill_need:.2f}P"
                 f"{e.decode_need:.2f}D")
 
 
@@ -207,7 +239,8 @@ class Decision:
 
 
 def prefill_utilization(service_s: float, ttft_s: float) -> float:
-    """The utilization at which an M/D/1 server's mean response time equals ``ttft_s``."""
+    """The utilization at which an M/D/1 server's mean response time equals ``ttft_s``, at least
+    ``MIN_UTILIZATION`` (where more workers would buy at most a third of the TTFT)."""
     if service_s >= ttft_s:
         return MIN_UTILIZATION
     return max(2 * (ttft_s - service_s) / (2 * ttft_s - service_s), MIN_UTILIZATION)
@@ -247,16 +280,30 @@ def kv_concurrency(workers: Sequence[WorkerView], seq_tokens: float) -> float | 
 
 
 def decode_capacity(model: StepModel | None, itl_s: float, kv_sequences: float | None,
-                    default_tps: float) -> tuple[float, str, bool]:
-    """(output tokens/s one decode worker delivers within ``itl_s``, its basis, whether unattainable)."""
+                    default_tps: float) -> DecodeCapacity:
+    """What one decode worker delivers within ``itl_s``: by the fitted step model, or ``default_tps`` (which at
+    ``itl_s`` per token is ``default_tps · itl_s`` sequences)."""
     if model is None:
-        return default_tps, "default", False
+        return DecodeCapacity(default_tps, max(default_tps * itl_s, 1.0), "default")
     unattainable = model.step_s(1.0) > itl_s
     sequences = max((itl_s - model.base_s) / model.per_seq_s, 1.0)
     basis = "fit"
     if kv_sequences is not None and kv_sequences < sequences:
         sequences, basis = max(kv_sequences, 1.0), "kv_bound"
-    return sequences / model.step_s(sequences), basis, unattainable
+    return DecodeCapacity(sequences / model.step_s(sequences), sequences, basis, unattainable)
+
+
+def decoding_sequences(workers: Sequence[WorkerView]) -> float:
+    """The sequences the decode workers carry for this router now: per worker its requests whose Generate the
+    router sent (KV pulls included), at most what the engine last reported running and waiting (every
+    router's, pulls not included)."""
+    total = 0
+    for w in workers:
+        if w.role != Role.DECODE or w.decoding_requests <= 0:
+            continue
+        engine = w.load.num_running + w.load.num_waiting if w.load is not None else w.decoding_requests
+        total += min(w.decoding_requests, engine)
+    return float(total)
 
 
 def split(total: int, prefill_need: float, decode_need: float) -> float:
@@ -264,9 +311,23 @@ def split(total: int, prefill_need: float, decode_need: float) -> float:
     return total * prefill_need / (prefill_need + decode_need)
 
 
+def pool_split(total: int, prefill_need: float, decode_need: float) -> RoleCounts:
+    """The split of ``total`` (>= 2) workers the two needs call for: rounded, at least one per role."""
+    prefill = min(max(round(split(total, prefill_need, decode_need)), 1), total - 1)
+    return RoleCounts(prefill, total - prefill)
+
+
 def desired(need: float) -> int:
     """Workers a role needs: its need rounded up, at least one."""
     return max(1, math.ceil(need - _NEED_TOLERANCE))
+
+
+def desired_counts(estimate: Estimate, pool: int | None) -> RoleCounts:
+    """Each role's need rounded up; within a fixed ``pool`` of workers (>= 2) the split when they do not fit."""
+    wanted = RoleCounts(desired(estimate.prefill_need), desired(estimate.decode_need))
+    if pool is None or pool < 2 or wanted.prefill + wanted.decode <= pool:
+        return wanted
+    return pool_split(pool, estimate.prefill_need, estimate.decode_need)
 
 
 # ---- the planner ---------------------------------------------------------------------------------------
@@ -306,22 +367,27 @@ class Planner:
         service_s = computed / prefill_rate
         prefill_cap = prefill_rate * prefill_utilization(service_s, c.slo_ttft_s)
         model = fit_step_model(self._samples)
-        decode_cap, basis, decode_unattainable = decode_capacity(
-            model, c.slo_itl_s, kv_concurrency(workers, l_in + l_out), c.default_decode_tokens_per_s)
+        decode = decode_capacity(model, c.slo_itl_s, kv_concurrency(workers, l_in + l_out),
+                                 c.default_decode_tokens_per_s)
+        decoding = decoding_sequences(workers)
         unattainable = tuple(role for role, missed in (("prefill", service_s >= c.slo_ttft_s),
-                                                       ("decode", decode_unattainable)) if missed)
-        return Estimate(rate, l_in, computed, l_out, prefill_rate, prefill_cap, decode_cap, basis,
-                        rate * computed / prefill_cap, rate * l_out / decode_cap, unattainable, model)
+                                                       ("decode", decode.unattainable)) if missed)
+        return Estimate(rate, l_in, computed, l_out, prefill_rate, prefill_cap, decode.tokens_per_s, decode.basis,
+                        prefill_need=rate * computed / prefill_cap,
+                        decode_need=max(rate * l_out / decode.tokens_per_s, decoding / decode.sequences),
+                        slo_unattainable=unattainable, step_model=model, decoding_sequences=decoding,
+                        decode_sequences=decode.sequences)
 
     def evaluate(self, workers: Sequence[WorkerView], traffic: TrafficStats, now_s: float,
-                 switch_in_progress: bool = False) -> Decision:
-        """The decision for now; a SWITCH names the worker. The caller acts on it (or only reports it)."""
+                 switch_in_progress: bool = False, fixed_pool: bool = False) -> Decision:
+        """The decision for now; a SWITCH names the worker. The caller acts on it (or only reports it).
+        ``fixed_pool``: the workers are all there will be (acting mode), so ``desired`` stays within them."""
         estimate = self.estimate(workers, traffic)
         available = [w for w in workers if w.available]
         current = RoleCounts(sum(w.role == Role.PREFILL for w in available),
                              sum(w.role == Role.DECODE for w in available))
-        wanted = RoleCounts(desired(estimate.prefill_need), desired(estimate.decode_need))
         total = current.prefill + current.decode
+        wanted = desired_counts(estimate, total if fixed_pool else None)
 
         def decided(reason: DecisionReason, target: RoleCounts = current, switch: Switch | None = None) -> Decision:
             return Decision(now_s, reason, current, target, wanted, estimate, switch, self._streak.count)
@@ -329,16 +395,15 @@ class Planner:
         if current.prefill < 1 or current.decode < 1 or total < 2:
             self._streak = _Streak()
             return decided(DecisionReason.TOO_FEW_WORKERS)
-        if traffic.num_requests == 0 or estimate.prefill_need + estimate.decode_need <= 0:
+        if estimate.prefill_need + estimate.decode_need <= 0:  # nothing ended and nothing is decoding
             self._streak = _Streak()
             return decided(DecisionReason.NO_TRAFFIC)
         exact = split(total, estimate.prefill_need, estimate.decode_need)
-        prefill = min(max(round(exact), 1), total - 1)
-        if prefill == current.prefill or abs(exact - current.prefill) < 0.5 + self.config.margin_workers:
+        target = pool_split(total, estimate.prefill_need, estimate.decode_need)
+        if target.prefill == current.prefill or abs(exact - current.prefill) < 0.5 + self.config.margin_workers:
             self._streak = _Streak()
             return decided(DecisionReason.BALANCED)
-        target = RoleCounts(prefill, total - prefill)
-        direction = 1 if prefill > current.prefill else -1
+        direction = 1 if target.prefill > current.prefill else -1
         if self._streak.direction != direction:
             self._streak = _Streak(direction, 0)
         self._streak.count += 1

@@ -3,14 +3,15 @@ planner (``planner.py``), exports the decision as metrics, logs it when it chang
 ``--role-planner``, acts on a SWITCH through the role-switch hook.
 
 Advisory mode (the default): decisions are computed, logged and exported
-(``pdserve_planner_desired_workers{role}`` for a Kubernetes HPA), never acted on.
+(``pdserve_planner_desired_workers{role}`` for a Kubernetes HPA, which may exceed the workers there are now),
+never acted on.
 
-Acting mode (``--role-planner``): a SWITCH is handed to a :data:`RoleSwitcher`, awaited in a task of its
-own (one at a time; evaluations go on meanwhile and say ``switch_in_progress``). The switcher is the
-router's in-place role switch (``role_switch.py``: drain the worker for its old role, switch,
-re-handshake); where none is given, :func:`switch_unavailable` stands in: it logs the request and raises
-:class:`SwitchUnavailable`, counted as ``result="unavailable"``. A switcher that raises anything else is
-counted as ``failed``; one that returns, as ``ok``.
+Acting mode (``--role-planner``): the workers are a fixed pool (``desired`` stays within it); a SWITCH is
+handed to a :data:`RoleSwitcher`, awaited in a task of its own (one at a time; evaluations go on meanwhile
+and say ``switch_in_progress``). The switcher is the router's in-place role switch (``role_switch.py``:
+drain the worker for its old role, switch, re-handshake); where none is given, :func:`switch_unavailable`
+stands in: it logs the request and raises :class:`SwitchUnavailable`, counted as ``result="unavailable"``.
+A switcher that raises anything else is counted as ``failed``; one that returns, as ``ok``.
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ async def switch_unavailable(address: str, role: Role) -> None:
 
 
 def worker_views(policy: PairingPolicy, index: PrefixIndex | None) -> list[WorkerView]:
-    """Every worker of the pairing table as the planner sees it (load from the prefix index's last report)."""
+    """Every worker of the pairing table as the planner sees it (load from the prefix index's last report; on a
+    decode worker, the requests whose Generate was sent: those still prefilling are not decode work yet)."""
     views = []
     for w in policy.workers():
         identity = w.identity
         load = index.load(w.address, identity.epoch) if index is not None and identity is not None else None
+        decoding = w.outstanding_requests - w.unsent_generates if w.role == Role.DECODE else 0
         views.append(WorkerView(w.address, w.role, w.available, load, w.outstanding_requests,
-                                identity.block_size if identity is not None else None))
+                                identity.block_size if identity is not None else None, max(decoding, 0)))
     return views
 
 
@@ -88,7 +91,8 @@ class PlannerLoop:
         """One evaluation: decide, export, log a change (INFO, with the inputs)."""
         now = self.clock()
         self.last_traffic = traffic = self.traffic.stats(now)
-        decision = self.planner.evaluate(worker_views(self.policy, self.index), traffic, now, self.switching)
+        decision = self.planner.evaluate(worker_views(self.policy, self.index), traffic, now, self.switching,
+                                         fixed_pool=self.acting)
         self.metrics.observe_planner(decision)
         if self._changed(decision):
             log.info("%s%s", decision.summary(), "" if self.acting or decision.switch is None else " (advisory)")

@@ -23,12 +23,13 @@ from services.router.planner import (
     StepModel,
     WorkerView,
     decode_capacity,
+    decoding_sequences,
     desired,
     fit_step_model,
     prefill_utilization,
     split,
 )
-from services.router.planner_loop import PlannerLoop, SwitchUnavailable
+from services.router.planner_loop import PlannerLoop, SwitchUnavailable, worker_views
 from services.router.prefix_index import Load
 from services.router.traffic import FinishedRequest, TrafficStats, TrafficWindow
 
@@ -61,7 +62,19 @@ def test_prefill_utilization_meets_the_ttft_target_of_an_md1_queue():
     assert rho == pytest.approx(2 / 3)
     assert service + rho * service / (2 * (1 - rho)) == pytest.approx(ttft)  # M/D/1 response time
     assert prefill_utilization(2.5, 2.0) == MIN_UTILIZATION  # one prompt alone misses the target
+    assert prefill_utilization(1.9, 2.0) == MIN_UTILIZATION == 0.5  # the M/D/1 bound (0.095) is under the floor
 
+
+def test_a_prompt_near_the_ttft_target_plans_at_half_utilization():
+    # On the 2-core CPU machine a prefill worker computed 115 prompt tokens/s (three of them sharing the cores):
+    # a 448-token prompt takes 3.9 s against a 4-s target. The M/D/1 bound plans that at 5 % utilization, 20
+    # times the work in workers (it asked for 32 prefill workers of 4); the floor plans it at 50 %.
+    config = dataclasses.replace(CONFIG, slo_ttft_s=4.0)
+    loads = {"p0": Load(prefill_tokens_per_s=115.0), "p1": Load(prefill_tokens_per_s=115.0)}
+    estimate = Planner(config).estimate(_workers(2, 2, **loads), _traffic(0.4, prompt=448, output=2, window_s=15))
+    work = 0.4 * 448 / 115.0  # prefill workers busy computing, on average
+    assert estimate.prefill_need == pytest.approx(work / MIN_UTILIZATION)
+    assert estimate.slo_unattainable == ()  # 3.9 s < 4 s: reachable, at the price of a queue
 
 def test_rate_matching_needs():
     estimate = Planner(CONFIG).estimate(_workers(2, 2), _traffic(10, prompt=2000, output=50))
@@ -82,12 +95,16 @@ def test_step_model_fit_and_decode_capacity_at_the_itl_target():
     samples = [(b, 0.01 + 0.002 * b) for b in (2, 4, 8, 16)]
     model = fit_step_model(samples)
     assert model.base_s == pytest.approx(0.01) and model.per_seq_s == pytest.approx(0.002)
-    tps, basis, unattainable = decode_capacity(model, 0.05, None, 1.0)
-    assert basis == "fit" and not unattainable
-    assert tps == pytest.approx(20 / 0.05)  # 20 sequences fit in a 50 ms step
-    tps, basis, _ = decode_capacity(model, 0.05, 5.0, 1.0)  # the KV pool holds only 5 sequences
-    assert basis == "kv_bound" and tps == pytest.approx(5 / model.step_s(5))
-    assert decode_capacity(StepModel(0.06, 0.001), 0.05, None, 1.0)[2]  # the target is below one step
+    capacity = decode_capacity(model, 0.05, None, 1.0)
+    assert capacity.basis == "fit" and not capacity.unattainable
+    assert capacity.sequences == pytest.approx(20)  # 20 sequences fit in a 50 ms step
+    assert capacity.tokens_per_s == pytest.approx(20 / 0.05)
+    capacity = decode_capacity(model, 0.05, 5.0, 1.0)  # the KV pool holds only 5 sequences
+    assert capacity.basis == "kv_bound" and capacity.tokens_per_s == pytest.approx(5 / model.step_s(5))
+    unattainable = decode_capacity(StepModel(0.06, 0.001), 0.05, None, 1.0)  # the target is below one step
+    assert unattainable.unattainable and unattainable.sequences == 1.0
+    default = decode_capacity(None, 0.05, None, 100.0)  # 100 tok/s at 50 ms a token: 5 sequences at once
+    assert (default.basis, default.tokens_per_s, default.sequences) == ("default", 100.0, pytest.approx(5.0))
     assert fit_step_model([(4, 0.02), (4.5, 0.03)]) is None  # too little spread
     assert fit_step_model([(2, 0.03), (8, 0.02)]) is None  # steps do not grow
 
@@ -95,6 +112,62 @@ def test_step_model_fit_and_decode_capacity_at_the_itl_target():
 def test_desired_counts_round_up_and_keep_one():
     assert [desired(x) for x in (0.0, 0.3, 1.0, 1.0000001, 2.4)] == [1, 1, 1, 1, 3]
     assert split(4, 3.0, 1.0) == 3.0
+
+
+def test_acting_desired_counts_stay_within_the_pool():
+    # PREFILL_HEAVY needs 4.5 prefill workers: an HPA may add them, a fixed pool of 4 has only its split.
+    planner = Planner(CONFIG)
+    advisory = planner.evaluate(_workers(2, 2), PREFILL_HEAVY, 0.0)
+    assert advisory.desired == RoleCounts(5, 1)
+    acting = Planner(CONFIG).evaluate(_workers(2, 2), PREFILL_HEAVY, 0.0, fixed_pool=True)
+    assert acting.desired == acting.target == RoleCounts(3, 1)
+    small = Planner(CONFIG).evaluate(_workers(2, 2), _traffic(1, prompt=100, output=10), 0.0, fixed_pool=True)
+    assert small.desired == RoleCounts(1, 1)  # needs that fit are not padded up to the pool
+
+
+# ---- what is decoding now ----------------------------------------------------------------------------------
+
+
+def _decoding(address: str, num_requests: int, engine: int | None = None) -> WorkerView:
+    load = Load(num_running=engine) if engine is not None else None
+    return WorkerView(address, Role.DECODE, True, load, num_requests, decoding_requests=num_requests)
+
+
+def test_decoding_sequences_are_decode_demand_before_they_end():
+    # A decode-heavy load after a prefill-heavy one: what ended in the window is the prefill-heavy tail (long
+    # prompts, two output tokens), while twelve streams share the one decode worker. They end only later (and a
+    # saturated worker delivers no more than its throughput), so by the window alone decode needs 0.002 workers.
+    workers = [*_workers(3, 0), _decoding("d0", 12, engine=12)]
+    tail = _traffic(1, prompt=4000, output=2)
+    estimate = Planner(CONFIG).estimate(workers, tail)
+    assert estimate.decoding_sequences == 12 and estimate.decode_sequences == pytest.approx(5.0)  # 100 tok/s, 50 ms
+    assert estimate.decode_need == pytest.approx(12 / 5.0)
+    decision = Planner(CONFIG).evaluate(workers, tail, 0.0, fixed_pool=True)
+    assert decision.desired.decode == 3
+    assert decision.reason is DecisionReason.SWITCH and decision.target == RoleCounts(1, 3)
+    assert (decision.switch.from_role, decision.switch.to_role) == (Role.PREFILL, Role.DECODE)
+    assert "decoding=12/5" in decision.summary() and decision.to_json()["inputs"]["decoding_sequences"] == 12
+
+
+def test_decoding_below_the_target_adds_nothing_to_the_rate():
+    # In a steady state within the ITL target the sequences decoding are fewer than the rate term implies
+    # (Little's law): 10 req/s of 200 tokens at 100 tok/s a worker is 20 workers, 5 sequences each.
+    workers = [*_workers(1, 0), _decoding("d0", 40, engine=40)]
+    assert Planner(CONFIG).estimate(workers, DECODE_HEAVY).decode_need == pytest.approx(10 * 200 / 100)
+
+
+def test_the_engine_count_bounds_the_routers_decoding_requests():
+    # The router counts a request from its Generate on, KV pull included; the engine counts it once it runs or
+    # waits to (every router's). The smaller is what this router has decoding there.
+    assert decoding_sequences([_decoding("d0", 12, engine=4), _decoding("d1", 3, engine=9)]) == 4 + 3
+    assert decoding_sequences([_decoding("d0", 6)]) == 6  # no load reported yet: the router's count
+    assert decoding_sequences(_workers(2, 0)) == 0
+
+
+def test_nothing_ended_but_decoding_is_traffic():
+    decision = Planner(CONFIG).evaluate([*_workers(3, 0), _decoding("d0", 12, engine=12)], TrafficStats(10.0), 0.0)
+    assert decision.reason is DecisionReason.SWITCH and decision.target == RoleCounts(1, 3)
+    assert Planner(CONFIG).evaluate(_workers(3, 1), TrafficStats(10.0), 0.0).reason is DecisionReason.NO_TRAFFIC
 
 
 # ---- decisions --------------------------------------------------------------------------------------------
@@ -249,6 +322,18 @@ def _loop(acting: bool, switcher=None) -> tuple[PlannerLoop, RouterMetrics]:
     return loop, metrics
 
 
+def test_worker_views_count_a_decode_workers_requests_from_their_generate_on():
+    policy = _policy(1, 1)
+    assignment = policy.acquire(100)
+    views = {(v.role, v.address): v for v in worker_views(policy, None)}
+    assert views[(Role.DECODE, "d0:1")].outstanding_requests == 1
+    assert views[(Role.DECODE, "d0:1")].decoding_requests == 0  # still prefilling
+    policy.generate_sent(assignment)
+    views = {(v.role, v.address): v for v in worker_views(policy, None)}
+    assert views[(Role.DECODE, "d0:1")].decoding_requests == 1
+    assert views[(Role.PREFILL, "p0:1")].decoding_requests == 0
+
+
 def _sample(metrics: RouterMetrics, name: str, **labels: str) -> float:
     return metrics.registry.get_sample_value(name, labels)
 
@@ -267,6 +352,8 @@ async def test_advisory_mode_exports_but_never_switches():
     assert _sample(metrics, "pdserve_planner_desired_workers", role="decode") == 1
     assert _sample(metrics, "pdserve_planner_desired_workers", role="prefill") == decision.desired.prefill >= 4
     assert _sample(metrics, "pdserve_planner_target_workers", role="prefill") == 3
+    acting, _ = _loop(acting=True, switcher=switcher)
+    assert acting.evaluate().desired == RoleCounts(3, 1)  # a fixed pool: no more than its 4 workers
     assert _sample(metrics, "pdserve_planner_decisions_total", reason="switch") == 1
 
 
