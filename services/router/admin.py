@@ -1,7 +1,8 @@
 """The operator API under ``/admin``: what the router knows of each worker, and the P:D planner's last decision.
 
-    GET /admin/workers    every worker: address, engine id, role, state, epoch, its engine's last reported
-                          load, the router's own counts on it, the decode rate measured on it, KV index state
+    GET /admin/workers    every worker: address, its id on /metrics, engine id, role, state, epoch, its engine's
+                          last reported load, the router's own counts on it, the decode rate measured on it,
+                          KV index state
     GET /admin/planner    the planner's last decision with the inputs it came from (planner.py)
 
 Who may call it: the same ``Authorization: Bearer <--api-key>`` as ``/v1/*`` (``http_guards.ApiKeyAuth``
@@ -30,6 +31,7 @@ from services.router.planner_loop import PlannerLoop
 from services.router.prefix_index import Load, PrefixIndex
 from services.router.role_switch import RoleSwitching, decode_switch_request
 from services.router.traffic import TrafficStats
+from services.router.worker_labels import WorkerLabels
 
 ADMIN_PATHS = ("/admin/workers", "/admin/planner")
 
@@ -41,6 +43,7 @@ class AdminRuntime(Protocol):
     policy: PairingPolicy
     index: PrefixIndex | None
     planner: PlannerLoop
+    worker_labels: WorkerLabels
 
 
 class AdminDisabled(RouterError):
@@ -68,7 +71,7 @@ def add_admin_routes(app: FastAPI) -> None:
     async def admin_workers(request: Request) -> Response:
         rt = require_admin(request)
         traffic = rt.planner.last_traffic
-        workers = [worker_entry(rt.policy, w, rt.index, traffic) for w in rt.policy.workers()]
+        workers = [worker_entry(rt.policy, w, rt.index, traffic, rt.worker_labels) for w in rt.policy.workers()]
         return _json({"workers": workers, "role_planner": rt.config.role_planner})
 
     @app.get("/admin/planner")
@@ -102,13 +105,14 @@ def add_admin_routes(app: FastAPI) -> None:
 
 
 def worker_entry(policy: PairingPolicy, worker: WorkerState, index: PrefixIndex | None,
-                 traffic: TrafficStats | None) -> dict[str, object]:
-    """One worker on ``GET /admin/workers``."""
+                 traffic: TrafficStats | None, labels: WorkerLabels) -> dict[str, object]:
+    """One worker on ``GET /admin/workers``; ``worker`` is its id on /metrics (``labels``)."""
     identity = worker.identity
     epoch = identity.epoch if identity is not None else None
     load = index.load(worker.address, epoch) if index is not None and epoch is not None else None
     entry: dict[str, object] = {
         "address": worker.address,
+        "worker": labels(worker.address),
         "engine_id": identity.engine_id if identity is not None else None,
         "role": worker.role.value,
         "state": policy.worker_state(worker),

@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import msgspec
@@ -30,9 +30,16 @@ from services.router.answers import ChatAnswer, CompletionAnswer, answer_for
 from services.router.choices import Choice, stream_choices
 from services.router.config import RouterConfig
 from services.router.discovery import Discovery, EndpointSource, PairProber, Probe, Resolver, resolve
-from services.router.errors import ModelNotFound, WorkerFailure, install_error_handlers, to_router_error
+from services.router.errors import ModelNotFound, WorkerFailure, install_error_handlers, reported
 from services.router.flow import Delta, Dispatcher, GenerationRequest, Outcome
-from services.router.http_guards import AnswerUnexpected, ApiKeyAuth, RequestIds, read_body, worker_request_id
+from services.router.http_guards import (
+    AnswerUnexpected,
+    ApiKeyAuth,
+    RequestIds,
+    presents_api_key,
+    read_body,
+    worker_request_id,
+)
 from services.router.kv_subscriber import KVSource, KVSubscriptions
 from services.router.metrics import CONTENT_TYPE, RouterMetrics
 from services.router.openapi import openapi_document
@@ -71,6 +78,7 @@ from services.router.tokenizing import (
     resolve_max_tokens,
 )
 from services.router.traffic import TrafficWindow
+from services.router.worker_labels import WorkerLabels
 from services.router.workers import WorkerPool
 from services.text.tokenizer import Tokenizer
 
@@ -103,6 +111,7 @@ class RouterRuntime:
     index: PrefixIndex | None
     planner: PlannerLoop
     switching: RoleSwitching | None = None  # in-place role switches (role_switch.py)
+    worker_labels: WorkerLabels = field(default_factory=WorkerLabels)  # a worker's id on /metrics
 
     def max_model_len(self) -> int | None:
         return self.config.max_model_len or self.policy.max_model_len()
@@ -138,7 +147,9 @@ def create_app(
     policy = PairingPolicy(config.pairing_threshold, config.enforce_disagg, probes, index, scoring_config(config))
     pool = WorkerPool(config.kv_auth_token, config.tls)
     served_name = model_name(config.model, config.served_model_name)
-    metrics = RouterMetrics(policy, served_name, decode_only=config.decode_only, index=index)
+    worker_labels = WorkerLabels(config.api_key)
+    metrics = RouterMetrics(policy, served_name, decode_only=config.decode_only, index=index,
+                            worker_labels=worker_labels)
     subscriptions = None
     if index is not None:
         subscriptions = KVSubscriptions(index, kv_source or pool, stale_s=config.kv_events_stale_s,
@@ -177,6 +188,7 @@ def create_app(
         index=index,
         planner=planner,
         switching=switching,
+        worker_labels=worker_labels,
     )
 
     @asynccontextmanager
@@ -248,10 +260,14 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
         """200 while requests can be served (``degraded``: only by decode workers prefilling locally, which
-        the body says), 503 only when nothing can (under --enforce-disagg: no pair); the body names every
-        worker's state, and every compatible pair's probe state, either way."""
+        the body says), 503 only when nothing can (under --enforce-disagg: no pair). With --api-key, a caller
+        without the key reads the status alone (probes need no more); with the key, or with no --api-key, the
+        body names why, every worker's state, and every compatible pair's probe state."""
         rt = _runtime(request)
         status = rt.status()
+        code = 503 if status == ServingStatus.UNAVAILABLE else 200
+        if not presents_api_key(request.scope, rt.config.api_key):
+            return _json({"status": status.value}, status_code=code)
         counts = {role.value: sum(w.available for w in rt.policy.workers(role)) for role in Role}
         body: dict[str, object] = {"status": status.value, "healthy_workers": counts,
                                    "decode_only": rt.config.decode_only}
@@ -260,10 +276,10 @@ def _add_routes(app: FastAPI) -> None:
         elif status == ServingStatus.UNAVAILABLE and rt.policy.has_healthy_decode():
             body["reason"] = (f"--enforce-disagg: {rt.policy.no_pair_reason()}, and decode workers may not "
                               "prefill prompts themselves")
-        body["workers"] = [_worker_health(rt.policy, w) for w in rt.policy.workers()]
+        body["workers"] = [_worker_health(rt.policy, w, rt.worker_labels) for w in rt.policy.workers()]
         if rt.policy.probes is not None:
             body["pairs"] = [_pair_health(entry) for entry in rt.policy.probes.pairs()]
-        return _json(body, status_code=503 if status == ServingStatus.UNAVAILABLE else 200)
+        return _json(body, status_code=code)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -294,11 +310,13 @@ def _add_routes(app: FastAPI) -> None:
         return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title}: API")
 
 
-def _worker_health(policy: PairingPolicy, worker: WorkerState) -> dict[str, object]:
-    """One worker on ``/health``: what it last reported and, if it can pair with nobody, why not."""
+def _worker_health(policy: PairingPolicy, worker: WorkerState, labels: WorkerLabels) -> dict[str, object]:
+    """One worker on ``/health``: what it last reported and, if it can pair with nobody, why not; ``worker`` is
+    its id on /metrics."""
     identity = worker.identity
     entry: dict[str, object] = {
         "address": worker.address,
+        "worker": labels(worker.address),
         "role": worker.role.value,
         "state": policy.worker_state(worker),
         "healthy": worker.healthy,
@@ -369,7 +387,8 @@ async def _generate(request: Request, kind: type[RequestT]) -> Response:
         if gone:
             rt.metrics.client_disconnects.inc()
             return Response(status_code=_CLIENT_CLOSED)
-        return SSEResponse(_events(first, deltas, answer, outcomes, len(choices), rt), _route_header(outcomes))
+        return SSEResponse(_events(first, deltas, answer, outcomes, len(choices), rt, request.state.request_id),
+                           _route_header(outcomes))
     collected, gone = await run_until_disconnect(request.receive, _collect(deltas))
     if gone:
         rt.metrics.client_disconnects.inc()
@@ -435,9 +454,10 @@ async def _collect(deltas: AsyncIterator[tuple[int, Delta]]) -> dict[int, list[D
 
 async def _events(first: tuple[int, Delta], deltas: AsyncIterator[tuple[int, Delta]],
                   answer: CompletionAnswer | ChatAnswer, outcomes: _Outcomes, num_choices: int,
-                  rt: RouterRuntime) -> AsyncIterator[bytes]:
-    """SSE: chunks, the usage chunk if asked for, [DONE]; a failure mid-stream is an error event. The last
-    chunk before [DONE] carries the final route (``pdserve_route``)."""
+                  rt: RouterRuntime, request_id: str) -> AsyncIterator[bytes]:
+    """SSE: chunks, the usage chunk if asked for, [DONE]; a failure mid-stream is an error event (the client's
+    body; the full message is logged with ``request_id``). The last chunk before [DONE] carries the final route
+    (``pdserve_route``)."""
     try:
         index, delta = first
         unfinished = num_choices
@@ -455,9 +475,9 @@ async def _events(first: tuple[int, Delta], deltas: AsyncIterator[tuple[int, Del
         if answer.include_usage:
             yield sse_event(_with_route(answer.usage_chunk(outcomes.usage()), outcomes.route()))
     except StopAsyncIteration:
-        yield sse_event(WorkerFailure("the stream ended before the request finished").body())
+        yield sse_event(reported(WorkerFailure("the stream ended before the request finished"), request_id).body())
     except Exception as exc:  # the headers are out: report it in the stream, in the same error format
-        yield sse_event(to_router_error(exc).body())
+        yield sse_event(reported(exc, request_id).body())
     except (asyncio.CancelledError, GeneratorExit):
         rt.metrics.client_disconnects.inc()
         raise

@@ -3,7 +3,14 @@
 Code that detects a problem raises a :class:`RouterError` subclass (or lets a msgspec decode error
 or a gRPC error through); :func:`to_router_error` turns anything into a ``RouterError`` and
 :func:`error_response` into the response. The same body goes into an SSE ``error`` event when a
-stream fails after its headers were sent.
+stream fails after its headers were sent (:func:`reported`).
+
+What the client reads and what the log gets differ where the message is the router's business: a
+failure of a worker, the workers' load, a timeout, an internal error. Their ``message`` (built
+anywhere, with the worker's address and its gRPC status and details) goes into one log line with the
+request id, and the client gets the kind's fixed ``client_message`` with the same status, ``type``
+and ``code``: nothing of the cluster's addresses or of gRPC's text leaves the router. Errors about
+the client's own request (400s, 401, 404, 413) keep their precise message.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +50,35 @@ class RouterError(Exception):
     code: str | None = None
     # Statuses a client should retry (429, 503) always carry Retry-After.
     default_retry_after_s: int | None = None
+    # What the client reads instead of ``message`` when that is the router's business (see the module
+    # docstring); ``{worker}`` becomes "the decode worker" (the failed call's role, when known) or "a worker".
+    # None: ``message`` is about the client's request and goes out as it is.
+    client_message: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None) -> None:
+                 retry_after_s: int | None = None, role: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         if code is not None:
             self.code = code
         self.retry_after_s = retry_after_s if retry_after_s is not None else self.default_retry_after_s
+        self.role = role
+
+    @property
+    def sanitized(self) -> bool:
+        """Whether the client reads less than ``message`` (then the log has it)."""
+        return self.client_message is not None
+
+    def public_message(self) -> str:
+        """The message as the client reads it."""
+        if self.client_message is None:
+            return self.message
+        return self.client_message.format(worker=f"the {self.role} worker" if self.role else "a worker")
 
     def body(self) -> ErrorBody:
-        return ErrorBody(ErrorDetail(self.message, self.error_type, self.param, self.code))
+        """The client's error body (OpenAI's format)."""
+        return ErrorBody(ErrorDetail(self.public_message(), self.error_type, self.param, self.code))
 
 
 class InvalidRequest(RouterError):
@@ -102,6 +127,7 @@ class Overloaded(RouterError):
     error_type = "rate_limit_error"
     code = "overloaded"
     default_retry_after_s = 1
+    client_message = "the server is overloaded; retry the request later"
 
 
 class NoHealthyWorkers(RouterError):
@@ -109,21 +135,26 @@ class NoHealthyWorkers(RouterError):
     error_type = "service_unavailable"
     code = "no_healthy_workers"
     default_retry_after_s = 1
+    client_message = "no healthy decode worker is available; retry the request later"
 
 
 class WorkerFailure(RouterError):
-    """A worker broke (connection lost, internal error, stream cut short): it is marked unhealthy."""
+    """A worker broke (internal error, stream cut short): it is marked unhealthy."""
 
     status_code = 502
     error_type = "server_error"
     code = "worker_failure"
+    client_message = "{worker} failed while serving the request"
 
 
 class WorkerUnavailable(WorkerFailure):
+    """A worker could not be reached or its connection was lost (gRPC UNAVAILABLE: killed, restarting, cut off)."""
+
     status_code = 503
     error_type = "service_unavailable"
     code = "worker_unavailable"
     default_retry_after_s = 1
+    client_message = "{worker} became unavailable while serving the request; retry the request"
 
 
 class DisaggregationUnavailable(RouterError):
@@ -143,12 +174,21 @@ class DisaggregationFailed(RouterError):
     status_code = 502
     error_type = "server_error"
     code = "disaggregation_failed"
+    client_message = ("the request could not be served from the prefill worker's KV, and strict disaggregation "
+                      "(--enforce-disagg) forbids serving it otherwise")
 
 
 class RequestTimeout(RouterError):
     status_code = 504
     error_type = "timeout"
     code = "request_timeout"
+    client_message = "the request did not finish within the server's request timeout"
+
+
+class InternalError(RouterError):
+    """An exception nothing expected (a bug): the log has its stack."""
+
+    client_message = "internal server error"
 
 
 # gRPC codes that say the worker itself is broken or gone, not that the request was bad.
@@ -199,26 +239,28 @@ def decode_json(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
 
 def from_rpc_error(exc: grpc.aio.AioRpcError, role: str, address: str, *,
                    pull_required: bool = False) -> RouterError:
-    """A worker's gRPC status as the router's answer; the message names the worker.
+    """A worker's gRPC status as the router's answer; the message (for the log) names the worker.
 
     ``pull_required``: the call was a decode worker's ``Generate`` with ``require_pull``, whose
-    FAILED_PRECONDITION says the KV pull could not be done (a 502, not the client's fault).
+    FAILED_PRECONDITION says the KV pull could not be done (a 502, not the client's fault). A refusal
+    of the request itself (INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION) is a 400 with the
+    worker's reason, which is about the client's input.
     """
     code = exc.code()
     detail = f"{role} worker {address}: {code.name}: {exc.details()}"
     if pull_required and code == grpc.StatusCode.FAILED_PRECONDITION:
         return DisaggregationFailed(f"{role} worker {address} could not use the prefill worker's KV and "
-                                    f"--enforce-disagg forbids recomputing the prompt: {exc.details()}")
+                                    f"--enforce-disagg forbids recomputing the prompt: {exc.details()}", role=role)
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                 grpc.StatusCode.FAILED_PRECONDITION):
-        return InvalidRequest(exc.details() or detail)
+        return InvalidRequest(exc.details() or f"the {role} worker refused the request", role=role)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return Overloaded(detail)
+        return Overloaded(detail, role=role)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return RequestTimeout(detail)
+        return RequestTimeout(detail, role=role)
     if code == grpc.StatusCode.UNAVAILABLE:
-        return WorkerUnavailable(detail)
-    return WorkerFailure(detail)
+        return WorkerUnavailable(detail, role=role)
+    return WorkerFailure(detail, role=role)
 
 
 def to_router_error(exc: BaseException) -> RouterError:
@@ -236,21 +278,39 @@ def to_router_error(exc: BaseException) -> RouterError:
         error.status_code = exc.status_code
         return error
     log.error("unexpected error while serving a request", exc_info=exc)
-    return RouterError(f"internal error: {type(exc).__name__}: {exc}")
+    return InternalError(f"internal error: {type(exc).__name__}: {exc}")
 
 
-def error_response(exc: BaseException) -> Response:
+def reported(exc: BaseException, request_id: str | None) -> RouterError:
+    """``exc`` as the RouterError the client gets, logged first with the request id (its ``X-Request-Id``)
+    when it is a server-side failure (WARNING: the default level shows it) or the client reads less of it
+    (INFO: a 429)."""
     error = to_router_error(exc)
+    if error.sanitized or error.status_code >= 500:
+        log.log(logging.WARNING if error.status_code >= 500 else logging.INFO,
+                "request %s answered %d %s: %s", request_id or "-", error.status_code,
+                error.code or error.error_type, error.message)
+    return error
+
+
+def error_response(exc: BaseException, request_id: str | None = None) -> Response:
+    """The HTTP answer to ``exc`` (:func:`reported`: logged, the client's body)."""
+    error = reported(exc, request_id)
     headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
     return Response(msgspec.json.encode(error.body()), status_code=error.status_code,
                     media_type="application/json", headers=headers)
 
 
+def request_id_of(scope: Scope) -> str | None:
+    """The HTTP request's id (``http_guards.RequestIds`` puts it in the scope's state), for log lines."""
+    return scope.get("state", {}).get("request_id")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every exception a handler lets out through :func:`error_response`."""
 
-    async def handle(_request: Request, exc: Exception) -> Response:
-        return error_response(exc)
+    async def handle(request: Request, exc: Exception) -> Response:
+        return error_response(exc, request_id_of(request.scope))
 
     app.add_exception_handler(RouterError, handle)
     app.add_exception_handler(msgspec.DecodeError, handle)

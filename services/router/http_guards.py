@@ -5,7 +5,8 @@ Pure ASGI middlewares (streaming-safe, like the request counter in ``app.py``):
 * :class:`RequestIds` takes a client's ``X-Request-Id`` when it is printable ASCII of bounded length
   (else makes one), puts it on ``request.state.request_id`` and echoes it on every response.
 * :class:`ApiKeyAuth` asks for ``Authorization: Bearer <--api-key>`` on everything but the open
-  paths (health, metrics, the API description), compared in constant time; else 401.
+  paths (health, metrics, the API description), compared in constant time; else 401. An open path
+  that shows more to a caller with the key (``/health``'s workers) asks :func:`presents_api_key`.
 * :class:`AnswerUnexpected` answers an exception no handler took with the 500 error body instead of
   letting it reach the server, which would close the client's keep-alive connection.
 
@@ -21,14 +22,33 @@ import uuid
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.router.errors import InvalidApiKey, RequestTooLarge, error_response
+from services.router.errors import InvalidApiKey, RequestTooLarge, error_response, request_id_of
 
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_LENGTH = 128
 # Printable ASCII without the space: the id goes into log lines (``id=...``) and worker request ids.
 _VALID_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,%d}" % MAX_REQUEST_ID_LENGTH)
-# Paths anyone may read: probes, scrapers and the API description.
+# Paths anyone may read: probes, scrapers and the API description. What they show names no worker
+# (/health lists the workers only to a caller with the key; /metrics labels them by an opaque id).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"})
+
+
+def _authorization(scope: Scope) -> bytes | None:
+    return next((value for name, value in scope["headers"] if name == b"authorization"), None)
+
+
+def _key_matches(given: bytes, api_key: str) -> bool:
+    """``Bearer <api_key>``: the scheme case-insensitive, the key compared in constant time."""
+    scheme, _, key = given.partition(b" ")
+    return hmac.compare_digest(scheme.lower() + b" " + key.strip(), b"bearer " + api_key.encode())
+
+
+def presents_api_key(scope: Scope, api_key: str | None) -> bool:
+    """Whether the request may see what the API key guards: it carries the key, or the router has none."""
+    if api_key is None:
+        return True
+    given = _authorization(scope)
+    return given is not None and _key_matches(given, api_key)
 
 
 def client_request_id(scope: Scope) -> str | None:
@@ -79,22 +99,20 @@ class ApiKeyAuth:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = b"bearer " + api_key.encode()
+        self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        given = next((value for name, value in scope["headers"] if name == b"authorization"), None)
+        given = _authorization(scope)
         if given is None:
             error = InvalidApiKey("You didn't provide an API key. You need to provide your API key in an "
                                   "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+        elif _key_matches(given, self.api_key):
+            await self.app(scope, receive, send)
+            return
         else:
-            # The scheme is case-insensitive; the key is compared in constant time.
-            scheme, _, key = given.partition(b" ")
-            if hmac.compare_digest(scheme.lower() + b" " + key.strip(), self.expected):
-                await self.app(scope, receive, send)
-                return
             error = InvalidApiKey("Incorrect API key provided.")
         response = error_response(error)
         response.headers["WWW-Authenticate"] = "Bearer"
@@ -123,7 +141,7 @@ class AnswerUnexpected:
         except Exception as exc:
             if started:  # too late for a status: the server cuts the response short
                 raise
-            await error_response(exc)(scope, receive, send)
+            await error_response(exc, request_id_of(scope))(scope, receive, send)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

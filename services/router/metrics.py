@@ -5,6 +5,8 @@ router, inter-token latency between tokens reaching the router, end-to-end to th
 router's own cost is ``router_added_latency``: arrival to the first worker RPC (parse, validate,
 tokenize, pick a pair). Worker counts, and pair probe states and results, are read from the pairing
 table at scrape time; the prefix index's size and each worker's event staleness from the index.
+Per-worker series are labelled ``worker`` by an opaque id (``worker_labels.py``), never by address:
+``/metrics`` is open to whoever reaches the router's port.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from services.router.planner import Decision, DecisionReason
 from services.router.prefix_index import PrefixIndex
 from services.router.routes import Route
 from services.router.scoring import Reason, RouteReason
+from services.router.worker_labels import WorkerLabels
 
 # How a request was served (routes.py): both workers, the decode worker alone, or recomputed on decode.
 ROUTES = tuple(route.value for route in Route)
@@ -36,9 +39,10 @@ _ROUTER_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 class _WorkerCollector(Collector):
     """Workers per role and state, and what the router can serve, read from the pairing table when scraped."""
 
-    def __init__(self, policy: PairingPolicy, decode_only: bool) -> None:
+    def __init__(self, policy: PairingPolicy, decode_only: bool, labels: WorkerLabels) -> None:
         self._policy = policy
         self._decode_only = decode_only
+        self._labels = labels
 
     def collect(self) -> Iterator[Metric]:
         status = GaugeMetricFamily("pdserve_router_status",
@@ -52,7 +56,7 @@ class _WorkerCollector(Collector):
                                     labels=["role", "state"])
         outstanding = GaugeMetricFamily("pdserve_router_worker_outstanding_requests",
                                         "Requests the router has outstanding on each worker",
-                                        labels=["role", "address"])
+                                        labels=["role", "worker"])
         for role in Role:
             states = {"healthy": 0, "unhealthy": 0, "draining": 0}
             for worker in self._policy.workers(role):
@@ -62,7 +66,7 @@ class _WorkerCollector(Collector):
                     states["draining"] += 1
                 else:
                     states["unhealthy"] += 1
-                outstanding.add_metric([role.value, worker.address], worker.outstanding_requests)
+                outstanding.add_metric([role.value, self._labels(worker.address)], worker.outstanding_requests)
             for state, count in states.items():
                 workers.add_metric([role.value, state], count)
         yield workers
@@ -88,8 +92,9 @@ class _WorkerCollector(Collector):
 class _IndexCollector(Collector):
     """The prefix index's size and per-worker state and staleness, read when scraped."""
 
-    def __init__(self, index: PrefixIndex) -> None:
+    def __init__(self, index: PrefixIndex, labels: WorkerLabels) -> None:
         self._index = index
+        self._labels = labels
 
     def collect(self) -> Iterator[Metric]:
         index = self._index
@@ -110,12 +115,12 @@ class _IndexCollector(Collector):
             states.add_metric([state], count)
         yield states
         stale = GaugeMetricFamily("pdserve_router_kv_events_staleness_seconds", "Seconds since each synced "
-                                  "worker's last KV event batch (events or heartbeat)", labels=["address"])
+                                  "worker's last KV event batch (events or heartbeat)", labels=["worker"])
         now = time.monotonic()
         for address in index.addresses():
             last = index.last_batch_s(address)
             if last is not None:
-                stale.add_metric([address], max(now - last, 0.0))
+                stale.add_metric([self._labels(address)], max(now - last, 0.0))
         yield stale
 
 
@@ -123,7 +128,7 @@ class RouterMetrics:
     """Every metric the router exports, registered in ``self.registry``."""
 
     def __init__(self, policy: PairingPolicy, model: str = "", decode_only: bool = False,
-                 index: PrefixIndex | None = None) -> None:
+                 index: PrefixIndex | None = None, worker_labels: WorkerLabels | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         info = Gauge("pdserve_router_info", "Always 1; the model the router serves", ["model"], registry=r)
@@ -192,9 +197,10 @@ class RouterMetrics:
             for reason in reasons:
                 self.route_decisions.labels(route.value, reason.value)
         self._add_planner_metrics()
-        r.register(_WorkerCollector(policy, decode_only))
+        labels = worker_labels or WorkerLabels()
+        r.register(_WorkerCollector(policy, decode_only, labels))
         if index is not None:
-            r.register(_IndexCollector(index))
+            r.register(_IndexCollector(index, labels))
 
     def _add_planner_metrics(self) -> None:
         """The P:D planner's outputs (planner.py, planner_loop.py); every series exists from the start."""

@@ -15,6 +15,7 @@ from services.router.config import RouterConfig
 from services.router.pair_probes import ProbeOutcome
 from services.router.pairing import Role, WorkerIdentity
 from services.router.traffic import FinishedRequest
+from services.router.worker_labels import WorkerLabels
 from services.text.tokenizer import Tokenizer
 from tests.unit.router._kv_fakes import SilentKVSource
 
@@ -80,6 +81,7 @@ async def test_lists_every_worker_with_role_state_epoch_and_load(model_dir: Path
     assert set(workers) == {PREFILL, DECODE}
     decode = workers[DECODE]
     assert (decode["role"], decode["engine_id"], decode["epoch"]) == ("decode", "decode-0", 7)
+    assert decode["worker"] == WorkerLabels(KEY)(DECODE)  # its id on /metrics
     assert decode["state"] == "healthy"
     assert decode["healthy"] is True and decode["draining"] is False
     assert decode["router"] == {"outstanding_requests": 0, "outstanding_prompt_tokens": 0, "queued_prefill_tokens": 0}

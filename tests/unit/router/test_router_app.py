@@ -9,6 +9,8 @@ nothing listens on, to show the check would notice.
 from __future__ import annotations
 
 import argparse
+import logging
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -28,6 +30,7 @@ from services.router.config import RouterConfig
 from services.router.pair_probes import ProbeOutcome
 from services.router.pairing import Role, WorkerIdentity
 from services.router.tokenizing import load_tokenizer, model_name
+from services.router.worker_labels import WorkerLabels
 from services.text.tokenizer import Tokenizer
 from tests.unit.router._kv_fakes import SilentKVSource
 from tests.unit.router._router_model import write_tiny_model_dir
@@ -76,8 +79,8 @@ class Router:
     http: httpx.AsyncClient
     runtime: RouterRuntime
 
-    async def get(self, path: str) -> httpx.Response:
-        return await self.http.get(path)
+    async def get(self, path: str, **kwargs) -> httpx.Response:
+        return await self.http.get(path, **kwargs)
 
     async def post(self, path: str, **kwargs) -> httpx.Response:
         return await self.http.post(path, **kwargs)
@@ -232,11 +235,12 @@ async def test_health_follows_compatible_pairs(model_dir: Path, tokenizer: Token
         workers = body.pop("workers")
         assert body == {"status": "ok", "healthy_workers": {"prefill": 1, "decode": 1}, "decode_only": False,
                         "pairs": [{"prefill": "p:1", "decode": "d:1", "state": "probed"}]}
+        label = WorkerLabels()
         assert workers == [
-            {"address": "p:1", "role": "prefill", "state": "healthy", "healthy": True, "draining": False,
-             "engine_id": "prefill-0", "tp_size": 1, "block_size": None, "last_error": None},
-            {"address": "d:1", "role": "decode", "state": "healthy", "healthy": True, "draining": False,
-             "engine_id": "decode-0", "tp_size": 1, "block_size": None, "last_error": None},
+            {"address": "p:1", "worker": label("p:1"), "role": "prefill", "state": "healthy", "healthy": True,
+             "draining": False, "engine_id": "prefill-0", "tp_size": 1, "block_size": None, "last_error": None},
+            {"address": "d:1", "worker": label("d:1"), "role": "decode", "state": "healthy", "healthy": True,
+             "draining": False, "engine_id": "decode-0", "tp_size": 1, "block_size": None, "last_error": None},
         ]
         probe.up["d:1"] = WorkerIdentity(engine_id="d", role="decode", compat_hash="other")
         await router.runtime.discovery.check_health()
@@ -326,7 +330,8 @@ async def test_health_says_why_a_worker_cannot_pair(model_dir: Path, tokenizer: 
         assert response.status_code == 200
         workers = {w["address"]: w for w in response.json()["workers"]}
         assert workers["d:2"] == {
-            "address": "d:2", "role": "decode", "state": "unpaired", "healthy": True, "draining": False,
+            "address": "d:2", "worker": WorkerLabels()("d:2"), "role": "decode", "state": "unpaired", "healthy": True,
+            "draining": False,
             "engine_id": "decode-tp2",
             "tp_size": 2, "block_size": 16, "last_error": None,
             "unpaired_reason": "prefill p:1: decode tp 2 cannot shard 3 KV heads (neither divides the other)",
@@ -359,16 +364,85 @@ async def test_health_of_a_decode_only_router(model_dir: Path, tokenizer: Tokeni
     assert body["status"] == "ok" and body["decode_only"]
 
 
-async def test_unreachable_workers_fail_cleanly_and_are_taken_out(healthy: Router) -> None:
-    """The one request that does go out: prefill fails, decode fails, 503, both marked down."""
-    response = await healthy.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-    error = _error(response, 503)
-    assert error["code"] == "worker_unavailable" and "Retry-After" in response.headers
-    policy = healthy.runtime.policy
-    assert not policy.has_healthy_decode() and not policy.has_healthy_pair()
-    assert sorted(healthy.runtime.pool.addresses) == ["127.0.0.1:1", "127.0.0.1:2"]
-    assert all(w.outstanding_requests == 0 for w in policy.workers())
-    assert _error(await healthy.post("/v1/completions", json={"prompt": "hi"}), 503)["code"] == "no_healthy_workers"
+# What no client error may carry: a host:port, or gRPC's status names and connection text.
+_INTERNALS = re.compile(r"\d+\.\d+\.\d+\.\d+|:\d{2,5}\b|StatusCode|UNAVAILABLE|INTERNAL|failed to connect|ipv4")
+
+
+def assert_no_internals(text: str) -> None:
+    found = _INTERNALS.findall(text)
+    assert not found, f"{found} in {text}"
+
+
+@pytest.mark.parametrize("failovers", [0, 2], ids=["no-failover", "failover"])
+async def test_unreachable_workers_fail_cleanly_and_are_taken_out(model_dir: Path, tokenizer: Tokenizer,
+                                                                  caplog: pytest.LogCaptureFixture,
+                                                                  failovers: int) -> None:
+    """The one request that does go out: prefill fails, decode fails, 503, both marked down (with failover on,
+    no other decode worker takes the request). The client reads the kind of failure, not
+    the workers' addresses or gRPC's text; the router's log line has them, under the request's id."""
+    probe = Probe({"127.0.0.1:2": _identity(Role.PREFILL), NOWHERE: _identity(Role.DECODE)})
+    async with _router(model_dir, tokenizer, probe, prefill=("127.0.0.1:2",), decode=(NOWHERE,),
+                       health_interval_s=3600, max_decode_failovers=failovers, decode_failover_wait_s=0.2) as healthy:
+        with caplog.at_level(logging.WARNING, logger="services.router.errors"):
+            response = await healthy.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                          headers={"X-Request-Id": "lost-1"})
+        error = _error(response, 503)
+        # A failover that found no other decode worker fails as the decode worker did (or as no_healthy_workers).
+        assert error["code"] in (("worker_unavailable", "no_healthy_workers") if failovers else ("worker_unavailable",))
+        assert "Retry-After" in response.headers and error["message"]
+        assert_no_internals(response.text)
+        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request lost-1 answered 503")]
+        assert "decode worker 127.0.0.1:1" in line and "UNAVAILABLE" in line, line
+        policy = healthy.runtime.policy
+        assert not policy.has_healthy_decode() and not policy.has_healthy_pair()
+        assert sorted(healthy.runtime.pool.addresses) == ["127.0.0.1:1", "127.0.0.1:2"]
+        assert all(w.outstanding_requests == 0 for w in policy.workers())
+        response = await healthy.post("/v1/completions", json={"prompt": "hi"})
+        assert _error(response, 503)["code"] == "no_healthy_workers"
+        assert_no_internals(response.text)
+
+
+async def test_health_without_the_api_key_is_the_status_alone(model_dir: Path, tokenizer: Tokenizer) -> None:
+    """With --api-key, /health stays open for probes, but only a caller with the key reads the workers, their
+    addresses, states and reasons, and the pairs; the status and its HTTP code are everyone's."""
+    probe = Probe({"10.1.2.3:9001": _identity(Role.PREFILL), "10.1.2.4:9002": _identity(Role.DECODE)})
+    async with _router(model_dir, tokenizer, probe, prefill=("10.1.2.3:9001",), decode=("10.1.2.4:9002",),
+                       api_key="k3y", health_interval_s=3600) as router:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic k3y"}):
+            response = await router.get("/health", headers=headers)
+            assert (response.status_code, response.json()) == (200, {"status": "ok"}), headers
+        keyed = await router.get("/health", headers={"Authorization": "bearer k3y"})
+        body = keyed.json()
+        assert keyed.status_code == 200 and body["status"] == "ok"
+        assert {w["address"] for w in body["workers"]} == {"10.1.2.3:9001", "10.1.2.4:9002"}
+        assert body["pairs"] == [{"prefill": "10.1.2.3:9001", "decode": "10.1.2.4:9002", "state": "probed"}]
+
+        probe.up.clear()
+        await router.runtime.discovery.check_health()
+        response = await router.get("/health")
+        assert (response.status_code, response.json()) == (503, {"status": "unavailable"})
+        keyed = await router.get("/health", headers={"Authorization": "Bearer k3y"})
+        assert keyed.status_code == 503 and "ConnectionRefusedError" in keyed.json()["workers"][0]["last_error"]
+
+
+async def test_metrics_label_workers_by_an_id_not_their_address(model_dir: Path, tokenizer: Tokenizer) -> None:
+    """/metrics is open (scrapers have no key), so its per-worker series carry the worker's opaque id, the one
+    /health (with the key) lists beside the address; the id follows the key, so replicas sharing it agree."""
+    addresses = ("10.1.2.3:9001", "10.1.2.4:9002")
+    probe = Probe({addresses[0]: _identity(Role.PREFILL), addresses[1]: _identity(Role.DECODE)})
+    ids: dict[str, dict[str, str]] = {}
+    for key in ("k3y", "other"):
+        async with _router(model_dir, tokenizer, probe, prefill=addresses[:1], decode=addresses[1:], api_key=key,
+                           health_interval_s=3600) as router:
+            metrics = (await router.get("/metrics")).text
+            health = (await router.get("/health", headers={"Authorization": f"Bearer {key}"})).json()
+        assert not any(a in metrics or a.split(":")[0] in metrics for a in addresses), metrics
+        ids[key] = {w["address"]: w["worker"] for w in health["workers"]}
+        assert re.fullmatch(r"[0-9a-f]{12}", ids[key][addresses[0]])
+        for role, address in zip(("prefill", "decode"), addresses, strict=True):
+            line = f'pdserve_router_worker_outstanding_requests{{role="{role}",worker="{ids[key][address]}"}} 0.0'
+            assert line in metrics, metrics
+    assert ids["k3y"] == {a: WorkerLabels("k3y")(a) for a in addresses} and ids["k3y"] != ids["other"]
 
 
 async def test_overload_is_429(model_dir: Path, tokenizer: Tokenizer) -> None:

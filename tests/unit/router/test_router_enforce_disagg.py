@@ -251,24 +251,39 @@ async def test_strict_without_a_prefill_worker_is_503_and_the_decode_worker_is_n
         assert _routed((await s.http.get("/metrics")).text) == {"disaggregated": 1, "direct": 0, "fallback": 0}
 
 
-async def test_strict_with_a_failed_prefill_is_502_without_decoding(tokenizer: Tokenizer) -> None:
+def _logged_answer(caplog: pytest.LogCaptureFixture, request_id: str) -> str:
+    """The router's log line about the error it answered ``request_id`` with (the message the client did not get)."""
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"request {request_id} answered")]
+    return line
+
+
+async def test_strict_with_a_failed_prefill_is_502_without_decoding(tokenizer: Tokenizer,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
     prefill = ScriptedPrefill(fail_with=grpc.StatusCode.INTERNAL)
     async with _serving(tokenizer, prefill, ScriptedDecode([1, 2]), enforce_disagg=True) as s:
-        response = await s.http.post("/v1/completions", json={"prompt": "hello"})
+        with caplog.at_level(logging.WARNING, logger="services.router.errors"):
+            response = await s.http.post("/v1/completions", json={"prompt": "hello"}, headers={"X-Request-Id": "p1"})
         error = response.json()["error"]
         assert response.status_code == 502 and error["code"] == "disaggregation_failed"
-        assert "scripted failure" in error["message"] and s.decode.requests == []
+        # The client reads the kind; the worker, its address and its gRPC status are in the router's log.
+        prefill_address = s.runtime.config.prefill[0]
+        assert "scripted failure" not in response.text and prefill_address not in response.text
+        assert "--enforce-disagg" in error["message"] and s.decode.requests == []
+        assert f"{prefill_address} failed (INTERNAL: scripted failure)" in _logged_answer(caplog, "p1")
         assert not s.runtime.policy.has_healthy_pair()  # the broken prefill worker is out of rotation
 
 
-async def test_strict_with_a_failed_pull_is_502(tokenizer: Tokenizer) -> None:
+async def test_strict_with_a_failed_pull_is_502(tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture) -> None:
     ids = tokenizer.encode(ANSWER)
     prefill = ScriptedPrefill(first_token_id=ids[0])
     async with _serving(tokenizer, prefill, ScriptedDecode(ids, pull_fails=True), enforce_disagg=True) as s:
-        response = await s.http.post("/v1/completions", json={"prompt": "the capital of France", "max_tokens": 30})
+        with caplog.at_level(logging.WARNING, logger="services.router.errors"):
+            response = await s.http.post("/v1/completions", json={"prompt": "the capital of France", "max_tokens": 30},
+                                         headers={"X-Request-Id": "p2"})
         error = response.json()["error"]
         assert response.status_code == 502 and error["code"] == "disaggregation_failed", error
-        assert "scripted handshake refusal" in error["message"] and ROUTE_HEADER not in response.headers
+        assert "scripted handshake refusal" not in response.text and ROUTE_HEADER not in response.headers
+        assert "scripted handshake refusal" in _logged_answer(caplog, "p2")
         (generate,) = s.decode.requests
         assert generate.require_pull and generate.HasField("ticket")
         assert prefill.released == [generate.request_id]  # its pinned blocks are freed at once
