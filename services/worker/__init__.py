@@ -4,6 +4,7 @@
   engine id and epoch, KV ranks, the engine thread, /metrics and engine stats, the ready line, SIGTERM
   drain, shutdown. Each daemon adds only its :class:`~services.worker.daemon.Role` (its servicers).
 - ``grpc_server.py``: the grpc.aio server with grpc.health.v1, in-flight counting and the drain that stops it.
+- ``receive_limit.py``: the server's receive limit, the largest message a worker can legitimately get.
 - ``role_switch.py``: the role served now, a switch between roles, and each role's drain (a switch's or a stop's).
 - ``switch_rpc.py``, ``drain_rpc.py``: the ``SwitchRole`` and ``Drain`` RPCs, mixed into both servicers.
 - ``worker_info.py``: the Info RPC's answer (identity, compatibility, load).
