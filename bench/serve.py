@@ -63,7 +63,8 @@ and requests for every setup): ``prefill-heavy`` (long prompts, short outputs: `
 reported on its own and all of them together (``overall``): completed/failed, requests meeting the SLO,
 goodput, TTFT/ITL/TPOT p50/p99, and the ratios planner / each fixed setup. The planner setup also reports the
 switches it decided and when (from ``GET /admin/planner``, polled), the roles over time (``GET
-/admin/workers``), and the counters that confirm them (the router's ``pdserve_planner_switches_total``, the
+/admin/workers``), per phase the desired counts it asked for (lowest-highest and at the phase's end) beside the
+roles the workers had, and the counters that confirm them (the router's ``pdserve_planner_switches_total``, the
 workers' ``pdserve_role_switches_total``, ``pdserve_router_migrated_requests_total``).
 
 Metrics per setup: completed and failed requests (a request fails on an HTTP error, an error event in
@@ -120,6 +121,7 @@ from bench.serve_planner import (  # noqa: E402
     PLANNER_DEFAULTS,
     PlannerSettings,
     PlannerWatch,
+    counts_by_phase,
     phase_of,
     phase_ratio_rows,
     print_phase_tables,
@@ -610,6 +612,7 @@ def planner_report(watch: PlannerWatch, router_url: str, workers: list[Daemon], 
         "decisions_by_reason": {k.removeprefix("reason="): int(v)
                                 for k, v in series(router, "pdserve_planner_decisions_total").items()},
         "decisions": watch.decisions,
+        "by_phase": counts_by_phase(watch.events, bounds),
     }
     if args.num_workers < 3:
         report["cannot_switch"] = (f"with {args.num_workers} workers the planner cannot switch: it keeps at least one "

@@ -99,14 +99,15 @@ class PlannerWatch:
         body = _get_json(f"{self.url}/admin/planner")
         decision = (body or {}).get("decision")
         if decision:
-            key = (decision["reason"], json.dumps(decision["target"]), json.dumps(decision["switch"]))
+            key = (decision["reason"], json.dumps(decision["target"]), json.dumps(decision["desired"]),
+                   json.dumps(decision["switch"]))
             if key != self._last_decision:
                 self._last_decision = key
                 at = round(now - decision.get("age_s", 0.0), 2)
                 self.decisions.append({"t_s": at, **decision})
                 self.events.append({"t_s": at, "event": "decision", "reason": decision["reason"],
                                     "current": decision["current"], "target": decision["target"],
-                                    "switch": decision["switch"],
+                                    "desired": decision["desired"], "switch": decision["switch"],
                                     "need": (decision["inputs"]["prefill_need"], decision["inputs"]["decode_need"]),
                                     "decode_basis": decision["inputs"]["decode_basis"]})
         workers = (_get_json(f"{self.url}/admin/workers") or {}).get("workers")
@@ -131,6 +132,36 @@ def phase_of(t_s: float, bounds: list[tuple[str, float, float]]) -> str:
         if start <= t_s < end:
             return name
     return "after" if bounds and t_s >= bounds[-1][2] else "before"
+
+
+def counts_by_phase(events: list[dict], bounds: list[tuple[str, float, float]]) -> list[dict]:
+    """Per phase (the last one until the load is drained): the desired counts the planner asked for, lowest to
+    highest (the decision in force at the phase's start included) and at its end, the workers' roles at its
+    start and at each change, and the switches it decided."""
+    decisions = [e for e in events if e["event"] == "decision"]
+    roles = [e for e in events if e["event"] == "roles"]
+    rows = []
+    for i, (name, start, end) in enumerate(bounds):
+        end = math.inf if i == len(bounds) - 1 else end
+        seen = [e for e in decisions if e["t_s"] < start][-1:] + [e for e in decisions if start <= e["t_s"] < end]
+        had = [e["roles"] for e in roles if e["t_s"] < start][-1:] + \
+            [e["roles"] for e in roles if start <= e["t_s"] < end]
+        rows.append({
+            "phase": name,
+            "desired_prefill": [min((e["desired"]["prefill"] for e in seen), default=None),
+                                max((e["desired"]["prefill"] for e in seen), default=None)],
+            "desired_decode": [min((e["desired"]["decode"] for e in seen), default=None),
+                               max((e["desired"]["decode"] for e in seen), default=None)],
+            "desired_at_end": f"{seen[-1]['desired']['prefill']}P{seen[-1]['desired']['decode']}D" if seen else "-",
+            "roles": had,
+            "switches": [f"{e['switch']['from']}->{e['switch']['to']} at {e['t_s']:.1f} s" for e in seen
+                         if e["switch"] and e["t_s"] >= start]})
+    return rows
+
+
+def _span(low_high: list) -> str:
+    low, high = low_high
+    return "-" if low is None else f"{low}" if low == high else f"{low}-{high}"
 
 
 # ---- tables --------------------------------------------------------------------------------------------
@@ -198,6 +229,13 @@ def print_planner_row(row: dict) -> None:
     print(f"# {row['setup']}: switches decided {len(p['switch_decisions'])}; router pdserve_planner_switches_total "
           f"{p['router_switches']}; workers' pdserve_role_switches_total {p['worker_switches']}; "
           f"migrated requests {p['migrated']}; decisions by reason {p['decisions_by_reason']}")
+    if p.get("by_phase"):
+        print(f"# {row['setup']}: per phase: the desired counts the planner asked for (lowest-highest, and at the "
+              "phase's end), the workers' roles (at the start, then each change), its switches")
+        for c in p["by_phase"]:
+            print(f"#   {c['phase']:>13}: desired {_span(c['desired_prefill'])}P {_span(c['desired_decode'])}D "
+                  f"(end {c['desired_at_end']}); "
+                  f"roles {' -> '.join(c['roles']) or '-'}; switches {', '.join(c['switches']) or 'none'}")
     for e in p["timeline"]:
         if e["event"] == "roles":
             print(f"#   t={e['t_s']:7.1f} s [{e['phase']}] roles {e['roles']}")
