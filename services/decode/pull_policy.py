@@ -16,11 +16,12 @@ Strict disaggregation (``GenerateRequest.require_pull``, the router's ``--enforc
 failures drop the reservation the same way, then raise :class:`PullRequired` instead of recomputing,
 so the router can fail the request rather than serve it from a prompt this worker prefilled.
 
-A ticket the puller refuses before any READ (``services.kv.pull_tickets``: past its lease, pulled before, or from
-an owner that binds none) is such a failure: counted by reason, its blocks never read, the prompt recomputed with
-the ticket's first token (its own prompt's). A ticket of another prompt (its prompt hash differs from this
-prompt's, checked before anything is reserved) is bad input, as a ticket of another length is: its first token
-is another prompt's, so no continuation here would be this prompt's; the call fails (INVALID_ARGUMENT).
+Every ticket is taken as it arrives, before anything is reserved for it (``KVPuller.take``,
+``services.kv.pull_tickets``), and checked again before its READs. A ticket refused there (taken before, past
+its lease, or from an owner that binds none) is such a failure: counted by reason, its blocks never read, the
+prompt recomputed with the ticket's first token (its own prompt's), or PullRequired. A ticket of another prompt
+(its prompt hash differs from this prompt's) is bad input, as a ticket of another length is: its first token is
+another prompt's, so no continuation here would be this prompt's; the call fails (INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from services.engine.sched.request import Request
 from services.kv.handshake import HandshakeError
 from services.kv.nixl.errors import TransferError, TransferTimeout
 from services.kv.pull_errors import KVIntegrityError, TicketError
-from services.kv.pull_tickets import names_another_prompt
 from services.kv.puller import PullResult
 from services.kv.wire import prompt_hash
 from services.proto_gen.pdserve.v1 import kv_pb2
@@ -74,11 +74,13 @@ class DecodeEngine(Protocol):
 
 
 class Puller(Protocol):
-    """Reads a ticket's KV into local blocks (``KVPuller`` does)."""
+    """Takes tickets as they arrive and reads their KV into local blocks (``KVPuller`` does)."""
+
+    def take(self, tickets: Sequence[kv_pb2.TransferTicket], prompt_hash: bytes) -> None: ...
 
     async def pull(self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]],
                    num_cached_tokens: int = 0, local_state_slot: int | None = None, *,
-                   earlier: Sequence[kv_pb2.TransferTicket] = (), prompt_hash: bytes | None = None) -> PullResult: ...
+                   earlier: Sequence[kv_pb2.TransferTicket] = ()) -> PullResult: ...
 
 
 class PullRequired(Exception):
@@ -122,7 +124,7 @@ class PartPulls:
         self.end = 0  # tokens covered by the parts so far
         self.last: kv_pb2.TransferTicket | None = None
         self.failure: str | None = None
-        self.other_prompt = False  # a part named another prompt: bad input, never recomputed from its first token
+        self.other_prompt = False  # a part named another prompt: bad input, never recomputed from the last's token
         self.num_pulled = 0
         self.join: JoinTimes | None = None  # once the engine took the request after the last part
 
@@ -131,23 +133,20 @@ class PartPulls:
         return ticket.num_tokens >= self.num_prompt_tokens
 
     def accept(self, ticket: kv_pb2.TransferTicket, rid: str) -> TicketError | None:
-        """Take the next part; why it does not fit, if it does not (it is not pulled then): reason ``part`` (of
-        another request or length, or out of order) or ``prompt_mismatch`` (of another prompt)."""
+        """Take the next part; why it does not fit, if it does not (it is not pulled then): of another request or
+        length, or out of order (reason ``part``)."""
         whole = max(ticket.num_prompt_tokens, ticket.num_tokens)
-        problem, reason = None, "part"
+        problem = None
         if ticket.request_id != rid or whole != self.num_prompt_tokens:
             problem = f"a KV part of request {ticket.request_id!r} ({whole} tokens)"
         elif ticket.part_start_token != self.end or not self.end < ticket.num_tokens <= whole:
             problem = f"a KV part of tokens {ticket.part_start_token}..{ticket.num_tokens} after tokens 0..{self.end}"
-        elif names_another_prompt(ticket, self.prompt_digest):
-            problem, reason = f"a KV part of tokens {ticket.part_start_token}..{ticket.num_tokens} of another " \
-                              "prompt", "prompt_mismatch"
         self.end = max(self.end, ticket.num_tokens)
         if self.ends_prompt(ticket):
             self.last = ticket
         if problem is None:
             return None
-        return TicketError(f"{problem} does not continue the prompt's KV; refused", reason=reason)
+        return TicketError(f"{problem} does not continue the prompt's KV; refused", reason="part")
 
 
 class PullPolicy:
@@ -184,25 +183,25 @@ class PullPolicy:
         pull is required, raise PullRequired)."""
         if list(ticket.groups) and ticket.num_tokens != len(prompt):
             raise ValueError(f"ticket covers {ticket.num_tokens} tokens, the prompt has {len(prompt)}")
-        digest = prompt_hash(prompt)
-        if names_another_prompt(ticket, digest):
-            self.metrics.kv_refused.labels("decode", "ticket", "prompt_mismatch").inc()
-            log.warning("request %s: its ticket (request %r of engine %s) was issued for another prompt of %d "
-                        "tokens; refused", rid, ticket.request_id, ticket.engine_id, len(prompt))
-            raise TicketError(f"the ticket of request {ticket.request_id!r} was issued for another prompt",
-                              reason="prompt_mismatch")
+        refused = self._take([ticket], prompt_hash(prompt))
+        if refused is not None and refused.reason == "prompt_mismatch":
+            log.warning("request %s: %s", rid, refused)
+            raise refused  # bad input: nothing was reserved
         started = time.perf_counter()
-        try:
-            outcome = await self._reserve_and_pull(rid, prompt, params, ticket, digest, started)
-        except ValueError:
-            raise  # bad input (a duplicate id among them): nothing was reserved under this call
-        except BaseException:
-            # Cancelled (the router gave up, or its deadline passed while this worker was stalled) between
-            # reserving blocks and streaming: nobody will read this request, so it must not keep them.
-            await asyncio.shield(self.engine.abort(rid))
-            raise
-        if isinstance(outcome, StartedRequest):
-            return outcome
+        if refused is not None:
+            outcome = f"its ticket is refused ({refused})"
+        else:
+            try:
+                outcome = await self._reserve_and_pull(rid, prompt, params, ticket, started)
+            except ValueError:
+                raise  # bad input (a duplicate id among them): nothing was reserved under this call
+            except BaseException:
+                # Cancelled (the router gave up, or its deadline passed while this worker was stalled) between
+                # reserving blocks and streaming: nobody will read this request, so it must not keep them.
+                await asyncio.shield(self.engine.abort(rid))
+                raise
+            if isinstance(outcome, StartedRequest):
+                return outcome
         if require_pull:
             log.warning("request %s: %s; failing it (the router requires pulled KV)", rid, outcome)
             raise PullRequired(outcome)
@@ -271,11 +270,14 @@ class PullPolicy:
                         ended = item is _END
                         break
                     ticket, arrived = item
-                    problem = pulled.accept(ticket, rid)
+                    # Taken after a failure too, so a replay of it is refused: the router released it unread.
+                    problem = pulled.accept(ticket, rid) or self._take([ticket], pulled.prompt_digest)
+                    if problem is not None:
+                        pulled.other_prompt |= problem.reason == "prompt_mismatch"
+                        if problem.reason == "part":  # _take counted the others
+                            self.metrics.kv_refused.labels("decode", "ticket", "part").inc()
                     if pulled.failure is None and problem is not None:
                         pulled.failure = str(problem)
-                        pulled.other_prompt = problem.reason == "prompt_mismatch"
-                        self.metrics.kv_refused.labels("decode", "ticket", problem.reason).inc()
                         await self.engine.abort(rid)
                     if pulled.failure is None:
                         todo.append(ticket)
@@ -319,8 +321,7 @@ class PullPolicy:
         rid, first, last = request.request_id, tickets[0], tickets[-1]
         cached = min(max(request.num_cached_tokens, first.part_start_token), last.num_tokens)
         try:
-            result = await self.puller.pull(last, request.block_ids, cached, request.state_slot, earlier=tickets[:-1],
-                                            prompt_hash=pulled.prompt_digest)
+            result = await self.puller.pull(last, request.block_ids, cached, request.state_slot, earlier=tickets[:-1])
         except PULL_ERRORS as e:
             await self._drop_failed_pull(rid, e)
             pulled.failure = f"KV pull of tokens {first.part_start_token}..{last.num_tokens} from " \
@@ -339,7 +340,7 @@ class PullPolicy:
         return StartedRequest((first_token_id,), recomputed_locally=True)
 
     async def _reserve_and_pull(self, rid: str, prompt: list[int], params: SamplingParams,
-                                ticket: kv_pb2.TransferTicket, digest: bytes, started: float) -> StartedRequest | str:
+                                ticket: kv_pb2.TransferTicket, started: float) -> StartedRequest | str:
         """Reserve local blocks and pull the ticket's KV into them: the request running on the pulled KV,
         else why it cannot (no room in time, the pull failed, the first token was refused: any reservation
         is dropped by then)."""
@@ -348,8 +349,7 @@ class PullPolicy:
         if request is None:
             return f"no KV blocks or sequence seat free for {self.reserve_timeout_s:.0f} s"
         try:
-            result = await self.puller.pull(ticket, request.block_ids, request.num_cached_tokens, request.state_slot,
-                                            prompt_hash=digest)
+            result = await self.puller.pull(ticket, request.block_ids, request.num_cached_tokens, request.state_slot)
         except PULL_ERRORS as e:
             await self._drop_failed_pull(rid, e)
             return f"KV pull from {ticket.engine_id} failed ({e})"
@@ -362,6 +362,16 @@ class PullPolicy:
         resumed = time.perf_counter()
         self._count_pull(rid, result, reserved - started, resumed - pulled)
         return StartedRequest(join=JoinTimes(pulled - started, resumed - pulled, resumed))
+
+    def _take(self, tickets: Sequence[kv_pb2.TransferTicket], digest: bytes) -> TicketError | None:
+        """Take tickets as they arrive (``KVPuller.take``, for the prompt hashed ``digest``); the refusal, counted by
+        its reason, if one is refused."""
+        try:
+            self.puller.take(tickets, digest)
+        except TicketError as e:
+            self.metrics.kv_refused.labels("decode", "ticket", e.reason).inc()
+            return e
+        return None
 
     async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams) -> Request | None:
         """Reserve local blocks for the pull, waiting (bounded, with backoff) for a seat or blocks to free up;

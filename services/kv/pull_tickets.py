@@ -1,20 +1,22 @@
-"""The reader's checks of a ticket's use: bound to its prompt, inside its lease, pulled once.
+"""The reader's checks of a ticket's use: bound to its prompt, taken once, read inside its lease.
 
-A READ is one-sided: the owner cannot refuse it, and the blocks a ticket names are freed, then reused, once
-its readers notified, its lease ran out or it was released. So the reader refuses, after the ticket's signature
-(``KVPuller.pull``) and before it posts any READ:
+A READ is one-sided: the owner cannot refuse it, and the blocks a ticket names are freed, then reused, once its
+readers notified, its lease ran out or it was released. So the reader refuses a ticket before it posts any READ:
 
-- ``prompt_mismatch``: the ticket's ``prompt_hash`` is not the hash of the prompt it came with (a genuine ticket
-  of another prompt would be read into this one's blocks and continued as if it were its KV);
-- ``expired``: the reader's clock is within ``DEADLINE_MARGIN_S`` of the ticket's ``lease_deadline_unix_ms``, when
-  the owner may free its blocks;
-- ``replayed``: this reader pulled the ticket before (``ConsumedTickets``): its blocks are being freed, or are free;
-- ``unbound``: the ticket has no deadline or prompt hash (an owner that predates them).
+- when the ticket arrives (``TicketChecks.take``, before anything is reserved for it): ``prompt_mismatch``, its
+  ``prompt_hash`` is not the hash of the prompt it came with (a genuine ticket of another prompt would be read into
+  this one's blocks and continued as if it were its KV); ``replayed``, this reader took it before, whatever came of
+  that (pulled, refused, given up for want of room: its blocks are being freed or reused, the router releases
+  what a decode worker did not read); ``unbound``, it names no deadline or prompt (an owner that predates them);
+- and again right before its READs, after its signature (``KVPuller.pull``): ``expired``, the reader's clock is
+  within ``DEADLINE_MARGIN_S`` of its ``lease_deadline_unix_ms``, when the owner may free its blocks (reserving
+  blocks may have waited); and it must have been taken, for the prompt the ticket names.
 
 Each is a ``TicketError`` with that ``reason`` (the decode worker counts it in
-``pdserve_kv_refused_total{kind="ticket"}``). What this cannot see: a ticket released (``Release``) before it was
-ever pulled is freed inside its deadline, and a ticket pulled by another decode worker is not in this one's record;
-with the KV digest on, a pull of blocks that were reused meanwhile fails its digest.
+``pdserve_kv_refused_total{kind="ticket"}``). The prompt check runs before the signature is verified: the
+signature, verified before any READ, covers the hash that was compared. What this cannot see: a ticket released
+(``Release``) before any reader took it is freed inside its deadline, and one taken by another decode worker is not
+in this one's record; with the KV digest on, a pull of blocks that were reused meanwhile fails its digest.
 """
 
 from __future__ import annotations
@@ -41,34 +43,37 @@ def names_another_prompt(ticket: kv_pb2.TransferTicket, prompt_hash: bytes) -> b
 
 
 class ConsumedTickets:
-    """The tickets a reader has pulled, by (engine id, epoch, nonce), each until its deadline.
+    """The tickets a reader has taken, by (engine id, epoch, nonce), each until its deadline, with its prompt hash.
 
     Per owner epoch: a newer epoch of an engine drops the older one's record (its tickets are stale: the peer
-    cache refuses them). The record's size is bounded by the tickets pulled within one lease: an entry is dropped
+    cache refuses them). The record's size is bounded by the tickets taken within one lease: an entry is dropped
     once its deadline passed, when the deadline check refuses the ticket anyway.
     """
 
     def __init__(self) -> None:
-        self._nonces: dict[tuple[str, int], dict[str, float]] = {}  # (engine id, epoch) -> nonce -> deadline (s)
+        # (engine id, epoch) -> nonce -> (deadline (s), prompt hash)
+        self._nonces: dict[tuple[str, int], dict[str, tuple[float, bytes]]] = {}
         self._epochs: dict[str, int] = {}  # engine id -> its newest epoch recorded
         self._by_deadline: list[tuple[float, str, int, str]] = []  # heap of (deadline, engine id, epoch, nonce)
 
     def __len__(self) -> int:
         return sum(len(nonces) for nonces in self._nonces.values())
 
-    def consumed(self, ticket: kv_pb2.TransferTicket) -> bool:
-        return ticket.notify_nonce in self._nonces.get((ticket.engine_id, ticket.epoch), {})
+    def prompt_of(self, ticket: kv_pb2.TransferTicket) -> bytes | None:
+        """The prompt hash the ticket was taken with; None if it was not taken (or its entry is past its deadline)."""
+        entry = self._nonces.get((ticket.engine_id, ticket.epoch), {}).get(ticket.notify_nonce)
+        return None if entry is None else entry[1]
 
     def consume(self, tickets: Sequence[kv_pb2.TransferTicket], now: float) -> None:
-        """Record ``tickets`` as pulled, all or none: a ``TicketError`` (``replayed``) when one already was (or
-        two are the same ticket). ``now``: the reader's clock (s), to drop what is past its deadline first."""
+        """Record ``tickets`` as taken, all or none: a ``TicketError`` (``replayed``) when one already was (or two are
+        the same ticket). ``now``: the reader's clock (s), to drop what is past its deadline first."""
         self.prune(now)
         seen: set[tuple[str, int, str]] = set()
         for t in tickets:
             key = (t.engine_id, t.epoch, t.notify_nonce)
-            if self.consumed(t) or key in seen:
+            if self.prompt_of(t) is not None or key in seen:
                 raise TicketError(f"ticket for request {t.request_id!r} (engine {t.engine_id}, epoch {t.epoch}) was "
-                                  "pulled before: its blocks may hold another request's KV now", reason="replayed")
+                                  "taken before: its blocks may hold another request's KV now", reason="replayed")
             seen.add(key)
         for t in tickets:
             if t.epoch > self._epochs.get(t.engine_id, -1):
@@ -77,7 +82,7 @@ class ConsumedTickets:
                     self._nonces.pop((t.engine_id, old), None)
                 self._epochs[t.engine_id] = t.epoch
             deadline = t.lease_deadline_unix_ms / 1000
-            self._nonces.setdefault((t.engine_id, t.epoch), {})[t.notify_nonce] = deadline
+            self._nonces.setdefault((t.engine_id, t.epoch), {})[t.notify_nonce] = (deadline, bytes(t.prompt_hash))
             heapq.heappush(self._by_deadline, (deadline, t.engine_id, t.epoch, t.notify_nonce))
 
     def prune(self, now: float) -> None:
@@ -92,17 +97,17 @@ class ConsumedTickets:
 
 
 class TicketChecks:
-    """A reader's checks of each ticket it is about to pull (the module docstring), with its record of the tickets
-    it pulled. ``clock``: wall time (s), compared with the owner's deadlines."""
+    """A reader's checks of the tickets it takes and pulls (the module docstring), with its record of the tickets
+    it took. ``clock``: wall time (s), compared with the owner's deadlines."""
 
     def __init__(self, margin_s: float = DEADLINE_MARGIN_S, clock: Callable[[], float] = time.time) -> None:
         self.margin_s = margin_s
         self.clock = clock
         self.consumed = ConsumedTickets()
 
-    def admit(self, tickets: Sequence[kv_pb2.TransferTicket], prompt_hash: bytes) -> None:
-        """Check ``tickets`` (signed: ``KVPuller.pull`` verified them) for the prompt hashed ``prompt_hash`` and
-        record them as pulled; a ``TicketError`` naming the first refusal, and then none is recorded."""
+    def take(self, tickets: Sequence[kv_pb2.TransferTicket], prompt_hash: bytes) -> None:
+        """Take ``tickets`` (as they arrived, not yet verified) for the prompt hashed ``prompt_hash``: a ``TicketError``
+        naming the first refusal (and then none is recorded), else they are recorded as taken."""
         now = self.clock()
         for t in tickets:
             if not (t.prompt_hash and t.lease_deadline_unix_ms):
@@ -111,9 +116,26 @@ class TicketChecks:
             if names_another_prompt(t, prompt_hash):
                 raise TicketError(f"ticket for request {t.request_id!r} was issued for another prompt",
                                   reason="prompt_mismatch")
-            left_s = t.lease_deadline_unix_ms / 1000 - now
-            if left_s <= self.margin_s:
-                raise TicketError(f"ticket for request {t.request_id!r} is past its lease ({left_s:.2f} s left, "
-                                  f"refused under {self.margin_s:g} s): its owner may free its blocks",
-                                  reason="expired")
+            self._check_lease(t, now)
         self.consumed.consume(tickets, now)
+
+    def check_pull(self, tickets: Sequence[kv_pb2.TransferTicket]) -> None:
+        """Right before the READs of ``tickets`` (signed: ``KVPuller.pull`` verified them): each was taken for the
+        prompt it names and is not within the margin of its deadline; else a ``TicketError``, or a ValueError for a
+        ticket the caller never took (a bug: every pull takes its tickets first)."""
+        now = self.clock()
+        for t in tickets:
+            taken = self.consumed.prompt_of(t)
+            if taken is None:
+                self._check_lease(t, now)  # an entry is dropped past its deadline: then it is refused as expired
+                raise ValueError(f"ticket for request {t.request_id!r} is pulled without being taken")
+            if not hmac.compare_digest(taken, t.prompt_hash):
+                raise TicketError(f"ticket for request {t.request_id!r} was taken for another prompt",
+                                  reason="prompt_mismatch")
+            self._check_lease(t, now)
+
+    def _check_lease(self, ticket: kv_pb2.TransferTicket, now: float) -> None:
+        left_s = ticket.lease_deadline_unix_ms / 1000 - now
+        if left_s <= self.margin_s:
+            raise TicketError(f"ticket for request {ticket.request_id!r} is past its lease ({left_s:.2f} s left, "
+                              f"refused under {self.margin_s:g} s): its owner may free its blocks", reason="expired")

@@ -12,10 +12,10 @@ layout and TP size are the owner's. A sliding-window group's ticket may name a p
 in-range id, e.g. the owner's scratch block, repeated) for blocks that fell out of the window: they
 are range-checked like every id and never read, since the pieces start at ``window_start_token``.
 
-A ticket is untrusted input: it must carry the owner's signature (HMAC under the key of the owner's
-epoch, from the handshake), be of the prompt it came with, inside its lease and not pulled before
-(``pull_tickets``: a READ is one-sided, its owner cannot refuse it), and its groups, block ids and token
-count are checked against the owner's handshake before anything is planned, and descriptors are
+A ticket is untrusted input: it must be taken first (``take``: of the prompt it came with, never taken
+before), carry the owner's signature (HMAC under the key of the owner's epoch, from the handshake), be
+inside its lease (``pull_tickets``: a READ is one-sided, its owner cannot refuse it), and its groups, block
+ids and token count are checked against the owner's handshake before anything is planned, and descriptors are
 only ever computed from the layout specs, so a forged ticket cannot point a READ outside the owner's
 registered KV buffers or the reader's own blocks.
 """
@@ -137,8 +137,8 @@ class KVPuller:
         pulled block after its READ, before the digest check (None: never). ``prepared_lists``: read through
         descriptor lists prepared once per peer where the rank and layouts allow (``read_lists``); off, every
         pull is planned from scratch. ``check_tickets``: refuse a ticket of another prompt, past its lease or pulled
-        before (``pull_tickets``; ``pull`` then takes the prompt's hash); off only for benchmarks and tests that pull
-        one ticket again and again."""
+        before (``pull_tickets``: every ticket is ``take``-n once, then pulled); off only for benchmarks and tests that
+        pull one ticket again and again."""
         if ranks:
             identity.check_layout(ranks[0].layout)
         self.engine_id = engine_id
@@ -236,10 +236,16 @@ class KVPuller:
                 r.remove_peer(remote_rank.agent_name)
 
     # ---- pulling -------------------------------------------------------------------------------
+    def take(self, tickets: Sequence[kv_pb2.TransferTicket], prompt_hash: bytes) -> None:
+        """Take tickets as they arrive, before anything is reserved for them, for the prompt hashed ``prompt_hash``
+        (``wire.prompt_hash``): a ``TicketError`` if one names another prompt, was taken before, names no lease or
+        prompt, or is past its lease (``pull_tickets``); each ticket is taken once, whatever its pull does."""
+        if self.ticket_checks is not None:
+            self.ticket_checks.take(tickets, prompt_hash)
+
     async def pull(
         self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]], num_cached_tokens: int = 0,
         local_state_slot: int | None = None, *, earlier: Sequence[kv_pb2.TransferTicket] = (),
-        prompt_hash: bytes | None = None,
     ) -> PullResult:
         """Fill the local blocks with the ticket's KV (all local ranks, concurrently).
 
@@ -259,12 +265,9 @@ class KVPuller:
         prefix cache: each group skips its whole cached blocks. Sliding-window groups move only the
         blocks their window still reads (``window_start_token``); the rest of a table is not read.
 
-        ``prompt_hash`` (``wire.prompt_hash`` of the whole prompt; needed unless tickets go unchecked): every ticket
-        must name that prompt, be inside its lease and new to this reader (``TicketChecks.admit``), or the pull is a
-        ``TicketError`` before anything is read; once admitted, a ticket is never pulled again.
+        Checked tickets (``check_tickets``) must have been taken (``take``); each is refused (``TicketError``) past
+        its lease, after its signature and before anything is read.
         """
-        if self.ticket_checks is not None and prompt_hash is None:
-            raise ValueError("a pull of checked tickets names its prompt's hash")
         started = time.perf_counter()
         if not 0 <= num_cached_tokens <= ticket.num_tokens:
             raise ValueError(f"num_cached_tokens {num_cached_tokens} outside [0, {ticket.num_tokens}]")
@@ -283,8 +286,8 @@ class KVPuller:
             _check_consecutive(parts)
         remote_ids, host_ids, local_ids = self._check_ticket(ticket, remote, local_block_ids)
         state = check_state_ticket(ticket, remote, self.identity, self._ranks, local_state_slot)
-        if self.ticket_checks is not None:  # checked and recorded at once (one ticket, one READ), before any READ
-            self.ticket_checks.admit(parts, prompt_hash)
+        if self.ticket_checks is not None:  # taken, and inside its lease (reserving blocks may have waited)
+            self.ticket_checks.check_pull(parts)
         self._num_pulls += 1
         corrupt = self._corrupt_after is not None and self._num_pulls > self._corrupt_after
         digested = self.identity.digest_on or corrupt

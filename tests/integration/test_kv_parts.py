@@ -188,23 +188,22 @@ def test_parts_pulled_as_they_come_are_byte_exact(checkpoint: str, pair: str) ->
                     for rid, prompt, num_parts, num_cached, pulls in cases:
                         messages = await _prefill_parts(stub, rid, prompt, reader_bs)
                         tickets = _tickets(messages, num_parts, len(prompt))
+                        puller.take(tickets, prompt_hash(prompt))  # as they arrive, for their prompt
                         request = reader.add_request_with_external_kv(rid, prompt, GREEDY)
                         assert request.num_cached_tokens == num_cached
                         if rid == "middle":
                             with pytest.raises(ValueError, match="not consecutive parts"):
-                                await puller.pull(tickets[3], request.block_ids, 8, earlier=[tickets[1]],
-                                                  prompt_hash=prompt_hash(prompt))
+                                await puller.pull(tickets[3], request.block_ids, 8, earlier=[tickets[1]])
                             forged = kv_pb2.TransferTicket()
                             forged.CopyFrom(tickets[1])
                             forged.num_tokens += CHUNK
                             with pytest.raises(TicketError, match="not signed"):
-                                await puller.pull(tickets[3], request.block_ids, 8, earlier=[forged, tickets[2]],
-                                                  prompt_hash=prompt_hash(prompt))
+                                await puller.pull(tickets[3], request.block_ids, 8, earlier=[forged, tickets[2]])
                         for batch in pulls or [[i] for i in range(len(tickets))]:
                             parts = [tickets[i] for i in batch]
                             start = max(num_cached, parts[0].part_start_token)
                             result = await puller.pull(parts[-1], request.block_ids, min(start, parts[-1].num_tokens),
-                                                       earlier=parts[:-1], prompt_hash=prompt_hash(prompt))
+                                                       earlier=parts[:-1])
                             assert result.num_reads == 1
                             assert (result.num_bytes == 0) == (parts[-1].num_tokens <= num_cached)
                         kv, tokens = _colocated(checkpoint, prompt, prefill_layout, prefill_bs)
@@ -241,11 +240,11 @@ def test_a_long_prompt_ends_with_a_short_final_part(checkpoint: str) -> None:
                 async with grpc.aio.insecure_channel(p.address) as channel:
                     messages = await _prefill_parts(worker_pb2_grpc.PrefillWorkerStub(channel), "capped", prompt)
                 tickets = _tickets(messages, 3, len(prompt))
+                puller.take(tickets, prompt_hash(prompt))
                 assert [t.num_tokens for t in tickets] == [16, 32, 40, 45]
                 request = reader.add_request_with_external_kv("capped", prompt, GREEDY)
                 for ticket in tickets:
-                    await puller.pull(ticket, request.block_ids, ticket.part_start_token,
-                                      prompt_hash=prompt_hash(prompt))
+                    await puller.pull(ticket, request.block_ids, ticket.part_start_token)
                 return messages[-1].final
 
             final = asyncio.run(run())
@@ -297,6 +296,7 @@ def test_sliding_window_parts_send_only_the_last_window(gemma: str, pair: str) -
                     await stub.Release(worker_pb2.ReleaseRequest(request_id="twin"))
                     messages = await _prefill_parts(stub, "gemma", prompt, reader_bs)
                     tickets = _tickets(messages, 6, len(prompt))  # parts end at 8, ..., 48; the final has 48..52
+                    puller.take(tickets, prompt_hash(prompt))
                     # ... and what the parts pin on top: the full group's blocks of tokens 0..47, and of the
                     # sliding group only those of the last window (tokens 36..47, blocks of 4 or 8 on this side).
                     first_kept = 37 // prefill_bs * prefill_bs
@@ -304,8 +304,7 @@ def test_sliding_window_parts_send_only_the_last_window(gemma: str, pair: str) -
                     assert pinned_parts == 48 // prefill_bs + (48 - first_kept) // prefill_bs, pinned_parts
                     request = reader.add_request_with_external_kv("gemma", prompt, GREEDY)
                     for ticket in tickets:
-                        result = await puller.pull(ticket, request.block_ids, ticket.part_start_token,
-                                                   prompt_hash=prompt_hash(prompt))
+                        result = await puller.pull(ticket, request.block_ids, ticket.part_start_token)
                         begin, end = ticket.part_start_token, ticket.num_tokens
                         exact = _moved_bytes(reader.kv_layout, window_start, begin, end)
                         if end < len(prompt):

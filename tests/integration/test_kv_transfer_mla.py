@@ -112,9 +112,9 @@ def test_mla_rows_pulled_between_processes_are_byte_exact(deepseek: str, pair: s
                             tickets = [final.ticket]
                         local = reader.add_request_with_external_kv(rid, prompt, GREEDY)
                         assert local.num_cached_tokens == 0
+                        puller.take(tickets, prompt_hash(prompt))
                         for ticket in tickets:
-                            result = await puller.pull(ticket, local.block_ids, ticket.part_start_token,
-                                                       prompt_hash=prompt_hash(prompt))
+                            result = await puller.pull(ticket, local.block_ids, ticket.part_start_token)
                             exact = _row_bytes(ticket.num_tokens - ticket.part_start_token)
                             padded = _row_bytes(-(-ticket.num_tokens // 4) * 4 - ticket.part_start_token)
                             assert exact <= result.num_bytes <= padded, (rid, result.num_bytes, exact)

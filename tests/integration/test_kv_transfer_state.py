@@ -105,10 +105,11 @@ def test_state_and_kv_pulled_between_processes_are_byte_exact(granite: str, pair
                         assert len(tickets) == (4 if as_parts else 1)
                         local = reader.add_request_with_external_kv(rid, prompt, GREEDY)
                         assert local.num_cached_tokens == 0 and local.state_slot is not None
+                        puller.take(tickets, prompt_hash(prompt))
                         pulled = 0
                         for ticket in tickets:
                             result = await puller.pull(ticket, local.block_ids, ticket.part_start_token,
-                                                       local.state_slot, prompt_hash=prompt_hash(prompt))
+                                                       local.state_slot)
                             pulled += result.num_bytes
                         exact = len(prompt) * kv_per_token + slot_bytes  # the KV of every token, the state once
                         padded = -(-len(prompt) // 8) * 8 * kv_per_token + slot_bytes
@@ -153,19 +154,17 @@ def test_state_ticket_checks_and_digest(granite: str) -> None:
                         forged.signature = ticket_signature(forged, remote.ticket_key)
                         return forged
 
-                    digest = prompt_hash(prompt)
+                    puller.take([ticket], prompt_hash(prompt))  # the altered copies share its nonce: taken too
                     with pytest.raises(TicketError, match="carries no state"):
-                        await puller.pull(altered(has_state=False), local.block_ids, 0, local.state_slot,
-                                          prompt_hash=digest)
+                        await puller.pull(altered(has_state=False), local.block_ids, 0, local.state_slot)
                     with pytest.raises(TicketError, match="outside the owner's"):
                         await puller.pull(altered(state_slot=remote.num_state_slots), local.block_ids, 0,
-                                          local.state_slot, prompt_hash=digest)
+                                          local.state_slot)
                     with pytest.raises(TicketError, match="local state slot"):
-                        await puller.pull(ticket, local.block_ids, 0, None, prompt_hash=digest)
-                    # The three above were refused before the ticket checks recorded the nonce: this is its first pull.
+                        await puller.pull(ticket, local.block_ids, 0, None)
                     with pytest.raises(KVIntegrityError, match="state digest"):
                         await puller.pull(altered(state_digests=[ticket.state_digests[0] ^ 1]), local.block_ids, 0,
-                                          local.state_slot, prompt_hash=digest)
+                                          local.state_slot)
 
             asyncio.run(run())
             info = _wait_for(p.address, "prefill", lambda i: i.kv_blocks_pinned == 0)

@@ -81,16 +81,18 @@ class FakePuller:
         self.error = error
         self.gate = gate
         self.pulls: list[tuple[str, list[list[int]], int]] = []
-        self.prompt_hashes: list[bytes | None] = []  # per pull, the prompt hash the policy passed
+        self.taken: list[tuple[str, int, bytes]] = []  # (request id, end, prompt hash) of each ticket taken
         self.parts: list[list[tuple[int, int]]] = []  # per pull, the (start, end) of each ticket it read
         self.done = 0  # pulls that returned
         self.entered = asyncio.Event()
 
+    def take(self, tickets: Sequence[kv_pb2.TransferTicket], prompt_hash: bytes) -> None:
+        self.taken += [(t.request_id, t.num_tokens, prompt_hash) for t in tickets]
+
     async def pull(self, ticket: kv_pb2.TransferTicket, local_block_ids, num_cached_tokens: int = 0,
-                   local_state_slot: int | None = None, *, earlier: Sequence[kv_pb2.TransferTicket] = (),
-                   prompt_hash: bytes | None = None) -> PullResult:
+                   local_state_slot: int | None = None, *, earlier: Sequence[kv_pb2.TransferTicket] = ()
+                   ) -> PullResult:
         self.pulls.append((ticket.request_id, [list(ids) for ids in local_block_ids], num_cached_tokens))
-        self.prompt_hashes.append(prompt_hash)
         self.parts.append([(t.part_start_token, t.num_tokens) for t in (*earlier, ticket)])
         self.entered.set()
         if self.gate is not None:

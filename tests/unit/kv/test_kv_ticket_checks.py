@@ -1,5 +1,6 @@
 """Tickets bound to their lease and prompt: the owner's deadline and prompt hash (``KVExporter.hand_out``), the
-reader's checks before any READ (``services.kv.pull_tickets``) and its record of the tickets it consumed."""
+reader's checks as a ticket arrives and before its READs (``services.kv.pull_tickets``), and its record of the
+tickets it took."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _checks(now: float = NOW) -> TicketChecks:
 
 def _refusal(checks: TicketChecks, tickets, digest: bytes = prompt_hash(PROMPT)) -> str:
     with pytest.raises(TicketError) as refused:
-        checks.admit(tickets, digest)
+        checks.take(tickets, digest)
     return refused.value.reason
 
 
@@ -65,22 +66,49 @@ def test_a_ticket_is_refused_for_another_prompt_past_its_lease_or_without_either
     unbound.ClearField("lease_deadline_unix_ms")
     assert _refusal(checks, [unbound]) == "unbound"
     assert len(checks.consumed) == 0  # nothing refused was recorded
-    checks.admit([_ticket(deadline=NOW + DEADLINE_MARGIN_S + 0.1)], prompt_hash(PROMPT))  # just in time
+    checks.take([_ticket(deadline=NOW + DEADLINE_MARGIN_S + 0.1)], prompt_hash(PROMPT))  # just in time
     assert len(checks.consumed) == 1
 
 
-def test_a_ticket_is_pulled_once_and_parts_are_admitted_all_or_none() -> None:
+def test_a_ticket_is_taken_once_and_parts_all_or_none() -> None:
     checks = _checks()
-    checks.admit([_ticket("a")], prompt_hash(PROMPT))
+    checks.take([_ticket("a")], prompt_hash(PROMPT))
     assert _refusal(checks, [_ticket("a")]) == "replayed"
     # The same nonce under another engine or epoch is another ticket.
-    checks.admit([_ticket("a", engine="other"), _ticket("a", epoch=2)], prompt_hash(PROMPT))
+    checks.take([_ticket("a", engine="other"), _ticket("a", epoch=2)], prompt_hash(PROMPT))
     # A batch of parts with one already pulled records none of the others.
     assert _refusal(checks, [_ticket("b"), _ticket("c"), _ticket("a", epoch=2)]) == "replayed"
-    assert not checks.consumed.consumed(_ticket("b")) and not checks.consumed.consumed(_ticket("c"))
+    assert checks.consumed.prompt_of(_ticket("b")) is None and checks.consumed.prompt_of(_ticket("c")) is None
     assert _refusal(checks, [_ticket("d"), _ticket("d")]) == "replayed"  # one ticket twice in one pull
-    checks.admit([_ticket("b"), _ticket("c")], prompt_hash(PROMPT))
-    assert all(checks.consumed.consumed(_ticket(n)) for n in "bc")
+    checks.take([_ticket("b"), _ticket("c")], prompt_hash(PROMPT))
+    assert all(checks.consumed.prompt_of(_ticket(n)) == prompt_hash(PROMPT) for n in "bc")
+
+
+def test_a_pull_is_of_taken_tickets_inside_their_lease() -> None:
+    """Right before the READs (the signature verified): the ticket was taken, for the prompt it names, and its
+    deadline is still more than the margin away (taking it and reserving blocks may have taken a while)."""
+    now = [NOW]
+    checks = TicketChecks(clock=lambda: now[0])
+    ticket = _ticket(deadline=NOW + 10)
+    with pytest.raises(ValueError, match="without being taken"):
+        checks.check_pull([ticket])
+    checks.take([ticket], prompt_hash(PROMPT))
+    checks.check_pull([ticket])
+    altered = kv_pb2.TransferTicket()
+    altered.CopyFrom(ticket)
+    altered.prompt_hash = prompt_hash([1, 2, 3])  # a copy of its nonce for another prompt, signed by a buggy owner
+    with pytest.raises(TicketError) as refused:
+        checks.check_pull([altered])
+    assert refused.value.reason == "prompt_mismatch"
+    now[0] = NOW + 10 - DEADLINE_MARGIN_S
+    with pytest.raises(TicketError) as refused:
+        checks.check_pull([ticket])
+    assert refused.value.reason == "expired"
+    now[0] = NOW + 11  # the record dropped it past its deadline: still refused as expired, not as untaken
+    checks.consumed.prune(now[0])
+    with pytest.raises(TicketError) as refused:
+        checks.check_pull([ticket])
+    assert refused.value.reason == "expired"
 
 
 def test_the_record_keeps_each_ticket_until_its_deadline_and_one_epoch_per_engine() -> None:
@@ -89,17 +117,21 @@ def test_the_record_keeps_each_ticket_until_its_deadline_and_one_epoch_per_engin
     record.consume([_ticket("other", engine="e2", deadline=NOW + 50)], NOW)
     assert len(record) == 3
     record.prune(NOW + 5)  # past the first deadline, when the deadline check refuses it anyway
-    assert len(record) == 2 and not record.consumed(_ticket("early")) and record.consumed(_ticket("late"))
+    assert len(record) == 2 and not _has(record, _ticket("early")) and _has(record, _ticket("late"))
     # A newer epoch of an engine drops the older epoch's record (the peer cache refuses its tickets as stale).
     record.consume([_ticket("new", epoch=2, deadline=NOW + 50)], NOW + 6)
-    assert not record.consumed(_ticket("late")) and record.consumed(_ticket("new", epoch=2))
-    assert record.consumed(_ticket("other", engine="e2")) and len(record) == 2
+    assert not _has(record, _ticket("late")) and _has(record, _ticket("new", epoch=2))
+    assert _has(record, _ticket("other", engine="e2")) and len(record) == 2
     # Bounded by the tickets of one lease: a steady stream leaves at most a lease's worth recorded.
     for i in range(1000):
         record.consume([_ticket(f"s{i}", epoch=2, deadline=NOW + 10 + i / 10)], NOW + i / 10)
     assert len(record) <= 10 * 10 + 2
     record.prune(NOW + 1000)
     assert len(record) == 0 and not record._by_deadline
+
+
+def _has(record: ConsumedTickets, ticket: kv_pb2.TransferTicket) -> bool:
+    return record.prompt_of(ticket) is not None
 
 
 def _exporter(clock, lease_s: float = 30.0) -> KVExporter:
