@@ -59,6 +59,10 @@ class RouterProc:
         """The router's per-request log lines of requests sent with this X-Request-Id."""
         return [line for line in self.log.read_text().splitlines() if f"request id=cmpl-{request_id}" in line]
 
+    def answered(self, request_id: str) -> list[str]:
+        """Its log lines about the error it answered the request with: the full message the client did not get."""
+        return [line for line in self.log.read_text().splitlines() if f"request {request_id} answered " in line]
+
 
 @dataclass
 class Cluster:
@@ -244,7 +248,12 @@ def test_strict_with_a_failing_pull_is_502_or_an_error_event_and_nothing_recompu
     before = _decode_counts(cluster)
     whole = _complete(cluster.strict.url, LONG, stream=False, request_id="strict-whole")
     error = _openai_error(whole, 502, "disaggregation_failed")
-    assert error["type"] == "server_error" and "handshake" in error["message"]
+    # The client reads the kind; the decode worker's reason (a refused handshake with the prefill worker, whose
+    # address it names) is the router's log line.
+    assert error["type"] == "server_error" and "--enforce-disagg" in error["message"]
+    assert "handshake" not in error["message"] and cluster.locked_prefill.address not in error["message"]
+    (line,) = cluster.strict.answered("strict-whole")
+    assert "answered 502 disaggregation_failed" in line and "handshake" in line, line
     assert "x-pdserve-route" not in whole.headers
 
     # Streamed: the prefill worker's first token is out (and the header with it) before the pull fails.

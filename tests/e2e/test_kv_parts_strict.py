@@ -38,12 +38,19 @@ def checkpoint(tmp_path_factory) -> str:
     return str(directory)
 
 
-def _complete(url: str, prompt: list[int], stream: bool) -> tuple[int, str]:
+def _complete(url: str, prompt: list[int], stream: bool, request_id: str) -> tuple[int, str]:
     """Status and body of a greedy completion (each token's id in its logprobs: a token is never held back)."""
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": stream,
             "logprobs": 0, "return_tokens_as_token_ids": True}
-    response = http_post(f"{url}/v1/completions", json=body, timeout=120)
+    response = http_post(f"{url}/v1/completions", json=body, timeout=120, headers={"X-Request-Id": request_id})
     return response.status_code, response.text
+
+
+def _answered(capfd: pytest.CaptureFixture[str], request_id: str) -> str:
+    """The router's log line (its stderr, this test's) about the error it answered ``request_id`` with: the
+    decode worker's reason, which the client does not get."""
+    (line,) = [line for line in capfd.readouterr().err.splitlines() if f"request {request_id} answered " in line]
+    return line
 
 
 def _counts(prefill: Daemon, decode: Daemon) -> dict[str, float]:
@@ -72,7 +79,8 @@ def _settled(prefill: Daemon, decode: Daemon, free_at_start: int, timeout_s: flo
 
 
 def test_a_failing_part_fails_a_strict_request_and_falls_back_otherwise(checkpoint: str,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          capfd: pytest.CaptureFixture[str]) -> None:
     engine = LLMEngine(EngineConfig(model=checkpoint, device="cpu", dtype="float32", num_kv_blocks=128,
                                     max_num_batched_tokens=CHUNK, enable_prefix_caching=False))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -86,13 +94,15 @@ def test_a_failing_part_fails_a_strict_request_and_falls_back_otherwise(checkpoi
         try:
             # 45 tokens: 5 parts and the final ticket. The first pull goes in; the next one is corrupted on the way.
             before = _counts(prefill, decode)
-            status, text = _complete(s.url, random_prompt(1, 45), stream=False)
+            capfd.readouterr()  # what the stack logged so far
+            status, text = _complete(s.url, random_prompt(1, 45), stream=False, request_id="strict-json")
             assert status == 502, text
             error = httpx.Response(status, text=text).json()["error"]
-            assert error["code"] == "disaggregation_failed", error
-            failed = re.search(r"KV pull of tokens (\d+)\.\.(\d+)", error["message"])
-            assert "--enforce-disagg" in error["message"] and failed and int(failed[1]) > 0 and \
-                "digest" in error["message"], error["message"]
+            assert error["code"] == "disaggregation_failed" and "--enforce-disagg" in error["message"], error
+            assert "KV pull of tokens" not in text and prefill.address not in text  # the reason is the log's
+            line = _answered(capfd, "strict-json")
+            failed = re.search(r"KV pull of tokens (\d+)\.\.(\d+)", line)
+            assert failed and int(failed[1]) > 0 and "digest" in line, line
             # The prefill worker issued every part regardless; the decode worker refused, recomputing nothing.
             assert _moved(before, prefill, decode) == {"parts": 5, "pulled": 1, "corrupt": 1, "pull_required": 1}
             assert _settled(prefill, decode, free_at_start) == (0, 0, 0)
@@ -101,8 +111,9 @@ def test_a_failing_part_fails_a_strict_request_and_falls_back_otherwise(checkpoi
             # recomputed token.
             prompt = random_prompt(2, 45)
             before = _counts(prefill, decode)
-            status, text = _complete(s.url, prompt, stream=True)
-            assert status == 200 and "disaggregation_failed" in text and "KV pull of tokens 0.." in text, text
+            status, text = _complete(s.url, prompt, stream=True, request_id="strict-stream")
+            assert status == 200 and "disaggregation_failed" in text and "KV pull of tokens" not in text, text
+            assert "KV pull of tokens 0.." in _answered(capfd, "strict-stream")
             reference = engine.generate([prompt], params)[0].token_ids
             events = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
             tokens = [t for e in events for c in e.get("choices", []) for t in c["logprobs"]["tokens"]]

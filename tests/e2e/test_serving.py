@@ -2,16 +2,22 @@
 
 Greedy completions through the disaggregated stack must be token-identical to the same engine run
 colocated, streaming and not, for prompts spanning several blocks and hitting the prefix cache; 32
-concurrent requests all complete correctly; afterwards no block is pinned on any prefill worker.
+concurrent requests all complete correctly; afterwards no block is pinned on any prefill worker. Behind an API
+key, what the router shows without it (/health, /metrics) and what a client reads when a worker dies name no
+worker.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import re
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from services.contract.sampling_params import SamplingParams
@@ -21,6 +27,7 @@ from tests.checkpoints import make_checkpoint
 from tests.e2e.stack import Stack, completion_tokens, finished_requests, http_client, info, metric_total, stack
 
 MAX_TOKENS = 10
+API_KEY = "e2e-key"
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +144,62 @@ def test_bad_requests_get_openai_errors_and_touch_no_worker(served: Stack) -> No
         response = client.post(url, json={"prompt": [5, 6], "max_tokens": 2}, headers={"X-Request-Id": "e2e-trace-7"})
         assert response.status_code == 200 and response.headers["x-request-id"] == "e2e-trace-7"
         assert response.json()["id"].startswith("cmpl-e2e-trace-7-")
+
+
+# ---- behind an API key: what the router shows without it, and a dead worker's error ---------------------------
+
+
+def test_behind_an_api_key_nothing_the_router_shows_names_a_worker(model: str,
+                                                                    capfd: pytest.CaptureFixture[str]) -> None:
+    """Without the key, /health is the status alone and /metrics labels workers by id, not address. Then the
+    decode worker is stopped, two requests (streamed, not) go to it, and it is killed: each ends with an error in
+    OpenAI's format (a status, or an error event after the first token) that names neither a worker nor gRPC's
+    text; the router's log (its stderr, captured here: the stack starts inside the test) has both, under the
+    request's id."""
+    with stack(model, 1, 1, "--api-key", API_KEY) as s, http_client(timeout=120) as client:
+        anonymous = client.get(f"{s.url}/health")
+        keyed = client.get(f"{s.url}/health", headers={"Authorization": f"Bearer {API_KEY}"})
+        metrics = client.get(f"{s.url}/metrics").text
+        assert (anonymous.status_code, anonymous.json()) == (200, {"status": "ok"})
+        workers = {w["address"]: w for w in keyed.json()["workers"]}
+        assert set(workers) == {d.address for d in s.prefill + s.decode}
+        for d in s.prefill + s.decode:
+            assert not re.search(rf":{d.port}\b", metrics), d.address
+        (decode,) = s.decode
+        worker_id = workers[decode.address]["worker"]
+        assert f'pdserve_router_worker_outstanding_requests{{role="decode",worker="{worker_id}"}}' in metrics
+
+        decode.proc.send_signal(signal.SIGSTOP)  # the router still counts it healthy for its health timeout (1 s)
+        try:
+            def complete(stream: bool) -> httpx.Response:
+                body = {"prompt": [5, 6, 7, 8, 9, 10, 11, 12, 13], "max_tokens": MAX_TOKENS, "stream": stream}
+                return client.post(f"{s.url}/v1/completions", json=body, headers={
+                    "X-Request-Id": f"dead-{stream}", "Authorization": f"Bearer {API_KEY}"})
+
+            with ThreadPoolExecutor(2) as pool:
+                answers = [pool.submit(complete, stream) for stream in (False, True)]
+                time.sleep(0.5)  # both are on their way to the stopped worker
+                decode.proc.kill()
+                whole, streamed = (a.result() for a in answers)
+        finally:
+            decode.proc.kill()
+            decode.proc.wait()
+    assert whole.status_code in (502, 503), whole.text
+    errors = [whole.json()["error"]]
+    if streamed.status_code == 200:
+        events = [e.removeprefix("data: ") for e in streamed.text.split("\n\n") if e]
+        assert events[-1] == "[DONE]", events
+        errors.append(json.loads(events[-2])["error"])
+    else:
+        assert streamed.status_code in (502, 503), streamed.text
+        errors.append(streamed.json()["error"])
+    for error in errors:
+        assert error["code"] in ("worker_unavailable", "worker_failure", "no_healthy_workers"), error
+    for text in (whole.text, streamed.text, json.dumps(errors)):
+        assert "127.0.0.1" not in text, text
+        assert not re.search(r"StatusCode|UNAVAILABLE|INTERNAL|Socket|ipv4|failed to connect", text), text
+    assert str(decode.port) not in json.dumps(errors), errors
+    log = capfd.readouterr().err
+    for stream in (False, True):
+        (line,) = [line for line in log.splitlines() if f"request dead-{stream} answered " in line]
+        assert decode.address in line, line
