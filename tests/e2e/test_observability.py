@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -221,6 +222,17 @@ def test_dashboard_variables_list_the_workers(observed: Observed) -> None:
     instances = {s["metric"][label] for s in observed.prom.query(promql.substitute(selector))}
     workers = {s["metric"]["instance"] for s in observed.prom.query("pdserve_queue_depth")}
     assert instances == workers and len(instances) == 2
+
+
+def test_the_routers_series_name_no_worker_address(observed: Observed) -> None:
+    """The router's /metrics is open to anyone who reaches its port: its per-worker series carry the worker's
+    opaque id (``worker``), never a host:port (``instance``, the router's own scrape target, aside)."""
+    series = [s["metric"] for s in observed.prom.query('{job="pdserve-router"}')]
+    per_worker = [m for m in series if m["__name__"] == "pdserve_router_worker_outstanding_requests"]
+    assert len(per_worker) == 2 and all(re.fullmatch(r"[0-9a-f]{12}", m["worker"]) for m in per_worker), per_worker
+    for metric in series:
+        leaked = {k: v for k, v in metric.items() if k != "instance" and re.search(r":\d+\b", v)}
+        assert not leaked, metric
 
 
 def test_every_metric_the_rules_and_dashboard_use_exists_in_prometheus(observed: Observed) -> None:
