@@ -34,7 +34,8 @@ def _errors(*statuses: int) -> dict[str, Any]:
     texts = {400: "invalid request", 401: "missing or wrong API key (only with --api-key)",
              404: "unknown model", 413: "request body over --max-request-bytes", 429: "overloaded",
              502: "a worker failed (with --enforce-disagg also: the prefill worker failed or the KV pull did)",
-             503: "no healthy worker (with --enforce-disagg also: no prefill worker that can pair)",
+             503: "no healthy worker, or a worker became unavailable while serving the request (with "
+                  "--enforce-disagg also: no prefill worker that can pair)",
              504: "request timed out"}
     return {str(s): _json({"$ref": "#/components/schemas/ErrorBody"}, texts[s]) for s in statuses}
 
@@ -72,7 +73,8 @@ def openapi_document(title: str = "pdserve router", version: str = "0.1.0") -> d
         "/detokenize": {"post": _operation("Text of token ids", DetokenizeRequest,
                                            _json(_ref(DetokenizeResponse), "the text"), 400, 401, 404, 413)},
         "/health": {"get": {
-            "summary": "Whether requests can be served, and every worker's state", "security": [],
+            "summary": "Whether requests can be served; every worker's state too with the API key (or without "
+                       "--api-key)", "security": [],
             "responses": {"200": _json({"type": "object"}, "ok or degraded"),
                           "503": _json({"type": "object"}, "nothing can be served")}}},
     }
