@@ -10,7 +10,7 @@ readers notified, its lease ran out or it was released. So the reader refuses a 
   what a decode worker did not read); ``unbound``, it names no deadline or prompt (an owner that predates them);
 - and again right before its READs, after its signature (``KVPuller.pull``): ``expired``, the reader's clock is
   within ``DEADLINE_MARGIN_S`` of its ``lease_deadline_unix_ms``, when the owner may free its blocks (reserving
-  blocks may have waited); and it must have been taken, for the prompt the ticket names.
+  blocks may have waited); and it must have been taken, for the prompt the ticket names, and never pulled.
 
 Each is a ``TicketError`` with that ``reason`` (the decode worker counts it in
 ``pdserve_kv_refused_total{kind="ticket"}``). The prompt check runs before the signature is verified: the
@@ -25,6 +25,7 @@ import heapq
 import hmac
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from services.kv.pull_errors import TicketError
 from services.proto_gen.pdserve.v1 import kv_pb2
@@ -42,8 +43,16 @@ def names_another_prompt(ticket: kv_pb2.TransferTicket, prompt_hash: bytes) -> b
     return bool(ticket.prompt_hash) and not hmac.compare_digest(ticket.prompt_hash, prompt_hash)
 
 
+@dataclass(eq=False)  # compared by identity: one entry per ticket
+class _Taken:
+    deadline: float  # wall s
+    prompt_hash: bytes
+    pulled: bool = False
+
+
 class ConsumedTickets:
-    """The tickets a reader has taken, by (engine id, epoch, nonce), each until its deadline, with its prompt hash.
+    """The tickets a reader has taken, by (engine id, epoch, nonce), each until its deadline, with its prompt hash
+    and whether it was pulled.
 
     Per owner epoch: a newer epoch of an engine drops the older one's record (its tickets are stale: the peer
     cache refuses them). The record's size is bounded by the tickets taken within one lease: an entry is dropped
@@ -51,18 +60,21 @@ class ConsumedTickets:
     """
 
     def __init__(self) -> None:
-        # (engine id, epoch) -> nonce -> (deadline (s), prompt hash)
-        self._nonces: dict[tuple[str, int], dict[str, tuple[float, bytes]]] = {}
+        self._nonces: dict[tuple[str, int], dict[str, _Taken]] = {}  # (engine id, epoch) -> nonce -> entry
         self._epochs: dict[str, int] = {}  # engine id -> its newest epoch recorded
         self._by_deadline: list[tuple[float, str, int, str]] = []  # heap of (deadline, engine id, epoch, nonce)
 
     def __len__(self) -> int:
         return sum(len(nonces) for nonces in self._nonces.values())
 
+    def entry(self, ticket: kv_pb2.TransferTicket) -> _Taken | None:
+        """What was recorded of the ticket; None if it was not taken (or its entry is past its deadline)."""
+        return self._nonces.get((ticket.engine_id, ticket.epoch), {}).get(ticket.notify_nonce)
+
     def prompt_of(self, ticket: kv_pb2.TransferTicket) -> bytes | None:
         """The prompt hash the ticket was taken with; None if it was not taken (or its entry is past its deadline)."""
-        entry = self._nonces.get((ticket.engine_id, ticket.epoch), {}).get(ticket.notify_nonce)
-        return None if entry is None else entry[1]
+        entry = self.entry(ticket)
+        return None if entry is None else entry.prompt_hash
 
     def consume(self, tickets: Sequence[kv_pb2.TransferTicket], now: float) -> None:
         """Record ``tickets`` as taken, all or none: a ``TicketError`` (``replayed``) when one already was (or two are
@@ -82,7 +94,7 @@ class ConsumedTickets:
                     self._nonces.pop((t.engine_id, old), None)
                 self._epochs[t.engine_id] = t.epoch
             deadline = t.lease_deadline_unix_ms / 1000
-            self._nonces.setdefault((t.engine_id, t.epoch), {})[t.notify_nonce] = (deadline, bytes(t.prompt_hash))
+            self._nonces.setdefault((t.engine_id, t.epoch), {})[t.notify_nonce] = _Taken(deadline, bytes(t.prompt_hash))
             heapq.heappush(self._by_deadline, (deadline, t.engine_id, t.epoch, t.notify_nonce))
 
     def prune(self, now: float) -> None:
@@ -109,6 +121,7 @@ class TicketChecks:
         """Take ``tickets`` (as they arrived, not yet verified) for the prompt hashed ``prompt_hash``: a ``TicketError``
         naming the first refusal (and then none is recorded), else they are recorded as taken."""
         now = self.clock()
+        self.consumed.prune(now)  # what is left in the record is inside its deadline
         for t in tickets:
             if not (t.prompt_hash and t.lease_deadline_unix_ms):
                 raise TicketError(f"ticket for request {t.request_id!r} names no lease deadline or prompt: its owner "
@@ -116,23 +129,31 @@ class TicketChecks:
             if names_another_prompt(t, prompt_hash):
                 raise TicketError(f"ticket for request {t.request_id!r} was issued for another prompt",
                                   reason="prompt_mismatch")
-            self._check_lease(t, now)
+            if self.consumed.entry(t) is None:  # a replay is named so, inside its lease or past it
+                self._check_lease(t, now)
         self.consumed.consume(tickets, now)
 
     def check_pull(self, tickets: Sequence[kv_pb2.TransferTicket]) -> None:
         """Right before the READs of ``tickets`` (signed: ``KVPuller.pull`` verified them): each was taken for the
-        prompt it names and is not within the margin of its deadline; else a ``TicketError``, or a ValueError for a
-        ticket the caller never took (a bug: every pull takes its tickets first)."""
+        prompt it names, never pulled, and is not within the margin of its deadline; then they are recorded as
+        pulled. Else a ``TicketError`` (none is recorded), or a ValueError for a ticket the caller never took (a
+        bug: every pull takes its tickets first)."""
         now = self.clock()
+        entries = []
         for t in tickets:
-            taken = self.consumed.prompt_of(t)
-            if taken is None:
+            entry = self.consumed.entry(t)
+            if entry is None:
                 self._check_lease(t, now)  # an entry is dropped past its deadline: then it is refused as expired
                 raise ValueError(f"ticket for request {t.request_id!r} is pulled without being taken")
-            if not hmac.compare_digest(taken, t.prompt_hash):
+            if not hmac.compare_digest(entry.prompt_hash, t.prompt_hash):
                 raise TicketError(f"ticket for request {t.request_id!r} was taken for another prompt",
                                   reason="prompt_mismatch")
+            if entry.pulled or entry in entries:
+                raise TicketError(f"ticket for request {t.request_id!r} was pulled before", reason="replayed")
             self._check_lease(t, now)
+            entries.append(entry)
+        for entry in entries:
+            entry.pulled = True
 
     def _check_lease(self, ticket: kv_pb2.TransferTicket, now: float) -> None:
         left_s = ticket.lease_deadline_unix_ms / 1000 - now

@@ -94,6 +94,14 @@ def test_a_pull_is_of_taken_tickets_inside_their_lease() -> None:
         checks.check_pull([ticket])
     checks.take([ticket], prompt_hash(PROMPT))
     checks.check_pull([ticket])
+    with pytest.raises(TicketError) as refused:  # taken once, pulled once
+        checks.check_pull([ticket])
+    assert refused.value.reason == "replayed"
+    ticket = _ticket("fresh", deadline=NOW + 10)
+    checks.take([ticket], prompt_hash(PROMPT))
+    with pytest.raises(TicketError) as refused:  # one ticket twice in one pull: neither is marked pulled
+        checks.check_pull([ticket, ticket])
+    assert refused.value.reason == "replayed" and not checks.consumed.entry(ticket).pulled
     altered = kv_pb2.TransferTicket()
     altered.CopyFrom(ticket)
     altered.prompt_hash = prompt_hash([1, 2, 3])  # a copy of its nonce for another prompt, signed by a buggy owner
