@@ -266,7 +266,7 @@ async def test_decode_failure_mid_stream_is_an_error_event(tokenizer: Tokenizer)
         assert response.status_code == 200 and events[-1] == "[DONE]"
         assert "".join(e["choices"][0]["text"] for e in events[:-2]) == ANSWER[:4]
         error = events[-2]["error"]
-        assert error["code"] == "worker_failure" and "scripted crash" in error["message"]
+        assert error["code"] == "worker_failure" and "scripted crash" not in error["message"]  # the log has it
         assert not s.runtime.policy.has_healthy_decode()
         assert prefill.released == [s.decode.requests[0].request_id]  # its pinned blocks are freed now
         assert s.decode.aborted == [] and _outstanding(s.runtime) == [0, 0]
@@ -354,5 +354,5 @@ async def test_unfinished_stream_end_is_a_worker_failure(tokenizer: Tokenizer) -
     decode = ScriptedDecode(chunks=[ids[:3]], then="end")  # ends without a finished chunk
     async with _serving(tokenizer, ScriptedPrefill(first_token_id=ids[0]), decode) as s:
         response = await s.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 30})
-        assert response.status_code == 502 and "ended the stream" in response.json()["error"]["message"]
+        assert response.status_code == 502 and response.json()["error"]["code"] == "worker_failure"
         assert not s.runtime.policy.get(Role.DECODE, s.runtime.config.decode[0]).healthy
