@@ -8,9 +8,10 @@ readers notified, its lease ran out or it was released. So the reader refuses a 
   this one's blocks and continued as if it were its KV); ``replayed``, this reader took it before, whatever came of
   that (pulled, refused, given up for want of room: its blocks are being freed or reused, the router releases
   what a decode worker did not read); ``unbound``, it names no deadline or prompt (an owner that predates them);
-- and again right before its READs, after its signature (``KVPuller.pull``): ``expired``, the reader's clock is
-  within ``DEADLINE_MARGIN_S`` of its ``lease_deadline_unix_ms``, when the owner may free its blocks (reserving
-  blocks may have waited); and it must have been taken, for the prompt the ticket names, and never pulled.
+  ``expired``, the reader's clock is within ``DEADLINE_MARGIN_S`` of its ``lease_deadline_unix_ms``, when the
+  owner may free its blocks;
+- and again right before its READs, after its signature (``KVPuller.pull``): ``expired`` (reserving blocks may
+  have waited), and it must have been taken, for the prompt the ticket names, and never pulled (``replayed``).
 
 Each is a ``TicketError`` with that ``reason`` (the decode worker counts it in
 ``pdserve_kv_refused_total{kind="ticket"}``). The prompt check runs before the signature is verified: the
