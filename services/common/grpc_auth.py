@@ -86,33 +86,27 @@ def _with_token(details: grpc.aio.ClientCallDetails, entry: tuple[str, str]) -> 
                                       details.wait_for_ready)
 
 
-class _UnaryUnaryToken(grpc.aio.UnaryUnaryClientInterceptor):
+class _AddsToken:
+    """What the interceptor of every call kind does: the call goes on with the token in its metadata."""
+
     def __init__(self, entry: tuple[str, str]) -> None:
         self._entry = entry
 
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(_with_token(client_call_details, self._entry), request)
+    async def _intercept(self, continuation, client_call_details, request_or_iterator):
+        return await continuation(_with_token(client_call_details, self._entry), request_or_iterator)
 
 
-class _UnaryStreamToken(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, entry: tuple[str, str]) -> None:
-        self._entry = entry
-
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(_with_token(client_call_details, self._entry), request)
+class _UnaryUnaryToken(_AddsToken, grpc.aio.UnaryUnaryClientInterceptor):
+    intercept_unary_unary = _AddsToken._intercept
 
 
-class _StreamUnaryToken(grpc.aio.StreamUnaryClientInterceptor):
-    def __init__(self, entry: tuple[str, str]) -> None:
-        self._entry = entry
-
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(_with_token(client_call_details, self._entry), request_iterator)
+class _UnaryStreamToken(_AddsToken, grpc.aio.UnaryStreamClientInterceptor):
+    intercept_unary_stream = _AddsToken._intercept
 
 
-class _StreamStreamToken(grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, entry: tuple[str, str]) -> None:
-        self._entry = entry
+class _StreamUnaryToken(_AddsToken, grpc.aio.StreamUnaryClientInterceptor):
+    intercept_stream_unary = _AddsToken._intercept
 
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(_with_token(client_call_details, self._entry), request_iterator)
+
+class _StreamStreamToken(_AddsToken, grpc.aio.StreamStreamClientInterceptor):
+    intercept_stream_stream = _AddsToken._intercept

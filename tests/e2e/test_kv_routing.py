@@ -15,10 +15,7 @@ from cache from the response's ``usage.prompt_tokens_details.cached_tokens`` (th
 
 from __future__ import annotations
 
-import contextlib
 import random
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,6 +24,7 @@ import pytest
 
 from services.launch.spawn import Daemon, Router, daemons, spawn_daemon, start_router, terminate, wait_ready
 from tests.checkpoints import make_checkpoint
+from tests.e2e.proxy import TCPProxy
 from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, http_get, http_post, metric_total
 
 pytestmark = pytest.mark.slow
@@ -35,67 +33,12 @@ PREFIX = 48  # tokens every prompt of a group shares: 12 prefill blocks of 4
 TTL = ("--kv-predicted-ttl-s", "0.3")
 
 
-class Proxy:
-    """A TCP proxy to a local port whose connections can all be cut at once."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._conns: list[socket.socket] = []
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            except OSError:
-                if self._listener.fileno() < 0:
-                    return
-                continue
-            with self._lock:
-                self._conns += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def cut(self) -> None:
-        """Break every connection through the proxy (new ones are accepted)."""
-        with self._lock:
-            conns, self._conns = self._conns, []
-        for s in conns:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-
-    def close(self) -> None:
-        self._listener.close()
-        self.cut()
-
-
 @dataclass
 class Cluster:
     model: str
     prefill: list[Daemon]
     decode: Daemon
-    proxies: list[Proxy]
+    proxies: list[TCPProxy]
     kv: Router
     kv2: Router
     auto: Router
@@ -107,7 +50,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     model = str(make_checkpoint("qwen2", tmp_path_factory.mktemp("qwen2"))[0])
     specs = [("prefill", model, PREFILL_ARGS)] * 2 + [("decode", model, DECODE_ARGS)]
     with daemons(*specs) as (p0, p1, decode):
-        proxies = [Proxy(p0.port), Proxy(p1.port)]
+        proxies = [TCPProxy(p0.port), TCPProxy(p1.port)]
         prefill = [p.address for p in proxies]
         routers: list[Router] = []
         restarted: list[Daemon] = []  # the module's teardown only knows the original processes

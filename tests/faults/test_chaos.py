@@ -18,6 +18,7 @@ from collections.abc import Callable
 import pytest
 
 from services.launch.spawn import Daemon, daemons, spawn_daemon, start_router, stop_router, wait_ready
+from tests.e2e.proxy import TCPProxy
 from tests.e2e.stack import DECODE_ARGS, http_get
 from tests.faults.harness import (
     DEADLINE_S,
@@ -30,7 +31,6 @@ from tests.faults.harness import (
     run_load,
     run_request,
 )
-from tests.faults.proxy import TCPProxy
 
 NUM_BLOCKS = 512  # the stacks' --num-kv-blocks
 MAX_TOKENS = 48

@@ -1,4 +1,4 @@
-"""A TCP proxy the fault tests put between the router and a worker, to cut or blackhole that one link.
+"""A TCP proxy tests put between a router (or a decode worker) and a worker, to cut or blackhole that one link.
 
 ``cut`` resets every connection through it (the peers see a reset, as when a link or a middlebox drops them);
 new connections are accepted and forwarded as before. ``blackhole`` stops forwarding in both directions
