@@ -106,6 +106,14 @@ class RequestTooLarge(RouterError):
     code = "request_too_large"
 
 
+class RequestTooLargeForWorkers(RequestTooLarge):
+    """A worker refused the call's message as larger than its gRPC receive limit (services/worker/receive_limit.py):
+    the request fits the router's ``--max-request-bytes`` but not what this deployment's workers were given, so
+    retrying never helps. The log line has the sizes, to tell the operator which limit to raise."""
+
+    client_message = "the request is larger than {worker} accepts"
+
+
 class ModelNotFound(RouterError):
     status_code = 404
     error_type = "invalid_request_error"
@@ -205,6 +213,10 @@ T = TypeVar("T")
 
 _MSGSPEC_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _MISSING_FIELD = re.compile(r"missing required field `(?P<field>[^`]+)`")
+# grpc core's details when the receiving side's max_receive_message_length refused a message:
+# "SERVER: Received message larger than max (5000 vs. 1000)" (the peer that refused prefixes its side; older
+# cores write none). "CLIENT: ..." is the router refusing a worker's answer, which is not the request's size.
+_RECEIVER_REFUSED_SIZE = re.compile(r"^(?!CLIENT: ).*Received message larger than max", re.DOTALL)
 
 
 def from_decode_error(exc: msgspec.DecodeError | UnicodeError | RecursionError) -> InvalidRequest:
@@ -244,7 +256,8 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, role: str, address: str, *,
     ``pull_required``: the call was a decode worker's ``Generate`` with ``require_pull``, whose
     FAILED_PRECONDITION says the KV pull could not be done (a 502, not the client's fault). A refusal
     of the request itself (INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION) is a 400 with the
-    worker's reason, which is about the client's input.
+    worker's reason, which is about the client's input. A RESOURCE_EXHAUSTED is the worker's load (a 429),
+    unless grpc says the worker refused the message for its size (a 413: a retry would be refused again).
     """
     code = exc.code()
     detail = f"{role} worker {address}: {code.name}: {exc.details()}"
@@ -255,6 +268,9 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, role: str, address: str, *,
                 grpc.StatusCode.FAILED_PRECONDITION):
         return InvalidRequest(exc.details() or f"the {role} worker refused the request", role=role)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if _RECEIVER_REFUSED_SIZE.match(exc.details() or ""):
+            return RequestTooLargeForWorkers(f"{detail} (the worker's gRPC receive limit follows from its "
+                                             "context length and its --max-request-bytes)", role=role)
         return Overloaded(detail, role=role)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return RequestTimeout(detail, role=role)
@@ -284,7 +300,7 @@ def to_router_error(exc: BaseException) -> RouterError:
 def reported(exc: BaseException, request_id: str | None) -> RouterError:
     """``exc`` as the RouterError the client gets, logged first with the request id (its ``X-Request-Id``)
     when it is a server-side failure (WARNING: the default level shows it) or the client reads less of it
-    (INFO: a 429)."""
+    (INFO: a 429, a worker's 413)."""
     error = to_router_error(exc)
     if error.sanitized or error.status_code >= 500:
         log.log(logging.WARNING if error.status_code >= 500 else logging.INFO,

@@ -25,6 +25,7 @@ from services.router.errors import (
     InvalidRequest,
     Overloaded,
     RequestTimeout,
+    RequestTooLargeForWorkers,
     WorkerFailure,
     WorkerUnavailable,
     error_response,
@@ -90,6 +91,46 @@ def test_the_clients_own_errors_keep_their_message() -> None:
     empty = from_rpc_error(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, ""), "decode", ADDRESS)
     assert empty.body().error.message == "the decode worker refused the request"
     assert InvalidRequest("prompt must not be empty", param="prompt").body().error.message == "prompt must not be empty"
+
+
+async def _refused_for_its_size() -> grpc.aio.AioRpcError:
+    """What a call gets from a real grpc server whose receive limit (a worker's, receive_limit.py) its message
+    exceeds: grpc core's own status and details, not a hand-written copy of them."""
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return request
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 1000)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "t.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await channel.unary_unary("/t.Echo/Echo")(b"x" * 5000)
+    finally:
+        await server.stop(0)
+    return refused.value
+
+
+async def test_a_message_over_the_workers_receive_limit_is_a_413_not_a_retry() -> None:
+    """Retrying a request its workers refuse for its size never helps: 413 request_too_large, no Retry-After; the
+    log line keeps grpc's sizes. A RESOURCE_EXHAUSTED that is the worker's load stays a 429."""
+    refused = await _refused_for_its_size()
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    error = from_rpc_error(refused, "decode", ADDRESS)
+    assert isinstance(error, RequestTooLargeForWorkers) and error.status_code == 413
+    assert error.retry_after_s is None and "Received message larger than max" in error.message
+    response = error_response(error)
+    assert response.status_code == 413 and "retry-after" not in response.headers
+    body = json.loads(response.body)["error"]
+    assert body == {"message": "the request is larger than the decode worker accepts",
+                    "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+    assert_no_internals(json.dumps(body))
+    for details in ("too many requests in flight",  # the worker's load
+                    "CLIENT: Received message larger than max (70000000 vs. 67108864)"):  # the router refused an answer
+        assert type(from_rpc_error(_rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, details), "decode",
+                                   ADDRESS)) is Overloaded
 
 
 def test_an_unexpected_exception_is_an_internal_error_for_the_client(caplog: pytest.LogCaptureFixture) -> None:
