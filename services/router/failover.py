@@ -22,17 +22,18 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 from services.router.errors import RouterError
-from services.router.pairing import PairingPolicy, Role
+from services.router.pairing import Assignment, PairingPolicy, Role
 
 log = logging.getLogger(__name__)
 
 #: How a decode stream broke, the label of pdserve_router_decode_failovers_total: its RPC failed (``broken``:
 #: UNAVAILABLE, a reset, an internal error), it ended before the request finished (``ended``), or it was cut here
 #: because its worker was marked down and the stream went silent (``marked_down``).
-FAILOVER_REASONS = ("broken", "ended", "marked_down")
+FailoverReason = Literal["broken", "ended", "marked_down"]
+FAILOVER_REASONS: tuple[FailoverReason, ...] = get_args(FailoverReason)
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,20 @@ class LostDecode:
     """How one request's decode stream broke: what the failover counts and logs, and the error the client gets
     when no decode worker takes the request on."""
 
-    reason: str  # one of FAILOVER_REASONS
+    reason: FailoverReason
     detail: str
     error: RouterError
+
+
+async def next_decode_worker(policy: PairingPolicy, assignment: Assignment, wait_s: float) -> str | None:
+    """Move a request whose decode worker broke to another available one (the lost one too, once a health check
+    says it is back: restarted), waiting up to ``wait_s`` for one; its address, or None when none came."""
+    give_up = time.monotonic() + wait_s
+    while (new := policy.move_decode(assignment, allow_same=True)) is None:
+        if time.monotonic() >= give_up:
+            return None
+        await asyncio.sleep(0.2)
+    return new
 
 
 class DecodeStream(Protocol):
@@ -81,9 +93,6 @@ class DecodeWatch:
             streams.discard(stream)
             if not streams:
                 del self._streams[address]
-
-    def streams_on(self, address: str) -> int:
-        return len(self._streams.get(address, ()))
 
     def worker_down(self, role: Role, address: str) -> None:
         """The policy marked a worker unhealthy: look at its streams after the grace (once per grace)."""

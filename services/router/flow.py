@@ -65,7 +65,7 @@ from services.router.errors import (
     WorkerFailure,
     from_rpc_error,
 )
-from services.router.failover import DecodeWatch, LostDecode
+from services.router.failover import DecodeWatch, LostDecode, next_decode_worker
 from services.router.kv_parts import PartRelay
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Assignment, PairingPolicy, Role
@@ -301,6 +301,7 @@ class _Run:
     output_token_ids: list[int] = field(default_factory=list)  # every token sent on so far (a migration replays them)
     migrated: bool = False  # the last decode stream ended with the worker giving the request back
     lost: LostDecode | None = None  # the last decode stream broke: deltas() continues elsewhere
+    cut: LostDecode | None = None  # the decode watch cut the stream (lose_decode); its reader takes it
     last_chunk_s: float = 0.0  # when the decode stream last delivered (or started): the decode watch reads it
     num_failovers: int = 0
     failed_over: bool = False  # a decode worker broke: the ticket's blocks are released at the end in any case
@@ -311,9 +312,12 @@ class _Run:
     def __post_init__(self) -> None:
         self.text = TextStream(self.owner.tokenizer, self.request.prompt_token_ids, tuple(self.request.params.stop))
 
+    def _deadline_s(self) -> float:
+        """When the request's time is up (monotonic)."""
+        return self.request.arrival_s + self.owner.config.request_timeout_s
+
     def _remaining_s(self) -> float:
-        deadline = self.request.arrival_s + self.owner.config.request_timeout_s
-        return max(deadline - time.monotonic(), 0.001)
+        return max(self._deadline_s() - time.monotonic(), 0.001)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         ticket: kv_pb2.TransferTicket | None = None
@@ -334,43 +338,34 @@ class _Run:
             async with aclosing(self._decode(self.assignment.decode, ticket)) as deltas:
                 async for delta in deltas:
                     yield delta
-            if self.migrated:
-                self._migrate()
-            elif self.lost is not None:
-                await self._fail_over()
-            else:
+            if not self.migrated and self.lost is None:
                 return
             ticket = None  # the next decode worker replays prompt + output instead
-            if len(self.output_token_ids) >= self.request.params.max_tokens:  # all out before the break
+            if len(self.output_token_ids) >= self.request.params.max_tokens:  # all out before it moved or broke
                 self.decode_finished = True
                 yield Delta(self.text.feed([], final=True), (), (), "length")
                 return
+            await self._move_on()
 
-    def _migrate(self) -> None:
-        """Move the request to another decode worker (its own gave it back): counted there from now on."""
-        old = self.assignment.decode
-        self.migrated = False
+    async def _move_on(self) -> None:
+        """Its decode worker gave the request back (``migrated``: a role switch) or broke (``lost``, failover.py):
+        the request goes on at another decode worker, counted there from now on."""
+        lost, self.lost, self.migrated = self.lost, None, False
+        old, rid, done = self.assignment.decode, self.request.request_id, len(self.output_token_ids)
         self.decode_call = None
-        new = self.owner.policy.move_decode(self.assignment)
-        if new is None:
-            raise NoHealthyWorkers(f"decode worker {old} gave request {self.request.request_id} back (a role "
-                                   "switch) and no other decode worker is available",
-                                   retry_after_s=self.owner.config.retry_after_s)
-        self.owner.metrics.migrated_requests.inc()
-        log.info("request %s: decode worker %s gave it back (role switch) after %d tokens; continuing on %s",
-                 self.request.request_id, old, len(self.output_token_ids), new)
-
-    async def _fail_over(self) -> None:
-        """The decode worker broke mid-request (``lost``): the request goes on at another decode worker."""
-        lost, self.lost = self.lost, None
-        old, rid = self.assignment.decode, self.request.request_id
+        if lost is None:
+            new = self.owner.policy.move_decode(self.assignment)
+            if new is None:
+                raise NoHealthyWorkers(f"decode worker {old} gave request {rid} back (a role switch) and no other "
+                                       "decode worker is available", retry_after_s=self.owner.config.retry_after_s)
+            self.owner.metrics.migrated_requests.inc()
+            log.info("request %s: decode worker %s gave it back (role switch) after %d tokens; continuing on %s",
+                     rid, old, done, new)
+            return
         self.num_failovers += 1
-        self._worker_failed(Role.DECODE, old, lost.detail)
-        if self.decode_call is not None:
-            self.decode_call.cancel()  # its worker learns it (now, or once the link is back) and drops the request
-        self.decode_call = None
         self.failed_over = True
-        new = await self._next_decode_worker()
+        new = await next_decode_worker(self.owner.policy, self.assignment,
+                                       min(self.owner.config.decode_failover_wait_s, self._remaining_s()))
         if new is None:
             log.warning("request %s: decode worker %s broke (%s) and no decode worker took the request on",
                         rid, old, lost.detail)
@@ -378,33 +373,32 @@ class _Run:
         self.failed.discard(Role.DECODE)  # the new worker is asked to clean up, if it comes to that
         self.owner.metrics.decode_failovers.labels(lost.reason).inc()
         log.warning("request %s: decode worker %s broke (%s) after %d tokens; continuing on %s", rid, old,
-                    lost.detail, len(self.output_token_ids), new)
+                    lost.detail, done, new)
 
-    def _may_fail_over(self) -> bool:
-        """A broken decode stream may be continued elsewhere: not strict, failovers left, time left."""
+    def _broke(self, address: str, lost: LostDecode) -> None:
+        """The decode stream on ``address`` broke: ``lost`` is kept for ``_move_on`` when the request may fail
+        over (not strict, failovers left, time left), else its error is raised. The worker is marked failed
+        either way (a watch's cut: it is marked down already, so it is only not asked to clean up)."""
+        if lost.reason == "marked_down":
+            self.failed.add(Role.DECODE)
+        else:
+            self._worker_failed(Role.DECODE, address, lost.detail)
         config = self.owner.config
-        deadline = self.request.arrival_s + config.request_timeout_s
-        return (not config.enforce_disagg and self.num_failovers < config.max_decode_failovers
-                and time.monotonic() < deadline)
-
-    async def _next_decode_worker(self) -> str | None:
-        """Another available decode worker (the lost one too, once a health check says it is back), waiting
-        up to ``decode_failover_wait_s`` within the deadline; None when none came."""
-        wait_s = min(self.owner.config.decode_failover_wait_s, self._remaining_s())
-        give_up = time.monotonic() + wait_s
-        while (new := self.owner.policy.move_decode(self.assignment, allow_same=True)) is None:
-            if time.monotonic() >= give_up:
-                return None
-            await asyncio.sleep(0.2)
-        return new
+        if (not config.enforce_disagg and self.num_failovers < config.max_decode_failovers
+                and time.monotonic() < self._deadline_s()):
+            self.lost = lost
+            return
+        log.warning("request %s: decode worker %s broke (%s)", self.request.request_id, address, lost.detail)
+        raise lost.error
 
     def lose_decode(self, reason: str) -> None:
         """The decode watch's cut (failover.py): the worker is marked down and this stream went silent."""
-        address = self.assignment.decode
-        self.lost = LostDecode("marked_down", f"worker marked down: {reason}",
-                               WorkerFailure(f"decode worker {address} was lost mid-request ({reason})"))
-        if self.decode_call is not None:
-            self.decode_call.cancel()  # the stream's reader gets CancelledError and fails over
+        if self.decode_finished or self.decode_call is None:
+            return
+        self.cut = LostDecode("marked_down", f"worker marked down: {reason}",
+                              WorkerFailure(f"decode worker {self.assignment.decode} was lost mid-request "
+                                            f"({reason})", role=Role.DECODE))
+        self.decode_call.cancel()  # the stream's reader gets CancelledError and fails over
 
     # ---- prefill ---------------------------------------------------------------------------------
 
@@ -555,9 +549,11 @@ class _Run:
                 if delta.finish_reason is not None:
                     return
         except asyncio.CancelledError:
-            if self.lost is None or _being_cancelled():
+            cut, self.cut = self.cut, None
+            if cut is None or _being_cancelled():
                 raise
-            return  # cut by the decode watch: deltas() fails over
+            self._broke(address, cut)  # the decode watch cut it: deltas() fails over, or the error is raised
+            return
         except grpc.aio.AioRpcError as exc:
             if not answered and _refused_for_its_role(exc):
                 # It switched roles after this request was paired with it (its Generate was on the way when
@@ -567,8 +563,8 @@ class _Run:
                     self.ticket_refused = True
                 return
             error = from_rpc_error(exc, Role.DECODE, address, pull_required=self.require_pull)
-            if exc.code() in FAILOVER_CODES and self._may_fail_over():
-                self.lost = LostDecode("broken", f"{exc.code().name}: {exc.details()}", error)
+            if exc.code() in FAILOVER_CODES:
+                self._broke(address, LostDecode("broken", f"{exc.code().name}: {exc.details()}", error))
                 return
             if exc.code() in WORKER_FAULT_CODES:
                 self._worker_failed(Role.DECODE, address, f"{exc.code().name}: {exc.details()}")
@@ -580,14 +576,8 @@ class _Run:
             raise error from None
         finally:
             self.owner.watch.untrack(self)
-        error = WorkerFailure(f"decode worker {address} ended the stream before the request finished")
-        if self._may_fail_over():
-            self.lost = LostDecode("ended", "stream ended before the request finished", error)
-            return
-        self._worker_failed(Role.DECODE, address, "stream ended before the request finished")
-        log.warning("request %s: decode worker %s ended the stream before the request finished",
-                    self.request.request_id, address)
-        raise error
+        self._broke(address, LostDecode("ended", "stream ended before the request finished", WorkerFailure(
+            f"decode worker {address} ended the stream before the request finished", role=Role.DECODE)))
 
     def _watch(self, address: str) -> None:
         """The decode stream on ``address`` starts: the decode watch may cut it if the worker is lost."""
@@ -632,6 +622,7 @@ class _Run:
     async def clean_up(self) -> None:
         """Tell the workers to drop whatever this request still holds there; never raises."""
         calls = []
+        self.owner.watch.untrack(self)  # a GenerateParts opened during a prefill that never got to _decode
         rid, timeout_s = self.request.request_id, self.owner.config.cleanup_timeout_s
         pool, prefill, decode = self.owner.pool, self.assignment.prefill, self.assignment.decode
         if self.decode_call is not None and not self.decode_finished:

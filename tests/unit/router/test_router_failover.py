@@ -109,6 +109,25 @@ async def test_a_silent_stream_on_a_worker_marked_down_is_cut_after_the_grace(to
         assert 'pdserve_router_decode_failovers_total{reason="marked_down"} 1.0' in (await s.http.get("/metrics")).text
 
 
+@pytest.mark.parametrize("bound", [{"enforce_disagg": True}, {"max_decode_failovers": 0}])
+async def test_a_cut_stream_obeys_the_failover_bounds(tokenizer: Tokenizer, bound: dict) -> None:
+    """The watch's cut is a break like any other: no failover under --enforce-disagg or with none left."""
+    ids = tokenizer.encode(ANSWER)
+    workers = _pair(ids, "hang")
+    async with _serving(tokenizer, ScriptedPrefill(first_token_id=ids[0]), *workers[:1], workers[1:],
+                        decode_failover_grace_s=0.2, **bound) as s:
+        answer = asyncio.ensure_future(s.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 30}))
+        while not any(w.requests for w in workers):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        broke = next(w for w in workers if w.requests)
+        s.runtime.policy.mark_unhealthy(Role.DECODE, s.runtime.config.decode[workers.index(broke)], "no answer")
+        response = await asyncio.wait_for(answer, 5)
+        assert response.status_code == 502 and response.json()["error"]["code"] == "worker_failure"
+        assert sum(len(w.requests) for w in workers) == 1
+        await asyncio.wait_for(broke.cancelled.wait(), 5)
+
+
 async def test_no_failover_under_enforce_disagg(tokenizer: Tokenizer) -> None:
     """Continuing would prefill prompt and output on a decode worker, which --enforce-disagg forbids."""
     ids = tokenizer.encode(ANSWER)
@@ -132,23 +151,29 @@ async def test_failovers_are_bounded(tokenizer: Tokenizer) -> None:
 
 
 async def test_a_break_after_the_last_token_ends_the_request_without_a_failover(tokenizer: Tokenizer) -> None:
+    """Every token was out: nothing is left to generate, so the request ends with ``length`` at once, though
+    no other decode worker could take it on."""
     ids = tokenizer.encode(ANSWER)
-    workers = _pair(ids)
-    async with _serving(tokenizer, ScriptedPrefill(first_token_id=ids[0]), *workers[:1], workers[1:]) as s:
+    (worker,) = _pair(ids)[:1]
+    async with _serving(tokenizer, ScriptedPrefill(first_token_id=ids[0]), worker) as s:
         response = await s.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
         choice = response.json()["choices"][0]
         assert response.status_code == 200 and choice["finish_reason"] == "length"
         assert choice["text"] == tokenizer.decode(ids[:3])
-        assert sum(len(w.requests) for w in workers) == 1  # nothing was left to generate elsewhere
+        assert len(worker.requests) == 1  # nothing was left to generate elsewhere
+        metrics = (await s.http.get("/metrics")).text
+        assert 'pdserve_router_decode_failovers_total{reason="broken"} 0.0' in metrics
 
 
 @dataclass(eq=False)
 class _Stream:
     last_chunk_s: float
     lost: str | None = None
+    num_cuts: int = 0
 
     def lose_decode(self, reason: str) -> None:
         self.lost = reason
+        self.num_cuts += 1
 
 
 async def test_the_watch_spares_a_worker_back_within_the_grace_and_a_stream_that_delivers() -> None:
@@ -164,10 +189,13 @@ async def test_the_watch_spares_a_worker_back_within_the_grace_and_a_stream_that
     policy.mark_unhealthy(Role.DECODE, "a", "no answer within 1 s")
     await asyncio.sleep(0.1)
     assert silent.lost == "no answer within 1 s" and talking.lost is None and elsewhere.lost is None
-    assert watch.streams_on("a") == 1  # the cut stream is no longer tracked; the talking one is looked at again
-    now[0] = 101.0  # the talking stream has been silent for a second now
+    now[0] = 101.0  # the talking stream has been silent for a second now: looked at again, it is cut too
     await asyncio.sleep(0.1)
-    assert talking.lost is not None and watch.streams_on("a") == 0
+    assert talking.lost is not None
+    assert silent.num_cuts == talking.num_cuts == 1  # a cut stream is no longer tracked: never cut twice
+    policy.mark_unhealthy(Role.DECODE, "a", "still down")
+    await asyncio.sleep(0.1)
+    assert silent.num_cuts == talking.num_cuts == 1
     back = _Stream(90.0)
     watch.track(back, "b")
     policy.mark_unhealthy(Role.DECODE, "b", "flap")
