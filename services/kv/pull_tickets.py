@@ -72,19 +72,14 @@ class ConsumedTickets:
         """What was recorded of the ticket; None if it was not taken (or its entry is past its deadline)."""
         return self._nonces.get((ticket.engine_id, ticket.epoch), {}).get(ticket.notify_nonce)
 
-    def prompt_of(self, ticket: kv_pb2.TransferTicket) -> bytes | None:
-        """The prompt hash the ticket was taken with; None if it was not taken (or its entry is past its deadline)."""
-        entry = self.entry(ticket)
-        return None if entry is None else entry.prompt_hash
-
-    def consume(self, tickets: Sequence[kv_pb2.TransferTicket], now: float) -> None:
+    def consume(self, tickets: Sequence[kv_pb2.TransferTicket]) -> None:
         """Record ``tickets`` as taken, all or none: a ``TicketError`` (``replayed``) when one already was (or two are
-        the same ticket). ``now``: the reader's clock (s), to drop what is past its deadline first."""
-        self.prune(now)
+        the same ticket). The caller prunes first (``TicketChecks.take`` does), so what is past its deadline is no
+        longer recorded."""
         seen: set[tuple[str, int, str]] = set()
         for t in tickets:
             key = (t.engine_id, t.epoch, t.notify_nonce)
-            if self.prompt_of(t) is not None or key in seen:
+            if self.entry(t) is not None or key in seen:
                 raise TicketError(f"ticket for request {t.request_id!r} (engine {t.engine_id}, epoch {t.epoch}) was "
                                   "taken before: its blocks may hold another request's KV now", reason="replayed")
             seen.add(key)
@@ -132,7 +127,7 @@ class TicketChecks:
                                   reason="prompt_mismatch")
             if self.consumed.entry(t) is None:  # a replay is named so, inside its lease or past it
                 self._check_lease(t, now)
-        self.consumed.consume(tickets, now)
+        self.consumed.consume(tickets)
 
     def check_pull(self, tickets: Sequence[kv_pb2.TransferTicket]) -> None:
         """Right before the READs of ``tickets`` (signed: ``KVPuller.pull`` verified them): each was taken for the

@@ -147,7 +147,7 @@ def test_a_part_taken_before_recomputes_from_the_last_parts_first_token() -> Non
     _assert_recomputed(started, engine, metrics)
     assert [p for pull in puller.parts for p in pull] == [(0, 2)] and engine.aborted == ["r"]
     assert _value(metrics, "pdserve_kv_refused_total", kind="ticket", reason="replayed") == 1
-    assert puller.checks.consumed.prompt_of(tickets[2]) is not None  # the parts after the failure are taken too
+    assert puller.checks.consumed.entry(tickets[2]) is not None  # the parts after the failure are taken too
 
 
 @pytest.mark.parametrize("require_pull", [False, True])

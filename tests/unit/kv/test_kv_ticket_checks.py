@@ -78,10 +78,10 @@ def test_a_ticket_is_taken_once_and_parts_all_or_none() -> None:
     checks.take([_ticket("a", engine="other"), _ticket("a", epoch=2)], prompt_hash(PROMPT))
     # A batch of parts with one already pulled records none of the others.
     assert _refusal(checks, [_ticket("b"), _ticket("c"), _ticket("a", epoch=2)]) == "replayed"
-    assert checks.consumed.prompt_of(_ticket("b")) is None and checks.consumed.prompt_of(_ticket("c")) is None
+    assert checks.consumed.entry(_ticket("b")) is None and checks.consumed.entry(_ticket("c")) is None
     assert _refusal(checks, [_ticket("d"), _ticket("d")]) == "replayed"  # one ticket twice in one pull
     checks.take([_ticket("b"), _ticket("c")], prompt_hash(PROMPT))
-    assert all(checks.consumed.prompt_of(_ticket(n)) == prompt_hash(PROMPT) for n in "bc")
+    assert all(checks.consumed.entry(_ticket(n)).prompt_hash == prompt_hash(PROMPT) for n in "bc")
 
 
 def test_a_pull_is_of_taken_tickets_inside_their_lease() -> None:
@@ -121,25 +121,28 @@ def test_a_pull_is_of_taken_tickets_inside_their_lease() -> None:
 
 def test_the_record_keeps_each_ticket_until_its_deadline_and_one_epoch_per_engine() -> None:
     record = ConsumedTickets()
-    record.consume([_ticket("early", deadline=NOW + 5), _ticket("late", deadline=NOW + 50)], NOW)
-    record.consume([_ticket("other", engine="e2", deadline=NOW + 50)], NOW)
+    record.consume([_ticket("early", deadline=NOW + 5), _ticket("late", deadline=NOW + 50)])
+    record.consume([_ticket("other", engine="e2", deadline=NOW + 50)])
     assert len(record) == 3
     record.prune(NOW + 5)  # past the first deadline, when the deadline check refuses it anyway
     assert len(record) == 2 and not _has(record, _ticket("early")) and _has(record, _ticket("late"))
     # A newer epoch of an engine drops the older epoch's record (the peer cache refuses its tickets as stale).
-    record.consume([_ticket("new", epoch=2, deadline=NOW + 50)], NOW + 6)
+    record.prune(NOW + 6)
+    record.consume([_ticket("new", epoch=2, deadline=NOW + 50)])
     assert not _has(record, _ticket("late")) and _has(record, _ticket("new", epoch=2))
     assert _has(record, _ticket("other", engine="e2")) and len(record) == 2
-    # Bounded by the tickets of one lease: a steady stream leaves at most a lease's worth recorded.
+    # Bounded by the tickets of one lease: a steady stream, pruned before each take as TicketChecks.take does,
+    # leaves at most a lease's worth recorded.
     for i in range(1000):
-        record.consume([_ticket(f"s{i}", epoch=2, deadline=NOW + 10 + i / 10)], NOW + i / 10)
+        record.prune(NOW + i / 10)
+        record.consume([_ticket(f"s{i}", epoch=2, deadline=NOW + 10 + i / 10)])
     assert len(record) <= 10 * 10 + 2
     record.prune(NOW + 1000)
     assert len(record) == 0 and not record._by_deadline
 
 
 def _has(record: ConsumedTickets, ticket: kv_pb2.TransferTicket) -> bool:
-    return record.prompt_of(ticket) is not None
+    return record.entry(ticket) is not None
 
 
 def _exporter(clock, lease_s: float = 30.0) -> KVExporter:
