@@ -89,7 +89,9 @@ class KVExporter:
         # request id -> (owner rank, host tier, nonce) sources still expecting readers, over all its tickets
         self._waiting: dict[str, set[tuple[int, bool, str]]] = {}
         self._nonces: dict[str, list[str]] = {}  # request id -> its tickets' notification nonces
-        self._lease_ends: dict[str, dict[str, float]] = {}  # request id -> nonce -> that ticket's lease end (wall s)
+        # request id -> nonce -> that ticket's lease end (wall s), in the order handed out (so of growing ends); the
+        # tickets read since are dropped from the front as new parts go out (``_lease_deadline``)
+        self._lease_ends: dict[str, dict[str, float]] = {}
         self._open: dict[str, int] = {}  # request id -> end of its last part ticket, while its last is not out
         # (request id, nonce) -> per owner rank, its staged span's offset while that rank's readers have not notified
         self._staged: dict[tuple[str, str], dict[int, int]] = {}
@@ -195,12 +197,21 @@ class KVExporter:
 
     def _lease_deadline(self, request_id: str, nonce: str, lease_end: float) -> float:
         """The new ticket's deadline (wall s): its own ``lease_end``, or an earlier one of the request's tickets
-        still unread, since any lease that runs out frees the whole request's blocks (``expire`` abandons it)."""
-        unread = {n for _, _, n in self._waiting.get(request_id, ())}
-        ends = {n: end for n, end in self._lease_ends.get(request_id, {}).items() if n in unread}
+        still unread, since any lease that runs out frees the whole request's blocks (``expire`` abandons it).
+
+        The request's lease ends grow in the order its tickets went out, so the earliest unread is the first
+        still unread: the read ones before it are dropped here, each once, so a part costs O(TP size)
+        amortized, not O(parts)."""
+        ends = self._lease_ends.setdefault(request_id, {})
+        waiting = self._waiting.get(request_id, set())
+        while ends:
+            first = next(iter(ends))
+            if any((rank, host, first) in waiting for rank in range(self.tp_size) for host in (False, True)):
+                break
+            del ends[first]  # every reader of that ticket notified: its lease no longer frees anything
+        earliest = next(iter(ends.values()), lease_end)
         ends[nonce] = lease_end
-        self._lease_ends[request_id] = ends
-        return min(ends.values())
+        return min(earliest, lease_end)
 
     async def _stage(self, block_ids: Sequence[Sequence[int]], num_tokens: int, reader_tp_size: int,
                      reader_block_size: int, begin: int, window_end: int) -> dict[int, int]:

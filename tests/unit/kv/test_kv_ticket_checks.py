@@ -186,3 +186,34 @@ def test_the_owner_signs_each_ticket_with_its_lease_end_and_the_whole_prompts_ha
                                       reader_tp_size=1, prompt_hash=b"short"))
     with pytest.raises(ValueError, match="lease_s"):
         _exporter(lambda: NOW, lease_s=0)
+
+
+def test_a_parts_deadline_is_the_earliest_lease_end_among_the_unread_parts_read_in_any_order() -> None:
+    """Parts read out of order: one read after the first stays in the request's record until it is the first (a
+    read part's lease frees nothing), and the record keeps only what is unread from the front on."""
+    now = [NOW]
+    exporter = _exporter(lambda: now[0], lease_s=30.0)
+    digest = prompt_hash(list(range(20)))
+
+    def part(start: int, end: int) -> kv_pb2.TransferTicket:
+        ticket = asyncio.run(exporter.hand_out("p", [[0, 1, 2, 3, 4]], num_tokens=end, first_token_id=1,
+                                               handshake_address="x", reader_tp_size=1, prompt_hash=digest,
+                                               part_start_token=start, num_prompt_tokens=20))
+        now[0] += 10
+        return ticket
+
+    def read(ticket: kv_pb2.TransferTicket) -> list[str]:
+        return exporter.released([{"reader": [notification_key("p", False, ticket.notify_nonce)]}])
+
+    first, second, third = part(0, 4), part(4, 8), part(8, 12)
+    read(second)
+    fourth = part(12, 16)  # the first is unread: its lease bounds every later part's
+    assert fourth.lease_deadline_unix_ms == third.lease_deadline_unix_ms == first.lease_deadline_unix_ms
+    assert first.lease_deadline_unix_ms == (NOW + 30) * 1000
+    read(first)  # the earliest unread is now the third (issued at NOW + 20): the second was read before
+    fifth = part(16, 20)
+    assert fifth.lease_deadline_unix_ms == (NOW + 20 + 30) * 1000
+    assert list(exporter._lease_ends["p"]) == [third.notify_nonce, fourth.notify_nonce, fifth.notify_nonce]
+    for ticket in (fourth, third):
+        assert read(ticket) == []
+    assert read(fifth) == ["p"] and "p" not in exporter._lease_ends
