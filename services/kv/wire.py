@@ -91,7 +91,7 @@ def ticket_is_signed_by(ticket: kv_pb2.TransferTicket, key: bytes) -> bool:
 def prompt_hash(token_ids: Sequence[int]) -> bytes:
     """SHA-256 of a prompt's token ids packed as little-endian uint32: what a ticket names its prompt by
     (``TransferTicket.prompt_hash``), computed once per request by the owner and by the reader. A token id
-    outside uint32 is a ValueError (numpy's own check)."""
+    outside uint32 is a ValueError, checked here before the cast to uint32, which would wrap it silently."""
     ids = np.asarray(token_ids, dtype=np.int64)
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) > 0xFFFF_FFFF):
         raise ValueError("a prompt's token ids must fit in uint32")
