@@ -270,7 +270,8 @@ class PullPolicy:
                         ended = item is _END
                         break
                     ticket, arrived = item
-                    # Taken after a failure too, so a replay of it is refused: the router released it unread.
+                    # A part that fits is taken after a failure too, so a replay of it is refused (the router
+                    # released it unread); one ``accept`` refuses is neither taken nor ever read.
                     problem = pulled.accept(ticket, rid) or self._take([ticket], pulled.prompt_digest)
                     if problem is not None:
                         pulled.other_prompt |= problem.reason == "prompt_mismatch"
