@@ -47,7 +47,9 @@ async def switch_unavailable(address: str, role: Role) -> None:
 
 def worker_views(policy: PairingPolicy, index: PrefixIndex | None) -> list[WorkerView]:
     """Every worker of the pairing table as the planner sees it (load from the prefix index's last report; on a
-    decode worker, the requests whose Generate was sent: those still prefilling are not decode work yet)."""
+    decode worker, the requests whose Generate was sent, those still waiting for it are not decode work yet).
+    With KV parts on, a request's ``GenerateParts`` goes out with its first part, so it counts as decoding while
+    its prompt is still prefilling: its decode worker holds its seat and the whole prompt's blocks from then."""
     views = []
     for w in policy.workers():
         identity = w.identity
