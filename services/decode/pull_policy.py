@@ -118,9 +118,9 @@ class PartPulls:
     """How far a request's part tickets came (``start_parts``): each must start where the one before ended and
     name this request and prompt; the last ends at the prompt's end and carries the first token."""
 
-    def __init__(self, num_prompt_tokens: int, prompt_digest: bytes) -> None:
+    def __init__(self, num_prompt_tokens: int, prompt_hash: bytes) -> None:
         self.num_prompt_tokens = num_prompt_tokens
-        self.prompt_digest = prompt_digest  # ``wire.prompt_hash`` of the whole prompt, which every part names
+        self.prompt_hash = prompt_hash  # ``wire.prompt_hash`` of the whole prompt, which every part names
         self.end = 0  # tokens covered by the parts so far
         self.last: kv_pb2.TransferTicket | None = None
         self.failure: str | None = None
@@ -272,7 +272,7 @@ class PullPolicy:
                     ticket, arrived = item
                     # A part that fits is taken after a failure too, so a replay of it is refused (the router
                     # released it unread); one ``accept`` refuses is neither taken nor ever read.
-                    problem = pulled.accept(ticket, rid) or self._take([ticket], pulled.prompt_digest)
+                    problem = pulled.accept(ticket, rid) or self._take([ticket], pulled.prompt_hash)
                     if problem is not None:
                         pulled.other_prompt |= problem.reason == "prompt_mismatch"
                         if problem.reason == "part":  # _take counted the others
@@ -364,11 +364,11 @@ class PullPolicy:
         self._count_pull(rid, result, reserved - started, resumed - pulled)
         return StartedRequest(join=JoinTimes(pulled - started, resumed - pulled, resumed))
 
-    def _take(self, tickets: Sequence[kv_pb2.TransferTicket], digest: bytes) -> TicketError | None:
-        """Take tickets as they arrive (``KVPuller.take``, for the prompt hashed ``digest``); the refusal, counted by
-        its reason, if one is refused."""
+    def _take(self, tickets: Sequence[kv_pb2.TransferTicket], prompt_hash: bytes) -> TicketError | None:
+        """Take tickets as they arrive (``KVPuller.take``, for the prompt hashed ``prompt_hash``); the refusal,
+        counted by its reason, if one is refused."""
         try:
-            self.puller.take(tickets, digest)
+            self.puller.take(tickets, prompt_hash)
         except TicketError as e:
             self.metrics.kv_refused.labels("decode", "ticket", e.reason).inc()
             return e

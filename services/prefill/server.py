@@ -33,10 +33,10 @@ from services.engine.kv_parts import PinnedPart
 from services.engine.llm_engine import LLMEngine
 from services.engine.output_processor import RequestOutput
 from services.engine.sched.request import Request, RequestStatus
+from services.kv import wire as kv_wire
 from services.kv.exporter import KVExporter
 from services.kv.groups import KVCacheGroupSpec
 from services.kv.handshake import HandshakeServicer, add_handshake_service
-from services.kv.wire import prompt_hash
 from services.prefill.release import ReleaseLoop, run_current
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.config import PrefillConfig
@@ -113,7 +113,8 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
         rid, num_prompt_tokens = request.request_id, len(request.prompt_token_ids)
         align = part_alignment(self.engine.engine.kv_layout.groups, request.reader_block_size)
         params, held = await self._add(request, context, align)
-        parts_end, answered, digest = 0, False, prompt_hash(request.prompt_token_ids)  # every part names the prompt
+        parts_end, answered = 0, False
+        prompt_hash = kv_wire.prompt_hash(request.prompt_token_ids)  # every part names the prompt
         try:
             final = None
             async for item in self.engine.outputs_with_parts(rid):
@@ -124,13 +125,13 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
                     ticket = await self.exporter.hand_out(
                         rid, item.block_ids, num_tokens=item.end, first_token_id=0, handshake_address=self.address,
                         reader_tp_size=request.reader_tp_size or 1, reader_block_size=request.reader_block_size,
-                        part_start_token=parts_end, num_prompt_tokens=num_prompt_tokens, prompt_hash=digest)
+                        part_start_token=parts_end, num_prompt_tokens=num_prompt_tokens, prompt_hash=prompt_hash)
                 except ValueError as e:  # abandoned meanwhile (Release, Abort, a part's lease)
                     await context.abort(grpc.StatusCode.ABORTED, f"request {rid}: {e}")
                 parts_end = item.end
                 self.metrics.requests.labels("prefill", "kv_part").inc()
                 yield worker_pb2.PrefillPart(part=ticket)
-            response = await self._answer(request, params, held, final, started, parts_end, digest)
+            response = await self._answer(request, params, held, final, started, parts_end, prompt_hash)
             answered = True
             yield worker_pb2.PrefillPart(final=response)
         finally:
@@ -153,11 +154,11 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
         return params, held
 
     async def _answer(self, request: worker_pb2.PrefillRequest, params: SamplingParams, held: Request,
-                      final: RequestOutput, started: float, parts_end: int = 0, digest: bytes | None = None
+                      final: RequestOutput, started: float, parts_end: int = 0, prompt_hash: bytes | None = None
                       ) -> worker_pb2.PrefillResponse:
         """The first token and the ticket of the rest of the prompt (from ``parts_end``, where its part tickets
-        ended), or ``finished`` with every block released when the first token is also the last. ``digest``: the
-        prompt's hash, when the parts already computed it."""
+        ended), or ``finished`` with every block released when the first token is also the last. ``prompt_hash``:
+        the prompt's (``wire.prompt_hash``), when the parts already computed it."""
         rid, num_prompt_tokens = request.request_id, len(request.prompt_token_ids)
         self.metrics.ttft.labels("prefill").observe(time.monotonic() - started)
         response = _first_token_response(final, num_prompt_tokens)
@@ -177,7 +178,7 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
             reader_tp_size=request.reader_tp_size or 1, host_block_ids=host_ids, num_host_tokens=num_host_tokens,
             reader_block_size=request.reader_block_size, part_start_token=parts_end,
             num_prompt_tokens=num_prompt_tokens if parts_end else 0, state_slot=held.state_slot,
-            prompt_hash=digest or prompt_hash(request.prompt_token_ids),
+            prompt_hash=prompt_hash or kv_wire.prompt_hash(request.prompt_token_ids),
         ))
         self.metrics.requests.labels("prefill", "ticket").inc()
         return response
