@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -160,7 +161,7 @@ def _worker_restarter(worker: Daemon, extra: tuple[str, ...]) -> StartChild:
     return start
 
 
-def stop_timeout_s(args) -> float:
+def stop_timeout_s(args: argparse.Namespace) -> float:
     """How long ``up`` lets a worker drain on Ctrl-C before it kills it: the workers' ``--drain-timeout-s``
     and a margin to exit, at least the 30 s of ``terminate``."""
     return max(float(getattr(args, "drain_timeout_s", 30.0)) + 15.0, 30.0)

@@ -16,6 +16,7 @@ line, where ``ps`` shows it, but in its declared environment variable.
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import dataclass
 
 from services.common.config_flags import (
@@ -87,10 +88,12 @@ def _sources() -> list[tuple[str, frozenset[str], str, bool, str | None]]:
     return out + [(f"--tls-{suffix}", EVERY, TLS, False, None) for suffix in TLS_ENV]
 
 
-def up_flag_table() -> list[UpFlag]:
+@functools.cache
+def up_flag_table() -> tuple[UpFlag, ...]:
     """Every flag ``pdserve up`` hands on, in declaration order, merged by name: one value for every process
     that declares it (ValueError for a secret without one environment variable to carry it, or a name
-    declared as a secret in one place and not in another)."""
+    declared as a secret in one place and not in another). Built once: the declarations do not change while
+    the process runs, and the parser and every child's command line and environment read it."""
     merged: dict[str, tuple[set[str], str, bool, set[str | None]]] = {}
     for name, processes, how, secret, env in _sources():
         if name in EXCLUDED or name in UP_OWN:
@@ -111,7 +114,7 @@ def up_flag_table() -> list[UpFlag]:
             raise ValueError(f"{name} is a secret without one environment variable to carry it to every process "
                              "(up puts no secret on a command line)")
         table.append(UpFlag(name, frozenset(processes), how, envs.pop() if secret else None))
-    return table
+    return tuple(table)
 
 
 def _gpu_list(text: str) -> list[int]:

@@ -93,12 +93,15 @@ def test_the_table_follows_the_declarations() -> None:
     assert {f.name for f in table.values() if f.env} == {"--kv-auth-token", "--api-key"}  # the secrets
 
 
-def test_a_flag_declared_later_reaches_up_by_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_flag_declared_later_reaches_up_by_itself(monkeypatch: pytest.MonkeyPatch,
+                                                    request: pytest.FixtureRequest) -> None:
     @dataclasses.dataclass(frozen=True)
     class Later(RouterConfig):
         brand_new_s: float = flag(1.0, "a router flag nobody listed for up", parse=float)
 
     monkeypatch.setattr(up_flags, "RouterConfig", Later)
+    up_flag_table.cache_clear()  # built once per process: again for the new declaration, and after the test
+    request.addfinalizer(up_flag_table.cache_clear)
     (new,) = [f for f in up_flag_table() if f.name == "--brand-new-s"]
     assert new.processes == {ROUTER}
     parser = argparse.ArgumentParser()
