@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 import msgspec
@@ -110,8 +110,10 @@ class RouterRuntime:
     created: int
     index: PrefixIndex | None
     planner: PlannerLoop
+    # A worker's id on /metrics, /health and /admin/workers: the instance ``metrics`` labels with (create_app
+    # makes one for both), never a default of its own that could key the ids differently.
+    worker_labels: WorkerLabels
     switching: RoleSwitching | None = None  # in-place role switches (role_switch.py)
-    worker_labels: WorkerLabels = field(default_factory=WorkerLabels)  # a worker's id on /metrics
 
     def max_model_len(self) -> int | None:
         return self.config.max_model_len or self.policy.max_model_len()
