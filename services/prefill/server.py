@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -37,6 +38,7 @@ from services.kv import wire as kv_wire
 from services.kv.exporter import KVExporter
 from services.kv.groups import KVCacheGroupSpec
 from services.kv.handshake import HandshakeServicer, add_handshake_service
+from services.kv.pull_tickets import DEADLINE_MARGIN_S
 from services.prefill.release import ReleaseLoop, run_current
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.config import PrefillConfig
@@ -48,6 +50,8 @@ from services.worker.kv_events import KVEventPublisher, KVEventsRPCs
 from services.worker.role_switch import RoleSwitch
 from services.worker.switch_rpc import SwitchRoleRPCs
 from services.worker.worker_info import worker_info
+
+log = logging.getLogger(__name__)
 
 
 class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.PrefillWorkerServicer):
@@ -250,6 +254,9 @@ def _first_token_response(final: RequestOutput, num_prompt_tokens: int) -> worke
 def _attach(context: WorkerContext) -> list[Background]:
     """Publish the engine's KV (exporter and handshake), serve Prefill, and keep the leases."""
     engine, config = context.engine, context.config
+    if config.kv_lease_s <= 2 * DEADLINE_MARGIN_S:
+        log.warning("--kv-lease-s %g: decode workers refuse a ticket within %g s of its lease's end, so most "
+                    "tickets will be refused and their prompts recomputed", config.kv_lease_s, DEADLINE_MARGIN_S)
 
     def exporter_of(epoch: int) -> KVExporter:
         return KVExporter(engine_id=context.engine_id, model_name=engine.source.name, ranks=context.ranks,

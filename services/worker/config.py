@@ -47,7 +47,9 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class PrefillConfig(WorkerConfig):
-    kv_lease_s: float = flag(30.0, "free pinned KV that no decode worker pulled within this time", parse=float)
+    kv_lease_s: float = flag(30.0, "free pinned KV that no decode worker pulled within this time (keep it well "
+                                   "above 1 s: a decode worker refuses a ticket in its lease's last second)",
+                             parse=float)
     kv_final_part_tokens: int = flag(
         512, "KV sent per chunk: a prompt prefilled over several steps ends with a chunk of at most this many "
         "tokens, so the KV its decode worker still has to pull after the first token is small (one more "
