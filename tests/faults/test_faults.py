@@ -184,7 +184,9 @@ def test_stalled_decode_worker(model: str) -> None:
 
 def test_lease_expiry_frees_blocks_nobody_pulls(model: str) -> None:
     """Prefills whose tickets are never used (their router died after the answer): the lease frees them."""
-    with stack(model, 1, 1, prefill_args=prefill_args(1)) as s:
+    # 3 s: short, yet past the second before a lease's end in which decode workers refuse a ticket (the router's
+    # pair probe, which must pull, runs under this lease too).
+    with stack(model, 1, 1, prefill_args=prefill_args(3)) as s:
         prefill = s.prefill[0]
         report = FaultReport("lease expiry (tickets never pulled)")
         with grpc.insecure_channel(prefill.address) as channel:
