@@ -121,8 +121,8 @@ class Bench:
         import torch
 
         from services.engine.kv_cache.buffers import DTYPE_NAMES, KVCache
-        from services.kv.groups import AttentionKind, KVCacheGroupSpec
-        from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
+        from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+        from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
 
         self.torch = torch
         self.args, self.device, self.dtype = args, device, dtype

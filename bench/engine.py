@@ -34,7 +34,7 @@ from services.engine.engine_config import EngineConfig  # noqa: E402
 from services.engine.kv_cache.buffers import TORCH_DTYPES  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
 from services.contract.sampling_params import SamplingParams  # noqa: E402
-from services.kv.layout import LayoutKind  # noqa: E402
+from services.kv.spec.layout import LayoutKind  # noqa: E402
 
 
 

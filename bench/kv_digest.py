@@ -3,7 +3,7 @@
 The KV of one request (Llama-3.1-8B shape: 32 layers, 8 KV heads of 128, bf16, block 16, cross-layer
 blocks scattered over the pool) is digested by:
 
-  mix32-sum   the chosen digest (``services.kv.digest``): each 32-bit word's bits XOR its position key,
+  mix32-sum   the chosen digest (``services.kv.digest.scheme``): each 32-bit word's bits XOR its position key,
               through a 32-bit bijection, summed mod 2**32 per token unit. Splits by token range, TP
               head slice and source; any one-element change is caught. Triton on CUDA, numpy on CPU,
               run as a KV rank runs it (``DigestRunner``).
@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench._common import emit_json  # noqa: E402
-from services.kv import digest as D  # noqa: E402
-from services.kv.digest_compute import DigestRunner  # noqa: E402
-from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind  # noqa: E402
+from services.kv.digest import scheme as D  # noqa: E402
+from services.kv.digest.runner import DigestRunner  # noqa: E402
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind  # noqa: E402
 
 BLOCK, LAYERS, HEADS, HEAD_DIM = 16, 32, 8, 128
 
@@ -101,7 +101,7 @@ def run(device: torch.device, tokens: int, repeats: int, warps: list[int], only:
 
 def _with_warps(warps: int, fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` with the CUDA digest kernel launched at ``warps`` warps (its default restored after)."""
-    from services.kv import digest_triton
+    from services.kv.digest import kernel as digest_triton
 
     def call() -> object:
         default, digest_triton.NUM_WARPS = digest_triton.NUM_WARPS, warps

@@ -44,15 +44,15 @@ import torch
 
 import services  # noqa: F401  (package init caps oneDNN; tests pass the env var too)
 from services.engine.kv_cache.buffers import TORCH_DTYPES, KVCache, kv_groups_for
-from services.engine.tp.parallel import ParallelConfig
-from services.kv.compat import DIGEST_SCHEME, KVIdentity
-from services.kv.exporter import KVExporter
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.handshake import HandshakeServicer, add_handshake_service
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.engine.parallel import ParallelConfig
 from services.kv.nixl.agent import TransferAgent
-from services.kv.rank import LocalKVRank
-from services.kv.wire import prompt_hash
+from services.kv.owner.exporter import KVExporter
+from services.kv.owner.handshake import HandshakeServicer, add_handshake_service
+from services.kv.ranks.kv_rank import LocalKVRank
+from services.kv.spec.compat import DIGEST_SCHEME, KVIdentity
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.spec.wire import prompt_hash
 
 ARCHITECTURE = "llama"
 

@@ -142,8 +142,8 @@ class LatentCache:
         import torch
 
         from services.engine.kv_cache.buffers import DTYPE_NAMES, KVCache
-        from services.kv.groups import AttentionKind, KVCacheGroupSpec
-        from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
+        from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+        from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
 
         self.heads, self.latent, self.rope, self.nope, self.v_dim = (4, 64, 16, 32, 32) if quick else \
             (16, 512, 64, 128, 128)

@@ -1,8 +1,8 @@
 """Where a staged pull's scatter spends host time inside real pulls (bench/pull_path.py's, staged fragmented pools).
 
-``services.kv.staging.scatter`` is wrapped step by step (row views, row numbers, their upload, the copy call) and
-the pulls of ``bench/pull_path.py`` run as usual; at exit the median of each step over the pulls (the first left
-out) is printed. The steps are host time only: on a GPU the copy itself runs later, queued on the side stream.
+``services.kv.ranks.staging_area.scatter`` is wrapped step by step (row views, row numbers, their upload, the copy
+call) and the pulls of ``bench/pull_path.py`` run as usual; at exit the median of each step over the pulls (the first
+left out) is printed. The steps are host time only: on a GPU the copy itself runs later, queued on the side stream.
 
     python bench/profile_staged_scatter.py --device cuda --tokens 2048,8192
 """
@@ -19,23 +19,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import services.kv.rank as rank_module  # noqa: E402
-import services.kv.staging as staging  # noqa: E402
+import services.kv.plan.staging as staging  # noqa: E402
+import services.kv.ranks.kv_rank as rank_module  # noqa: E402
+import services.kv.ranks.staging_area as staging_area  # noqa: E402
 
 STEPS: dict[str, list[float]] = {}
 
 
-def timed_scatter(layout, buffers, area, offset, ids) -> None:  # noqa: ANN001 - staging.scatter's arguments
-    """``staging.scatter``, its steps timed."""
+def timed_scatter(layout, buffers, area, offset, ids) -> None:  # noqa: ANN001 - staging_area.scatter's arguments
+    """``staging_area.scatter``, its steps timed."""
     spans, _ = staging.staged_spans(layout, tuple(len(i) for i in ids))
     for s in spans:
         if s.num_blocks:
             t0 = time.perf_counter()
-            pool, span = staging._views(layout, buffers, area, offset, s)
+            pool, span = staging_area._views(layout, buffers, area, offset, s)
             t1 = time.perf_counter()
-            rows = staging._rows(s, ids[s.group_id], layout.num_blocks)
+            rows = staging_area._rows(s, ids[s.group_id], layout.num_blocks)
             t2 = time.perf_counter()
-            index = staging._index(rows, pool.device)
+            index = staging_area._index(rows, pool.device)
             t3 = time.perf_counter()
             pool.index_copy_(0, index, span)
             t4 = time.perf_counter()

@@ -7,7 +7,7 @@ repeat so that all four see the same machine:
 
   pull      ``KVPuller.pull`` as the decode worker calls it (handshake cached): ticket checks, block
             pieces (unit indices), indices into the descriptor lists prepared for the peer at its first
-            pull (``services.kv.read_lists``), the agent's READ with the request id as notification, and
+            pull (``services.kv.plan.read_lists``), the agent's READ with the request id as notification, and
             the KV digest of what arrived (on by default; its cost is printed as a ratio to the rest)
   agent     ``TransferAgent.read`` of the planner's rows: the agent alone, through the event loop
   raw_plan  NIXL alone on this thread, the planner's rows: descriptor lists, ``initialize_xfer``,
@@ -18,7 +18,7 @@ repeat so that all four see the same machine:
 
 Pools: ``contiguous`` (consecutive block ids on both sides: one merged descriptor) and
 ``fragmented`` (every other block on both sides: one descriptor per 2 MiB block; the owner stages such a
-ticket, ``services.kv.staging``, so the pull reads its span into the reader's staging area and scatters it,
+ticket, ``services.kv.plan.staging``, so the pull reads its span into the reader's staging area and scatters it,
 ``staged``/``p.descs``; ``--no-staging``: it reads the blocks). ``hand-out ms`` is the owner's ticket: its
 digest, and its gather when staged. The raw variants read the blocks either way. The first pull of
 each placement is reported on its own (``first``: handshake, peer connection, first READ).
@@ -61,7 +61,7 @@ from bench._common import emit_json  # noqa: E402
 from bench.kv_synthetic import identity_for, layout_for  # noqa: E402
 from bench.transfer import SHAPE, Owner, block_ids, device_list, make_ranks, stop_all  # noqa: E402
 from services.kv.nixl.agent import CUDA_IPC_GET_ENV, TransferAgent, read_stages  # noqa: E402
-from services.kv.puller import KVPuller  # noqa: E402
+from services.kv.reader.puller import KVPuller  # noqa: E402
 from services.proto_gen.pdserve.v1 import kv_pb2  # noqa: E402
 
 POOLS = {"contiguous": 1, "fragmented": 2}
@@ -348,7 +348,7 @@ def main() -> None:
     ap.add_argument("--no-prepared-lists", action="store_true",
                     help="plan every pull from scratch (KVPuller(prepared_lists=False)), as before prepared lists")
     ap.add_argument("--no-staging", action="store_true",
-                    help="no KV staging areas (services/kv/staging.py): a fragmented pool's pull reads every block")
+                    help="no KV staging areas (services/kv/plan/staging.py): a fragmented pool's pull reads each block")
     ap.add_argument("--json", action="store_true", help="one JSON object per row on stdout, no tables")
     ap.add_argument("--json-out", default=None, help="also write the JSON lines to this file")
     args = ap.parse_args()

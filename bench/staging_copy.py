@@ -1,4 +1,4 @@
-"""KV staging's copies (services/kv/staging.py) on one device: a fragmented pool's blocks gathered into a span and
+"""KV staging's copies (services/kv/plan/staging.py) on one device: a fragmented pool's blocks gathered into a span and
 scattered back (``index_select``/``index_copy_`` of whole rows), beside one contiguous copy of the same bytes.
 
 Llama-3.1-8B KV (cross-layer, bf16, block 16: 2 MiB a block), every other block of the pool. Per prompt length
@@ -26,8 +26,9 @@ from bench._common import emit_json  # noqa: E402
 from bench.kv_synthetic import layout_for  # noqa: E402
 from bench.transfer import SHAPE  # noqa: E402
 from services.engine.kv_cache.buffers import KVCache  # noqa: E402
-from services.kv.staging import StagingArea, gather, scatter, staged_spans  # noqa: E402
-from services.kv.wire import MemoryRegion  # noqa: E402
+from services.kv.plan.staging import staged_spans
+from services.kv.ranks.staging_area import StagingArea, gather, scatter  # noqa: E402
+from services.kv.spec.wire import MemoryRegion  # noqa: E402
 
 
 def contiguous_copy(layout, buffers, area, offset, ids) -> None:  # noqa: ANN001

@@ -27,7 +27,7 @@ prefill (P) and a decode (D) engine of different TP sizes (``--tp-pairs``: P:D, 
 always runs as the baseline), per KV layout (``--tp-layouts``) and block order (``--tp-orders``; the
 heads-outer layout holds HND blocks only). Each side has one NIXL agent and one KV shard per TP rank;
 the puller reads each local rank's heads from the remote ranks that hold them
-(``services.kv.topology.rank_reads``), one READ per (local rank, remote rank). Every pair must move
+(``services.kv.spec.topology.rank_reads``), one READ per (local rank, remote rank). Every pair must move
 the prompt's whole KV, every head exactly once (asserted). The block ids run consecutively on both
 sides, as the free-run allocators hand them out in service, and each pool holds one block more than
 the prompt, so (as in service) no pull covers a whole pool. A head slice of a cross-layer block is one
@@ -76,13 +76,13 @@ import services  # noqa: E402,F401,I001
 from bench._common import emit_json  # noqa: E402
 from bench.kv_synthetic import group_shapes, identity_for, layout_for  # noqa: E402
 from services.engine.kv_cache.buffers import KVCache  # noqa: E402
-from services.kv.compat import KVIdentity  # noqa: E402
-from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
-from services.kv.layout import BlockOrder, LayoutKind  # noqa: E402
 from services.kv.nixl.agent import CUDA_IPC_GET_ENV, TransferAgent  # noqa: E402
 from services.kv.nixl.errors import TransferError  # noqa: E402
-from services.kv.puller import KVPuller  # noqa: E402
-from services.kv.rank import LocalKVRank  # noqa: E402
+from services.kv.ranks.kv_rank import LocalKVRank  # noqa: E402
+from services.kv.reader.puller import KVPuller  # noqa: E402
+from services.kv.spec.compat import KVIdentity  # noqa: E402
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
+from services.kv.spec.layout import BlockOrder, LayoutKind  # noqa: E402
 from services.proto_gen.pdserve.v1 import kv_pb2  # noqa: E402
 
 # Llama-3.1-8B KV shape: one 16-token block is 32 KiB per layer and K/V, 2 MiB across layers.

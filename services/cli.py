@@ -29,7 +29,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def start_engine_from_args(args: argparse.Namespace) -> LLMEngine:
     """The engine of ``args`` on its devices: rank 0 here and, with ``--tp`` > 1, one process per other rank."""
-    from services.engine.tp.launch import start_engine
+    from services.engine.start import start_engine
     from services.launch.placement import rank_devices
 
     return start_engine(engine_config_from_args(args), rank_devices(args.device, args.tp), args.log_level)

@@ -12,7 +12,7 @@ import torch
 from services.contract.sampling_params import SamplingParams
 from services.engine.llm_engine import LLMEngine
 from services.engine.output_processor import RequestOutput
-from services.engine.sched.request import Request
+from services.engine.request import Request
 from tests.checkpoints import make_checkpoint
 
 

@@ -26,9 +26,9 @@ PULL_STAGES = ("reserve", "handshake", "check", "pieces", "plan", "read", "diges
 JOIN_STAGES = ("last_pull", "resume", "first_step")
 # pdserve_kv_probes_total's results (decode): the probe transfer worked, or it did not.
 PROBE_RESULTS = ("ok", "failed")
-# pdserve_kv_refused_total's reasons for a ticket (decode; services/kv/pull_errors.py TicketError.reason): not signed
+# pdserve_kv_refused_total's reasons for a ticket (decode; services/kv/reader/errors.py TicketError.reason): not signed
 # by its owner, not fitting its blocks, no usable digest, a part out of order; of another prompt, past its lease,
-# pulled before, or naming neither lease nor prompt (services/kv/pull_tickets.py).
+# pulled before, or naming neither lease nor prompt (services/kv/reader/tickets.py).
 TICKET_REFUSALS = ("signature", "mismatch", "digest", "part", "prompt_mismatch", "expired", "replayed", "unbound")
 # pdserve_kv_events_total's kinds, indexed by the event kind's number (services/engine/kv_cache/events.py).
 KV_EVENT_KINDS = ("stored", "removed", "cleared")
@@ -86,7 +86,7 @@ class WorkerMetrics:
         # about; "failed" says the pair cannot transfer (the router does not use it).
         self.kv_probes = Counter("pdserve_kv_probes", "KV probe transfers from a prefill worker, by result (ok, "
                                  "failed)", ["role", "result"], registry=r)
-        # KV staging (services/kv/staging.py): prefill counts its tickets staged ("staged") and those worth staging
+        # KV staging (services/kv/plan/staging.py): prefill counts its tickets staged ("staged") and those worth staging
         # that found no room ("full", read from their blocks); decode its pulls that read a staged span ("read").
         self.kv_staged = Counter("pdserve_kv_staged", "KV tickets gathered into the staging area (prefill: staged, "
                                  "full) and pulls that read a staged span (decode: read)", ["role", "outcome"],

@@ -17,7 +17,7 @@ failures drop the reservation the same way, then raise :class:`PullRequired` ins
 so the router can fail the request rather than serve it from a prompt this worker prefilled.
 
 Every ticket is taken as it arrives, before anything is reserved for it (``KVPuller.take``,
-``services.kv.pull_tickets``), and checked again before its READs. A ticket refused there (taken before, past
+``services.kv.reader.tickets``), and checked again before its READs. A ticket refused there (taken before, past
 its lease, or from an owner that binds none) is such a failure: counted by reason, its blocks never read, the
 prompt recomputed with the ticket's first token (its own prompt's), or PullRequired. A ticket of another prompt
 (its prompt hash differs from this prompt's) is bad input, as a ticket of another length is: its first token is
@@ -36,12 +36,12 @@ from typing import Protocol
 
 from services.common.metrics import PULL_STAGES, WorkerMetrics
 from services.contract.sampling_params import SamplingParams
-from services.engine.sched.request import Request
-from services.kv.handshake import HandshakeError
+from services.engine.request import Request
 from services.kv.nixl.errors import TransferError, TransferTimeout
-from services.kv.pull_errors import KVIntegrityError, TicketError
-from services.kv.puller import PullResult
-from services.kv.wire import prompt_hash
+from services.kv.reader.errors import KVIntegrityError, TicketError
+from services.kv.reader.puller import PullResult
+from services.kv.spec.description import HandshakeError
+from services.kv.spec.wire import prompt_hash
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 log = logging.getLogger(__name__)

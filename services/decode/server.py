@@ -39,8 +39,8 @@ from services.decode.pull_policy import PullPolicy, PullRequired, StartedRequest
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
 from services.engine.output_processor import RequestOutput
-from services.kv.compat import CompatInfo
-from services.kv.puller import KVPuller
+from services.kv.reader.puller import KVPuller
+from services.kv.spec.compat import CompatInfo
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.config import DecodeConfig
 from services.worker.daemon import Background, Role, WorkerContext

@@ -24,8 +24,8 @@ from services.engine.kv_parts import PartWatch, PinnedPart
 from services.engine.llm_engine import LLMEngine
 from services.engine.offload import HostTierStats
 from services.engine.output_processor import RequestOutput
+from services.engine.request import Request
 from services.engine.runner.rank_runtime import use_device
-from services.engine.sched.request import Request
 from services.engine.sched.scheduler import PrefixCacheStats
 from services.engine.structured.backend import GrammarMatcher
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.common.config_flags import flag, positive_int
-from services.engine.tp.parallel import ParallelConfig
-from services.kv.layout import BlockOrder, LayoutKind
+from services.engine.parallel import ParallelConfig
+from services.kv.spec.layout import BlockOrder, LayoutKind
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,7 @@ class EngineConfig:
                                     to_field=lambda tp: ParallelConfig(tp, 0))
     # None: auto (kv_layout_choice() resolves both from peer_tp_size)
     kv_layout: LayoutKind | None = flag(
-        None, "KV cache placement (services/kv/layout.py): per_layer, cross_layer (a block of every layer is one "
+        None, "KV cache placement (services/kv/spec/layout.py): per_layer, cross_layer (a block of every layer is one "
         "run), heads_outer (heads outermost over the whole pool: a head's slice of consecutive blocks is one run, "
         "for pulls between different TP sizes; HND blocks) or auto (default): heads_outer when --peer-tp-size "
         "differs from --tp, else cross_layer", cli_default="auto",

@@ -30,10 +30,10 @@ from services.engine.kv_cache.buffers import KVCache
 from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.offload import HostKVTier, num_spans_for
 from services.engine.output_processor import OutputProcessor, RequestOutput
-from services.engine.sched.request import Request
+from services.engine.request import Request
 from services.engine.sched.scheduler import Scheduler
 from services.engine.structured.backend import GrammarMatcher
-from services.kv.layout import KVLayoutSpec
+from services.kv.spec.layout import KVLayoutSpec
 
 log = logging.getLogger(__name__)
 

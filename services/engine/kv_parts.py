@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.engine.sched.request import RequestStatus
+from services.engine.request import RequestStatus
 
 if TYPE_CHECKING:
     from services.engine.llm_engine import LLMEngine

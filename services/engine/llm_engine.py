@@ -24,6 +24,7 @@ from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.load import PrefillRate, prompt_tokens_of
 from services.engine.loading.source import ModelSource, resolve_model
 from services.engine.output_processor import OutputProcessor, RequestOutput
+from services.engine.request import Request
 from services.engine.runner.rank_runtime import RankRuntime
 from services.engine.runner.sampler import (
     GrammarMasks,
@@ -33,7 +34,6 @@ from services.engine.runner.sampler import (
     sample_async,
 )
 from services.engine.runner.step import DeviceTokens
-from services.engine.sched.request import Request
 from services.engine.sched.scheduler import (
     PLACEHOLDER_TOKEN,
     Scheduler,
@@ -273,7 +273,7 @@ class LLMEngine:
         cache), then calls :meth:`complete_external_kv`; or None when there is no room now. In a
         sliding-window group the entries before ``first_needed_block(num_prompt_tokens)`` are the
         placeholder (the scratch block, see kv_cache.manager): not blocks, never to be filled; the
-        transfer starts at ``window_start_token`` (services/kv/topology.py), past them. A model with state
+        transfer starts at ``window_start_token`` (services/kv/spec/topology.py), past them. A model with state
         layers: the caller also fills ``request.state_slot`` of the state pool with the owner's state after
         the whole prompt.
         """

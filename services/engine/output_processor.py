@@ -16,8 +16,8 @@ import torch
 
 from services.contract.outputs import TopLogprobs
 from services.contract.structured import StructuredOutputError
+from services.engine.request import Request, RequestStatus
 from services.engine.runner.sampler import make_generator, top_logprobs_of
-from services.engine.sched.request import Request, RequestStatus
 from services.engine.sched.scheduler import ScheduledChunk
 from services.engine.sched.stopping import check_token_stop
 from services.engine.structured.backend import GrammarMatcher

@@ -33,12 +33,12 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.kv_parts import PinnedPart
 from services.engine.llm_engine import LLMEngine
 from services.engine.output_processor import RequestOutput
-from services.engine.sched.request import Request, RequestStatus
-from services.kv import wire as kv_wire
-from services.kv.exporter import KVExporter
-from services.kv.groups import KVCacheGroupSpec
-from services.kv.handshake import HandshakeServicer, add_handshake_service
-from services.kv.pull_tickets import DEADLINE_MARGIN_S
+from services.engine.request import Request, RequestStatus
+from services.kv.owner.exporter import KVExporter
+from services.kv.owner.handshake import HandshakeServicer, add_handshake_service
+from services.kv.reader.tickets import DEADLINE_MARGIN_S
+from services.kv.spec import wire as kv_wire
+from services.kv.spec.groups import KVCacheGroupSpec
 from services.prefill.release import ReleaseLoop, run_current
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.config import PrefillConfig

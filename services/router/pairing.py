@@ -4,7 +4,7 @@ The table holds every worker discovery knows of, with what its ``Info`` last sai
 router has outstanding on it. A request gets the least-loaded decode worker that has a compatible
 prefill partner, and the least-loaded such partner; prefill load is counted in prompt tokens
 (its cost grows with them), decode load in requests. Compatible means what
-``services.kv.pair_support.pair_refusal`` allows, the same rule the KV handshake applies: equal
+``services.kv.spec.pair_support.pair_refusal`` allows, the same rule the KV handshake applies: equal
 compatibility hashes, block sizes that divide one another, and TP sizes that can shard every KV
 group's heads. Short prompts, and requests with no compatible prefill worker up, go straight to a
 decode worker, which prefills them itself (with ``enforce_disagg`` the request flow refuses the
@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from services.contract.prefix_keys import cache_salt_for
-from services.kv.pair_support import PairSide, pair_refusal
+from services.kv.spec.pair_support import PairSide, pair_refusal
 from services.router.pair_probes import PairKey, PairProbe, PairProbeTable, PairState
 from services.router.prefix_index import UNKNOWN_ROOM, PrefixIndex, PromptKeys, full_attention_groups
 from services.router.scoring import (

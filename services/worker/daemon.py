@@ -26,8 +26,8 @@ from services.common.tls import TLSConfig
 from services.contract.prefix_keys import cache_salt_for
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.llm_engine import LLMEngine
-from services.kv.compat import CompatInfo, KVIdentity
-from services.kv.rank import KVRank
+from services.kv.ranks.kv_rank import KVRank
+from services.kv.spec.compat import CompatInfo, KVIdentity
 from services.worker.config import WorkerConfig
 from services.worker.grpc_server import WorkerServer
 from services.worker.kv_events import KVEventPublisher

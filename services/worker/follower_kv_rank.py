@@ -23,11 +23,11 @@ import numpy as np
 
 from services.engine.tp import messages as m
 from services.engine.tp.group import TPGroup, TPGroupError
-from services.kv.digest import DigestJob
-from services.kv.layout import KVLayoutSpec
+from services.kv.digest.scheme import DigestJob
 from services.kv.nixl.descriptors import MemKind
 from services.kv.nixl.errors import TransferError, TransferTimeout
-from services.kv.wire import MemoryRegion
+from services.kv.spec.layout import KVLayoutSpec
+from services.kv.spec.wire import MemoryRegion
 from services.worker.follower_kv_service import FollowerKVService
 
 REPLY_TIMEOUT_S = 60.0
@@ -116,7 +116,7 @@ class FollowerKVRanks:
 
 
 class FollowerKVRank:
-    """One follower rank's KV shard (a ``services.kv.rank.KVRank``) behind the group's pipe."""
+    """One follower rank's KV shard (a ``services.kv.ranks.kv_rank.KVRank``) behind the group's pipe."""
 
     def __init__(self, link: FollowerKVRanks, tp_rank: int, opened: m.AgentOpened, layout: KVLayoutSpec) -> None:
         expected = [b.num_bytes for b in layout.buffers()]

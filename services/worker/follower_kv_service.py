@@ -19,10 +19,10 @@ import numpy as np
 
 from services.engine.tp import messages as m
 from services.engine.tp.rank_service import RankContext
-from services.kv.digest import DigestJob
+from services.kv.digest.scheme import DigestJob
 from services.kv.nixl.agent import TransferAgent
 from services.kv.nixl.errors import TransferTimeout
-from services.kv.rank import LocalKVRank
+from services.kv.ranks.kv_rank import LocalKVRank
 
 NOTIFICATION_POLL_S = 0.002  # while transfers may be under way
 # Once the rank saw no transfer for IDLE_AFTER_S: an idle rank's polling cost ~8% of a CPU core at 2 ms (measured:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.engine.async_engine import AsyncEngine
-from services.kv.compat import CompatInfo
+from services.kv.spec.compat import CompatInfo
 from services.proto_gen.pdserve.v1 import worker_pb2
 from services.worker.role_switch import RoleSwitch
 

@@ -14,7 +14,7 @@ import pytest
 
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.kv.groups import AttentionKind
+from services.kv.spec.groups import AttentionKind
 from tests.checkpoints import make_checkpoint
 from tests.e2e.stack import (
     TP_PAIRS,

@@ -13,9 +13,9 @@ import grpc
 import pytest
 import torch
 
-from services.kv.handshake import PROTOCOL_VERSION
 from services.kv.nixl.agent import TransferAgent
-from services.kv.wire import notification_key
+from services.kv.spec.description import PROTOCOL_VERSION
+from services.kv.spec.wire import notification_key
 from services.proto_gen.pdserve.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.checkpoints import make_checkpoint
 from tests.e2e.stack import Stack, info, metric_total, stack

@@ -18,7 +18,7 @@ from services.common.grpc_auth import METADATA_KEY, bearer
 from services.contract.sampling_params import DEFAULT_MAX_REQUEST_BYTES, SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.kv.compat import PROTOCOL_VERSION
+from services.kv.spec.compat import PROTOCOL_VERSION
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.receive_limit import max_receive_bytes
 from tests.checkpoints import colocated_tokens, make_checkpoint

@@ -27,8 +27,8 @@ from bench.kv_synthetic import identity_for, layout_for, pattern
 from bench.transfer import Owner, stop_all
 from services.engine.kv_cache.buffers import KVCache
 from services.kv.nixl.agent import TransferAgent
-from services.kv.puller import KVPuller
-from services.kv.rank import LocalKVRank
+from services.kv.ranks.kv_rank import LocalKVRank
+from services.kv.reader.puller import KVPuller
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")

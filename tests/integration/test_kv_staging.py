@@ -16,11 +16,11 @@ import torch
 
 from bench.kv_synthetic import identity_for, layout_for
 from services.engine.kv_cache.buffers import KVCache
-from services.kv.exporter import KVExporter
 from services.kv.nixl.agent import TransferAgent
-from services.kv.pull_errors import TicketError
-from services.kv.rank import LocalKVRank
-from services.kv.wire import prompt_hash
+from services.kv.owner.exporter import KVExporter
+from services.kv.ranks.kv_rank import LocalKVRank
+from services.kv.reader.errors import TicketError
+from services.kv.spec.wire import prompt_hash
 from tests.integration.test_kv_transfer import (
     BASE,
     SENTINEL,

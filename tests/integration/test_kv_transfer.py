@@ -26,15 +26,15 @@ import torch
 
 from bench.kv_synthetic import group_shapes, identity_for, layout_for, pattern, serve_on_pipes
 from services.engine.kv_cache.buffers import KVCache
-from services.engine.tp.parallel import ParallelConfig
-from services.kv.compat import KVCompatibilityError
-from services.kv.handshake import HandshakeError, StaleTicketError
+from services.engine.parallel import ParallelConfig
 from services.kv.nixl.agent import TransferAgent
 from services.kv.nixl.errors import TransferError
-from services.kv.pull_errors import KVIntegrityError, TicketError
-from services.kv.puller import KVPuller
-from services.kv.rank import LocalKVRank
-from services.kv.wire import ticket_signature
+from services.kv.ranks.kv_rank import LocalKVRank
+from services.kv.reader.errors import KVIntegrityError, TicketError
+from services.kv.reader.puller import KVPuller
+from services.kv.spec.compat import KVCompatibilityError
+from services.kv.spec.description import HandshakeError, StaleTicketError
+from services.kv.spec.wire import ticket_signature
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 SENTINEL = -7.5

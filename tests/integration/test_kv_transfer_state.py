@@ -21,10 +21,10 @@ from services.contract.sampling_params import SamplingParams
 from services.contract.wire import sampling_to_proto
 from services.engine.llm_engine import LLMEngine
 from services.kv.nixl.agent import TransferAgent
-from services.kv.pull_errors import KVIntegrityError, TicketError
-from services.kv.puller import KVPuller
-from services.kv.rank import LocalKVRank
-from services.kv.wire import prompt_hash, ticket_signature
+from services.kv.ranks.kv_rank import LocalKVRank
+from services.kv.reader.errors import KVIntegrityError, TicketError
+from services.kv.reader.puller import KVPuller
+from services.kv.spec.wire import prompt_hash, ticket_signature
 from services.launch.spawn import daemons
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.kv_ranks import kv_identity

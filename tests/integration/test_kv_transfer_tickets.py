@@ -1,7 +1,7 @@
 """Tickets that cannot be replayed or mixed up: a real owner process, this (reader) process, real NIXL READs.
 
 The KV digest is off on both sides (``--no-kv-digest``'s case), so nothing but the ticket checks
-(``services.kv.pull_tickets``) stands between the reader and blocks that hold another request's KV by now.
+(``services.kv.reader.tickets``) stands between the reader and blocks that hold another request's KV by now.
 Every refusal comes before any READ: the reader's KV still holds its sentinel afterwards.
 """
 
@@ -13,9 +13,9 @@ import time
 import pytest
 
 from bench.kv_synthetic import prompt_of
-from services.kv.pull_errors import TicketError
-from services.kv.pull_tickets import DEADLINE_MARGIN_S
-from services.kv.wire import prompt_hash
+from services.kv.reader.errors import TicketError
+from services.kv.reader.tickets import DEADLINE_MARGIN_S
+from services.kv.spec.wire import prompt_hash
 from services.proto_gen.pdserve.v1 import kv_pb2
 from tests.integration.test_kv_transfer import (
     BASE,

@@ -30,7 +30,7 @@ from services.kv.nixl.agent import CUDA_IPC_GET_ENV, TransferAgent, read_stages 
 from services.kv.nixl.descriptors import RegisteredRegion  # noqa: E402
 from services.kv.nixl.errors import TransferError, TransferTimeout, UnknownPeerError  # noqa: E402
 from services.kv.nixl.handle import TransferHandle  # noqa: E402
-from services.kv.notifications import NotificationTracker, TrackerStats  # noqa: E402
+from services.kv.owner.notifications import NotificationTracker, TrackerStats  # noqa: E402
 
 BUF_BYTES = 32 << 20
 WAIT_S = 30.0  # the longest any single wait on another process may take

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import build_parser, engine_argv, main
-from services.kv.layout import BlockOrder, LayoutKind
+from services.kv.spec.layout import BlockOrder, LayoutKind
 from services.launch import up
 from services.text.default_model import default_model_path
 

@@ -31,7 +31,7 @@ from services.engine.attention.torch_sdpa import TorchSDPABackend
 from services.engine.attention.triton_mla import TritonMLABackend
 from services.engine.attention.triton_paged import TritonPagedBackend
 from services.engine.triton_support import triton_import_error
-from services.kv.groups import AttentionKind
+from services.kv.spec.groups import AttentionKind
 
 if TYPE_CHECKING:
     from services.engine.kv_cache.buffers import KVCache

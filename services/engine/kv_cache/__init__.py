@@ -22,6 +22,6 @@ block table; the manager keeps one table per group per request and delegates to,
   (Mamba2) owns beside its blocks.
 
 ``buffers.py`` is the torch side: ``KVCache``, the buffers the model runner writes, laid out
-from ``services.kv.layout``; ``state_pool.py`` holds the Mamba2 states (``StatePool``). Everything
+from ``services.kv.spec.layout``; ``state_pool.py`` holds the Mamba2 states (``StatePool``). Everything
 else here is pure Python.
 """

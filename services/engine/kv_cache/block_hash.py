@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 
 from services.contract.prefix_keys import hash_block_tokens
-from services.engine.sched.request import Request
+from services.engine.request import Request
 
 
 class BlockHashChains:

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.layout import DTYPE_SIZES, KVLayoutSpec
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.layout import DTYPE_SIZES, KVLayoutSpec
 
 if TYPE_CHECKING:
     from services.engine.model_config.hf import ModelConfig
-    from services.engine.tp.parallel import ParallelConfig
+    from services.engine.parallel import ParallelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}

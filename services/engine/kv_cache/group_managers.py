@@ -1,6 +1,6 @@
 """Per-group rules: how one KV group's table grows, which blocks a query still reads, where prefix hits are.
 
-A *group* is the layers sharing one block table (``services.kv.groups.KVCacheGroupSpec``); each
+A *group* is the layers sharing one block table (``services.kv.spec.groups.KVCacheGroupSpec``); each
 has its own ``BlockPool`` and one ``GroupManager`` of the kind its attention needs:
 
 - ``FullAttentionManager``: every block from token 0 stays needed; a hit is every block from 0.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from services.engine.kv_cache.block_hash import RequestBlockHashes
 from services.engine.kv_cache.block_pool import BlockPool
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
 
 
 @dataclass(frozen=True)

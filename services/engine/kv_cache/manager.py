@@ -27,8 +27,8 @@ from services.engine.kv_cache.table_plan import (
     plan_fits,
     plan_group,
 )
-from services.engine.sched.request import Request
-from services.kv.groups import KVCacheGroupSpec
+from services.engine.request import Request
+from services.kv.spec.groups import KVCacheGroupSpec
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ class KVCacheManager:
         first_query = request.num_computed_tokens + hit_tokens
         num_tokens = first_query + num_new_tokens
         # External KV: no query runs on the new tokens; keep what the transfer writes (the window
-        # of the prompt's last token, services/kv/topology.py window_start_token).
+        # of the prompt's last token, services/kv/spec/topology.py window_start_token).
         window_end = num_tokens if external_kv else first_query + 1
         tables = request.block_ids or [[] for _ in self.managers]
         return [plan_group(m, t, c, m.num_skipped_blocks(window_end), num_tokens)

@@ -8,7 +8,7 @@ that row in place, chunk after chunk (chunked prefill carries the state between 
 token after token. A row is zeroed when a request's chunk starts at position 0 (``StateBatch``),
 so a freed slot needs no clearing. The pool is sized ``max_num_seqs`` rows: a running request
 always has one. All slots live in one byte buffer, a slot holding every layer's tensors
-(``StateGroupSpec``): a peer reads a request's state in a few runs per layer (``services.kv.state_runs``).
+(``StateGroupSpec``): a peer reads a request's state in a few runs per layer (``services.kv.plan.state_runs``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 
 from services.engine.kv_cache.buffers import DTYPE_NAMES, TORCH_DTYPES
 from services.engine.model_config.hf import ModelConfig
-from services.engine.tp.parallel import ParallelConfig
-from services.kv.groups import StateGroupSpec
+from services.engine.parallel import ParallelConfig
+from services.kv.spec.groups import StateGroupSpec
 
 
 @dataclass(frozen=True)

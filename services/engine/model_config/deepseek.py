@@ -28,7 +28,7 @@ from services.engine.model_config.layers import (
     shared_fields,
     yarn_mscale,
 )
-from services.kv.groups import AttentionKind
+from services.kv.spec.groups import AttentionKind
 
 
 @dataclass(frozen=True)

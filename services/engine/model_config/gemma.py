@@ -18,7 +18,7 @@ from services.engine.model_config.layers import (
     rope_from_dict,
     shared_fields,
 )
-from services.kv.groups import AttentionKind
+from services.kv.spec.groups import AttentionKind
 
 _LAYER_KINDS = {"sliding_attention": AttentionKind.SLIDING_WINDOW, "full_attention": AttentionKind.FULL}
 

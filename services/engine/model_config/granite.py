@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from services.engine.model_config.layers import LayerSpec, RopeSpec, config_field, read_rope, shared_fields
-from services.kv.groups import AttentionKind, MambaShape
+from services.kv.spec.groups import AttentionKind, MambaShape
 
 MAMBA_LAYER_TYPES = ("mamba", "linear_attention")
 ATTENTION_LAYER_TYPES = ("attention", "full_attention")

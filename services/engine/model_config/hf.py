@@ -25,7 +25,7 @@ from services.engine.model_config.layers import (
     rope_from_dict,
     shared_fields,
 )
-from services.kv.groups import AttentionKind
+from services.kv.spec.groups import AttentionKind
 
 __all__ = ["SUPPORTED_ROPE_TYPES", "LayerSpec", "ModelConfig", "RopeSpec", "preset", "read_rope", "rope_from_dict"]
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from services.kv.groups import AttentionKind
+from services.kv.spec.groups import AttentionKind
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional", "yarn")
 # YaRN is read only for the architectures whose attention applies its magnitude scaling (the cos/sin

@@ -15,7 +15,7 @@ from services.engine.models.gemma import GemmaForCausalLM
 from services.engine.models.gemma4 import Gemma4ForCausalLM
 from services.engine.models.granite_hybrid import GraniteHybridForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
-from services.engine.tp.parallel import ParallelConfig
+from services.engine.parallel import ParallelConfig
 
 MODEL_CLASSES: dict[str, type[DecoderModel]] = {
     "llama": LlamaForCausalLM,

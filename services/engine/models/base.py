@@ -15,7 +15,7 @@ from services.engine.models.layers import (
     load_mlp_projection,
     projection_shape,
 )
-from services.engine.tp.parallel import ParallelConfig
+from services.engine.parallel import ParallelConfig
 
 
 class DecoderModel(nn.Module):

@@ -37,7 +37,7 @@ from services.engine.model_config.hf import ModelConfig
 from services.engine.models.base import DecoderModel, LayerShapeTable
 from services.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, copy_weight, param, row_parallel_bias
 from services.engine.models.moe import DeepseekMoE, GatedMLP
-from services.engine.tp.parallel import ParallelConfig, all_reduce
+from services.engine.parallel import ParallelConfig, all_reduce
 
 MLA_FORMS = ("auto", "absorbed", "expanded")
 # transformers builds the q/kv latent norms with RMSNorm's default epsilon, not the config's rms_norm_eps.

@@ -44,7 +44,7 @@ from services.engine.models.layers import (
     param,
     softcap,
 )
-from services.engine.tp.parallel import ParallelConfig, all_reduce
+from services.engine.parallel import ParallelConfig, all_reduce
 
 
 class GemmaAttention(nn.Module):

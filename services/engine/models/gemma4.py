@@ -35,7 +35,7 @@ from services.engine.attention import AttentionBatch, Rope, TailBatch
 from services.engine.model_config.hf import ModelConfig
 from services.engine.models.gemma import GemmaDecoderLayer, GemmaForCausalLM
 from services.engine.models.layers import Linear, OffsetRMSNorm, check_activation, copy_weight, param
-from services.engine.tp.parallel import ParallelConfig
+from services.engine.parallel import ParallelConfig
 
 
 class Gemma4DecoderLayer(GemmaDecoderLayer):

@@ -15,7 +15,7 @@ snapshotted). Decode steps may be captured in CUDA graphs (their state slots in 
 not with the expert loop: ``supports_cuda_graphs``), prefill steps run eagerly (a chunk's scan needs its
 length on the host). Under TP the attention layers and the shared MLP shard as
 Llama's, each Mamba2 mixer holds its heads (``Mamba2Mixer``), the routed experts a slice of their width. The
-state moves with the KV between engines of any TP sizes (``services/kv/state_runs.py`` maps the heads).
+state moves with the KV between engines of any TP sizes (``services/kv/plan/state_runs.py`` maps the heads).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from services.engine.models.layers import (
 from services.engine.models.llama import MLP, Attention
 from services.engine.models.mamba2 import Mamba2Mixer
 from services.engine.models.moe import GraniteMoE
-from services.engine.tp.parallel import ParallelConfig, all_reduce
+from services.engine.parallel import ParallelConfig, all_reduce
 
 
 class GraniteDecoderLayer(nn.Module):

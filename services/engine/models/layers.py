@@ -15,7 +15,7 @@ from torch import nn
 from services.engine import ops
 from services.engine.attention import Rope
 from services.engine.model_config.hf import RopeSpec
-from services.engine.tp.parallel import ParallelConfig
+from services.engine.parallel import ParallelConfig
 
 
 def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

@@ -26,7 +26,7 @@ from services.engine.models.layers import (
     gated_mlp,
     param,
 )
-from services.engine.tp.parallel import ParallelConfig, all_reduce
+from services.engine.parallel import ParallelConfig, all_reduce
 
 
 class Attention(nn.Module):

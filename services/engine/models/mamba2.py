@@ -27,7 +27,7 @@ from torch.nn import functional as F
 from services.engine.kv_cache.state_pool import StateBatch
 from services.engine.model_config.granite import MambaSpec
 from services.engine.models.layers import Linear, copy_weight, param, row_parallel_bias
-from services.engine.tp.parallel import ParallelConfig, all_reduce
+from services.engine.parallel import ParallelConfig, all_reduce
 
 
 class Mamba2Mixer(nn.Module):

@@ -21,7 +21,7 @@ from services.engine import ops
 from services.engine.model_config.deepseek import MoESpec
 from services.engine.model_config.granite import GraniteExpertsSpec
 from services.engine.models.layers import Linear, copy_weight, gated_mlp, param
-from services.engine.tp.parallel import ParallelConfig
+from services.engine.parallel import ParallelConfig
 
 
 class GatedMLP(nn.Module):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.kv.layout import KVLayoutSpec
+from services.kv.spec.layout import KVLayoutSpec
 
 log = logging.getLogger(__name__)
 

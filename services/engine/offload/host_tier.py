@@ -46,7 +46,7 @@ from services.engine.kv_cache.buffers import KVCache
 from services.engine.kv_cache.events import KVTier
 from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.offload.copier import BlockCopier, PlaneCopy, block_planes, block_runs
-from services.engine.sched.request import Request
+from services.engine.request import Request
 
 log = logging.getLogger(__name__)
 

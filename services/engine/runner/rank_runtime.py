@@ -22,7 +22,7 @@ from services.engine.models import DecoderModel, build_model
 from services.engine.runner.cuda_graphs import DecodeGraphRunner
 from services.engine.runner.model_runner import ModelRunner
 from services.engine.runner.prefill_graphs import PrefillGraphRunner, prefill_graphs_for
-from services.kv.layout import KVLayoutSpec
+from services.kv.spec.layout import KVLayoutSpec
 
 CPU_KV_CACHE_BYTES = 1 << 30
 

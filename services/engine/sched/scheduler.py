@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.engine.kv_cache.manager import KVCacheManager
-from services.engine.sched.request import Request, RequestStatus
+from services.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from services.engine.offload import HostKVTier

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.engine.sched.request import Request, RequestStatus
+from services.engine.request import Request, RequestStatus
 
 
 def check_token_stop(request: Request, eos_token_ids: frozenset[int], max_model_len: int) -> RequestStatus | None:

@@ -34,12 +34,12 @@ import msgspec
 import torch
 
 from services.engine.engine_config import EngineConfig
+from services.engine.parallel import ParallelConfig
 from services.engine.runner.model_runner import ModelRunner
 from services.engine.runner.step import Chunk, StepLogits
 from services.engine.tp import messages as m
 from services.engine.tp.distributed import free_init_method, join_group, leave_group
 from services.engine.tp.follower import follower_main
-from services.engine.tp.parallel import ParallelConfig
 from services.engine.tp.rank_service import RankServiceFactory
 
 log = logging.getLogger(__name__)

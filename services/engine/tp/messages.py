@@ -86,7 +86,7 @@ class ReadDone(msgspec.Struct, tag=True):
 
 
 class Digest(msgspec.Struct, tag=True):
-    """KV digests of this rank's shard: ``jobs`` is a msgpack list of ``services.kv.digest.DigestJob``."""
+    """KV digests of this rank's shard: ``jobs`` is a msgpack list of ``services.kv.digest.scheme.DigestJob``."""
 
     id: int
     jobs: bytes

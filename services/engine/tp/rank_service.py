@@ -17,7 +17,7 @@ import torch
 
 from services.engine.kv_cache.buffers import KVCache
 from services.engine.tp import messages as m
-from services.kv.layout import KVLayoutSpec
+from services.kv.spec.layout import KVLayoutSpec
 
 
 @dataclass(frozen=True)

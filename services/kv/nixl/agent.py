@@ -2,7 +2,7 @@
 
 It knows nothing of layouts, blocks or models; the planner turns those into descriptors. The decode
 side reads (``read``/``start_read``), the prefill side owns the memory and learns from NIXL
-notifications when a reader is done (``poll_notifications`` + ``services.kv.notifications``).
+notifications when a reader is done (``poll_notifications`` + ``services.kv.owner.notifications``).
 
 Threading: a NIXL agent is created in its no-locking mode, so every NIXL call here goes through one
 lock. On DRAM, UCX performs the whole copy inside ``postXferReq`` (CMA/shared memory is synchronous;

@@ -18,8 +18,8 @@ from services.common.grpc_auth import TokenAuthInterceptor
 from services.common.metrics import WorkerMetrics
 from services.decode.probe import FAILURE_TTL_S, PairProber, ProbeResult
 from services.decode.pull_policy import PullPolicy
-from services.kv.handshake import HandshakeError
-from services.kv.pull_errors import KVIntegrityError
+from services.kv.reader.errors import KVIntegrityError
+from services.kv.spec.description import HandshakeError
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from tests.unit.decode.servicer import decode_stub
 from tests.unit.decode.test_decode_pull_policy import FakeEngine, FakePuller

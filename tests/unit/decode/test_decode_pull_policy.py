@@ -17,10 +17,10 @@ import pytest
 from services.common.metrics import JOIN_STAGES, PULL_STAGES, WorkerMetrics
 from services.contract.sampling_params import SamplingParams
 from services.decode.pull_policy import PullPolicy, PullRequired, StartedRequest
-from services.kv.handshake import HandshakeError
 from services.kv.nixl.errors import TransferError, TransferTimeout
-from services.kv.pull_errors import TicketError
-from services.kv.puller import PullResult
+from services.kv.reader.errors import TicketError
+from services.kv.reader.puller import PullResult
+from services.kv.spec.description import HandshakeError
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 PROMPT = [5, 6, 7, 8, 9]

@@ -1,4 +1,4 @@
-"""What the decode worker's policy does with a ticket that may not be read (``services.kv.pull_tickets``), without
+"""What the decode worker's policy does with a ticket that may not be read (``services.kv.reader.tickets``), without
 gRPC or NIXL: each ticket is taken as it arrives, through the real checks. One of another prompt is bad input
 before anything is reserved (its first token is that prompt's); one taken before, or one the pull refuses past its
 lease, is a failed pull: counted by reason, its reservation dropped, the prompt recomputed with the ticket's first
@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import pytest
 
 from services.decode.pull_policy import PullRequired, StartedRequest
-from services.kv.pull_errors import TicketError
-from services.kv.pull_tickets import TicketChecks
-from services.kv.wire import prompt_hash
+from services.kv.reader.errors import TicketError
+from services.kv.reader.tickets import TicketChecks
+from services.kv.spec.wire import prompt_hash
 from services.proto_gen.pdserve.v1 import kv_pb2
 from tests.unit.decode.test_decode_pull_policy import (
     PARAMS,

@@ -53,8 +53,8 @@ from services.engine.engine_config import EngineConfig  # noqa: E402
 from services.engine.kv_cache.buffers import KVCache  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
 from services.engine.runner.cuda_graphs import DecodeGraphRunner  # noqa: E402
-from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind  # noqa: E402
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.parity import run_to_completion  # noqa: E402
 from tests.sm90_compile import compile_script_lines

@@ -22,7 +22,7 @@ from services.engine.kv_cache.buffers import kv_bytes_per_block
 from services.engine.llm_engine import LLMEngine
 from services.engine.runner.cuda_graphs import DecodeGraphRunner, batch_buckets, context_buckets
 from services.engine.runner.step import StepLogits
-from services.kv.layout import BlockOrder, LayoutKind
+from services.kv.spec.layout import BlockOrder, LayoutKind
 from tests.checkpoints import make_checkpoint
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -19,8 +19,8 @@ from services.engine.llm_engine import LLMEngine
 from services.engine.model_config.hf import PRESETS, ModelConfig
 from services.engine.models import build_model
 from services.engine.models.layers import rope_inv_freq
-from services.engine.tp.parallel import ParallelConfig
-from services.kv.groups import AttentionKind
+from services.engine.parallel import ParallelConfig
+from services.kv.spec.groups import AttentionKind
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 1.0,
         "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 4096}

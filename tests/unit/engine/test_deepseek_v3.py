@@ -30,10 +30,10 @@ from services.engine.attention.mla import TorchMLABackend
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.loading.weights import safetensors_files
-from services.engine.tp.launch import start_engine
-from services.engine.tp.parallel import ParallelConfig
-from services.kv.groups import AttentionKind
-from services.kv.layout import BlockOrder, LayoutKind
+from services.engine.parallel import ParallelConfig
+from services.engine.start import start_engine
+from services.kv.spec.groups import AttentionKind
+from services.kv.spec.layout import BlockOrder, LayoutKind
 from tests.parity import Reference, assert_matches, reference_of, run_to_completion
 
 NUM_TOKENS = 32

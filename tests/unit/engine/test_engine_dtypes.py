@@ -19,7 +19,7 @@ from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.kv_cache.buffers import TORCH_DTYPES
 from services.engine.llm_engine import LLMEngine
-from services.kv.layout import LayoutKind
+from services.kv.spec.layout import LayoutKind
 from tests.checkpoints import make_checkpoint
 
 # Max |logit - fp32 logit| / max |fp32 logit| over each position's vocabulary.

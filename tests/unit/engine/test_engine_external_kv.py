@@ -11,9 +11,9 @@ import pytest
 from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.kv.layout import BlockOrder, LayoutKind
-from services.kv.planner import apply_plan, plan_transfer
-from services.kv.topology import RankRead, map_blocks
+from services.kv.plan.planner import apply_plan, plan_transfer
+from services.kv.spec.layout import BlockOrder, LayoutKind
+from services.kv.spec.topology import RankRead, map_blocks
 from tests.checkpoints import make_checkpoint
 
 PROMPT = [(7 * i + 3) % 300 + 5 for i in range(37)]

@@ -42,8 +42,8 @@ from services.engine.model_config.hf import RopeSpec  # noqa: E402
 from services.engine.models.layers import RopeAngles, RotaryEmbedding  # noqa: E402
 from services.engine.ops import reference, triton_ops  # noqa: E402
 from services.engine.runner.cuda_graphs import capture_graph  # noqa: E402
-from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind  # noqa: E402
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind  # noqa: E402
 from tests.sm90_compile import compile_script_lines  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

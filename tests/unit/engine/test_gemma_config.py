@@ -13,7 +13,7 @@ import json
 import pytest
 
 from services.engine.model_config.hf import PRESETS, ModelConfig, RopeSpec
-from services.kv.groups import AttentionKind
+from services.kv.spec.groups import AttentionKind
 
 S, F = AttentionKind.SLIDING_WINDOW, AttentionKind.FULL
 

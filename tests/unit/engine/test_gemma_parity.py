@@ -20,7 +20,7 @@ import torch
 from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.kv.layout import BlockOrder, LayoutKind
+from services.kv.spec.layout import BlockOrder, LayoutKind
 from tests.checkpoints import GEMMA_ARCHITECTURES, make_checkpoint
 from tests.parity import Reference, assert_matches, hf_reference, run_to_completion
 

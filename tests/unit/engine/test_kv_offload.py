@@ -23,7 +23,7 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.offload.copier import block_planes, block_runs
-from services.kv.layout import LayoutKind
+from services.kv.spec.layout import LayoutKind
 from tests.checkpoints import make_checkpoint
 
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")

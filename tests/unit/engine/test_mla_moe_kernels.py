@@ -34,8 +34,8 @@ from services.engine.engine_config import EngineConfig  # noqa: E402
 from services.engine.kv_cache.buffers import KVCache  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
 from services.engine.models.moe import RoutedExperts, grouped_mm_usable  # noqa: E402
-from services.kv.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind  # noqa: E402
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind  # noqa: E402
 from tests.parity import assert_matches, reference_of, run_to_completion  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("PDSERVE_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -16,9 +16,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from services.contract.sampling_params import SamplingParams
 from services.engine.kv_cache.manager import KVCacheManager
-from services.engine.sched.request import Request, RequestStatus
+from services.engine.request import Request, RequestStatus
 from services.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
 
 BS = 4
 

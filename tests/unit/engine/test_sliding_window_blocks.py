@@ -21,12 +21,12 @@ from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.llm_engine import LLMEngine
 from services.engine.loading.source import ModelSource
 from services.engine.model_config.hf import LayerSpec, preset
-from services.engine.sched.request import Request, RequestStatus
+from services.engine.request import Request, RequestStatus
 from services.engine.sched.scheduler import Scheduler
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.layout import LayoutKind
-from services.kv.planner import apply_plan, plan_transfer
-from services.kv.topology import RankRead, map_blocks, window_start_token
+from services.kv.plan.planner import apply_plan, plan_transfer
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.layout import LayoutKind
+from services.kv.spec.topology import RankRead, map_blocks, window_start_token
 from tests.unit.engine.test_scheduler import check_invariants, make_sched, reference_output, run_to_completion, step
 
 BS, W = 4, 8
@@ -523,7 +523,7 @@ def test_engine_frees_out_of_window_blocks_and_matches_keeping_them():
 def test_engine_disaggregated_with_placeholders_on_both_sides(prefill_block: int, decode_block: int):
     """A prefill engine frees between chunks and holds; a decode engine reserves the window only.
 
-    The copy follows the transfer's rules (services/kv/topology.py): full groups whole, sliding
+    The copy follows the transfer's rules (services/kv/spec/topology.py): full groups whole, sliding
     groups from ``window_start_token``; it never touches a placeholder on either side.
     """
     prompt = [(11 * i + 5) % 400 + 5 for i in range(150)]

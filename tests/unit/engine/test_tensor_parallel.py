@@ -29,11 +29,11 @@ from services.engine.kv_cache.buffers import KVCache, kv_groups_for
 from services.engine.loading.weights import iter_safetensors
 from services.engine.model_config.hf import ModelConfig
 from services.engine.models import build_model
+from services.engine.parallel import ParallelConfig
+from services.engine.request import Request
 from services.engine.runner.model_runner import ModelRunner
-from services.engine.sched.request import Request
 from services.engine.sched.scheduler import ScheduledChunk
-from services.engine.tp.parallel import ParallelConfig
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
 
 TP_SIZE = 2
 BLOCK_SIZE = 4

@@ -9,17 +9,17 @@ import json
 import pytest
 
 from services.engine.kv_cache.buffers import kv_groups_for
-from services.kv.compat import CompatInfo, KVCompatibilityError, KVIdentity, check_compatible, compat_hash
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.handshake import (
+from services.kv.spec.compat import CompatInfo, KVCompatibilityError, KVIdentity, check_compatible, compat_hash
+from services.kv.spec.description import (
     EngineDescription,
     HandshakeError,
     RankExport,
     description_from_proto,
     description_to_proto,
 )
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
-from services.kv.wire import MemoryRegion, group_from_proto, group_to_proto, layout_from_proto, layout_to_proto
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.spec.wire import MemoryRegion, group_from_proto, group_to_proto, layout_from_proto, layout_to_proto
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 

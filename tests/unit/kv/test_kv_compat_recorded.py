@@ -14,8 +14,8 @@ import pytest
 
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.kv.compat import CompatInfo
-from services.kv.layout import LayoutKind
+from services.kv.spec.compat import CompatInfo
+from services.kv.spec.layout import LayoutKind
 from services.worker.kv_ranks import kv_identity
 from tests.checkpoints import make_checkpoint
 from tests.unit.engine.test_granite_hybrid import make_granite_checkpoint

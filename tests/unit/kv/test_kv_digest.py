@@ -16,15 +16,19 @@ import numpy as np
 import pytest
 import torch
 
-from services.kv import digest as D
-from services.kv.compat import KVIdentity
-from services.kv.digest_compute import digest_job
-from services.kv.exporter import KVExporter
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
-from services.kv.wire import MemoryRegion, prompt_hash
+from services.kv.digest import scheme as D
+from services.kv.digest.runner import digest_job
+from services.kv.owner.exporter import KVExporter
+from services.kv.spec.compat import KVIdentity
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.spec.wire import MemoryRegion, prompt_hash
 
 DEVICE = torch.device(os.environ.get("PDSERVE_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cpu":
+    # At collection, before any test of the run imports Triton (an engine does): the interpreter is chosen when
+    # triton.language is first imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 PROMPT_HASH = prompt_hash(range(30))  # the tickets' prompt (nothing here reads it)
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -263,9 +267,7 @@ def test_no_digest_when_it_is_off() -> None:
 @pytest.mark.parametrize(("kind", "order"), LAYOUTS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_triton_kernel_computes_the_host_digest(kind: LayoutKind, order: BlockOrder, dtype: str) -> None:
-    if DEVICE.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel module is first imported
-    from services.kv.digest_triton import digest_units_cuda
+    from services.kv.digest.kernel import digest_units_cuda
 
     layout, buffers = make(kind, order, hybrid_groups(8, 16), num_blocks=12, dtype=dtype)
     n = 45
@@ -292,9 +294,7 @@ def test_the_triton_kernel_computes_the_host_digest_of_rows_of_any_width(head_di
     """Rows of 4 bf16 words (every address a multiple of 16 bytes: read four words a load), and rows of 3
     (head_dim 6: not a power of two, so the kernel masks a word of its tile, and not aligned: read a word a load),
     from mid-block starts and over head slices: the host digest."""
-    if DEVICE.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from services.kv.digest_triton import _view_table, digest_units_cuda
+    from services.kv.digest.kernel import _view_table, digest_units_cuda
 
     layout, buffers = make(LayoutKind.CROSS_LAYER, BlockOrder.NHD, hybrid_groups(8, 16)[:1], num_blocks=6,
                            heads=3, head_dim=head_dim)

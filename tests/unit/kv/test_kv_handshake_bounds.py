@@ -10,18 +10,16 @@ import grpc
 import pytest
 
 from bench.kv_synthetic import identity_for, layout_for
-from services.kv.compat import PROTOCOL_VERSION, CompatInfo
-from services.kv.handshake import (
+from services.kv.owner.handshake import (
     MAX_HANDSHAKE_REQUEST_BYTES,
-    EngineDescription,
-    HandshakeError,
     HandshakeServicer,
-    RankExport,
     add_handshake_service,
     bounded_handshake_request,
-    fetch_description,
 )
-from services.kv.wire import MemoryRegion
+from services.kv.reader.peers import fetch_description
+from services.kv.spec.compat import PROTOCOL_VERSION, CompatInfo
+from services.kv.spec.description import EngineDescription, HandshakeError, RankExport
+from services.kv.spec.wire import MemoryRegion
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 TOKEN = "cluster-s3cret"

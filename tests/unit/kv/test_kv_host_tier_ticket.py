@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from bench.kv_synthetic import identity_for, layout_for
-from services.kv.compat import CompatInfo
-from services.kv.handshake import EngineDescription, RankExport
-from services.kv.pull_errors import TicketError
-from services.kv.puller import KVPuller
-from services.kv.wire import MemoryRegion, notification_key, notification_request
+from services.kv.reader.errors import TicketError
+from services.kv.reader.puller import KVPuller
+from services.kv.spec.compat import CompatInfo
+from services.kv.spec.description import EngineDescription, RankExport
+from services.kv.spec.wire import MemoryRegion, notification_key, notification_request
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 CFG = dict(kind="cross_layer", order="NHD", num_blocks=24, num_kv_heads=2, head_dim=8, dtype="float16",

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from services.engine.kv_cache.buffers import KVCache
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
-from services.kv.planner import Descriptor, plan_transfer
-from services.kv.topology import map_block_arrays, rank_reads
+from services.kv.plan.planner import Descriptor, plan_transfer
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.spec.topology import map_block_arrays, rank_reads
 
 PER, CROSS, HEADS = LayoutKind.PER_LAYER, LayoutKind.CROSS_LAYER, LayoutKind.HEADS_OUTER
 NHD, HND = BlockOrder.NHD, BlockOrder.HND

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from services.engine.kv_cache.buffers import KVCache
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
 ROW = KV_LORA_RANK + ROPE_DIM

@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from services.kv import digest as D
-from services.kv.compat import CompatInfo, KVCompatibilityError, KVIdentity, check_compatible, parse_groups
-from services.kv.digest_compute import digest_job
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
-from services.kv.pair_support import group_heads_from_fields
-from services.kv.planner import Descriptor, apply_plan, plan_groups, plan_transfer, unit_runs
-from services.kv.read_lists import list_layout
-from services.kv.topology import (
+from services.kv.digest import scheme as D
+from services.kv.digest.runner import digest_job
+from services.kv.plan.planner import Descriptor, apply_plan, plan_groups, plan_transfer, unit_runs
+from services.kv.plan.read_lists import list_layout
+from services.kv.spec.compat import CompatInfo, KVCompatibilityError, KVIdentity, check_compatible, parse_groups
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.spec.pair_support import group_heads_from_fields
+from services.kv.spec.topology import (
     BlockPiece,
     RankRead,
     group_rank_reads,
@@ -32,7 +32,7 @@ from services.kv.topology import (
     map_unit_arrays,
     window_start_token,
 )
-from services.kv.wire import MemoryRegion, group_from_proto, group_to_proto, layout_from_proto, layout_to_proto
+from services.kv.spec.wire import MemoryRegion, group_from_proto, group_to_proto, layout_from_proto, layout_to_proto
 
 KV_LORA_RANK, ROPE_DIM = 32, 8
 ROW = KV_LORA_RANK + ROPE_DIM
@@ -299,7 +299,7 @@ def test_the_triton_kernel_computes_the_host_digest_of_latent_rows(kind: LayoutK
     device = torch.device(os.environ.get("PDSERVE_TEST_DEVICE", "cpu"))
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel module is first imported
-    from services.kv.digest_triton import digest_units_cuda
+    from services.kv.digest.kernel import digest_units_cuda
 
     n = 21
     values = torch.randn(len(LAYERS), n, ROW, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)

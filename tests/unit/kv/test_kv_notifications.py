@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.kv.notifications import NotificationTracker, TrackerStats
+from services.kv.owner.notifications import NotificationTracker, TrackerStats
 
 
 def test_tracker_expires_and_ignores_unknown_keys() -> None:

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.kv.compat import CompatInfo, KVIdentity
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
-from services.kv.pair_support import PairSide, group_heads_from_fields, pair_refusal
-from services.kv.topology import group_readers_per_remote_rank
+from services.kv.spec.compat import CompatInfo, KVIdentity
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.spec.pair_support import PairSide, group_heads_from_fields, pair_refusal
+from services.kv.spec.topology import group_readers_per_remote_rank
 
 
 def _layout(heads: int = 4, dtype: str = "bfloat16", groups: tuple[KVCacheGroupSpec, ...] | None = None,

@@ -12,11 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.engine.tp.parallel import ParallelConfig
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.layout import DTYPE_SIZES, BlockOrder, KVLayoutSpec, LayoutKind
-from services.kv.planner import Descriptor, TransferPlan, apply_plan, plan_groups, plan_transfer
-from services.kv.topology import BlockPiece, RankRead, map_block_arrays, map_blocks, rank_reads, window_start_token
+from services.engine.parallel import ParallelConfig
+from services.kv.plan.planner import Descriptor, TransferPlan, apply_plan, plan_groups, plan_transfer
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.layout import DTYPE_SIZES, BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.spec.topology import BlockPiece, RankRead, map_block_arrays, map_blocks, rank_reads, window_start_token
 
 PER, CROSS, HEADS = LayoutKind.PER_LAYER, LayoutKind.CROSS_LAYER, LayoutKind.HEADS_OUTER
 NHD, HND = BlockOrder.NHD, BlockOrder.HND
@@ -595,7 +595,7 @@ def test_puller_pieces_skip_the_cached_prefix_and_clip_the_window_per_group() ->
     the window, and a sliding group's placeholders before that are never mapped."""
     from types import SimpleNamespace
 
-    from services.kv.puller import KVPuller
+    from services.kv.reader.puller import KVPuller
 
     remote = hybrid(CROSS, sliding_bs=4, full_bs=16, window=6, num_blocks=40)
     local = hybrid(PER, sliding_bs=8, full_bs=4, window=6, num_blocks=40)

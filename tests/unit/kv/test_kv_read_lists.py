@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
-from services.kv.planner import apply_plan, plan_groups
-from services.kv.read_lists import list_layout
-from services.kv.topology import RankRead, group_rank_reads, map_block_arrays, map_unit_arrays
-from services.kv.wire import MemoryRegion
+from services.kv.plan.planner import apply_plan, plan_groups
+from services.kv.plan.read_lists import list_layout
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.spec.topology import RankRead, group_rank_reads, map_block_arrays, map_unit_arrays
+from services.kv.spec.wire import MemoryRegion
 
 PER, CROSS, HEADS = LayoutKind.PER_LAYER, LayoutKind.CROSS_LAYER, LayoutKind.HEADS_OUTER
 NHD, HND = BlockOrder.NHD, BlockOrder.HND

@@ -1,4 +1,4 @@
-"""KV staging (services/kv/staging.py): the span allocator, gather/scatter between pools, and the READ rows.
+"""KV staging (services/kv/plan/staging.py): the span allocator, gather/scatter between pools, and the READ rows.
 
 The rows are applied here with a byte copy between this process's own buffers (the bytes a READ of
 them moves); tests/integration/test_kv_staging.py reads them over NIXL between two processes.
@@ -15,19 +15,17 @@ import torch
 
 from bench.kv_synthetic import layout_for
 from services.engine.kv_cache.buffers import KVCache
-from services.kv.staging import (
+from services.kv.plan.staging import (
     ALIGN,
-    StagingArea,
-    gather,
     plan_rows,
     same_layout,
-    scatter,
     staged_blocks,
     staged_spans,
     staged_start,
     worth_staging,
 )
-from services.kv.wire import MemoryRegion
+from services.kv.ranks.staging_area import StagingArea, gather, scatter
+from services.kv.spec.wire import MemoryRegion
 
 DEVICE = torch.device(os.environ.get("PDSERVE_TEST_DEVICE", "cpu"))
 KIND = "VRAM" if DEVICE.type == "cuda" else "DRAM"

@@ -1,5 +1,5 @@
 """Tickets bound to their lease and prompt: the owner's deadline and prompt hash (``KVExporter.hand_out``), the
-reader's checks as a ticket arrives and before its READs (``services.kv.pull_tickets``), and its record of the
+reader's checks as a ticket arrives and before its READs (``services.kv.reader.tickets``), and its record of the
 tickets it took."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import struct
 
 import pytest
 
-from services.kv.compat import KVIdentity
-from services.kv.exporter import KVExporter
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.layout import BlockOrder, LayoutKind
-from services.kv.pull_errors import TicketError
-from services.kv.pull_tickets import DEADLINE_MARGIN_S, ConsumedTickets, TicketChecks, names_another_prompt
-from services.kv.wire import notification_key, prompt_hash
+from services.kv.owner.exporter import KVExporter
+from services.kv.reader.errors import TicketError
+from services.kv.reader.tickets import DEADLINE_MARGIN_S, ConsumedTickets, TicketChecks, names_another_prompt
+from services.kv.spec.compat import KVIdentity
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.layout import BlockOrder, LayoutKind
+from services.kv.spec.wire import notification_key, prompt_hash
 from services.proto_gen.pdserve.v1 import kv_pb2
 from tests.unit.kv.test_kv_digest import TensorRank, make
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.kv.wire import ticket_is_signed_by, ticket_signature
+from services.kv.spec.wire import ticket_is_signed_by, ticket_signature
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 KEY = b"k" * 32

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.engine.tp.parallel import ParallelConfig
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.topology import (
+from services.engine.parallel import ParallelConfig
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.topology import (
     BlockPiece,
     RankRead,
     check_tp,

@@ -8,12 +8,12 @@ import itertools
 import pytest
 import torch
 
-from services.kv.compat import CompatInfo, KVCompatibilityError, KVIdentity, check_compatible, compat_fields
-from services.kv.digest import state_digest
-from services.kv.groups import STATE_ALIGN, AttentionKind, KVCacheGroupSpec, MambaShape, StateGroupSpec
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
-from services.kv.state_runs import state_owner_ranks, state_runs
-from services.kv.wire import state_from_proto, state_to_proto
+from services.kv.digest.scheme import state_digest
+from services.kv.plan.state_runs import state_owner_ranks, state_runs
+from services.kv.spec.compat import CompatInfo, KVCompatibilityError, KVIdentity, check_compatible, compat_fields
+from services.kv.spec.groups import STATE_ALIGN, AttentionKind, KVCacheGroupSpec, MambaShape, StateGroupSpec
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.spec.wire import state_from_proto, state_to_proto
 
 ONE_GROUP = MambaShape(num_heads=8, head_dim=4, n_groups=1, d_state=6, d_conv=4, conv_dtype="bfloat16")
 TWO_GROUPS = MambaShape(num_heads=8, head_dim=4, n_groups=2, d_state=6, d_conv=4, conv_dtype="float32")

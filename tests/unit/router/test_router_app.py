@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.kv.compat import CompatInfo, KVIdentity
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.spec.compat import CompatInfo, KVIdentity
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.router.app import RouterRuntime, create_app
 from services.router.cli_args import add_router_parser, router_config_from_args, run_router
 from services.router.config import RouterConfig

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from services.kv.compat import CompatInfo, KVIdentity
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.spec.compat import CompatInfo, KVIdentity
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.proto_gen.pdserve.v1 import worker_pb2
 from services.router.pairing import PairingPolicy, Role, WorkerIdentity, compatible, refusal
 from services.router.workers import identity_from_info

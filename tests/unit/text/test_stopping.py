@@ -7,7 +7,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from services.contract.sampling_params import SamplingParams
-from services.engine.sched.request import Request, RequestStatus
+from services.engine.request import Request, RequestStatus
 from services.engine.sched.stopping import check_token_stop
 from services.text.stop_strings import StopStringMatcher
 

@@ -12,8 +12,8 @@ from services.contract.sampling_params import SamplingParams
 from services.engine.kv_cache import block_hash
 from services.engine.kv_cache.block_hash import BlockHashChains
 from services.engine.kv_cache.manager import KVCacheManager
-from services.engine.sched.request import Request
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
+from services.engine.request import Request
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
 
 # ---- per-request chains ------------------------------------------------------------------------
 

@@ -16,8 +16,8 @@ from services.contract.sampling_params import SamplingParams
 from services.engine.kv_cache.block_pool import BlockPool
 from services.engine.kv_cache.group_managers import SlidingWindowManager
 from services.engine.kv_cache.manager import KVCacheManager
-from services.engine.sched.request import Request
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
+from services.engine.request import Request
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
 from tests.unit.engine.kv_cache.test_block_pool import pool_state
 
 BS = 4

@@ -10,8 +10,8 @@ from services.contract.prefix_keys import hash_request_blocks
 from services.contract.sampling_params import SamplingParams
 from services.engine.kv_cache.events import KVEvent, KVEventKind, KVEventLog, KVTier
 from services.engine.kv_cache.manager import KVCacheManager
-from services.engine.sched.request import Request
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
+from services.engine.request import Request
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
 
 BS = 4
 SALT = b"compat"

@@ -8,7 +8,7 @@ layout, so the router can run it without a handshake.
 A pair is supported when, in this order:
 
 * the compatibility hashes are equal (a difference is explained field by field, and per KV group,
-  as ``services.kv.compat`` spells it, but with "prefill"/"decode" instead of "remote"/"local");
+  as ``services.kv.spec.compat`` spells it, but with "prefill"/"decode" instead of "remote"/"local");
 * the block sizes divide one another (per group where the caller knows them per group);
 * each side's TP size can shard every group's KV heads (the model's total heads of that group, from
   ``kv_groups``): one must divide the other. Groups with differing head counts are fine:
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from services.kv.compat import CompatInfo, KVCompatibilityError, check_compatible, compat_hash, parse_groups
+from services.kv.spec.compat import CompatInfo, KVCompatibilityError, check_compatible, compat_hash, parse_groups
 
 
 @dataclass(frozen=True)

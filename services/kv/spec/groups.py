@@ -162,7 +162,7 @@ class MambaShape:
     def rank_conv_rows(self, tp_size: int, rank: int) -> tuple[int, ...]:
         """The model's conv channels (``x`` of every head, then B, then C of every group) that rank's conv rows
         hold, in its order: x of its heads, then B and C of its groups. The one definition of that order: the
-        mixer loads its weights' rows by it and ``kv/state_runs.py`` maps slots between TP sizes by it."""
+        mixer loads its weights' rows by it and ``kv/plan/state_runs.py`` maps slots between TP sizes by it."""
         x = [h * self.head_dim + i for h in self.rank_heads(tp_size, rank) for i in range(self.head_dim)]
         groups = [g * self.d_state + i for g in self.rank_groups(tp_size, rank) for i in range(self.d_state)]
         b0 = self.num_heads * self.head_dim

@@ -16,13 +16,13 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from services.kv.digest import DigestJob, state_digest
-from services.kv.digest_compute import DigestRunner
-from services.kv.layout import KVLayoutSpec
+from services.kv.digest.runner import DigestRunner
+from services.kv.digest.scheme import DigestJob, state_digest
 from services.kv.nixl.agent import TransferAgent
 from services.kv.nixl.descriptors import MemKind
-from services.kv.staging import StagingArea, gather, scatter
-from services.kv.wire import MemoryRegion
+from services.kv.ranks.staging_area import StagingArea, gather, scatter
+from services.kv.spec.layout import KVLayoutSpec
+from services.kv.spec.wire import MemoryRegion
 
 
 class KVRank(Protocol):
@@ -40,7 +40,7 @@ class KVRank(Protocol):
     host_regions: tuple[MemoryRegion, ...]
     # A model with state layers: the rank's state slots ([slots, slot bytes]), registered with the same agent.
     state_region: MemoryRegion | None
-    # The rank's KV staging area (``services.kv.staging``), when it has one; only a rank in this process does.
+    # The rank's KV staging area (``services.kv.plan.staging``), when it has one; only a rank in this process does.
     staging: StagingArea | None
 
     def metadata(self) -> bytes:
@@ -65,7 +65,7 @@ class KVRank(Protocol):
         ...
 
     async def digest(self, jobs: Sequence[DigestJob]) -> list[np.ndarray]:
-        """Each job's unit digests over this rank's KV (``services.kv.digest``), computed on its device."""
+        """Each job's unit digests over this rank's KV (``services.kv.digest.scheme``), computed on its device."""
         ...
 
     async def state_digest(self, slot: int, runs: Sequence[tuple[int, int, int]]) -> int:
@@ -88,7 +88,7 @@ def register_rank(
 class LocalKVRank:
     """A rank whose KV buffers and agent live in this process; registers the buffers at once,
     and the host tier's (``host_layout``/``host_buffers``) when it has one, so a peer can read either.
-    ``staging_bytes`` > 0: a staging area of that size beside the KV, registered too (``services.kv.staging``)."""
+    ``staging_bytes`` > 0: a staging area of that size beside the KV, registered too (``services.kv.plan.staging``)."""
 
     def __init__(self, agent: TransferAgent, layout: KVLayoutSpec, buffers: Sequence[torch.Tensor],
                  host_layout: KVLayoutSpec | None = None, host_buffers: Sequence[torch.Tensor] = (),

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from services.kv import digest as d
-from services.kv.staging import count_runs
+from services.kv.digest import scheme as d
+from services.kv.plan.staging import count_runs
 
 # The digest's constants, as Triton sees module globals: compile-time values.
 _M1, _M2 = tl.constexpr(d.M1), tl.constexpr(d.M2)

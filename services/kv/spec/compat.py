@@ -50,11 +50,11 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.kv.groups import AttentionKind, StateGroupSpec
-from services.kv.layout import BlockOrder, KVLayoutSpec
+from services.kv.spec.groups import AttentionKind, StateGroupSpec
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec
 
 PROTOCOL_VERSION = 1
-#: The KV digest both sides compute (``services.kv.digest``), or ``DIGEST_OFF`` (``--no-kv-digest``): hashed,
+#: The KV digest both sides compute (``services.kv.digest.scheme``), or ``DIGEST_OFF`` (``--no-kv-digest``): hashed,
 #: so a pair that disagrees is refused at the handshake (and never paired by the router).
 DIGEST_SCHEME = "kvsum32-mix32w-v2"
 DIGEST_OFF = "off"

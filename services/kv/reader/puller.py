@@ -7,7 +7,7 @@ the reader already holds and, for sliding-window groups, blocks outside the wind
 turns those into the fewest descriptors, one plan per (local rank, remote rank) across groups.
 Each READ's notification is ``<request id>#<ticket nonce>`` (``/host`` appended for a host-tier
 READ: ``wire.notification_key``), so the owner can count its readers and free the blocks. A ticket
-whose blocks the owner staged (``services.kv.staging``) is read from that span when this engine's
+whose blocks the owner staged (``services.kv.plan.staging``) is read from that span when this engine's
 layout and TP size are the owner's. A sliding-window group's ticket may name a placeholder (any
 in-range id, e.g. the owner's scratch block, repeated) for blocks that fell out of the window: they
 are range-checked like every id and never read, since the pieces start at ``window_start_token``.
@@ -34,24 +34,26 @@ from typing import Any
 import numpy as np
 
 from services.common.tls import TLSConfig
-from services.kv.compat import CompatInfo, KVIdentity
-from services.kv.groups import AttentionKind
-from services.kv.handshake import EngineDescription, PeerCache, RankExport
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.kv.nixl.agent import read_stages
 from services.kv.nixl.errors import TransferError
 from services.kv.nixl.prepared import PreparedLists
-from services.kv.pair_support import group_heads_from_fields
-from services.kv.planner import TransferPlan, plan_groups
-from services.kv.pull_digests import check_digests, digest_jobs
-from services.kv.pull_errors import TicketError
-from services.kv.pull_state import StateRead, check_state_digest, check_state_ticket
-from services.kv.pull_tickets import TicketChecks
-from services.kv.rank import KVRank, LocalKVRank
-from services.kv.read_lists import ListLayout, list_layout
-from services.kv.staging import StagedRead, plan_rows, release_spans, same_layout, span_inside, staged_blocks, unstage
-from services.kv.state_runs import state_owner_ranks
-from services.kv.topology import (
+from services.kv.plan.planner import TransferPlan, plan_groups
+from services.kv.plan.read_lists import ListLayout, list_layout
+from services.kv.plan.staging import StagedRead, plan_rows, same_layout, span_inside, staged_blocks
+from services.kv.plan.state_runs import state_owner_ranks
+from services.kv.ranks.kv_rank import KVRank, LocalKVRank
+from services.kv.ranks.staging_area import release_spans, unstage
+from services.kv.reader.errors import TicketError
+from services.kv.reader.peers import PeerCache
+from services.kv.reader.state import StateRead, check_state_digest, check_state_ticket
+from services.kv.reader.tickets import TicketChecks
+from services.kv.reader.verify import check_digests, digest_jobs
+from services.kv.spec.compat import CompatInfo, KVIdentity
+from services.kv.spec.description import EngineDescription, RankExport
+from services.kv.spec.groups import AttentionKind
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.spec.pair_support import group_heads_from_fields
+from services.kv.spec.topology import (
     RankRead,
     group_rank_reads,
     kv_head_range,
@@ -59,7 +61,7 @@ from services.kv.topology import (
     map_unit_arrays,
     window_start_token,
 )
-from services.kv.wire import notification_key, ticket_is_signed_by
+from services.kv.spec.wire import notification_key, ticket_is_signed_by
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,7 @@ class PullResult:
     #: "read.<stage>" in one READ (``TransferAgent.read``: submit, prepare, post, complete, wake; the ranks' largest;
     #: and scatter, of a staged span: a GPU's is queued, and done in digest).
     stages: dict[str, float] = field(default_factory=dict)
-    staged: bool = False  # read from the owner's staged span (``services.kv.staging``), not from its blocks
+    staged: bool = False  # read from the owner's staged span (``services.kv.plan.staging``), not from its blocks
 
 
 @dataclass(frozen=True)
@@ -360,7 +362,7 @@ class KVPuller:
 
     def _staged_reads(self, ticket: kv_pb2.TransferTicket, remote: EngineDescription, local_ids: list[np.ndarray],
                       num_cached_tokens: int) -> list[tuple[PlannedRead, StagedRead]] | None:
-        """The READs of a staged ticket's spans (``services.kv.staging``: local rank q from owner rank q), or None
+        """The READs of a staged ticket's spans (``services.kv.plan.staging``: local rank q from owner rank q), or None
         when they are not its blocks' bytes (TP size, layout, a block it needs not staged): it reads the blocks."""
         if len(ticket.staged_offsets) != remote.tp_size:
             raise TicketError(f"ticket names {len(ticket.staged_offsets)} staged spans, owner TP {remote.tp_size}")

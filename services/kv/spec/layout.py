@@ -50,7 +50,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from services.kv.groups import KVCacheGroupSpec
+from services.kv.spec.groups import KVCacheGroupSpec
 
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

@@ -12,7 +12,7 @@ compatibility hash, both are reconciled here into plain values the descriptor pl
 * :func:`window_start_token` -- the first token a sliding-window group still needs (every token for
   the groups that attend over the whole context: full attention and MLA).
 
-Head arithmetic follows ``services.engine.tp.parallel``: KV heads split evenly when
+Head arithmetic follows ``services.engine.parallel``: KV heads split evenly when
 ``tp <= num_kv_heads``, otherwise each head is replicated on ``tp // num_kv_heads`` consecutive
 ranks. It is restated here (no torch import) and a test checks the two agree.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
 
 # ---- TP ranks ----------------------------------------------------------------------------------
 

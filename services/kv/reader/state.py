@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.kv.compat import KVIdentity
-from services.kv.groups import StateGroupSpec
-from services.kv.handshake import EngineDescription, RankExport
-from services.kv.pull_errors import KVIntegrityError, TicketError
-from services.kv.rank import KVRank
-from services.kv.state_runs import StateRun, state_runs
+from services.kv.plan.state_runs import StateRun, state_runs
+from services.kv.ranks.kv_rank import KVRank
+from services.kv.reader.errors import KVIntegrityError, TicketError
+from services.kv.spec.compat import KVIdentity
+from services.kv.spec.description import EngineDescription, RankExport
+from services.kv.spec.groups import StateGroupSpec
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 

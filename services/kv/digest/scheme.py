@@ -36,8 +36,8 @@ import msgspec
 import numpy as np
 import torch
 
-from services.kv.compat import DIGEST_SCHEME
-from services.kv.layout import KVLayoutSpec
+from services.kv.spec.compat import DIGEST_SCHEME
+from services.kv.spec.layout import KVLayoutSpec
 
 SCHEME = DIGEST_SCHEME  # the name both sides present in their compatibility fields
 

@@ -1,6 +1,6 @@
 """Owner (prefill) side of KV transfer: publish the engine, hand out tickets, free on notification.
 
-Each TP rank registers its KV buffers with its own NIXL agent (``services.kv.rank``; the ranks
+Each TP rank registers its KV buffers with its own NIXL agent (``services.kv.ranks.kv_rank``; the ranks
 may live in other processes). A ticket is handed out with the reader's TP size, so the owner
 knows how many reading ranks will notify each of its ranks (``group_readers_per_remote_rank``,
 each KV group sharded by its own heads); the request's blocks are released once every owner rank
@@ -8,7 +8,7 @@ has heard from all of its readers, or when the lease expires.
 
 A ticket names its lease's end (``lease_deadline_unix_ms``) and its prompt (``prompt_hash``), signed with the rest:
 a READ is one-sided, so it is the reader that refuses a ticket past its lease or of another prompt
-(``services.kv.pull_tickets``).
+(``services.kv.reader.tickets``).
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from services.kv.compat import CompatInfo, KVIdentity
-from services.kv.digest import MASK32, DigestJob
-from services.kv.handshake import EngineDescription, RankExport
-from services.kv.notifications import NotificationTracker
-from services.kv.pair_support import group_heads_from_fields
-from services.kv.rank import KVRank, LocalKVRank
-from services.kv.staging import staged_spans, staged_start, worth_staging
-from services.kv.state_runs import state_runs
-from services.kv.topology import group_rank_reads, group_readers_per_remote_rank
-from services.kv.wire import (
+from services.kv.digest.scheme import MASK32, DigestJob
+from services.kv.owner.notifications import NotificationTracker
+from services.kv.plan.staging import staged_spans, staged_start, worth_staging
+from services.kv.plan.state_runs import state_runs
+from services.kv.ranks.kv_rank import KVRank, LocalKVRank
+from services.kv.spec.compat import CompatInfo, KVIdentity
+from services.kv.spec.description import EngineDescription, RankExport
+from services.kv.spec.pair_support import group_heads_from_fields
+from services.kv.spec.topology import group_rank_reads, group_readers_per_remote_rank
+from services.kv.spec.wire import (
     MemoryRegion,
     notification_key,
     notification_parts,
@@ -215,7 +215,7 @@ class KVExporter:
 
     async def _stage(self, block_ids: Sequence[Sequence[int]], num_tokens: int, reader_tp_size: int,
                      reader_block_size: int, begin: int, window_end: int) -> dict[int, int]:
-        """Gather the ticket's blocks into every rank's staging area (``services.kv.staging``) when they lie in
+        """Gather the ticket's blocks into every rank's staging area (``services.kv.plan.staging``) when they lie in
         runs enough to pay for it and a reader of the same TP size and block size could read the span; the span's
         offset per rank ({}: not staged). All ranks or none: a rank without room frees the others' spans."""
         layout = self._ranks[0].layout

@@ -54,9 +54,9 @@ from typing import Any
 
 import numpy as np
 
-from services.kv.groups import AttentionKind, KVCacheGroupSpec
-from services.kv.layout import BlockOrder, KVLayoutSpec, KVView, LayoutKind
-from services.kv.topology import BlockPiece, RankRead
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, KVView, LayoutKind
+from services.kv.spec.topology import BlockPiece, RankRead
 
 _FIELDS = ("src_buffer", "src_offset", "dst_buffer", "dst_offset", "length")
 
@@ -542,7 +542,7 @@ def plan_groups(
 
 def merged_plan(remote_rank: int, cols: Sequence[np.ndarray], src_buffer_bytes: int = 1 << 40) -> TransferPlan:
     """A plan of runs given in any order (``_FIELDS`` columns), joined where they continue each other on both sides
-    (``_merge``): for READs planned outside the planner (``services.kv.staging``)."""
+    (``_merge``): for READs planned outside the planner (``services.kv.plan.staging``)."""
     return TransferPlan._owned(remote_rank, _merge([np.asarray(c, dtype=np.int64) for c in cols], src_buffer_bytes))
 
 

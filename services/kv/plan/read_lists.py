@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.kv.layout import KVLayoutSpec
-from services.kv.planner import Nesting, UnitRuns, unit_runs
-from services.kv.topology import RankRead
-from services.kv.wire import MemoryRegion
+from services.kv.plan.planner import Nesting, UnitRuns, unit_runs
+from services.kv.spec.layout import KVLayoutSpec
+from services.kv.spec.topology import RankRead
+from services.kv.spec.wire import MemoryRegion
 
 #: The most entries one side's list may hold (NIXL keeps each as a descriptor: ~10-20 MB at this size).
 MAX_ENTRIES = 1 << 18

@@ -1,7 +1,7 @@
 """A pull's KV digest check: what the tickets promise for the tokens it moves, per local rank and group, against
 the digest of what arrived.
 
-A digest is a sum of unit digests keyed by token position (``services.kv.digest``), so a pull of several
+A digest is a sum of unit digests keyed by token position (``services.kv.digest.scheme``), so a pull of several
 consecutive part tickets in one READ expects the sum of each part's units over the tokens it moves: a part's
 units before its own first token are 0, and its range is its own.
 """
@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from services.kv.digest import MASK32, DigestJob, ticket_units, total
-from services.kv.pull_errors import KVIntegrityError, TicketError
-from services.kv.rank import KVRank
+from services.kv.digest.scheme import MASK32, DigestJob, ticket_units, total
+from services.kv.ranks.kv_rank import KVRank
+from services.kv.reader.errors import KVIntegrityError, TicketError
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 #: Per local rank, its digest jobs, each with the digest the tickets promise (None: only fault injection runs).

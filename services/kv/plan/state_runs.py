@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from services.kv.groups import StateGroupSpec
+from services.kv.spec.groups import StateGroupSpec
 
 
 @dataclass(frozen=True)

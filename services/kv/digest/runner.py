@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from services.kv.digest import DigestJob, check_job, corrupt_blocks, digest_units_host, layer_views
-from services.kv.layout import KVLayoutSpec
+from services.kv.digest.scheme import DigestJob, check_job, corrupt_blocks, digest_units_host, layer_views
+from services.kv.spec.layout import KVLayoutSpec
 
 if TYPE_CHECKING:
-    from services.kv.digest_triton import CudaDigests
+    from services.kv.digest.kernel import CudaDigests
 
 
 def digest_job(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], job: DigestJob,
@@ -56,7 +56,7 @@ def _digest_items(items: Sequence[Item], cuda: CudaDigests | None) -> list[np.nd
     out: list[np.ndarray | None] = [None] * len(items)
     on_device = [i for i, (views, _, _) in enumerate(items) if views[0][2].is_cuda]
     if on_device:
-        from services.kv.digest_triton import CudaDigests  # Triton only where a GPU digest runs
+        from services.kv.digest.kernel import CudaDigests  # Triton only where a GPU digest runs
 
         runner = cuda if cuda is not None else CudaDigests(items[on_device[0]][0][0][2].device)
         for i, units in zip(on_device, runner.run([items[i] for i in on_device]), strict=True):
@@ -81,7 +81,7 @@ class DigestRunner:
         self._lock = threading.Lock()  # device jobs share one set of buffers; host-tier runs are in threads
         self._cuda = None
         if on_cuda:
-            from services.kv.digest_triton import CudaDigests
+            from services.kv.digest.kernel import CudaDigests
 
             self._cuda = CudaDigests(buffers[0].device)
             for group in layout.groups:

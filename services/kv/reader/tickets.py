@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.kv.pull_errors import TicketError
+from services.kv.reader.errors import TicketError
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 #: How far the owner's wall clock may be ahead of the reader's (NTP keeps a LAN's hosts within milliseconds).

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.kv.groups import AttentionKind, KVCacheGroupSpec, MambaShape, StateGroupSpec
-from services.kv.layout import BlockOrder, KVLayoutSpec, LayoutKind
+from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec, MambaShape, StateGroupSpec
+from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 _KIND_TO_PB = {AttentionKind.FULL: kv_pb2.FULL, AttentionKind.SLIDING_WINDOW: kv_pb2.SLIDING_WINDOW,
