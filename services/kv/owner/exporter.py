@@ -29,7 +29,7 @@ from services.kv.ranks.kv_rank import KVRank, LocalKVRank
 from services.kv.spec.compat import CompatInfo, KVIdentity
 from services.kv.spec.description import EngineDescription, RankExport
 from services.kv.spec.pair_support import group_heads_from_fields
-from services.kv.spec.topology import group_rank_reads, group_readers_per_remote_rank
+from services.kv.spec.topology import block_unit, group_rank_reads, group_readers_per_remote_rank
 from services.kv.spec.wire import (
     MemoryRegion,
     notification_key,
@@ -269,7 +269,7 @@ class KVExporter:
         rank adding the heads that reader reads from it (``group_rank_reads``, the planner's own mapping),
         every rank at once. Sliding groups from the window of a prompt of ``window_end`` tokens."""
         layout = self._ranks[0].layout
-        units = {g.group_id: math.gcd(g.block_size, reader_block_size or g.block_size) for g in layout.groups}
+        units = {g.group_id: block_unit(g.block_size, reader_block_size or g.block_size) for g in layout.groups}
         jobs: list[list[tuple[int, int, DigestJob]]] = [[] for _ in self._ranks]  # per owner rank
         device_ids = [np.asarray(ids, dtype=np.int64) for ids in block_ids]  # once, for every job that reads them
         host_ids = [np.asarray(ids, dtype=np.int64) for ids in host_block_ids] if num_host_tokens else []

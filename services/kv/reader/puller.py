@@ -55,6 +55,7 @@ from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.kv.spec.pair_support import group_heads_from_fields
 from services.kv.spec.topology import (
     RankRead,
+    block_unit,
     group_rank_reads,
     kv_head_range,
     map_block_arrays,
@@ -182,12 +183,10 @@ class KVPuller:
             ):
                 if a != b:
                     raise ValueError(f"{lg.label}: {name} local {a} vs remote {b}")
-            small, large = sorted((lg.block_size, rg.block_size))
-            if large % small:
-                raise ValueError(
-                    f"{lg.label}: block sizes {rg.block_size} (remote) and {lg.block_size} (local) "
-                    "do not divide each other"
-                )
+            try:
+                block_unit(rg.block_size, lg.block_size)
+            except ValueError as e:
+                raise ValueError(f"{lg.label}: {e}") from None
         # Each group is sharded by its own total heads (from the compat fields both sides hashed);
         # every rank must hold exactly the slice that sharding gives it, or reads would land wrong.
         heads = group_heads_from_fields(remote.compat.fields)

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.kv.spec.compat import CompatInfo, KVCompatibilityError, check_compatible, compat_hash, parse_groups
+from services.kv.spec.topology import block_unit
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,9 @@ def _block_refusal(prefill: PairSide, decode: PairSide) -> str | None:
         p, d = _block_size(prefill, gid), _block_size(decode, gid)
         if not (p and d):
             continue
-        small, large = sorted((p, d))
-        if large % small:
+        try:
+            block_unit(p, d)
+        except ValueError:
             where = "" if gid is None else f"KV group {gid}: "
             return f"{where}block sizes {p} (prefill) and {d} (decode) do not divide each other"
     return None

@@ -192,6 +192,16 @@ class BlockPiece:
     num_tokens: int
 
 
+def block_unit(remote_block_size: int, local_block_size: int) -> int:
+    """The unit two sides move a group's KV in: the smaller block size, which must divide the larger (the one
+    block-size rule: a run of ``unit`` tokens then lies inside one block on both sides). Refused otherwise."""
+    small, large = sorted((remote_block_size, local_block_size))
+    if small < 1 or large % small:
+        raise ValueError(f"block sizes {remote_block_size} (remote) and {local_block_size} (local) do not divide "
+                         "each other")
+    return small
+
+
 def _as_ids(block_ids: Sequence[int] | np.ndarray, side: str) -> np.ndarray:
     ids = np.asarray(block_ids)
     if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
@@ -271,11 +281,7 @@ def _checked_tables(remote_block_ids: Sequence[int] | np.ndarray, remote_block_s
     """Both block tables as int64 arrays, after checking sizes, the token range and the tables' lengths."""
     if remote_block_size < 1 or local_block_size < 1:
         raise ValueError(f"block sizes must be >= 1, got remote {remote_block_size}, local {local_block_size}")
-    small, large = sorted((remote_block_size, local_block_size))
-    if large % small:
-        raise ValueError(
-            f"remote block size {remote_block_size} and local block size {local_block_size}: neither divides the other"
-        )
+    small = block_unit(remote_block_size, local_block_size)
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     if not 0 <= start_token <= num_tokens:
@@ -369,10 +375,5 @@ def window_start_token(remote_group: KVCacheGroupSpec, local_group: KVCacheGroup
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     if attends_whole_context(local_group):
         return 0
-    small, large = sorted((remote_group.block_size, local_group.block_size))
-    if large % small:
-        raise ValueError(
-            f"remote block size {remote_group.block_size} and local block size {local_group.block_size}: "
-            "neither divides the other"
-        )
+    block_unit(remote_group.block_size, local_group.block_size)
     return max(g.first_needed_block(num_tokens) * g.block_size for g in (remote_group, local_group))

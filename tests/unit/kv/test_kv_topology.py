@@ -368,7 +368,7 @@ def test_map_blocks_start_inside_a_coarse_local_block() -> None:
 @pytest.mark.parametrize(
     ("args", "kwargs", "match"),
     [
-        (([1, 2], 6, [1, 2], 4, 8), {}, "neither divides"),
+        (([1, 2], 6, [1, 2], 4, 8), {}, "do not divide each other"),
         (([1, 2], 0, [1, 2], 4, 8), {}, "block sizes must be >= 1"),
         (([1], 4, [1, 2], 4, 8), {}, "need 2 remote blocks"),
         (([1, 2], 4, [1], 4, 5), {}, "need 2 local blocks"),
@@ -470,5 +470,5 @@ def test_window_start_refusals() -> None:
         window_start_token(sw(4, 6), sw(4, 8), 20)
     with pytest.raises(ValueError, match="group ids differ"):
         window_start_token(sw(4, 6, group_id=1), sw(4, 6, group_id=2), 20)
-    with pytest.raises(ValueError, match="neither divides"):
+    with pytest.raises(ValueError, match="do not divide each other"):
         window_start_token(sw(4, 6), sw(6, 6), 20)
