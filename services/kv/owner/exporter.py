@@ -9,6 +9,10 @@ has heard from all of its readers, or when the lease expires.
 A ticket names its lease's end (``lease_deadline_unix_ms``) and its prompt (``prompt_hash``), signed with the rest:
 a READ is one-sided, so it is the reader that refuses a ticket past its lease or of another prompt
 (``services.kv.reader.tickets``).
+
+``hand_out`` runs its steps over one :class:`~services.kv.owner.hand_out.HandOutPlan` (the call's ticket and
+options, decided first): the checks, the digests (``ticket_digests``), staging, the ticket put out (its nonce,
+the notifications expected, its lease) and its signature, in that order.
 """
 
 from __future__ import annotations
@@ -21,15 +25,15 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from services.kv.digest.scheme import MASK32, DigestJob
+from services.kv.owner.hand_out import HandOutPlan
 from services.kv.owner.notifications import NotificationTracker
+from services.kv.owner.ticket_digests import kv_digests, state_digests
 from services.kv.plan.staging import staged_spans, staged_start, worth_staging
-from services.kv.plan.state_runs import state_runs
 from services.kv.ranks.kv_rank import KVRank, LocalKVRank
 from services.kv.spec.compat import CompatInfo, KVIdentity
 from services.kv.spec.description import EngineDescription, RankExport
 from services.kv.spec.pair_support import group_heads_from_fields
-from services.kv.spec.topology import block_unit, group_rank_reads, group_readers_per_remote_rank
+from services.kv.spec.topology import group_readers_per_remote_rank
 from services.kv.spec.wire import (
     MemoryRegion,
     notification_key,
@@ -97,6 +101,8 @@ class KVExporter:
         self._staged: dict[tuple[str, str], dict[int, int]] = {}
         self.num_staged = 0  # tickets staged, and those worth it that found no room (``hand_out``)
         self.num_staging_full = 0
+        # Every rank has a staging area in this process (fixed at creation: a follower's rank never has one).
+        self._can_stage = all(isinstance(r, LocalKVRank) and r.staging is not None for r in self._ranks)
 
     @property
     def tp_size(self) -> int:
@@ -141,59 +147,65 @@ class KVExporter:
         A model with state layers: ``state_slot`` is the request's held state slot, holding its state after the
         whole prompt; named (with its digest) on the whole ticket or the last part only.
         """
-        whole = num_prompt_tokens or num_tokens
-        last = num_tokens == whole
-        if len(prompt_hash) != 32:
-            raise ValueError(f"request {request_id!r}: a prompt hash is 32 bytes (SHA-256), got {len(prompt_hash)}")
-        if self.identity.state is not None and last and num_tokens and state_slot is None:
+        plan = HandOutPlan(
+            request_id=request_id, block_ids=block_ids, num_tokens=num_tokens, first_token_id=first_token_id,
+            first_token_logprob=first_token_logprob, handshake_address=handshake_address,
+            reader_tp_size=reader_tp_size, reader_block_size=reader_block_size, prompt_hash=prompt_hash,
+            host_block_ids=host_block_ids, num_host_tokens=num_host_tokens, part_start_token=part_start_token,
+            num_prompt_tokens=num_prompt_tokens, state_slot=state_slot, opened=self._open.get(request_id),
+            digest=self.identity.digest_on and bool(num_tokens),
+            state_digest=self.identity.digest_on and state_slot is not None,
+            stage=self._may_stage(reader_tp_size, reader_block_size, num_tokens, num_host_tokens, state_slot))
+        self._check(plan)
+        digests = await kv_digests(self._ranks, self._group_heads, plan) if plan.digest else []
+        state = await state_digests(self._ranks, self.identity.state, plan) if plan.state_digest else []
+        staged = await self._stage(plan) if plan.stage else {}
+        nonce, deadline = self._open_ticket(plan, staged)
+        ticket = plan.ticket(self.engine_id, self.epoch, nonce, deadline, digests, state, staged)
+        ticket.signature = ticket_signature(ticket, self._ticket_key)
+        return ticket
+
+    def _check(self, plan: HandOutPlan) -> None:
+        """Refuse a call that cannot make a ticket (before any step: nothing is drawn, registered or staged)."""
+        request_id, whole, state_slot = plan.request_id, plan.whole, plan.state_slot
+        slots, hash_bytes = self._description.num_state_slots, len(plan.prompt_hash)
+        if hash_bytes != 32:
+            raise ValueError(f"request {request_id!r}: a prompt hash is 32 bytes (SHA-256), got {hash_bytes}")
+        if self.identity.state is not None and plan.last and plan.num_tokens and state_slot is None:
             raise ValueError(f"request {request_id!r}: a model with state layers hands out its state slot")
-        if state_slot is not None and not (last and 0 <= state_slot < self._description.num_state_slots):
+        if state_slot is not None and not (plan.last and 0 <= state_slot < slots):
             raise ValueError(f"request {request_id!r}: state slot {state_slot} on "
-                             + ("a part before the last" if not last else
-                                f"an engine of {self._description.num_state_slots} slots"))
-        if not 0 <= part_start_token < num_tokens <= whole and not (num_tokens == whole == part_start_token == 0):
-            raise ValueError(f"a part of tokens {part_start_token}..{num_tokens} of a {whole}-token prompt")
-        opened = self._open.get(request_id)
-        if part_start_token != (opened or 0):
-            raise ValueError(f"request {request_id!r}: a part from token {part_start_token}, "
+                             + ("a part before the last" if not plan.last else f"an engine of {slots} slots"))
+        begin, end = plan.part_start_token, plan.num_tokens
+        if not 0 <= begin < end <= whole and not (end == whole == begin == 0):
+            raise ValueError(f"a part of tokens {begin}..{end} of a {whole}-token prompt")
+        opened = plan.opened
+        if begin != (opened or 0):
+            raise ValueError(f"request {request_id!r}: a part from token {begin}, "
                              + (f"its parts so far end at {opened}" if opened else "but it has no parts out"))
         if opened is None and request_id in self._waiting:
             raise ValueError(f"request {request_id!r} already has a ticket out")
-        if num_host_tokens and self._ranks[0].host_layout is None:
+        if plan.host and self._ranks[0].host_layout is None:
             raise ValueError("a ticket names host-tier blocks but this engine has no host tier")
-        digests = await self._digests(block_ids, host_block_ids, num_tokens, num_host_tokens, reader_tp_size,
-                                      reader_block_size, part_start_token, whole) \
-            if self.identity.digest_on and num_tokens else []
-        state_digests = await self._state_digests(state_slot, reader_tp_size) \
-            if self.identity.digest_on and state_slot is not None else []
-        staged = await self._stage(block_ids, num_tokens, reader_tp_size, reader_block_size, part_start_token, whole) \
-            if not num_host_tokens and state_slot is None else {}
-        if self._open.get(request_id) != opened:  # abandoned (or another part went out) while digesting
+
+    def _open_ticket(self, plan: HandOutPlan, staged: dict[int, int]) -> tuple[str, float]:
+        """Put the ticket out: its nonce (its readers' notifications expected), its lease's deadline (wall s), its
+        staged span kept; the request stays open for its next part. Refused when the request was abandoned (or
+        another part went out) while the ticket was digested or staged, its span freed."""
+        request_id = plan.request_id
+        if self._open.get(request_id) != plan.opened:
             self._unstage(staged)
             raise ValueError(f"request {request_id!r} was abandoned while its part was digested")
         issued = self._clock()  # before the lease starts (``_expect``): the deadline is never after its end
-        nonce = self._expect(request_id, reader_tp_size, bool(num_host_tokens))
+        nonce = self._expect(request_id, plan.reader_tp_size, plan.host)
         deadline = self._lease_deadline(request_id, nonce, issued + self.lease_s)
         if staged:
             self._staged[request_id, nonce] = staged
-        if num_tokens < whole:
-            self._open[request_id] = num_tokens
+        if plan.part:
+            self._open[request_id] = plan.num_tokens
         else:
             self._open.pop(request_id, None)
-        ticket = kv_pb2.TransferTicket(
-            engine_id=self.engine_id, epoch=self.epoch, request_id=request_id,
-            groups=[kv_pb2.GroupBlocks(group_id=g, block_ids=list(ids)) for g, ids in enumerate(block_ids)],
-            num_tokens=num_tokens, first_token_id=first_token_id, first_token_logprob=first_token_logprob,
-            handshake_address=handshake_address, num_host_tokens=num_host_tokens,
-            host_groups=[kv_pb2.GroupBlocks(group_id=g, block_ids=list(ids)) for g, ids in enumerate(host_block_ids)],
-            notify_nonce=nonce, digests=digests, part_start_token=part_start_token,
-            num_prompt_tokens=num_prompt_tokens if num_tokens < whole or part_start_token else 0,
-            has_state=state_slot is not None, state_slot=state_slot or 0, state_digests=state_digests,
-            staged_offsets=[staged[r] for r in sorted(staged)],
-            lease_deadline_unix_ms=math.floor(deadline * 1000), prompt_hash=prompt_hash,
-        )
-        ticket.signature = ticket_signature(ticket, self._ticket_key)
-        return ticket
+        return nonce, deadline
 
     def _lease_deadline(self, request_id: str, nonce: str, lease_end: float) -> float:
         """The new ticket's deadline (wall s): its own ``lease_end``, or an earlier one of the request's tickets
@@ -213,21 +225,25 @@ class KVExporter:
         ends[nonce] = lease_end
         return min(earliest, lease_end)
 
-    async def _stage(self, block_ids: Sequence[Sequence[int]], num_tokens: int, reader_tp_size: int,
-                     reader_block_size: int, begin: int, window_end: int) -> dict[int, int]:
-        """Gather the ticket's blocks into every rank's staging area (``services.kv.plan.staging``) when they lie in
-        runs enough to pay for it and a reader of the same TP size and block size could read the span; the span's
-        offset per rank ({}: not staged). All ranks or none: a rank without room frees the others' spans."""
+    def _may_stage(self, reader_tp_size: int, reader_block_size: int, num_tokens: int, num_host_tokens: int,
+                   state_slot: int | None) -> bool:
+        """Whether a ticket could be staged: every rank has a staging area here, the ticket has tokens and none
+        from the host tier nor state, and its reader (of this TP size, of this block size or the gcd of its
+        groups') could read the span."""
         layout = self._ranks[0].layout
-        can_stage = all(isinstance(r, LocalKVRank) and r.staging is not None for r in self._ranks)
-        if not can_stage or reader_tp_size != self.tp_size or not num_tokens or \
-                reader_block_size not in (0, math.gcd(*(g.block_size for g in layout.groups))):
-            return {}
+        return not num_host_tokens and state_slot is None and self._can_stage and reader_tp_size == self.tp_size \
+            and bool(num_tokens) and reader_block_size in (0, math.gcd(*(g.block_size for g in layout.groups)))
+
+    async def _stage(self, plan: HandOutPlan) -> dict[int, int]:
+        """Gather the ticket's blocks into every rank's staging area (``services.kv.plan.staging``) when they lie in
+        runs enough to pay for it; the span's offset per rank ({}: not staged). All ranks or none: a rank without
+        room frees the others' spans."""
+        layout = self._ranks[0].layout
         ids = []
         for g in layout.groups:
-            used = -(-num_tokens // g.block_size)
-            ids.append(np.asarray(block_ids[g.group_id][:used], dtype=np.int64)[
-                staged_start(layout, g.group_id, begin, window_end):])
+            used = -(-plan.num_tokens // g.block_size)
+            ids.append(np.asarray(plan.block_ids[g.group_id][:used], dtype=np.int64)[
+                staged_start(layout, g.group_id, plan.part_start_token, plan.whole):])
         if not worth_staging(layout, ids):
             return {}
         _, num_bytes = staged_spans(layout, tuple(len(i) for i in ids))
@@ -261,55 +277,6 @@ class KVExporter:
                 waiting.add((rank, source, nonce))
         self._nonces.setdefault(request_id, []).append(nonce)
         return nonce
-
-    async def _digests(self, block_ids: Sequence[Sequence[int]], host_block_ids: Sequence[Sequence[int]],
-                       num_tokens: int, num_host_tokens: int, reader_tp_size: int, reader_block_size: int,
-                       begin: int, window_end: int) -> list[kv_pb2.GroupDigests]:
-        """Per (group, reading rank): unit digests from token 0 (0 before ``begin``: a part's), each owner
-        rank adding the heads that reader reads from it (``group_rank_reads``, the planner's own mapping),
-        every rank at once. Sliding groups from the window of a prompt of ``window_end`` tokens."""
-        layout = self._ranks[0].layout
-        units = {g.group_id: block_unit(g.block_size, reader_block_size or g.block_size) for g in layout.groups}
-        jobs: list[list[tuple[int, int, DigestJob]]] = [[] for _ in self._ranks]  # per owner rank
-        device_ids = [np.asarray(ids, dtype=np.int64) for ids in block_ids]  # once, for every job that reads them
-        host_ids = [np.asarray(ids, dtype=np.int64) for ids in host_block_ids] if num_host_tokens else []
-        for reader in range(reader_tp_size):
-            reads = group_rank_reads(reader_tp_size, reader, self.tp_size, self._group_heads)
-            for owner, by_group in reads.items():
-                for g, read in by_group.items():
-                    group = layout.groups[g]
-                    first_kept = max(group.first_needed_block(window_end) * group.block_size, begin)
-                    spans = [(True, host_ids[g] if num_host_tokens else (), 0, num_host_tokens),
-                             (False, device_ids[g], num_host_tokens, num_tokens)]
-                    for host, ids, span_start, span_end in spans:
-                        start = max(span_start, first_kept)
-                        if start < span_end:
-                            jobs[owner].append((g, reader, DigestJob(
-                                g, ids, start, span_end, units[g], *read.remote_heads, read.local_heads[0],
-                                host_tier=host)))
-        answers = await asyncio.gather(*(rank.digest([j for _, _, j in rank_jobs])
-                                         for rank, rank_jobs in zip(self._ranks, jobs, strict=True) if rank_jobs))
-        sums = {(g, r): np.zeros(-(-num_tokens // units[g]), dtype=np.uint64)
-                for g in units for r in range(reader_tp_size)}
-        for rank_jobs, rank_units in zip([j for j in jobs if j], answers, strict=True):
-            for (g, reader, job), got in zip(rank_jobs, rank_units, strict=True):
-                first = job.start // job.unit
-                sums[g, reader][first:first + len(got)] += got  # each < 2**32: no uint64 wrap
-        return [kv_pb2.GroupDigests(group_id=g, reader_rank=r, unit=units[g], digests=(d & MASK32).tolist())
-                for (g, r), d in sorted(sums.items())]
-
-    async def _state_digests(self, slot: int, reader_tp_size: int) -> list[int]:
-        """Per reading rank, the digest of the state runs it reads (``state_runs``), each owner rank digesting its
-        own runs keyed by their place in that reader's slot; the sums mod 2**32."""
-        spec = self.identity.state
-        reader = spec.with_tp(reader_tp_size)
-        jobs = [(q, rank.state_digest(slot, [(x.src, x.length, x.dst) for x in runs]))
-                for q in range(reader_tp_size) for r, rank in enumerate(self._ranks)
-                if (runs := state_runs(spec, r, reader, q))]
-        sums = [0] * reader_tp_size
-        for (q, _), got in zip(jobs, await asyncio.gather(*(job for _, job in jobs)), strict=True):
-            sums[q] += got
-        return [d & MASK32 for d in sums]
 
     def collect_notifications(self) -> list[dict[str, list[bytes]]]:
         """Every rank's new NIXL notifications, by rank. The NIXL call may wait: over UCX's TCP transport the
