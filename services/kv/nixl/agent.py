@@ -9,23 +9,17 @@ lock. On DRAM, UCX performs the whole copy inside ``postXferReq`` (CMA/shared me
 64 MB take ~10-60 ms on the CI machine; the call drops the GIL). ``read`` therefore hands a READ to
 the agent's one worker thread (``reader.ReadWorker``), which prepares and posts it and then polls
 every READ in flight: tightly for the first milliseconds (a GPU READ of a prompt takes 0.2-5 ms),
-then backing off, and wakes the waiting coroutine once, when it finishes. A READ whose post cannot block for long
-is posted on the caller's thread instead, if the lock is free at that moment, and completes there when the post
-finishes it; a device READ posted there is also polled there for up to ``_INLINE_SPIN_S``, so a small GPU copy
-costs no thread hand-over at all. "Cannot block for long" is judged without knowing the transport: a few
-descriptors, from a peer already read from, while no other READ of this agent is in flight, and at most
-``_INLINE_MAX_HOST_BYTES``, or on device memory as many bytes as the peer's fastest READ so far (its first
-aside, which sets up the connection) moved in ``_INLINE_MAX_COPY_S``. Over UCX's TCP transport
-(``UCX_TLS=tcp``, and ``tcp,cuda_copy`` staging VRAM through host memory) the data moves inside NIXL's calls
-(post, poll, or the UCX progress thread, which then holds UCX's worker: a 64 KiB post on the loop waited
-~50 ms behind another READ's stream on the CI machine), so an unbounded READ posted or polled on the loop held
-it for as long as the copy: the H100 decode worker missed the router's 1 s health probe pulling 1 GiB parts.
-NIXL 1.5.1 drops the GIL in ``postXferReq`` and ``getXferStatus`` (checked on the CI machine: the main thread
-ran during a 54 ms poll on another thread), so the worker thread's long calls do not hold the loop. The event
-loop never waits on the lock except to abort a READ that timed out (and to add, prepare or remove a peer).
-``prepare_lists``/``read_prepared``: lists NIXL prepared once per peer (``prepared.PreparedLists``), a READ then
-being two index arrays (``make_prepped_xfer``). The synchronous methods (``start_read``, ``poll_notifications``,
-``send_notification``...) may wait for that lock; ``notify`` is ``send_notification`` for the event loop.
+then backing off, and wakes the waiting coroutine once, when it finishes. A READ whose post cannot block for
+long is posted on the caller's thread instead, if the lock is free at that moment, and completes there when the
+post finishes it (a device READ is polled there a little first): which READs, the agent asks its
+``posting.PostingPolicy``, which also says why that bound matters (over UCX's TCP transport the data moves inside
+NIXL's calls). NIXL 1.5.1 drops the GIL in ``postXferReq`` and ``getXferStatus`` (checked on the CI machine: the
+main thread ran during a 54 ms poll on another thread), so the worker thread's long calls do not hold the loop.
+The event loop never waits on the lock except to abort a READ that timed out (and to add, prepare or remove a
+peer). ``prepare_lists``/``read_prepared``: lists NIXL prepared once per peer (``prepared.PreparedLists``), a READ
+then being two index arrays (``make_prepped_xfer``). The synchronous methods (``start_read``,
+``poll_notifications``, ``send_notification``...) may wait for that lock; ``notify`` is ``send_notification`` for
+the event loop.
 
 Quirks of nixl 1.5.1 this module works around (checked on the CI machine):
 - ``add_remote_agent`` with a known name but new metadata (a restarted peer) fails with
@@ -78,13 +72,15 @@ from services.kv.nixl.descriptors import (
     RegisteredRegion,
     as_descriptor_array,
     check_pairing,
+    checked_mem_kinds,
     peer_name_from_metadata,
     region_of,
 )
-from services.kv.nixl.errors import TransferError, TransferTimeout, UnknownPeerError, describe
+from services.kv.nixl.errors import TransferError, UnknownPeerError, describe
 from services.kv.nixl.handle import TransferHandle, TransferResult
+from services.kv.nixl.posting import PostingPolicy
 from services.kv.nixl.prepared import PreparedLists
-from services.kv.nixl.reader import TIMED_OUT, ReadJob, ReadWorker, expire
+from services.kv.nixl.reader import TIMED_OUT, ReadJob, ReadWorker
 
 log = logging.getLogger(__name__)
 
@@ -93,17 +89,6 @@ Device = Literal["cpu", "cuda"]
 #: UCX disables cuda_ipc GET without NVLink, so a READ of VRAM silently falls back to TCP (~0.7 GB/s).
 CUDA_IPC_GET_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 _LOCK_TIMEOUT_S = 30.0
-# How long a cancelled read waits for a post in progress to return and be aborted (a frozen peer can hold it).
-_CANCEL_WAIT_S = 2.0
-# A post that may run on the caller's thread: at most this many descriptors and bytes (on host memory the
-# post is the copy with shared memory, ~0.1 ms per MiB here; UCX over TCP moves 256 KiB in ~1 ms)...
-_INLINE_MAX_DESCRIPTORS, _INLINE_MAX_HOST_BYTES = 64, 256 << 10
-# ... or on device memory as many bytes as the peer's fastest READ moved in this long: whatever the transport
-# does inside the post and polls (UCX over TCP moves the data there), the caller's thread is held about this long.
-_INLINE_MAX_COPY_S = 2e-3
-# How long the caller's thread polls a device READ it posted before handing it to the worker thread: a
-# small GPU copy (0.1-0.3 ms) then completes with no thread hand-over at all.
-_INLINE_SPIN_S = 0.5e-3
 
 #: A dict here collects the stage durations (seconds) of ``TransferAgent.read`` calls in this context.
 read_stages: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("read_stages", default=None)
@@ -156,9 +141,7 @@ class TransferAgent:
         self._peers: dict[str, bytes] = {}
         self._active: set[TransferHandle] = set()
         self._unreleased: list[Any] = []
-        # Peers a READ has completed from (connection and mappings set up) -> the fastest rate a later one moved
-        # (bytes/s), None after the first.
-        self._peer_bytes_per_s: dict[str, float | None] = {}
+        self._posting = PostingPolicy()  # which READs are posted on the caller's thread
         self._num_waiting = 0  # READs whose caller waits on the worker thread (posted or queued there)
         self._prepared: dict[str, list[PreparedLists]] = {}  # peer -> descriptor lists prepared for it
         self._reader: ReadWorker | None = None
@@ -286,7 +269,7 @@ class TransferAgent:
         for handle in handles:
             handle.abort()
         del self._peers[name]
-        self._peer_bytes_per_s.pop(name, None)
+        self._posting.forget(name)
         try:
             with self._locked():
                 for lists in self._prepared.pop(name, ()):
@@ -339,7 +322,7 @@ class TransferAgent:
         by index (``read_prepared``). The lists live until the peer is removed or the agent closes."""
         self._check_open()
         self._check_peer(peer)
-        remote_kind = _checked_mem_kinds(mem_kind, remote_mem_kind)
+        remote_kind = checked_mem_kinds(mem_kind, remote_mem_kind)
         local_arr, remote_arr = as_descriptor_array(local, "local"), as_descriptor_array(remote, "remote")
         with self._locked():
             try:
@@ -380,10 +363,10 @@ class TransferAgent:
         """Post ``job`` on this thread when that is short, else through the worker thread; wait for the end."""
         if job.notify and "DRAM" in (job.mem_kind, job.remote_mem_kind):  # see the module docstring
             job.notify, job.notify_after = b"", job.notify
-        if self._may_post_inline(job):  # the loop's only NIXL calls for a READ: bounded by _may_post_inline
+        if self._posting.inline(job, self._busy()):  # the loop's only NIXL calls for a READ: bounded by the policy
             handle = self._post(job, blocking=False)  # None: the lock is busy, the worker takes it
-            if handle is not None and not handle.done and job.mem_kind == job.remote_mem_kind == "VRAM":
-                self._spin(handle)
+            if handle is not None and not handle.done and (spin_s := self._posting.spin_s(job)):
+                self._spin(handle, spin_s)
             if handle is not None:
                 if handle.done:  # finished here: no thread involved at all
                     self._notify_after(job, handle)
@@ -392,21 +375,12 @@ class TransferAgent:
                 job.state, job.handle = "in_flight", handle
         self._num_waiting += 1
         self._reader_thread().submit(job)
-        loop = job.loop  # a timer on the future itself: fewer loop iterations than wait_for(shield(...))
-        timer = loop.call_at(loop.time() + max(job.deadline - time.monotonic(), 0.0), expire, job.future)
         try:
-            woken_by = await job.future
-        except asyncio.CancelledError:
-            if self._give_up(job, cancelled=True) == "posting":
-                # The agent's thread is inside NIXL's post and aborts the READ when it returns: wait for
-                # that (bounded, off the event loop), so a cancelled read has left nothing in flight.
-                await asyncio.get_running_loop().run_in_executor(None, job.post_returned.wait, _CANCEL_WAIT_S)
-            raise
+            woken_by = await job.woken()
         finally:
-            timer.cancel()
             self._num_waiting -= 1
         if woken_by is TIMED_OUT:
-            self._give_up(job)  # raises TransferTimeout unless the READ finished meanwhile
+            job.give_up()  # raises TransferTimeout unless the READ finished meanwhile
         job.marks["resumed"] = time.perf_counter()
         if isinstance(job.outcome, BaseException):
             raise job.outcome
@@ -446,7 +420,7 @@ class TransferAgent:
         self, peer: str, local: DescriptorsLike, remote: DescriptorsLike, notify: bytes, mem_kind: str,
         remote_mem_kind: str | None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        _checked_mem_kinds(mem_kind, remote_mem_kind)
+        checked_mem_kinds(mem_kind, remote_mem_kind)
         if not isinstance(notify, bytes):
             raise ValueError(f"notify must be bytes, got {type(notify).__name__}")
         self._check_peer(peer)
@@ -472,32 +446,9 @@ class TransferAgent:
         """Whether a READ of this agent is in flight or queued for the worker thread."""
         return bool(self._active) or self._num_waiting > 0
 
-    def _may_post_inline(self, job: ReadJob) -> bool:
-        """Whether the post (and a device READ's spin) is short enough for the caller's thread, whatever the
-        transport (see module docstring)."""
-        if job.peer not in self._peer_bytes_per_s or job.ctx["num_descriptors"] > _INLINE_MAX_DESCRIPTORS:
-            return False  # a first READ from a peer sets up its connection and mappings inside the post
-        if self._busy():
-            return False  # UCX moves the other READs' data meanwhile, and a post or poll here would wait for it
-        bytes_per_s = self._peer_bytes_per_s[job.peer]
-        on_device = job.mem_kind == "VRAM" and job.remote_mem_kind == "VRAM"
-        if on_device and bytes_per_s is not None:
-            return job.num_bytes <= max(bytes_per_s * _INLINE_MAX_COPY_S, _INLINE_MAX_HOST_BYTES)
-        return job.num_bytes <= _INLINE_MAX_HOST_BYTES
-
-    def _learn_rate(self, handle: TransferHandle) -> None:
-        """Record a completed READ's rate for its peer: the fastest so far (latency only lowers it), none for the
-        first, whose post set up the connection (40 ms for 64 KiB here)."""
-        if handle.peer not in self._peer_bytes_per_s:
-            self._peer_bytes_per_s[handle.peer] = None
-            return
-        result = handle.result()
-        rate = result.num_bytes / max(result.seconds, 1e-6)
-        self._peer_bytes_per_s[handle.peer] = max(rate, self._peer_bytes_per_s[handle.peer] or 0.0)
-
-    def _spin(self, handle: TransferHandle) -> None:
-        """Poll a READ this thread posted for up to ``_INLINE_SPIN_S`` (while the lock is free)."""
-        until = time.perf_counter() + _INLINE_SPIN_S
+    def _spin(self, handle: TransferHandle, seconds: float) -> None:
+        """Poll a READ this thread posted for up to ``seconds`` (while the lock is free)."""
+        until = time.perf_counter() + seconds
         while not handle.done and time.perf_counter() < until:
             if not self._lock.acquire(blocking=False):
                 return  # the worker thread is in NIXL: it watches the READ from here on
@@ -578,27 +529,8 @@ class TransferAgent:
                           wake=m["resumed"] - m["done"])
         if handle._error is not None:
             raise handle._error
-        self._learn_rate(handle)
+        self._posting.completed(handle)
         return handle.result()
-
-    def _give_up(self, job: ReadJob, cancelled: bool = False) -> str:
-        """The caller stops waiting (timeout or cancellation): abort or disown the READ.
-
-        Returns the state the job was in when the READ finished meanwhile (its outcome is the job's) or
-        on cancellation; else raises TransferTimeout (not on cancellation, which the caller re-raises).
-        """
-        with job.lock:
-            state = job.state
-            if state == "finished":
-                return state
-            job.state = "cancelled"
-        if state == "in_flight":
-            aborted, what = job.handle.abort(), f"READ not complete after {job.timeout_s:.3f}s"
-        else:  # queued: never posted, nothing to abort; posting: the worker aborts it when the post returns
-            aborted, what = state == "queued", f"posting READ took more than {job.timeout_s:.3f}s"
-        if not cancelled:
-            raise TransferTimeout(what, aborted=aborted, **job.ctx) from None
-        return state
 
     @contextlib.contextmanager
     def _locked(self, timeout_s: float = _LOCK_TIMEOUT_S) -> Iterator[None]:
@@ -654,12 +586,3 @@ class TransferAgent:
             except Exception:
                 still.append(xfer)
         self._unreleased = still
-
-
-def _checked_mem_kinds(mem_kind: str, remote_mem_kind: str | None) -> str:
-    """The remote side's memory kind (``mem_kind`` when not given), after checking both are NIXL's."""
-    remote_kind = remote_mem_kind or mem_kind
-    for kind in (mem_kind, remote_kind):
-        if kind not in MEM_KINDS:
-            raise ValueError(f"memory kind must be one of {MEM_KINDS}, got {kind!r}")
-    return remote_kind

@@ -113,3 +113,12 @@ def tensor_region(tensor: Any) -> RegisteredRegion:
     else:
         kind, device_id = "DRAM", 0
     return RegisteredRegion(tensor.data_ptr(), tensor.numel() * tensor.element_size(), device_id, kind)
+
+
+def checked_mem_kinds(mem_kind: str, remote_mem_kind: str | None) -> str:
+    """The remote side's memory kind (``mem_kind`` when not given), after checking both are NIXL's."""
+    remote_kind = remote_mem_kind or mem_kind
+    for kind in (mem_kind, remote_kind):
+        if kind not in MEM_KINDS:
+            raise ValueError(f"memory kind must be one of {MEM_KINDS}, got {kind!r}")
+    return remote_kind

@@ -4,7 +4,8 @@ On DRAM, UCX performs the whole copy inside ``postXferReq`` (CMA/shared memory i
 call drops the GIL), so ``TransferAgent.read`` hands a READ to this thread, which prepares and posts
 it (through the agent: :class:`ReadPoster`) and then polls every READ in flight: tightly for the
 first milliseconds (a GPU READ of a prompt takes 0.2-5 ms), then backing off, and wakes the waiting
-coroutine once, when it finishes. A :class:`ReadJob` is the hand-over between the caller and the thread.
+coroutine once, when it finishes. A :class:`ReadJob` is the hand-over between the caller and the thread: the
+caller waits on it (``woken``) and, past its deadline or cancelled, gives it up (``give_up``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 # The worker polls a READ every _SPIN_POLL_S (the kernel makes it ~60-80 us) for its first _SPIN_S,
 # then every ~10% of its age, at most every _MAX_POLL_S: bounded error for a READ of any length.
 _SPIN_POLL_S, _SPIN_S, _MAX_POLL_S = 20e-6, 0.005, 0.001
+# How long a cancelled read waits for a post in progress to return and be aborted (a frozen peer can hold it).
+_CANCEL_WAIT_S = 2.0
 
 #: What a waiting read's future holds when its deadline passed first (see :func:`expire`).
 TIMED_OUT: Any = object()
@@ -71,6 +74,41 @@ class ReadJob:
         self.handle: TransferHandle | None = None
         self.outcome: BaseException | None = None
         self.marks = {"entered": entered}
+
+    async def woken(self) -> Any:
+        """Wait (the caller, once the job is handed to the worker) until the worker wakes it or the deadline
+        passes; what woke it (:data:`TIMED_OUT` for the deadline). A cancelled caller gives the READ up first."""
+        loop = self.loop  # a timer on the future itself: fewer loop iterations than wait_for(shield(...))
+        timer = loop.call_at(loop.time() + max(self.deadline - time.monotonic(), 0.0), expire, self.future)
+        try:
+            return await self.future
+        except asyncio.CancelledError:
+            if self.give_up(cancelled=True) == "posting":
+                # The agent's thread is inside NIXL's post and aborts the READ when it returns: wait for
+                # that (bounded, off the event loop), so a cancelled read has left nothing in flight.
+                await asyncio.get_running_loop().run_in_executor(None, self.post_returned.wait, _CANCEL_WAIT_S)
+            raise
+        finally:
+            timer.cancel()
+
+    def give_up(self, cancelled: bool = False) -> str:
+        """The caller stops waiting (timeout or cancellation): abort or disown the READ.
+
+        Returns the state the job was in when the READ finished meanwhile (its outcome is the job's) or
+        on cancellation; else raises TransferTimeout (not on cancellation, which the caller re-raises).
+        """
+        with self.lock:
+            state = self.state
+            if state == "finished":
+                return state
+            self.state = "cancelled"
+        if state == "in_flight":
+            aborted, what = self.handle.abort(), f"READ not complete after {self.timeout_s:.3f}s"
+        else:  # queued: never posted, nothing to abort; posting: the worker aborts it when the post returns
+            aborted, what = state == "queued", f"posting READ took more than {self.timeout_s:.3f}s"
+        if not cancelled:
+            raise TransferTimeout(what, aborted=aborted, **self.ctx) from None
+        return state
 
 
 class ReadPoster(Protocol):
