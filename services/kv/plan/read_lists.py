@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.kv.plan.planner import Nesting, UnitRuns, unit_runs
+from services.kv.plan.planner import UnitRuns, unit_runs
+from services.kv.plan.spec_pair import Nesting
 from services.kv.spec.layout import KVLayoutSpec
 from services.kv.spec.topology import RankRead
 from services.kv.spec.wire import MemoryRegion
