@@ -26,7 +26,7 @@ from services.engine.offload import HostTierStats
 from services.engine.output_processor import RequestOutput
 from services.engine.request import Request
 from services.engine.runner.rank_runtime import use_device
-from services.engine.sched.scheduler import PrefixCacheStats
+from services.engine.sched.scheduler_output import PrefixCacheStats
 from services.engine.structured.backend import GrammarMatcher
 
 log = logging.getLogger(__name__)

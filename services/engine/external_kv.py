@@ -3,8 +3,9 @@
 ================  ==========================================  =========================================
 lifecycle         hooks (``ExternalKV``)                      scheduler side
 ================  ==========================================  =========================================
-pull (decode)     ``reserve_pull`` -> caller READs the blocks  WAITING_FOR_KV until ``complete_external``
-                  -> ``pull_arrived`` or ``pull_failed``       (runs) or ``fail_external`` (prefills here)
+pull (decode)     ``reserve_pull`` -> caller READs the blocks  WAITING_FOR_KV in ``Scheduler.pulls``
+                  -> ``pull_arrived`` or ``pull_failed``       until ``complete`` (runs) or ``fail``
+                                                               (prefills here)
 host-tier load    ``host_tier`` (made by ``host_tier_for``),   LOADING_KV while the copy runs; the next
                   ``on_load_finished`` wakes the engine        ``schedule`` takes it in (or computes)
 hold for a pull   ``add_request(hold_kv_on_finish=True)``,     finished, blocks held until
@@ -73,7 +74,7 @@ class ExternalKV:
     def reserve_pull(self, request: Request, grammar: GrammarMatcher | None) -> Request | None:
         """Blocks for a checked new request whose KV is pulled in; None (nothing changed) when there
         is no room now."""
-        if self.scheduler.allocate_external(request) is None:
+        if self.scheduler.pulls.allocate(request) is None:
             return None
         self._wait_for_step_in_flight()  # the blocks may have been a stopped request's: a READ fills them next
         self.outputs.add(request, grammar)
@@ -82,7 +83,7 @@ class ExternalKV:
     def prepare_pull(self, request_id: str, num_pulled_tokens: int = 0) -> None:
         """While the KV is on the way: hash the prompt's blocks and publish those already pulled, so that
         ``pull_arrived`` only files the rest."""
-        self.scheduler.prepare_external(request_id, num_pulled_tokens)
+        self.scheduler.pulls.prepare(request_id, num_pulled_tokens)
 
     def pull_arrived(self, request_id: str, first_token_id: int, first_logprob: float | None) -> RequestOutput:
         """The blocks are filled: the request joins the batch with its first token (checked against
@@ -91,24 +92,24 @@ class ExternalKV:
             grammar = self.outputs.state(request_id).grammar
             if grammar is not None:
                 grammar.accept(first_token_id)
-        request = self.scheduler.complete_external(request_id, first_token_id, first_logprob)
+        request = self.scheduler.pulls.complete(request_id, first_token_id, first_logprob)
         if request.sampling_params.top_logprobs:
             self.outputs.record_top_logprobs(request_id, TopLogprobs((), ()))  # the prefill worker reported them
         return self.outputs.output(request)
 
     def pull_failed(self, request_id: str) -> None:
         """The KV never arrived: the request is prefilled here instead (it is not lost)."""
-        self.scheduler.fail_external(request_id)
+        self.scheduler.pulls.fail(request_id)
 
     def quarantine_pull(self, request_id: str) -> str:
         """The READ timed out and could not be cancelled: retire the request, keep its blocks out of the
         pool under the returned key (``release_quarantined`` frees them once no late write can land)."""
-        key = self.scheduler.quarantine_external(request_id)
+        key = self.scheduler.pulls.quarantine(request_id)
         self.outputs.discard(request_id)
         return key
 
     def release_quarantined(self, key: str) -> bool:
-        return self.scheduler.release_quarantined(key)
+        return self.scheduler.pulls.release_quarantined(key)
 
     # ---- held for a pull (prefill worker) ----------------------------------------------------------
     def release_held(self, request_id: str) -> bool:

@@ -34,12 +34,8 @@ from services.engine.runner.sampler import (
     sample_async,
 )
 from services.engine.runner.step import DeviceTokens
-from services.engine.sched.scheduler import (
-    PLACEHOLDER_TOKEN,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from services.engine.sched.scheduler import Scheduler, SchedulerConfig
+from services.engine.sched.scheduler_output import PLACEHOLDER_TOKEN, SchedulerOutput
 from services.engine.structured.backend import GrammarMatcher
 from services.engine.structured.bitmask import allocate_bitmask
 from services.engine.structured.compiler import GrammarCompiler

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from services.engine.sched.scheduler import SchedulerOutput
+from services.engine.sched.scheduler_output import SchedulerOutput
 
 #: Weight the sums keep per prefill step: the last ~5 steps dominate the rate.
 PREFILL_RATE_DECAY = 0.8

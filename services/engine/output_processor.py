@@ -18,7 +18,7 @@ from services.contract.outputs import TopLogprobs
 from services.contract.structured import StructuredOutputError
 from services.engine.request import Request, RequestStatus
 from services.engine.runner.sampler import make_generator, top_logprobs_of
-from services.engine.sched.scheduler import ScheduledChunk
+from services.engine.sched.scheduler_output import ScheduledChunk
 from services.engine.sched.stopping import check_token_stop
 from services.engine.structured.backend import GrammarMatcher
 from services.text.stream import TextStream

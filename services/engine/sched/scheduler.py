@@ -16,12 +16,17 @@ from typing import TYPE_CHECKING
 
 from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.request import Request, RequestStatus
+from services.engine.sched.pulls import Pulls
+from services.engine.sched.scheduler_output import (
+    PLACEHOLDER_TOKEN,
+    PrefixCacheStats,
+    ScheduledChunk,
+    SchedulerOutput,
+    check_sample,
+)
 
 if TYPE_CHECKING:
     from services.engine.offload import HostKVTier
-
-# The token of a sampling chunk whose step is still running (``Scheduler.advance``); never a real id.
-PLACEHOLDER_TOKEN = -1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,79 +64,6 @@ class SchedulerConfig:
         return min(self.max_num_batched_tokens, self.long_prefill_token_threshold)
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Run ``request.all_token_ids[start:start + num_tokens]`` at positions ``start..``.
-
-    ``samples`` is True when the chunk reaches the request's newest token, so the logits at its
-    last position give the next token::
-
-        all_token_ids  t0 t1 t2 t3 t4 t5        request.num_tokens = 6
-        chunk          start=0, num_tokens=2 -> t0 t1,       samples=False (prefill continues)
-        chunk          start=2, num_tokens=4 -> t2 t3 t4 t5, samples=True  (logits at t5)
-    """
-
-    request: Request
-    start: int
-    num_tokens: int
-    samples: bool
-
-    # What the model runner reads (``runner.step.Chunk``); a TP follower rebuilds the same from a message.
-    @property
-    def token_ids(self) -> list[int]:
-        """The chunk's tokens, sliced without building the request's whole token list."""
-        r, start, end = self.request, self.start, self.start + self.num_tokens
-        prompt = r.prompt_token_ids
-        if end <= len(prompt):
-            return prompt[start:end]
-        n = len(prompt)
-        return prompt[start:] + r.output_token_ids[max(start - n, 0): end - n]
-
-    @property
-    def block_ids(self) -> list[list[int]]:
-        return self.request.block_ids
-
-    @property
-    def state_slot(self) -> int | None:
-        return self.request.state_slot
-
-    @property
-    def return_logits(self) -> bool:
-        """Whether every position's logits are kept: asked for, or they hold prompt logprobs."""
-        p = self.request.sampling_params
-        return p.return_logits or (p.prompt_logprobs is not None and self.start < self.request.num_prompt_tokens - 1)
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix lookups of admitted requests per tier (``hits`` + ``misses`` = lookups) and tokens served.
-
-    The host tier is consulted only for what the device tier missed: a host hit is a request whose
-    prefix reached past its device hit.
-    """
-
-    device_hits: int = 0
-    device_misses: int = 0
-    device_hit_tokens: int = 0
-    host_hits: int = 0
-    host_misses: int = 0
-    host_hit_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    chunks: tuple[ScheduledChunk, ...]
-    # Preempted this step: their blocks are gone; they will be recomputed from token 0.
-    preempted_request_ids: tuple[str, ...]
-    # Finished (or aborted) since the previous step: the runner can drop their per-request state.
-    finished_request_ids: tuple[str, ...]
-    num_batched_tokens: int
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-
 class Scheduler:
     """FCFS continuous batching with chunked prefill, prefix caching and preemption by recompute.
 
@@ -142,8 +74,8 @@ class Scheduler:
         WAITING                     _waiting           add_request; a failed pull or host load (in
                                                        arrival order) -> admitted: RUNNING
         PREEMPTED                   _waiting (front)   preempted -> admitted again: RUNNING
-        WAITING_FOR_KV              _waiting_for_kv    allocate_external -> complete_external
-                                                       (RUNNING) or fail_external (WAITING)
+        WAITING_FOR_KV              pulls              pulls.allocate -> pulls.complete (RUNNING)
+                                                       or pulls.fail (WAITING)
         LOADING_KV                  _loading           host-tier hit at admission -> the copy's
                                                        end: RUNNING, or WAITING if it failed
         RUNNING                     _running           admitted -> preempted, or finished
@@ -169,12 +101,10 @@ class Scheduler:
         self._next_arrival = 0
         self._waiting: deque[Request] = deque()  # WAITING and PREEMPTED, front first
         self._running: list[Request] = []  # sorted by arrival: the newest is last
-        self._waiting_for_kv: dict[str, Request] = {}
+        self.pulls = Pulls(self, kv_manager, host_tier)  # WAITING_FOR_KV, and quarantined pulls' blocks
         self._loading: dict[str, tuple[Request, int]] = {}  # loading from the host tier, up to that many tokens
         self._host_load_failed: set[str] = set()  # computed instead, never loaded again
         self._held: dict[str, Request] = {}  # finished, blocks kept for a pull
-        self._quarantined: set[str] = set()  # keys of blocks a late READ may still write (quarantine_external)
-        self._num_quarantined = 0
         self._finished_ids: list[str] = []
 
     # ---- introspection -----------------------------------------------------------------------
@@ -189,7 +119,7 @@ class Scheduler:
 
     @property
     def num_waiting_for_kv(self) -> int:
-        return len(self._waiting_for_kv)
+        return len(self.pulls)
 
     @property
     def num_loading(self) -> int:
@@ -217,11 +147,19 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a new request at the back of the waiting queue."""
-        self._check_new(request)
+        self.check_new(request)
         self._register(request)
         self._waiting.append(request)
 
-    def _check_new(self, request: Request) -> None:
+    def _register(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        self._arrival[request.request_id] = self._next_arrival
+        self._next_arrival += 1
+
+    # ---- the request book of the pulls (``pulls.RequestBook``), and of the scheduler itself --------------
+
+    def check_new(self, request: Request) -> None:
+        """Raise ValueError for a request that is not new, or could never run here."""
         rid = request.request_id
         if rid in self._requests or rid in self._held:
             raise ValueError(f"duplicate request id {rid!r}")
@@ -238,10 +176,35 @@ class Scheduler:
             raise ValueError(f"request {rid!r}: prompt of {request.num_tokens} tokens leaves no room "
                              f"below max_model_len={self.config.max_model_len}")
 
-    def _register(self, request: Request) -> None:
-        self._requests[request.request_id] = request
-        self._arrival[request.request_id] = self._next_arrival
-        self._next_arrival += 1
+    def has_free_seat(self) -> bool:
+        # Requests pulling or loading KV have a seat reserved: they run when their blocks are filled.
+        return len(self._running) + len(self.pulls) + len(self._loading) < self.config.max_num_seqs
+
+    def register_pulled(self, request: Request, num_device_hit: int) -> None:
+        """A pull's blocks are reserved: the request is live, its device lookup counted (the host tier is not
+        asked for a prompt whose KV is pulled)."""
+        self._register(request)
+        self._count_lookup(request, num_device_hit, None)
+
+    def start_running(self, request: Request) -> None:
+        """Into the batch, kept in arrival order (preemption takes the newest)."""
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self._running, request, key=self._arrival_of)
+
+    def requeue(self, request: Request) -> None:
+        """Back to WAITING (its KV failed to arrive, or to load), among the waiting ones in arrival order."""
+        request.status = RequestStatus.WAITING
+        arrival = self._arrival_of(request)
+        position = next((i for i, r in enumerate(self._waiting) if self._arrival_of(r) > arrival),
+                        len(self._waiting))
+        self._waiting.insert(position, request)
+
+    def retire(self, request: Request) -> None:
+        """Out of every container and the host tier's pending stores, reported by the next ``schedule``; the
+        caller decides its blocks and its finished status."""
+        self._remove(request)
+        self._forget_offload(request.request_id)
+        self._finished_ids.append(request.request_id)
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -308,7 +271,7 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> None:
         # Head of line: a request that cannot start now blocks the ones behind it (FCFS).
-        while self._waiting and budget > 0 and self._num_seats_taken() < self.config.max_num_seqs:
+        while self._waiting and budget > 0 and self.has_free_seat():
             request = self._waiting[0]
             computed, num_hit = self.kv.get_computed_blocks(request)
             if self.host_tier is not None and request.request_id not in self._host_load_failed:
@@ -325,10 +288,6 @@ class Scheduler:
             self._admit(request, num_hit)
             chunks.append(_chunk(request, num_tokens))
             budget -= num_tokens
-
-    def _num_seats_taken(self) -> int:
-        # Requests pulling or loading KV have a seat reserved: they run when their blocks are filled.
-        return len(self._running) + len(self._waiting_for_kv) + len(self._loading)
 
     def _count_lookup(self, request: Request, num_device_hit: int, num_host_hit: int | None) -> None:
         """Count an admitted request's prefix lookup (``num_host_hit``: tokens past the device hit;
@@ -372,14 +331,12 @@ class Scheduler:
             if result.ok:
                 request.num_computed_tokens = num_tokens
                 self.kv.cache_full_blocks(request, num_tokens)
-                request.status = RequestStatus.RUNNING
-                bisect.insort(self._running, request, key=self._arrival_of)
+                self.start_running(request)
             else:
                 self.kv.free(request)
                 self._host_load_failed.add(request.request_id)
                 request.num_computed_tokens = request.num_cached_tokens = request.num_host_cached_tokens = 0
-                request.status = RequestStatus.WAITING
-                self._requeue_in_arrival_order(request)
+                self.requeue(request)
 
     def _forget_offload(self, request_id: str) -> None:
         if self.host_tier is not None:
@@ -389,8 +346,7 @@ class Scheduler:
         request.num_computed_tokens = num_hit
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit
-        request.status = RequestStatus.RUNNING
-        bisect.insort(self._running, request, key=self._arrival_of)
+        self.start_running(request)
 
     def _arrival_of(self, request: Request) -> int:
         return self._arrival[request.request_id]
@@ -409,20 +365,6 @@ class Scheduler:
         return max(num_tokens, 0)
 
     # ---- results -----------------------------------------------------------------------------
-
-    def update_from_output(self, output: SchedulerOutput,
-                           sampled: Mapping[str, tuple[int, float | None]]) -> list[Request]:
-        """Advance each scheduled request past its chunk; append the sampled token where one was due.
-
-        ``sampled`` maps request id -> (token id, logprob or None); entries for chunks that do
-        not sample are ignored. Requests finished or aborted since ``schedule`` are skipped.
-        Returns the requests that got a new token (the engine checks their stop conditions).
-        """
-        for c in output.chunks:  # check before anything changes
-            if c.samples and self._is_current(c):
-                _check_sample(c.request.request_id, sampled.get(c.request.request_id))
-        self.advance(output)
-        return self.resolve(output, sampled)
 
     def advance(self, output: SchedulerOutput) -> None:
         """Count a launched step's chunks as computed before their results are known.
@@ -444,7 +386,7 @@ class Scheduler:
         live = [c for c in output.chunks if self._is_advanced(c)]
         for c in live:
             if c.samples:
-                _check_sample(c.request.request_id, sampled.get(c.request.request_id))
+                check_sample(c.request.request_id, sampled.get(c.request.request_id))
         updated = []
         for c in live:
             request = c.request
@@ -493,8 +435,7 @@ class Scheduler:
             raise ValueError(f"unknown request id {request_id!r}")
         hold = (request.hold_kv_on_finish and status is not RequestStatus.FINISHED_ABORTED
                 and request.status is RequestStatus.RUNNING)
-        self._remove(request)
-        self._forget_offload(request_id)
+        self.retire(request)
         if hold:
             if self.host_tier is not None and request.num_host_cached_tokens:
                 request.host_prefix = self.host_tier.pin_prefix(request, request.num_cached_tokens)
@@ -503,13 +444,12 @@ class Scheduler:
         else:
             self.kv.free(request)
         request.status = status
-        self._finished_ids.append(request_id)
 
     def _remove(self, request: Request) -> None:
         if request.status is RequestStatus.RUNNING:
             self._running.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_KV:
-            del self._waiting_for_kv[request.request_id]
+            self.pulls.drop(request.request_id)
         elif request.status is RequestStatus.LOADING_KV:
             del self._loading[request.request_id]  # the copy keeps its own block references
         else:
@@ -560,110 +500,6 @@ class Scheduler:
         self.kv.pin(kv_parts_key(request_id), pins)
         return tables
 
-    # ---- external KV (decode worker pulling a prefill worker's blocks) ----------------------
-
-    def allocate_external(self, request: Request) -> list[list[int]] | None:
-        """Reserve blocks for a prompt whose KV another worker computed; None if it cannot now.
-
-        Blocks the local prefix cache already holds are reused; the caller fills the rest. Every
-        table runs from token 0 (N = the prompt's tokens); in a sliding-window group the blocks
-        before the window the transfer moves, ``first_needed_block(N)``, are never allocated: their
-        entries are the placeholder (``KVCacheManager.placeholder_block_id``), never to be written::
-
-            full group    [ local hit ...        | to fill ...                 ]
-            sliding group [ P P P ... | hit ...  | to fill ...                 ]
-                          0           first_needed_block(N)   (hit entries before it are P too)
-                          fill from max(num_cached_tokens, window start) // block_size
-
-        None (nothing changed) when the pool is short or every sequence seat is taken.
-        """
-        self._check_new(request)
-        if self._num_seats_taken() >= self.config.max_num_seqs:
-            return None
-        computed, num_hit = self.kv.get_computed_blocks(request)
-        if self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit, computed, external_kv=True) is None:
-            return None
-        self._register(request)
-        self._count_lookup(request, num_hit, None)
-        self._waiting_for_kv[request.request_id] = request
-        request.status = RequestStatus.WAITING_FOR_KV
-        request.num_computed_tokens = request.num_cached_tokens = num_hit
-        return [list(table) for table in request.block_ids]
-
-    def complete_external(self, request_id: str, first_token_id: int,
-                          first_logprob: float | None = None) -> Request:
-        """The pulled blocks are filled: the request runs, starting from its first token."""
-        request = self._waiting_for_kv_request(request_id)
-        _check_sample(request_id, (first_token_id, first_logprob))
-        del self._waiting_for_kv[request_id]
-        request.num_computed_tokens = request.num_prompt_tokens
-        _append_token(request, first_token_id, first_logprob)
-        self.kv.cache_full_blocks(request, request.num_computed_tokens)
-        if self.host_tier is not None:
-            self.host_tier.note_computed(request)
-            self.host_tier.flush()
-        request.status = RequestStatus.RUNNING
-        bisect.insort(self._running, request, key=self._arrival_of)
-        return request
-
-    def prepare_external(self, request_id: str, num_pulled_tokens: int = 0) -> None:
-        """Ahead of a reserved pull's completion: hash its prompt's blocks (``KVCacheManager.hash_full_blocks``)
-        and publish the full blocks of the first ``num_pulled_tokens`` (pulled and checked: the parts so far),
-        so later requests can hit them at once; a request no longer waiting for its KV is skipped."""
-        request = self._waiting_for_kv.get(request_id)
-        if request is not None:
-            self.kv.hash_full_blocks(request, request.num_prompt_tokens)
-            if num_pulled_tokens:
-                self.kv.cache_full_blocks(request, min(num_pulled_tokens, request.num_prompt_tokens))
-
-    def fail_external(self, request_id: str) -> None:
-        """The pull failed: free the blocks and queue the request to be prefilled here."""
-        request = self._waiting_for_kv_request(request_id)
-        del self._waiting_for_kv[request_id]
-        self.kv.free(request)
-        request.num_computed_tokens = request.num_cached_tokens = 0
-        request.status = RequestStatus.WAITING
-        self._requeue_in_arrival_order(request)
-
-    def quarantine_external(self, request_id: str) -> str:
-        """A pull whose READ could not be cancelled: retire the request but keep its blocks out of the
-        pool (a late READ may still write them) under the returned key, until ``release_quarantined``.
-        The request id is free again at once (the prompt is prefilled under it)."""
-        request = self._waiting_for_kv_request(request_id)
-        self._num_quarantined += 1
-        key = f"{request_id}#quarantined-{self._num_quarantined}"
-        self._remove(request)
-        self._forget_offload(request_id)
-        self.kv.hold(request, key=key)
-        request.block_ids, request.state_slot = [], None
-        request.status = RequestStatus.FINISHED_ABORTED
-        self._finished_ids.append(request_id)
-        self._quarantined.add(key)
-        return key
-
-    def release_quarantined(self, key: str) -> bool:
-        """Return a quarantined pull's blocks to the pool; False if none are kept under ``key``."""
-        if key not in self._quarantined:
-            return False
-        self._quarantined.discard(key)
-        return self.kv.release(key)
-
-    @property
-    def num_quarantined(self) -> int:
-        return len(self._quarantined)
-
-    def _requeue_in_arrival_order(self, request: Request) -> None:
-        arrival = self._arrival_of(request)
-        position = next((i for i, r in enumerate(self._waiting) if self._arrival_of(r) > arrival),
-                        len(self._waiting))
-        self._waiting.insert(position, request)
-
-    def _waiting_for_kv_request(self, request_id: str) -> Request:
-        request = self._waiting_for_kv.get(request_id)
-        if request is None:
-            raise ValueError(f"request {request_id!r} is not waiting for KV")
-        return request
-
 
 def kv_parts_key(request_id: str) -> str:
     """The key a request's part-ticket pins are held under (never a request id: ids have no NUL)."""
@@ -675,20 +511,7 @@ def _chunk(request: Request, num_tokens: int) -> ScheduledChunk:
     return ScheduledChunk(request, start, num_tokens, samples=start + num_tokens == request.num_tokens)
 
 
-def _check_sample(request_id: str, sample: tuple[int, float | None] | None) -> None:
-    if sample is None:
-        raise ValueError(f"no sampled token for request {request_id!r}")
-    token_id = sample[0]
-    if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < 2**32:
-        raise ValueError(f"request {request_id!r}: bad token id {token_id!r}")
-
-
 def _drop_placeholders(request: Request) -> None:
     while request.output_token_ids and request.output_token_ids[-1] == PLACEHOLDER_TOKEN:
         request.output_token_ids.pop()
 
-
-def _append_token(request: Request, token_id: int, logprob: float | None) -> None:
-    request.output_token_ids.append(token_id)
-    if logprob is not None:
-        request.output_logprobs.append(logprob)

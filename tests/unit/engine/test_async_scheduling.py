@@ -15,7 +15,7 @@ from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.runner.cuda_graphs import DecodeGraphRunner
 from services.engine.runner.step import DeviceTokens
-from services.engine.sched.scheduler import PLACEHOLDER_TOKEN
+from services.engine.sched.scheduler_output import PLACEHOLDER_TOKEN
 
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
 PROMPTS = [[random.Random(i).randrange(100, 3000) for _ in range(20 + 7 * i)] for i in range(6)]

@@ -116,7 +116,7 @@ def test_a_quarantined_pull_keeps_its_blocks_until_released_and_frees_its_id(che
     reserved = decode.add_request_with_external_kv("r", PROMPT, GREEDY)
     blocks = set(reserved.block_ids[0])
     key = decode.quarantine_external_kv("r")
-    assert decode.kv_manager.pool(0).num_free_blocks == 64 - len(blocks)
+    assert decode.kv_manager.pool(0).num_free_blocks == 64 - len(blocks) and decode.scheduler.pulls.num_quarantined == 1
     decode.add_request("r", PROMPT, GREEDY)  # the same id, prefilled here while the blocks stay aside
     tokens = []
     while decode.has_unfinished_requests():
@@ -127,7 +127,7 @@ def test_a_quarantined_pull_keeps_its_blocks_until_released_and_frees_its_id(che
     assert tokens == reference
     assert decode.kv_manager.pool(0).num_free_blocks == 64 - len(blocks)
     assert decode.release_quarantined_kv(key) and not decode.release_quarantined_kv(key)
-    assert decode.kv_manager.pool(0).num_free_blocks == 64
+    assert decode.kv_manager.pool(0).num_free_blocks == 64 and decode.scheduler.pulls.num_quarantined == 0
 
 
 def test_bad_first_token_is_refused(checkpoint: str) -> None:

@@ -17,7 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from services.contract.sampling_params import SamplingParams
 from services.engine.kv_cache.manager import KVCacheManager
 from services.engine.request import Request, RequestStatus
-from services.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from services.engine.sched.scheduler import Scheduler, SchedulerConfig
+from services.engine.sched.scheduler_output import PLACEHOLDER_TOKEN, SchedulerOutput
 from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
 
 BS = 4
@@ -45,6 +46,13 @@ def sample(out: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
             for c in out.chunks if c.samples}
 
 
+def advance_and_resolve(sched: Scheduler, out: SchedulerOutput,
+                        sampled: dict[str, tuple[int, float | None]]) -> list[Request]:
+    """The engine's sequence for a step: ``advance`` once it is launched, ``resolve`` once its samples are in."""
+    sched.advance(out)
+    return sched.resolve(out, sampled)
+
+
 def step(sched: Scheduler) -> SchedulerOutput:
     """One engine step: schedule, fake the model, update, finish requests that hit max_tokens."""
     out = sched.schedule()
@@ -54,7 +62,7 @@ def step(sched: Scheduler) -> SchedulerOutput:
 
 def update(sched: Scheduler, out: SchedulerOutput) -> None:
     """Take in a step's (faked) samples and finish the requests that hit a length limit, as the engine does."""
-    for r in sched.update_from_output(out, sample(out)):
+    for r in advance_and_resolve(sched, out, sample(out)):
         if r.num_output_tokens >= r.sampling_params.max_tokens or r.num_tokens >= sched.config.max_model_len:
             sched.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
 
@@ -342,19 +350,21 @@ def test_a_lone_request_can_preempt_itself_and_waits_for_held_blocks():
 
 def test_update_requires_a_sample_and_skips_aborted_requests():
     sched = make_sched()
-    a, b = req("a", range(5)), req("b", range(7))
-    sched.add_request(a)
-    sched.add_request(b)
+    a, b, c = req("a", range(5)), req("b", range(7)), req("c", range(9))
+    for r in (a, b, c):
+        sched.add_request(r)
     out = sched.schedule()
+    assert sched.abort_request("c")  # before the step is launched: advance skips it
+    sched.advance(out)
     with pytest.raises(ValueError, match="no sampled token"):
-        sched.update_from_output(out, {"a": (1, None)})
+        sched.resolve(out, {"a": (1, None)})
     with pytest.raises(ValueError, match="bad token"):
-        sched.update_from_output(out, {"a": (1, None), "b": (-3, None)})
-    assert a.num_computed_tokens == 0 and a.output_token_ids == []
-    assert sched.abort_request("b")
-    assert sched.update_from_output(out, {"a": (1, None)}) == [a]
-    assert b.num_computed_tokens == 0 and b.output_token_ids == [] and b.block_ids == []
-    assert sched.schedule().finished_request_ids == ("b",)
+        sched.resolve(out, {"a": (1, None), "b": (-3, None)})
+    assert a.output_token_ids == b.output_token_ids == [PLACEHOLDER_TOKEN]  # a refused result changes nothing
+    assert sched.abort_request("b")  # while the step runs: resolve skips it
+    assert sched.resolve(out, {"a": (1, None)}) == [a] and a.output_token_ids == [1]
+    assert c.num_computed_tokens == 0 and c.output_token_ids == [] and c.block_ids == [] and b.block_ids == []
+    assert sched.schedule().finished_request_ids == ("c", "b")
 
 
 def test_finish_request_validates():
@@ -395,7 +405,7 @@ def test_abort_in_every_state():
         sched.add_request(r)
     step(sched)
     external = req("external", range(300, 304))
-    assert sched.allocate_external(external) is not None  # takes the last seat
+    assert sched.pulls.allocate(external) is not None  # takes the last seat
     step(sched)
     assert decoding.num_output_tokens == 2 and 0 < chunking.num_computed_tokens < 20
     assert waiting.status is RequestStatus.WAITING and external.status is RequestStatus.WAITING_FOR_KV
@@ -431,21 +441,21 @@ def test_external_kv_allocate_complete_and_decode():
     sched.add_request(local)
     step(sched)  # caches block 0 (tokens 0..3) and block 1 (4..7)
     remote = req("remote", list(range(8)) + [60, 61, 62, 63, 64, 65])
-    tables = sched.allocate_external(remote)
+    tables = sched.pulls.allocate(remote)
     assert remote.status is RequestStatus.WAITING_FOR_KV and remote.num_cached_tokens == 8
     assert tables[0][:2] == local.block_ids[0][:2] and len(tables[0]) == 4
     assert sched.num_waiting_for_kv == 1
     assert all(c.request is not remote for c in step(sched).chunks)  # not schedulable yet
     with pytest.raises(ValueError, match="bad token"):
-        sched.complete_external("remote", -1)
-    sched.complete_external("remote", 7, -0.25)
+        sched.pulls.complete("remote", -1)
+    sched.pulls.complete("remote", 7, -0.25)
     assert remote.status is RequestStatus.RUNNING and remote.output_token_ids == [7]
     assert remote.output_logprobs == [-0.25] and remote.num_computed_tokens == 14
     out = sched.schedule()
     assert ("remote", 14, 1, True) in chunks_of(out)
     with pytest.raises(ValueError, match="not waiting for KV"):
-        sched.complete_external("remote", 7)
-    sched.update_from_output(out, sample(out))
+        sched.pulls.complete("remote", 7)
+    advance_and_resolve(sched, out, sample(out))
     _, num_hit = sched.kv.get_computed_blocks(req("probe", list(remote.all_token_ids) + [1]))
     assert num_hit == 12  # the pulled blocks are in the prefix cache too
 
@@ -454,9 +464,9 @@ def test_external_kv_failure_falls_back_to_local_prefill():
     sched = make_sched(num_blocks=16)
     remote = req("remote", range(10), max_tokens=3)
     sched.add_request(req("first", range(50, 53), max_tokens=1))
-    assert sched.allocate_external(remote) == [[0, 1, 2]]
+    assert sched.pulls.allocate(remote) == [[0, 1, 2]]
     sched.add_request(req("later", range(70, 73), max_tokens=1))
-    sched.fail_external("remote")
+    sched.pulls.fail("remote")
     assert remote.status is RequestStatus.WAITING and remote.block_ids == []
     assert remote.num_computed_tokens == 0 and remote.num_cached_tokens == 0
     out = sched.schedule()
@@ -471,17 +481,17 @@ def test_external_kv_failure_falls_back_to_local_prefill():
 def test_external_kv_allocation_is_check_then_act():
     sched = make_sched(num_blocks=4, max_model_len=16, max_num_seqs=2)
     big = req("big", range(12))
-    assert sched.allocate_external(big) is not None
+    assert sched.pulls.allocate(big) is not None
     before = ([sched.kv.pool(0).ref_count(b) for b in range(4)], sched.kv.pool(0).num_free_blocks)
     too_big = req("too_big", range(100, 108))
-    assert sched.allocate_external(too_big) is None
+    assert sched.pulls.allocate(too_big) is None
     assert too_big.status is RequestStatus.WAITING and too_big.block_ids == []
     assert sched.get_request("too_big") is None
     assert ([sched.kv.pool(0).ref_count(b) for b in range(4)], sched.kv.pool(0).num_free_blocks) == before
-    assert sched.allocate_external(req("small", range(3))) is not None
-    assert sched.allocate_external(req("no_seat", range(2))) is None  # max_num_seqs reached
+    assert sched.pulls.allocate(req("small", range(3))) is not None
+    assert sched.pulls.allocate(req("no_seat", range(2))) is None  # max_num_seqs reached
     with pytest.raises(ValueError, match="not waiting for KV"):
-        sched.fail_external("nope")
+        sched.pulls.fail("nope")
 
 
 # ---- randomized drive ----------------------------------------------------------------------------
@@ -520,7 +530,7 @@ class SchedulerMachine(RuleBasedStateMachine):
           max_tokens=st.integers(1, 6))
     def external(self, shared: int, tail: list[int], max_tokens: int) -> None:
         r = self._new(SHARED_PREFIX[:shared] + tail, max_tokens, False)
-        if self.sched.allocate_external(r) is None:
+        if self.sched.pulls.allocate(r) is None:
             self.requests.remove(r)
 
     @rule(data=st.data(), ok=st.booleans())
@@ -530,11 +540,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         r = data.draw(st.sampled_from(pending))
         if ok:
-            self.sched.complete_external(r.request_id, next_token(r.prompt_token_ids))
+            self.sched.pulls.complete(r.request_id, next_token(r.prompt_token_ids))
             if r.num_output_tokens >= r.sampling_params.max_tokens:
                 self.sched.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
         else:
-            self.sched.fail_external(r.request_id)
+            self.sched.pulls.fail(r.request_id)
 
     @rule(n=st.integers(1, 6))
     def steps(self, n: int) -> None:
@@ -569,7 +579,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for r in self.requests:
             if r.status is RequestStatus.WAITING_FOR_KV:
-                self.sched.fail_external(r.request_id)
+                self.sched.pulls.fail(r.request_id)
         for _ in range(2000):  # drive to completion; release holds as a finished pull would
             for r in self.requests:
                 self.sched.release_held(r.request_id)

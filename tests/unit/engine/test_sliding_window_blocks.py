@@ -27,7 +27,14 @@ from services.kv.plan.planner import apply_plan, plan_transfer
 from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.spec.layout import LayoutKind
 from services.kv.spec.topology import RankRead, map_blocks, window_start_token
-from tests.unit.engine.test_scheduler import check_invariants, make_sched, reference_output, run_to_completion, step
+from tests.unit.engine.test_scheduler import (
+    advance_and_resolve,
+    check_invariants,
+    make_sched,
+    reference_output,
+    run_to_completion,
+    step,
+)
 
 BS, W = 4, 8
 
@@ -378,7 +385,7 @@ def test_external_reserve_holds_only_the_pulled_window():
     groups = [full(0), sliding(1)]
     sched = make_sched(groups=groups, pool_sizes=[32, 16], max_model_len=48)
     r = Request("r", list(range(30)), SamplingParams(max_tokens=4))
-    tables = sched.allocate_external(r)
+    tables = sched.pulls.allocate(r)
     placeholder = sched.kv.placeholder_block_id(1)
     # N = 30: the transfer moves the sliding group from window_start_token = 20 (block 5) on.
     first = window_start_token(groups[1], groups[1], 30) // BS
@@ -386,13 +393,13 @@ def test_external_reserve_holds_only_the_pulled_window():
     assert tables[1] == [placeholder] * 5 + [0, 1, 2] and tables[0] == list(range(8))
     assert sched.kv.pool(1).num_used_blocks == 3
     check_invariants(sched, [r])
-    sched.complete_external("r", 3)
+    sched.pulls.complete("r", 3)
     # Block 5 (tokens 20..23) starts before N - W = 22: maybe partly pulled from a freed slot of a
     # coarser-blocked owner, so never published; blocks 6 on are.
     assert sched.kv.pool(1).block_hash(tables[1][5]) is None
     assert sched.kv.pool(1).block_hash(tables[1][6]) is not None
     out = sched.schedule()
-    sched.update_from_output(out, {"r": (5, None)})  # query at 30 sees 23..30: block 5 stays
+    advance_and_resolve(sched, out, {"r": (5, None)})  # query at 30 sees 23..30: block 5 stays
     assert r.block_ids[1][5] == 0
     sched.schedule()  # the query at 31 sees 24..31: block 5 goes
     assert r.block_ids[1][:6] == [placeholder] * 6
@@ -406,7 +413,7 @@ def test_external_reserve_with_a_local_hit():
     sched.add_request(local)
     step(sched)  # computes and publishes 0..24 (full blocks 0..5 in both groups)
     r = Request("r", list(range(24)) + [90] * 6, SamplingParams(max_tokens=4))
-    tables = sched.allocate_external(r)
+    tables = sched.pulls.allocate(r)
     placeholder = sched.kv.placeholder_block_id(1)
     # Local hit of 24 (query 24 needs sliding blocks 4..5); the pull's window starts at block 5.
     assert r.num_cached_tokens == 24
@@ -414,7 +421,7 @@ def test_external_reserve_with_a_local_hit():
     # The hit's block 4 is before the pulled window: left as a placeholder, not referenced.
     assert tables[1][5] == sched.kv.pool(1).lookup(hash_request_blocks(r.prompt_token_ids, BS)[5])
     check_invariants(sched, [local, r])
-    sched.fail_external("r")
+    sched.pulls.fail("r")
     assert r.block_ids == [] and r.status is RequestStatus.WAITING
     run_to_completion(sched)
     assert r.output_token_ids == reference_output(r.prompt_token_ids, 4)

@@ -32,7 +32,7 @@ from services.engine.models import build_model
 from services.engine.parallel import ParallelConfig
 from services.engine.request import Request
 from services.engine.runner.model_runner import ModelRunner
-from services.engine.sched.scheduler import ScheduledChunk
+from services.engine.sched.scheduler_output import ScheduledChunk
 from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
 
 TP_SIZE = 2
