@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from services.router.flow import Delta
+from services.router.generation import Delta
 from services.router.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest
 from services.router.responses import (
     ChatChoice,

@@ -31,7 +31,8 @@ from services.router.choices import Choice, stream_choices
 from services.router.config import RouterConfig
 from services.router.discovery import Discovery, EndpointSource, PairProber, Probe, Resolver, resolve
 from services.router.errors import ModelNotFound, WorkerFailure, install_error_handlers, reported
-from services.router.flow import Delta, Dispatcher, GenerationRequest, Outcome
+from services.router.flow import Dispatcher
+from services.router.generation import Delta, GenerationRequest, Outcome
 from services.router.http_guards import (
     AnswerUnexpected,
     ApiKeyAuth,

@@ -23,7 +23,8 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from services.router.flow import Delta, Dispatcher, GenerationRequest, Outcome
+from services.router.flow import Dispatcher
+from services.router.generation import Delta, GenerationRequest, Outcome
 
 
 @dataclass(frozen=True)

@@ -205,7 +205,7 @@ WORKER_FAULT_CODES = frozenset({
     grpc.StatusCode.DATA_LOSS, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNIMPLEMENTED,
 })
 # A decode stream that fails with one of these broke with its worker (gone, reset, crashed), not because of the
-# request: the request fails over to another decode worker (flow.py). UNIMPLEMENTED is a worker that cannot serve
+# request: the request fails over to another decode worker (request_run.py). UNIMPLEMENTED is a worker that cannot serve
 # the call at all; anywhere else the same call would fail the same way for the same request.
 FAILOVER_CODES = WORKER_FAULT_CODES - {grpc.StatusCode.UNIMPLEMENTED}
 

@@ -1,7 +1,7 @@
 """Decode failover: which requests decode where, and the streams of a worker marked down that went silent.
 
 A decode worker that dies takes its streams with it: each breaks (UNAVAILABLE, a reset, an early end) and the
-request goes on at another decode worker from the prompt and the tokens already sent (``flow.py``: the same
+request goes on at another decode worker from the prompt and the tokens already sent (``request_run.py``: the same
 replay as a role switch's migration, token-exact under greedy sampling). A worker whose link is blackholed
 breaks nothing: its streams wait for the channel's keepalive, a minute or more, although the health checks took
 the worker out within a second or two. So the router tracks which request decodes on which worker, and when a
@@ -11,7 +11,7 @@ fails over. A worker that came back in the meantime keeps its streams, and so do
 delivers (a slow health probe, not a dead link).
 
     mark_unhealthy(decode, A) ──► after grace_s: A still down? ──► streams on A silent >= grace_s: cut
-                                                       │                 (flow.py continues each elsewhere)
+                                                       │                 (request_run.py continues each elsewhere)
                                                        └── some spared (not silent): look again after grace_s
 """
 
@@ -58,7 +58,7 @@ async def next_decode_worker(policy: PairingPolicy, assignment: Assignment, wait
 
 
 class DecodeStream(Protocol):
-    """What the watch needs of one request's decode stream (``flow._Run``)."""
+    """What the watch needs of one request's decode stream (``request_run.RequestRun``)."""
 
     last_chunk_s: float  # monotonic time of the last chunk (or of the call's start)
 

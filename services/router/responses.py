@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from services.router.flow import Alternatives, Delta, Outcome
+from services.router.generation import Alternatives, Delta, Outcome
 from services.text.tokenizer import Tokenizer
 
 

@@ -6,7 +6,7 @@
       ├─ mark it switching: pairing chooses it for no new work of any role (its Info says draining too, so
       │  other routers stop as well once they look)
       ├─ SwitchRole on the worker: it drains (prefill: every ticket pulled, released or expired; decode: its
-      │  requests finish, past the bound they are given back and flow.py continues them elsewhere), then
+      │  requests finish, past the bound they are given back and request_run.py continues them elsewhere), then
       │  serves the other role under a new epoch
       └─ discovery lists it under the new role and checks health at once: the new role's entry is healthy,
          its pairs are probed for the new epoch and its KV events resubscribed, as after a restart

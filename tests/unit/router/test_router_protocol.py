@@ -10,7 +10,7 @@ import pytest
 from services.contract.wire import sampling_from_proto
 from services.router.answers import ChatAnswer, CompletionAnswer
 from services.router.errors import ContextLengthExceeded, InvalidRequest, error_response
-from services.router.flow import Delta, Outcome
+from services.router.generation import Delta, Outcome
 from services.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
