@@ -13,6 +13,7 @@ import pytest
 from bench.kv_synthetic import identity_for, layout_for
 from services.kv.reader.errors import TicketError
 from services.kv.reader.puller import KVPuller
+from services.kv.reader.ticket_shape import check_ticket
 from services.kv.spec.compat import CompatInfo
 from services.kv.spec.description import EngineDescription, RankExport
 from services.kv.spec.wire import MemoryRegion, notification_key, notification_request
@@ -90,13 +91,13 @@ def test_a_forged_host_tier_part_is_refused(mutate, message: str) -> None:
     ticket = _ticket(num_tokens=22, num_host_tokens=16)
     mutate(ticket)
     with pytest.raises(TicketError, match=message):
-        puller._check_ticket(ticket, remote, [list(range(6))])
+        check_ticket(ticket, remote, puller._ranks[0].layout, [list(range(6))])
 
 
 def test_host_tier_part_from_an_owner_without_one_is_refused() -> None:
     puller, remote = _engine(host=False)
     with pytest.raises(TicketError, match="no host tier"):
-        puller._check_ticket(_ticket(num_tokens=22, num_host_tokens=16), remote, [list(range(6))])
-    device_ids, host_ids, _ = puller._check_ticket(_ticket(num_tokens=22, num_host_tokens=0), remote,
-                                                   [list(range(6))])
+        check_ticket(_ticket(num_tokens=22, num_host_tokens=16), remote, puller._ranks[0].layout, [list(range(6))])
+    device_ids, host_ids, _ = check_ticket(_ticket(num_tokens=22, num_host_tokens=0), remote,
+                                           puller._ranks[0].layout, [list(range(6))])
     assert host_ids is None and isinstance(device_ids[0], np.ndarray)

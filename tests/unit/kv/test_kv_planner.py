@@ -595,7 +595,7 @@ def test_puller_pieces_skip_the_cached_prefix_and_clip_the_window_per_group() ->
     the window, and a sliding group's placeholders before that are never mapped."""
     from types import SimpleNamespace
 
-    from services.kv.reader.puller import KVPuller
+    from services.kv.reader.pieces import group_pieces
 
     remote = hybrid(CROSS, sliding_bs=4, full_bs=16, window=6, num_blocks=40)
     local = hybrid(PER, sliding_bs=8, full_bs=4, window=6, num_blocks=40)
@@ -606,7 +606,7 @@ def test_puller_pieces_skip_the_cached_prefix_and_clip_the_window_per_group() ->
     description = SimpleNamespace(groups=remote.groups)
 
     def pieces_of(cached: int) -> dict[int, list[BlockPiece]]:  # the puller keeps them as [5, N] arrays
-        arrays = KVPuller._pieces(description, local, n, remote_ids, local_ids, cached)
+        arrays = group_pieces(description, local, n, remote_ids, local_ids, cached)
         return {g: [BlockPiece(*row) for row in arr.T.tolist()] for g, arr in arrays.items()}
 
     for cached, full_start in ((0, 0), (8, 8), (12, 12), (16, 16)):
