@@ -37,7 +37,7 @@ ADMIN_PATHS = ("/admin/workers", "/admin/planner")
 
 
 class AdminRuntime(Protocol):
-    """What the admin routes read of the app's runtime (``app.RouterRuntime``)."""
+    """What the admin routes read of the app's runtime (``runtime.RouterRuntime``)."""
 
     config: RouterConfig
     policy: PairingPolicy

@@ -1,8 +1,8 @@
 """The router's FastAPI app: OpenAI-compatible routes over the pairing policy and the worker pool.
 
 Everything stateful (the worker pool with its channels, the pairing table, discovery's refresh
-task, the metrics registry) is made per app and kept on ``app.state.runtime``; channels and the
-refresh task live from the lifespan's start to its end. A request is validated, checked against
+task, the metrics registry) is made per app (``runtime.py``) and kept on ``app.state.runtime``; channels
+and the refresh task live from the lifespan's start to its end. A request is validated, checked against
 the served model and the context length, and tokenized before any worker is contacted, so bad
 input gets a 4xx and the workers never see it.
 """
@@ -10,12 +10,10 @@ input gets a 4xx and the workers never see it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -29,9 +27,8 @@ from services.router.admin import ADMIN_PATHS, add_admin_routes
 from services.router.answers import ChatAnswer, CompletionAnswer, answer_for
 from services.router.choices import Choice, stream_choices
 from services.router.config import RouterConfig
-from services.router.discovery import Discovery, EndpointSource, PairProber, Probe, Resolver, resolve
+from services.router.discovery import PairProber, Probe, Resolver, resolve
 from services.router.errors import ModelNotFound, WorkerFailure, install_error_handlers, reported
-from services.router.flow import Dispatcher
 from services.router.generation import Delta, GenerationRequest, Outcome
 from services.router.http_guards import (
     AnswerUnexpected,
@@ -41,14 +38,12 @@ from services.router.http_guards import (
     read_body,
     worker_request_id,
 )
-from services.router.kv_subscriber import KVSource, KVSubscriptions
+from services.router.kv_subscriber import KVSource
 from services.router.metrics import CONTENT_TYPE, RouterMetrics
 from services.router.openapi import openapi_document
-from services.router.pair_probes import PairProbe, PairProbeTable, PairState
-from services.router.pairing import PairingPolicy, Role, ServingStatus, WorkerIdentity, WorkerState
-from services.router.planner import Planner, PlannerConfig
-from services.router.planner_loop import PlannerLoop, RoleSwitcher
-from services.router.prefix_index import PrefixIndex
+from services.router.pair_probes import PairProbe, PairState
+from services.router.pairing import PairingPolicy, Role, ServingStatus, WorkerState
+from services.router.planner_loop import RoleSwitcher
 from services.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -65,62 +60,27 @@ from services.router.responses import (
     join_deltas,
     usage_of,
 )
-from services.router.role_switch import RoleSwitching
 from services.router.routes import ROUTE_HEADER, Route, worst_route
-from services.router.scoring import ScoringConfig
+from services.router.runtime import RouterRuntime, build_runtime
 from services.router.streaming import DONE_EVENT, SSEResponse, run_until_disconnect, sse_event
 from services.router.tokenize_api import DetokenizeRequest, TokenizeRequest, decode_body, detokenize, tokenize
 from services.router.tokenizing import (
     check_text_features,
     echo_texts,
     load_tokenizer,
-    model_name,
     prompt_token_ids,
     resolve_max_tokens,
 )
-from services.router.traffic import TrafficWindow
 from services.router.worker_labels import WorkerLabels
-from services.router.workers import WorkerPool
 from services.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-# At start-up, how long the first pair probes may hold the router back (a pair probed by then takes the very
-# first request); slower ones finish in the background while /health says they are pending.
-STARTUP_PROBE_WAIT_S = 5.0
 ChunkT = TypeVar("ChunkT", CompletionChunk, ChatCompletionChunk)
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
               "/detokenize", *ADMIN_PATHS)
 # Status reported for a request whose client went away (nginx's convention); nobody reads it.
 _CLIENT_CLOSED = 499
-
-
-@dataclass
-class RouterRuntime:
-    """What the routes share, on ``app.state.runtime``."""
-
-    config: RouterConfig
-    model_name: str
-    tokenizer: Tokenizer | None
-    vocab_size: int | None
-    policy: PairingPolicy
-    pool: WorkerPool
-    discovery: Discovery
-    dispatcher: Dispatcher
-    metrics: RouterMetrics
-    created: int
-    index: PrefixIndex | None
-    planner: PlannerLoop
-    # A worker's id on /metrics, /health and /admin/workers: the instance ``metrics`` labels with (create_app
-    # makes one for both), never a default of its own that could key the ids differently.
-    worker_labels: WorkerLabels
-    switching: RoleSwitching | None = None  # in-place role switches (role_switch.py)
-
-    def max_model_len(self) -> int | None:
-        return self.config.max_model_len or self.policy.max_model_len()
-
-    def status(self) -> ServingStatus:
-        return self.policy.serving_status(self.config.decode_only)
 
 
 def create_app(
@@ -145,100 +105,25 @@ def create_app(
     if config.enforce_disagg and config.direct_decode_threshold:
         log.warning("--enforce-disagg: --direct-decode-threshold %d is ignored; short prompts are disaggregated too",
                     config.direct_decode_threshold)
-    probes = PairProbeTable(config.pair_probe_retry_s) if config.pair_probe and not config.decode_only else None
-    index = PrefixIndex(config.kv_index_capacity, config.kv_predicted_ttl_s) if config.kv_aware else None
-    policy = PairingPolicy(config.pairing_threshold, config.enforce_disagg, probes, index, scoring_config(config))
-    pool = WorkerPool(config.kv_auth_token, config.tls)
-    served_name = model_name(config.model, config.served_model_name)
-    worker_labels = WorkerLabels(config.api_key)
-    metrics = RouterMetrics(policy, served_name, decode_only=config.decode_only, index=index,
-                            worker_labels=worker_labels)
-    subscriptions = None
-    if index is not None:
-        subscriptions = KVSubscriptions(index, kv_source or pool, stale_s=config.kv_events_stale_s,
-                                        snapshot_timeout_s=config.kv_snapshot_timeout_s,
-                                        backoff_s=config.kv_resync_backoff_s,
-                                        backoff_max_s=config.kv_resync_backoff_max_s,
-                                        unsupported_retry_s=config.kv_unsupported_retry_s, metrics=metrics)
-
-    async def info_probe(role: Role, address: str) -> WorkerIdentity:
-        return await pool.info(role, address, config.health_timeout_s)
-
-    sources = [EndpointSource(Role.PREFILL, config.prefill, config.prefill_dns),
-               EndpointSource(Role.DECODE, config.decode, config.decode_dns)]
-    discovery = Discovery(policy, sources, probe or info_probe, dns_refresh_s=config.dns_refresh_s,
-                          health_interval_s=config.health_interval_s, health_timeout_s=config.health_timeout_s,
-                          resolver=resolver, on_removed=pool.close, pair_prober=pair_prober or pool.probe,
-                          pair_probe_timeout_s=config.pair_probe_timeout_s, kv_subscriptions=subscriptions)
-    traffic = TrafficWindow(config.planner_window_s)
-    switching = RoleSwitching(policy, pool, discovery)  # role_switch.py: the planner's hook, POST /admin/.../role
-    planner = PlannerLoop(Planner(planner_config(config)), policy, traffic, metrics, index=index,
-                          interval_s=config.planner_interval_s, acting=config.role_planner,
-                          switcher=role_switcher or switching.switch_role, busy=lambda: switching.busy)
-    is_dummy = bool(config.model and config.model.startswith("dummy:"))
-    runtime = RouterRuntime(
-        config=config,
-        model_name=served_name,
-        tokenizer=tokenizer,
-        # A dummy model borrows a tokenizer whose vocabulary is not the model's.
-        vocab_size=tokenizer.vocab_size if tokenizer is not None and not is_dummy else None,
-        policy=policy,
-        pool=pool,
-        discovery=discovery,
-        dispatcher=Dispatcher(config, policy, pool, tokenizer, metrics, traffic),
-        metrics=metrics,
-        created=int(time.time()),
-        index=index,
-        planner=planner,
-        switching=switching,
-        worker_labels=worker_labels,
-    )
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await discovery.refresh()  # know the workers (and, bounded, their pairs' probes) before the first request
-        await discovery.wait_for_probes(min(STARTUP_PROBE_WAIT_S, config.pair_probe_timeout_s))
-        refresher = asyncio.create_task(discovery.run(), name="pdserve-router-discovery")
-        planning = asyncio.create_task(planner.run(), name="pdserve-router-planner")
-        try:
-            yield
-        finally:
-            for task in (planning, refresher):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await discovery.close()
-            await pool.close_all()
-
-    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    runtime = build_runtime(config, tokenizer, probe=probe, resolver=resolver, pair_prober=pair_prober,
+                            kv_source=kv_source, role_switcher=role_switcher)
+    app = FastAPI(title="pdserve router", lifespan=runtime.lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.runtime = runtime
     install_error_handlers(app)
-    # The last added runs first: every response (a 401 or 500 too) is counted and carries its request id.
-    app.add_middleware(AnswerUnexpected)
-    if config.api_key is not None:
-        app.add_middleware(ApiKeyAuth, api_key=config.api_key)
-    app.add_middleware(_CountRequests, metrics=metrics)
-    app.add_middleware(RequestIds)
+    _add_middleware(app, config, runtime.metrics)
     _add_routes(app)
     add_admin_routes(app)
     return app
 
 
-def scoring_config(config: RouterConfig) -> ScoringConfig:
-    """The KV-aware scoring settings of the router's flags."""
-    return ScoringConfig(host_hit_cost=config.kv_host_hit_cost, overload_queue_tokens=config.kv_overload_queue_tokens,
-                         overload_factor=config.kv_overload_factor, valve_gain=config.kv_valve_gain,
-                         default_prefill_tokens_per_s=config.kv_default_prefill_tokens_per_s,
-                         direct_max_uncached_tokens=config.direct_decode_max_uncached)
-
-
-def planner_config(config: RouterConfig) -> PlannerConfig:
-    """The P:D planner's settings of the router's flags."""
-    return PlannerConfig(slo_ttft_s=config.planner_slo_ttft_ms / 1e3, slo_itl_s=config.planner_slo_itl_ms / 1e3,
-                         hysteresis_evaluations=config.planner_hysteresis_evaluations,
-                         margin_workers=config.planner_margin_workers, min_dwell_s=config.planner_min_dwell_s,
-                         default_prefill_tokens_per_s=config.kv_default_prefill_tokens_per_s,
-                         default_decode_tokens_per_s=config.planner_decode_tokens_per_s)
+def _add_middleware(app: FastAPI, config: RouterConfig, metrics: RouterMetrics) -> None:
+    """The last added runs first: every response (a 401 or 500 too) is counted and carries its request id."""
+    app.add_middleware(AnswerUnexpected)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyAuth, api_key=config.api_key)
+    app.add_middleware(_CountRequests, metrics=metrics)
+    app.add_middleware(RequestIds)
 
 
 def _runtime(request: Request) -> RouterRuntime:
@@ -246,6 +131,14 @@ def _runtime(request: Request) -> RouterRuntime:
 
 
 def _add_routes(app: FastAPI) -> None:
+    """Every route but the admin API's (``admin.py``)."""
+    _add_generation_routes(app)
+    _add_status_routes(app)
+    _add_tokenizer_routes(app)
+    _add_docs_routes(app)
+
+
+def _add_generation_routes(app: FastAPI) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _generate(request, CompletionRequest)
@@ -254,6 +147,8 @@ def _add_routes(app: FastAPI) -> None:
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, ChatCompletionRequest)
 
+
+def _add_status_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         rt = _runtime(request)
@@ -262,32 +157,37 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        """200 while requests can be served (``degraded``: only by decode workers prefilling locally, which
-        the body says), 503 only when nothing can (under --enforce-disagg: no pair). With --api-key, a caller
-        without the key reads the status alone (probes need no more); with the key, or with no --api-key, the
-        body names why, every worker's state, and every compatible pair's probe state."""
-        rt = _runtime(request)
-        status = rt.status()
-        code = 503 if status == ServingStatus.UNAVAILABLE else 200
-        if not presents_api_key(request.scope, rt.config.api_key):
-            return _json({"status": status.value}, status_code=code)
-        counts = {role.value: sum(w.available for w in rt.policy.workers(role)) for role in Role}
-        body: dict[str, object] = {"status": status.value, "healthy_workers": counts,
-                                   "decode_only": rt.config.decode_only}
-        if status == ServingStatus.DEGRADED:
-            body["reason"] = f"{rt.policy.no_pair_reason()}: decode workers prefill every prompt themselves"
-        elif status == ServingStatus.UNAVAILABLE and rt.policy.has_healthy_decode():
-            body["reason"] = (f"--enforce-disagg: {rt.policy.no_pair_reason()}, and decode workers may not "
-                              "prefill prompts themselves")
-        body["workers"] = [_worker_health(rt.policy, w, rt.worker_labels) for w in rt.policy.workers()]
-        if rt.policy.probes is not None:
-            body["pairs"] = [_pair_health(entry) for entry in rt.policy.probes.pairs()]
-        return _json(body, status_code=code)
+        return _health(_runtime(request), request)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(_runtime(request).metrics.render(), media_type=CONTENT_TYPE)
 
+
+def _health(rt: RouterRuntime, request: Request) -> Response:
+    """200 while requests can be served (``degraded``: only by decode workers prefilling locally, which
+    the body says), 503 only when nothing can (under --enforce-disagg: no pair). With --api-key, a caller
+    without the key reads the status alone (probes need no more); with the key, or with no --api-key, the
+    body names why, every worker's state, and every compatible pair's probe state."""
+    status = rt.status()
+    code = 503 if status == ServingStatus.UNAVAILABLE else 200
+    if not presents_api_key(request.scope, rt.config.api_key):
+        return _json({"status": status.value}, status_code=code)
+    counts = {role.value: sum(w.available for w in rt.policy.workers(role)) for role in Role}
+    body: dict[str, object] = {"status": status.value, "healthy_workers": counts,
+                               "decode_only": rt.config.decode_only}
+    if status == ServingStatus.DEGRADED:
+        body["reason"] = f"{rt.policy.no_pair_reason()}: decode workers prefill every prompt themselves"
+    elif status == ServingStatus.UNAVAILABLE and rt.policy.has_healthy_decode():
+        body["reason"] = (f"--enforce-disagg: {rt.policy.no_pair_reason()}, and decode workers may not "
+                          "prefill prompts themselves")
+    body["workers"] = [_worker_health(rt.policy, w, rt.worker_labels) for w in rt.policy.workers()]
+    if rt.policy.probes is not None:
+        body["pairs"] = [_pair_health(entry) for entry in rt.policy.probes.pairs()]
+    return _json(body, status_code=code)
+
+
+def _add_tokenizer_routes(app: FastAPI) -> None:
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
         rt = _runtime(request)
@@ -302,6 +202,8 @@ def _add_routes(app: FastAPI) -> None:
         _check_model(body.model, rt)
         return _json(detokenize(body, rt.tokenizer))
 
+
+def _add_docs_routes(app: FastAPI) -> None:
     document = msgspec.json.encode(openapi_document(app.title))
 
     @app.get("/openapi.json")

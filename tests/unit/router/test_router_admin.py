@@ -10,10 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.router.app import RouterRuntime, create_app
+from services.router.app import create_app
 from services.router.config import RouterConfig
 from services.router.pair_probes import ProbeOutcome
 from services.router.pairing import Role, WorkerIdentity
+from services.router.runtime import RouterRuntime
 from services.router.traffic import FinishedRequest
 from services.router.worker_labels import WorkerLabels
 from services.text.tokenizer import Tokenizer

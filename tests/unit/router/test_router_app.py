@@ -24,11 +24,12 @@ import pytest
 from services.kv.spec.compat import CompatInfo, KVIdentity
 from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
-from services.router.app import RouterRuntime, create_app
+from services.router.app import create_app
 from services.router.cli_args import add_router_parser, router_config_from_args, run_router
 from services.router.config import RouterConfig
 from services.router.pair_probes import ProbeOutcome
 from services.router.pairing import Role, WorkerIdentity
+from services.router.runtime import RouterRuntime
 from services.router.tokenizing import load_tokenizer, model_name
 from services.router.worker_labels import WorkerLabels
 from services.text.tokenizer import Tokenizer

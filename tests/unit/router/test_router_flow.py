@@ -21,9 +21,10 @@ import pytest
 
 from services.contract.wire import ROLE_REFUSED_KEY
 from services.proto_gen.pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
-from services.router.app import RouterRuntime, create_app
+from services.router.app import create_app
 from services.router.config import RouterConfig
 from services.router.pairing import Role
+from services.router.runtime import RouterRuntime
 from services.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.anyio

@@ -10,7 +10,6 @@ import dataclasses
 
 import pytest
 
-from services.router.app import planner_config
 from services.router.cli_args import add_router_parser, router_config_from_args
 from services.router.metrics import RouterMetrics
 from services.router.pairing import PairingPolicy, Role, WorkerIdentity
@@ -31,6 +30,7 @@ from services.router.planner import (
 )
 from services.router.planner_loop import PlannerLoop, SwitchUnavailable, worker_views
 from services.router.prefix_index import Load
+from services.router.runtime import planner_config
 from services.router.traffic import FinishedRequest, TrafficStats, TrafficWindow
 
 # Rates chosen so that the arithmetic is readable: prefill 10000 prompt tokens/s, decode 100 output tokens/s.
