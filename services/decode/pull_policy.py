@@ -296,8 +296,14 @@ class PullPolicy:
         except BaseException:
             feeder.cancel()
             raise
-        if pulled.failure is not None:
-            return
+        if pulled.failure is None:
+            await self._complete_parts(rid, pulled, result, first_reserve_s, arrived)
+
+    async def _complete_parts(self, rid: str, pulled: PartPulls, result: PullResult | None, first_reserve_s: float,
+                              arrived: float) -> None:
+        """The parts are in: run the request with the last part's first token and count the last pull (``result``,
+        arrived at ``arrived``), or, when they ended before the last part or the token is refused, drop the
+        reservation (``pulled.failure`` says why)."""
         if pulled.last is None:
             await self.engine.abort(rid)
             pulled.failure = f"the prompt's KV parts ended at token {pulled.end} of {pulled.num_prompt_tokens}, " \
