@@ -2,6 +2,11 @@
 
 The fields that are command-line flags carry them (``services.common.config_flags``): this class is the
 one place the engine's flags are written. Torch-free, so a parser can be built without torch.
+
+The speed switches (``prefill_graph_tokens``, ``fused_ops``, ``decode_gemv``, ``fused_kv_write``, ``pdl``,
+``dense_min_query``) each have a ``PDSERVE_*`` variable that, when set, wins over the field: the A/B switch of
+a benchmark run (``bench/gpu_speed_run.sh``), for engines built in code as well as from flags. Each rank applies
+them to its process when it builds its runtime; ``services/engine/README.md`` has them in one table.
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.common.config_flags import flag, positive_int
+from services.common.config_flags import flag, non_negative_int, positive_int
 from services.engine.parallel import ParallelConfig
 from services.kv.spec.layout import BlockOrder, LayoutKind
 
@@ -87,17 +92,35 @@ class EngineConfig:
     kv_shared_prefill_skip: bool = flag(True, "run every prompt token through KV-shared layers (Gemma-4) instead of "
                                               "only the sampled ones", name="--no-kv-shared-prefill-skip",
                                         negated=True)
-    # Attention backend (services/engine/attention/): "torch_sdpa", "triton_paged", or "auto" =
-    # triton_paged on CUDA when Triton imports, else torch_sdpa (registry.py says why).
     # Fused elementwise ops (services/engine/ops/): None leaves the process-wide setting
     # (PDSERVE_FUSED_OPS, else auto); the variable, when set, overrides this field.
     fused_ops: str | None = flag(None, "fused elementwise kernels: auto (Triton on CUDA when it imports), torch "
                                        "(the unfused reference, for A/B runs) or triton; $PDSERVE_FUSED_OPS "
                                        "overrides it", choices=FUSED_OPS_BACKENDS)
+    # Projections of 1 to 32 rows (decode batches) on CUDA through the Triton GEMVs (ops/gemv_triton.py);
+    # False gives every projection to cuBLAS.
+    decode_gemv: bool = flag(True, "give the projections of decode batches up to 32 rows to cuBLAS instead of the "
+                                   "Triton GEMVs; $PDSERVE_DECODE_GEMV (1 or 0) overrides it",
+                             name="--no-decode-gemv", negated=True)
+    # An attention layer's RoPE of q/k and both K/V cache writes in one launch (ops.rope_and_write_kv);
+    # False: RoPE, then two index_put scatters.
+    fused_kv_write: bool = flag(True, "rotate q/k and write K/V into the cache as three steps (RoPE, two scatters) "
+                                      "instead of one launch; $PDSERVE_FUSED_KV_WRITE (1 or 0) overrides it",
+                                name="--no-fused-kv-write", negated=True)
+    # Programmatic dependent launch of the Triton kernels on Hopper and later (triton_support.pdl_enabled).
+    pdl: bool = flag(True, "launch the Triton kernels without programmatic dependent launch (on by default on "
+                           "Hopper and later); $PDSERVE_PDL (1 or 0) overrides it", name="--no-pdl", negated=True)
+    # Attention backend (services/engine/attention/): "torch_sdpa", "triton_paged", or "auto" =
+    # triton_paged on CUDA when Triton imports, else torch_sdpa (registry.py says why).
     attention_backend: str = flag("auto", "attention kernels: triton_paged reads the paged KV cache in place (CUDA), "
                                           "torch_sdpa gathers it and runs masked SDPA (any device); auto: "
                                           "triton_paged on CUDA when Triton imports, else torch_sdpa",
                                   choices=ATTENTION_BACKENDS)
+    # A prefill chunk of at least this many fresh tokens attends to itself through the dense kernel on CUDA
+    # (triton_paged's dense plan; 0: never). triton_paged.DENSE_MIN_QUERY, spelled out (the config is torch-free).
+    dense_min_query: int = flag(1024, "on CUDA with triton_paged, a prefill chunk of at least this many tokens "
+                                      "attends to itself through the dense (cuDNN) kernel, its prefix paged; 0: "
+                                      "never; $PDSERVE_DENSE_MIN_QUERY overrides it", parse=non_negative_int)
     # Host KV tier (services/engine/offload/): bytes of host memory (None or 0: off), and how many
     # device blocks one host span holds (the unit stored, looked up and evicted).
     kv_offload_bytes: int | None = flag(
@@ -120,6 +143,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
+        if self.dense_min_query < 0:
+            raise ValueError(f"dense_min_query must be >= 0, got {self.dense_min_query}")
         if self.kv_offload_bytes is not None and self.kv_offload_bytes < 0:
             raise ValueError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
         if self.peer_tp_size is not None and self.peer_tp_size < 1:

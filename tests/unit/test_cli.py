@@ -197,7 +197,8 @@ def test_engine_flags_are_the_config_fields_and_reach_a_child_whole() -> None:
            "--max-num-batched-tokens", "256", "--no-prefix-caching", "--enforce-eager", "--no-async-scheduling",
            "--no-kv-shared-prefill-skip",
            "--fused-ops", "torch", "--attention-backend", "torch_sdpa", "--kv-offload-block-factor", "2",
-           "--prefill-graph-tokens", "512"]
+           "--prefill-graph-tokens", "512", "--no-decode-gemv", "--no-fused-kv-write", "--no-pdl",
+           "--dense-min-query", "2048"]
     parser = build_parser()
     config = engine_config_from_args(parser.parse_args(cmd))
     child = engine_config_from_args(parser.parse_args(["decode", *engine_argv(parser.parse_args(cmd))]))

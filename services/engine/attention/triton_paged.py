@@ -33,7 +33,7 @@ from services.engine.attention.base import (
     GroupAttentionMetadata,
 )
 from services.engine.attention.dense_causal import dense_causal, dense_unsupported_reason
-from services.engine.triton_support import pdl_enabled, triton_import_error
+from services.engine.triton_support import overridden_by_env, pdl_enabled, triton_import_error
 
 # Head dims up to this compile to tiles without register spills on sm_90 (512: Gemma-4's full
 # layers, with 16-32 row tiles of 16 keys); a group with wider heads falls back to torch_sdpa.
@@ -52,14 +52,24 @@ PROGRAMS_PER_SM = 4
 
 # A chunk of at least this many fresh tokens attends to itself through the dense kernel
 # (``dense_causal``) on CUDA; shorter ones stay in the paged kernel, where a dense call's host cost
-# (~80 us per layer in eager mode) would outweigh what it saves. Chosen by ``bench/attention.py``;
-# ``PDSERVE_DENSE_MIN_QUERY`` overrides it (0: never), the A/B switch of ``bench/engine.py`` runs.
+# (~80 us per layer in eager mode) would outweigh what it saves. Chosen by ``bench/attention.py``. The process's
+# threshold is the engine's ``dense_min_query`` (``configure_dense_min_query``; this default before an engine
+# starts), or ``PDSERVE_DENSE_MIN_QUERY`` when set (0: never): the A/B switch of ``bench/engine.py`` runs.
 DENSE_MIN_QUERY_ENV = "PDSERVE_DENSE_MIN_QUERY"
-DENSE_MIN_QUERY = int(os.environ.get(DENSE_MIN_QUERY_ENV, "1024"))
+DENSE_MIN_QUERY = 1024
+_dense_min_query = int(os.environ.get(DENSE_MIN_QUERY_ENV, str(DENSE_MIN_QUERY)))
 # A chunk after more cached context than this many times its own length stays paged: the merge
 # costs about what the dense triangle saves once the prefix's rectangle dominates (H100: a
 # 2048-token chunk after 6144 cached tokens took 1048 us split and merged against 1010 us paged).
 DENSE_MAX_PREFIX_RATIO = 1.0
+
+
+def configure_dense_min_query(tokens: int) -> None:
+    """The engine's ``dense_min_query`` (``EngineConfig``) as this process's threshold for backends without their
+    own; ``PDSERVE_DENSE_MIN_QUERY``, when set, wins over it (the A/B switch of a benchmark run)."""
+    global _dense_min_query
+    if not overridden_by_env(DENSE_MIN_QUERY_ENV):
+        _dense_min_query = tokens
 
 
 @dataclass(frozen=True)
@@ -130,9 +140,9 @@ def _num_sms(device: torch.device) -> int:
 
 class TritonPagedBackend(AttentionBackend):
     """``num_splits``/``config``: fixed instead of chosen per step (tests and the benchmark).
-    ``dense_min_query``: the chunk length from which fresh tokens go through ``dense_causal``
-    (default ``DENSE_MIN_QUERY`` on CUDA, off on CPU; 0 turns it off); ``dense_max_prefix_ratio``:
-    cached context per fresh token beyond which a chunk stays paged."""
+    ``dense_min_query``: the chunk length from which fresh tokens go through ``dense_causal`` (default: the
+    process's threshold on CUDA, off on CPU; 0 turns it off); ``dense_max_prefix_ratio``: cached context per
+    fresh token beyond which a chunk stays paged."""
 
     name = "triton_paged"
 
@@ -171,7 +181,7 @@ class TritonPagedBackend(AttentionBackend):
         """The chunk length from which fresh tokens go through the dense kernel on ``device`` (0: never)."""
         if self.dense_min_query is not None:
             return self.dense_min_query
-        return DENSE_MIN_QUERY if device.type == "cuda" else 0
+        return _dense_min_query if device.type == "cuda" else 0
 
     def _dense_plan(self, batch: AttentionBatch, sliding_window: int | None, device: torch.device
                     ) -> DensePlan | None:

@@ -22,17 +22,19 @@ each op is one launch:
 Two implementations sit behind each: ``reference.py`` (torch, today's layer math op for op: the
 CPU path and the tests' reference) and ``triton_ops.py`` (one Triton kernel per op, computing in
 fp32 and rounding where the reference rounds). Which runs is chosen per call from the tensor's
-device and the process-wide backend, set from ``PDSERVE_FUSED_OPS`` at import, else from the engine's
-``fused_ops`` setting (``--fused-ops``) when it starts:
+device and the process-wide backend: ``PDSERVE_FUSED_OPS`` read at import, replaced by the engine's
+``fused_ops`` setting (``--fused-ops``) when it starts (``configure``) unless the variable is set:
 
 * unset / ``auto`` / ``1``: Triton on CUDA tensors when Triton imports, torch otherwise;
 * ``0`` / ``torch``: torch everywhere (the A/B switch: the unfused path);
 * ``triton``: Triton everywhere; on CPU that is Triton's interpreter (``TRITON_INTERPRET=1``
   before triton is imported), which is for tests only.
 
-``PDSERVE_FUSED_KV_WRITE=0`` keeps the other fused ops but writes K/V unfused (``apply_rope``, then
-two ``index_put`` scatters): the A/B switch of the K/V write alone (``bench/gpu_speed_run.sh``, part
-``decode_fused``). ``PDSERVE_DECODE_GEMV=0`` keeps the other fused ops but gives every projection
+Two more process-wide switches, on by default, set the same way (the engine's setting, unless the
+variable is set): ``fused_kv_write`` (``--no-fused-kv-write``, ``PDSERVE_FUSED_KV_WRITE=0``) keeps the
+other fused ops but writes K/V unfused (``apply_rope``, then two ``index_put`` scatters): the A/B switch
+of the K/V write alone (``bench/gpu_speed_run.sh``, part ``decode_fused``); ``decode_gemv``
+(``--no-decode-gemv``, ``PDSERVE_DECODE_GEMV=0``) keeps the other fused ops but gives every projection
 to cuBLAS: the A/B switch of the GEMV.
 
 An input a kernel does not handle (another dtype, a norm wider than ``MAX_NORM_COLS``) takes the
@@ -50,7 +52,7 @@ from types import ModuleType
 import torch
 
 from services.engine.ops import reference
-from services.engine.triton_support import switch_from_env, triton_import_error
+from services.engine.triton_support import overridden_by_env, switch_from_env, triton_import_error
 
 ENV_VAR = "PDSERVE_FUSED_OPS"
 BACKENDS = ("auto", "torch", "triton")
@@ -88,11 +90,18 @@ def set_backend(name: str) -> str:
     return previous
 
 
-def configure(name: str | None) -> None:
-    """The engine's ``fused_ops`` setting (``EngineConfig``): None changes nothing, and
-    ``PDSERVE_FUSED_OPS``, when set, wins over it (the A/B switch of a running deployment)."""
-    if name is not None and ENV_VAR not in os.environ:
-        set_backend(name)
+def configure(backend: str | None, *, fused_kv_write: bool, decode_gemv: bool) -> None:
+    """The engine's settings of these ops (``EngineConfig.fused_ops``, ``fused_kv_write``, ``decode_gemv``) for
+    this process: a ``backend`` of None changes nothing, and each one's variable (``PDSERVE_FUSED_OPS``,
+    ``PDSERVE_FUSED_KV_WRITE``, ``PDSERVE_DECODE_GEMV``), when set, wins over it (the A/B switch of a
+    benchmark run or a running deployment)."""
+    global _fused_kv_write, _decode_gemv
+    if backend is not None and not overridden_by_env(ENV_VAR):
+        set_backend(backend)
+    if not overridden_by_env(KV_WRITE_ENV_VAR):
+        _fused_kv_write = fused_kv_write
+    if not overridden_by_env(GEMV_ENV_VAR):
+        _decode_gemv = decode_gemv
 
 
 @contextmanager
@@ -219,7 +228,7 @@ def gated_mlp(activation: str, x: torch.Tensor, gate_up_weight: torch.Tensor, ga
     """``down(act(gate) * up)`` of ``gate_up(x)`` (a fused [2 * inter, hidden] gate/up weight): a gated MLP.
     On CUDA one row is two launches (the activation as the down projection's prologue), 2 to
     ``gemv_triton.MAX_ROWS`` rows too (the activation as the gate/up projection's epilogue); more rows, or
-    ``PDSERVE_DECODE_GEMV=0``, take cuBLAS with the activation's kernel between."""
+    ``decode_gemv`` off, take cuBLAS with the activation's kernel between."""
     kernels = _kernels(x) if _decode_gemv else None
     hidden = kernels.linear_and_act(activation, x, gate_up_weight, gate_up_bias) if kernels is not None else None
     if hidden is not None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from services.engine import ops
+from services.engine.attention.triton_paged import configure_dense_min_query
 from services.engine.engine_config import EngineConfig
 from services.engine.kv_cache.buffers import TORCH_DTYPES, KVCache, kv_cache_groups
 from services.engine.kv_cache.state_pool import StatePool
@@ -22,6 +23,7 @@ from services.engine.models import DecoderModel, build_model
 from services.engine.runner.cuda_graphs import DecodeGraphRunner
 from services.engine.runner.model_runner import ModelRunner
 from services.engine.runner.prefill_graphs import PrefillGraphRunner, prefill_graphs_for
+from services.engine.triton_support import configure_pdl
 from services.kv.spec.layout import KVLayoutSpec
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -117,7 +119,10 @@ class RankRuntime:
         self.device = config.resolve_device()
         use_device(self.device)
         self.dtype = config.resolve_dtype(self.device, source.checkpoint_dtype)
-        ops.configure(config.fused_ops)
+        # The speed switches are process-wide (each follower rank sets its own); a PDSERVE_* override wins.
+        ops.configure(config.fused_ops, fused_kv_write=config.fused_kv_write, decode_gemv=config.decode_gemv)
+        configure_pdl(config.pdl)
+        configure_dense_min_query(config.dense_min_query)
         self.model = load_model(config, source, self.dtype, self.device)
         num_blocks = num_blocks_for(config, source, self.dtype, self.device)
         if agree_num_blocks is not None:

@@ -205,13 +205,16 @@ def test_engine_setting_applies_unless_the_environment_says(monkeypatch: pytest.
     with pytest.raises(ValueError, match="unknown fused_ops"):
         EngineConfig(fused_ops="fast")
     monkeypatch.delenv(ops.ENV_VAR, raising=False)
+    for name in ("_fused_kv_write", "_decode_gemv"):  # configure sets them too: restored after the test
+        monkeypatch.setattr(ops, name, getattr(ops, name))
+    switches = {"fused_kv_write": True, "decode_gemv": True}
     with ops.use_backend("auto"):
-        ops.configure(None)
+        ops.configure(None, **switches)
         assert ops.get_backend() == "auto"
-        ops.configure("torch")
+        ops.configure("torch", **switches)
         assert ops.get_backend() == "torch"
         monkeypatch.setenv(ops.ENV_VAR, "triton")
-        ops.configure("auto")
+        ops.configure("auto", **switches)
         assert ops.get_backend() == "torch"
 
 

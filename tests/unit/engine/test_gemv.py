@@ -215,5 +215,5 @@ def test_pdl_is_asked_per_device_and_switched_off_by_env(monkeypatch: pytest.Mon
     if not ON_CPU:
         hopper = torch.cuda.get_device_capability(DEVICE)[0] >= 9
         assert triton_support.pdl_enabled(DEVICE) is hopper
-        monkeypatch.setattr(triton_support, "_PDL_SWITCH", False)
+        monkeypatch.setattr(triton_support, "_pdl", False)
         assert triton_support.pdl_enabled(DEVICE) is False
