@@ -23,8 +23,8 @@ pulled), by owner rank (each owner rank adds its share of a reader rank's heads)
 A ticket carries, per KV group and reading rank, the digest of each ``unit`` tokens from token 0
 (``unit`` = the smaller of the two sides' block sizes, so every token run a reader can start at is
 a unit boundary); the reader sums the units it pulled and compares with its own digest of the same
-tokens in its blocks. On CUDA one Triton kernel computes a group's units (``digest_triton``); on
-CPU the same arithmetic runs in numpy (this module), chunked to stay in cache; ``digest_compute``
+tokens in its blocks. On CUDA one Triton kernel computes a group's units (``digest.kernel``); on
+CPU the same arithmetic runs in numpy (this module), chunked to stay in cache; ``digest.runner``
 picks one for a job.
 """
 

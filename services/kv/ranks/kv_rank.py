@@ -142,12 +142,13 @@ class LocalKVRank:
         return await asyncio.to_thread(state_digest, self.state_buffer[slot], runs)
 
     async def gather(self, offset: int, block_ids: Sequence[np.ndarray]) -> None:
-        """Stage blocks (per group) into this rank's staging span at ``offset`` (``staging.gather``), done on return."""
+        """Stage blocks (per group) into this rank's staging span at ``offset`` (``staging_area.gather``), done on
+        return."""
         await self._staging_copy(gather, offset, block_ids, settle=True)
 
     async def scatter(self, offset: int, block_ids: Sequence[np.ndarray]) -> None:
-        """The staged span at ``offset`` into blocks (per group) of this rank (``staging.scatter``). On a GPU it is
-        queued on the side stream this rank's digest shares, not waited for (``staging.wait``)."""
+        """The staged span at ``offset`` into blocks (per group) of this rank (``staging_area.scatter``). On a GPU it is
+        queued on the side stream this rank's digest shares, not waited for (``StagingArea.wait``)."""
         await self._staging_copy(scatter, offset, block_ids, settle=False)
 
     async def _staging_copy(self, copy, offset: int, block_ids: Sequence[np.ndarray], *,  # noqa: ANN001

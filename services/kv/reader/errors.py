@@ -9,7 +9,7 @@ from services.kv.nixl.errors import TransferError
 
 class TicketError(ValueError):
     """The ticket does not fit the owner's engine (forged, truncated or from another model), or may not be read
-    (``pull_tickets``: of another prompt, past its lease, pulled before).
+    (``reader.tickets``: of another prompt, past its lease, pulled before).
 
     ``reason`` names the check that refused it, for the refusal counter (``services.common.metrics``
     ``TICKET_REFUSALS``).

@@ -14,7 +14,7 @@ are range-checked like every id and never read, since the pieces start at ``wind
 
 A ticket is untrusted input: it must be taken first (``take``: of the prompt it came with, never taken
 before), carry the owner's signature (HMAC under the key of the owner's epoch, from the handshake), be
-inside its lease (``pull_tickets``: a READ is one-sided, its owner cannot refuse it), and its groups, block
+inside its lease (``reader.tickets``: a READ is one-sided, its owner cannot refuse it), and its groups, block
 ids and token count are checked against the owner's handshake before anything is planned, and descriptors are
 only ever computed from the layout specs, so a forged ticket cannot point a READ outside the owner's
 registered KV buffers or the reader's own blocks.
@@ -87,8 +87,8 @@ class KVPuller:
         pulled block after its READ, before the digest check (None: never). ``prepared_lists``: read through
         descriptor lists prepared once per peer where the rank and layouts allow (``read_lists``); off, every
         pull is planned from scratch. ``check_tickets``: refuse a ticket of another prompt, past its lease or pulled
-        before (``pull_tickets``: every ticket is ``take``-n once, then pulled); off only for benchmarks and tests that
-        pull one ticket again and again."""
+        before (``reader.tickets``: every ticket is ``take``-n once, then pulled); off only for benchmarks and tests
+        that pull one ticket again and again."""
         if ranks:
             identity.check_layout(ranks[0].layout)
         self.engine_id = engine_id
@@ -121,7 +121,7 @@ class KVPuller:
     def take(self, tickets: Sequence[kv_pb2.TransferTicket], prompt_hash: bytes) -> None:
         """Take tickets as they arrive, before anything is reserved for them, for the prompt hashed ``prompt_hash``
         (``wire.prompt_hash``): a ``TicketError`` if one names another prompt, was taken before, names no lease or
-        prompt, or is past its lease (``pull_tickets``); each ticket is taken once, whatever its pull does."""
+        prompt, or is past its lease (``reader.tickets``); each ticket is taken once, whatever its pull does."""
         if self.ticket_checks is not None:
             self.ticket_checks.take(tickets, prompt_hash)
 
