@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -287,3 +288,27 @@ def test_the_folder_check_sees_a_circle() -> None:
 def test_the_sides_of_the_kv_library_may_not_import_each_other() -> None:
     assert not any(_within("services.kv.owner.exporter", a) for a in LAYERS[_package_of("services.kv.reader.x")])
     assert not any(_within("services.kv.reader.puller", a) for a in LAYERS[_package_of("services.kv.owner.x")])
+
+
+def _design_layers() -> dict[str, set[str]]:
+    """The Layers table of docs/design.md as package -> what it may import (``nothing``: none; ``anything``: all)."""
+    text = (REPO / "docs" / "design.md").read_text()
+    table = text[text.index("### Layers"):text.index("## One request")]
+    rows: dict[str, set[str]] = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`services"):
+            continue
+        allowed = {"services"} if cells[1] == "anything" else set() if cells[1] == "nothing" else {
+            f"services.{name}" for name in re.findall(r"`([\w.]+)`", cells[1])}
+        rows |= {package: allowed for package in re.findall(r"`([\w.]+)`", cells[0])}
+    return rows
+
+
+def test_the_design_doc_shows_this_table() -> None:
+    """One contract written once: docs/design.md's Layers table says what LAYERS enforces, row for row."""
+    documented = _design_layers()
+    assert set(documented) == set(LAYERS) - {"services"}, set(documented) ^ (set(LAYERS) - {"services"})
+    wrong = {package: (sorted(documented[package]), sorted(LAYERS[package]))
+             for package in documented if documented[package] != set(LAYERS[package])}
+    assert not wrong, f"docs/design.md's Layers table (documented, enforced) differs: {wrong}"
