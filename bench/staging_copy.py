@@ -1,4 +1,4 @@
-"""KV staging's copies (services/kv/plan/staging.py) on one device: a fragmented pool's blocks gathered into a span and
+"""KV staging's copies (kv/ranks/staging_area.py) on one device: a fragmented pool's blocks gathered into a span and
 scattered back (``index_select``/``index_copy_`` of whole rows), beside one contiguous copy of the same bytes.
 
 Llama-3.1-8B KV (cross-layer, bf16, block 16: 2 MiB a block), every other block of the pool. Per prompt length

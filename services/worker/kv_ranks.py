@@ -22,7 +22,7 @@ def open_kv_ranks(engine: LLMEngine, engine_id: str, epoch: int, staging_mib: in
     """Rank 0's NIXL agent and KV shard here, then every follower's (each opens its own agent).
 
     Agent names carry the epoch, so a restarted worker's agents never collide with its old ones
-    in a peer's NIXL state. ``staging_mib``: the KV staging area (``services.kv.plan.staging``) of a TP-1 engine; the
+    in a peer's NIXL state. ``staging_mib``: the KV staging area (``ranks.staging_area``) of a TP-1 engine; the
     ranks of a larger one have none (a gather or scatter runs where the KV is, and followers do not stage), so it
     stages nothing and reads owners' blocks, or straight from their staged spans.
     """

@@ -1,6 +1,6 @@
 """The KV digest on the device: one Triton kernel per job, reading each word once.
 
-Same arithmetic as ``digest.py``'s host path (which the tests compare it with, here under Triton's
+Same arithmetic as ``scheme.py``'s host path (which the tests compare it with, here under Triton's
 CPU interpreter and on a GPU): a program takes one (block, layer and K/V) and walks its heads in
 ``[block_size, words per row]`` tiles of 32-bit words, mixes each word with its position key and adds
 it into a tile of uint32 accumulators (wrapping, as the digest's sum does), reduces that tile once
@@ -116,7 +116,7 @@ def _digest_kernel(
 
 def digest_units_cuda(views: list[tuple[int, int, torch.Tensor]], block_size: int, job: d.DigestJob
                       ) -> torch.Tensor:
-    """int64 [num_units] (each in [0, 2**32)) of ``job`` over ``views`` (``digest.layer_views``), on the host:
+    """int64 [num_units] (each in [0, 2**32)) of ``job`` over ``views`` (``scheme.layer_views``), on the host:
     ``CudaDigests`` for one job (tests and tools; a rank keeps a ``CudaDigests``)."""
     return torch.from_numpy(CudaDigests(views[0][2].device).run([(views, block_size, job)])[0].view(np.int64))
 

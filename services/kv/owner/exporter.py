@@ -235,7 +235,7 @@ class KVExporter:
             and bool(num_tokens) and reader_block_size in (0, math.gcd(*(g.block_size for g in layout.groups)))
 
     async def _stage(self, plan: HandOutPlan) -> dict[int, int]:
-        """Gather the ticket's blocks into every rank's staging area (``services.kv.plan.staging``) when they lie in
+        """Gather the ticket's blocks into every rank's staging area (``ranks.staging_area``) when they lie in
         runs enough to pay for it; the span's offset per rank ({}: not staged). All ranks or none: a rank without
         room frees the others' spans."""
         layout = self._ranks[0].layout

@@ -9,6 +9,7 @@ adds its share, and the sums are taken mod 2**32.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -18,7 +19,7 @@ from services.kv.owner.hand_out import HandOutPlan
 from services.kv.plan.state_runs import state_runs
 from services.kv.ranks.kv_rank import KVRank
 from services.kv.spec.groups import StateGroupSpec
-from services.kv.spec.topology import block_unit, group_rank_reads
+from services.kv.spec.topology import group_rank_reads
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 # per owner rank: (group, reading rank, job) of every digest that rank computes
@@ -29,9 +30,9 @@ async def kv_digests(ranks: Sequence[KVRank], group_heads: Mapping[int, int],
                      plan: HandOutPlan) -> list[kv_pb2.GroupDigests]:
     """Per (group, reading rank): unit digests from token 0 (0 before ``part_start_token``: a part's), each owner
     rank adding the heads that reader reads from it, every rank at once. Sliding groups from the window of the
-    whole prompt; ``reader_block_size`` (0: this engine's) sets the unit."""
+    whole prompt; ``reader_block_size`` (0: this engine's) sets the unit, the largest that divides both block sizes."""
     layout = ranks[0].layout
-    units = {g.group_id: block_unit(g.block_size, plan.reader_block_size or g.block_size) for g in layout.groups}
+    units = {g.group_id: math.gcd(g.block_size, plan.reader_block_size or g.block_size) for g in layout.groups}
     jobs = _digest_jobs(ranks, group_heads, plan, units)
     answers = await asyncio.gather(*(rank.digest([j for _, _, j in rank_jobs])
                                      for rank, rank_jobs in zip(ranks, jobs, strict=True) if rank_jobs))

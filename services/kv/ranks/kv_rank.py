@@ -40,7 +40,7 @@ class KVRank(Protocol):
     host_regions: tuple[MemoryRegion, ...]
     # A model with state layers: the rank's state slots ([slots, slot bytes]), registered with the same agent.
     state_region: MemoryRegion | None
-    # The rank's KV staging area (``services.kv.plan.staging``), when it has one; only a rank in this process does.
+    # The rank's KV staging area (``ranks.staging_area``), when it has one; only a rank in this process does.
     staging: StagingArea | None
 
     def metadata(self) -> bytes:
@@ -69,7 +69,7 @@ class KVRank(Protocol):
         ...
 
     async def state_digest(self, slot: int, runs: Sequence[tuple[int, int, int]]) -> int:
-        """The digest of runs of one state slot (``digest.state_digest``), computed where it lives."""
+        """The digest of runs of one state slot (``digest.scheme.state_digest``), computed where it lives."""
         ...
 
 
@@ -88,7 +88,7 @@ def register_rank(
 class LocalKVRank:
     """A rank whose KV buffers and agent live in this process; registers the buffers at once,
     and the host tier's (``host_layout``/``host_buffers``) when it has one, so a peer can read either.
-    ``staging_bytes`` > 0: a staging area of that size beside the KV, registered too (``services.kv.plan.staging``)."""
+    ``staging_bytes`` > 0: a staging area of that size beside the KV, registered too (``ranks.staging_area``)."""
 
     def __init__(self, agent: TransferAgent, layout: KVLayoutSpec, buffers: Sequence[torch.Tensor],
                  host_layout: KVLayoutSpec | None = None, host_buffers: Sequence[torch.Tensor] = (),

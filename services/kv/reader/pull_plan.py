@@ -1,7 +1,7 @@
 """A pull's plan: everything the READ and verify steps do, decided from the checked tickets before any READ.
 
 The pull's modes are data here, not branches through one body: a staged ticket's plan has its spans (read from the
-owner's staging areas, scattered after: ``services.kv.plan.staging``), a host-tier ticket's has a READ from each
+owner's staging areas, scattered after: ``services.kv.ranks.staging_area``), a host-tier ticket's has a READ from each
 source, parts read together (``earlier``) have their notifications, a model with state layers has the state's runs
 in its device READs and its state digest, and the KV digest's jobs are None when it is off.
 """
@@ -60,10 +60,6 @@ class PullPlan:
     @property
     def staged(self) -> bool:
         return bool(self.spans)
-
-    @property
-    def host_tier(self) -> bool:
-        return any(r.host_tier for r in self.reads)
 
 
 class PullPlanner:

@@ -51,7 +51,7 @@ class RankExport:
     host_regions: tuple[MemoryRegion, ...] = ()
     # A model with state layers: the rank's state slots (``EngineDescription.state``'s slot layout).
     state_region: MemoryRegion | None = None
-    # The rank's KV staging buffer (``services.kv.plan.staging``), if it has one.
+    # The rank's KV staging buffer (``services.kv.ranks.staging_area``), if it has one.
     staging_region: MemoryRegion | None = None
 
 

@@ -1,4 +1,5 @@
-"""KV staging (services/kv/plan/staging.py): the span allocator, gather/scatter between pools, and the READ rows.
+"""KV staging (kv/plan/staging.py, kv/ranks/staging_area.py): the span allocator, gather/scatter between pools,
+and the READ rows.
 
 The rows are applied here with a byte copy between this process's own buffers (the bytes a READ of
 them moves); tests/integration/test_kv_staging.py reads them over NIXL between two processes.
