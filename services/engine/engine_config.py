@@ -32,6 +32,13 @@ DTYPE_ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
 }
 
+#: How a quantized checkpoint runs: ``auto`` in its own format where the device computes it (FP8 GEMMs on CUDA),
+#: dequantized at load elsewhere; ``none`` dequantizes to ``--dtype`` at load everywhere (A/B runs, GPUs without FP8).
+QUANTIZATION_CHOICES = ("auto", "none")
+#: ``--kv-cache-dtype`` spellings -> the KV layout's dtype (torch's name); ``auto`` is the model dtype.
+KV_CACHE_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                   "fp8_e4m3": "float8_e4m3fn"}
+
 
 def _gib_to_bytes(gib: float) -> int | None:
     return int(gib * 2**30) if gib else None
@@ -43,6 +50,13 @@ class EngineConfig:
                                    "SmolLM2-135M-Instruct)")
     # auto: float32 on CPU, the checkpoint's 16-bit type (else bfloat16) on CUDA
     dtype: str = flag("auto", "auto, float32, float16 or bfloat16")
+    quantization: str = flag("auto", "how a quantized (FP8) checkpoint runs: auto (in its format where the device "
+                                     "computes it, else dequantized at load) or none (dequantized to --dtype at "
+                                     "load)", choices=QUANTIZATION_CHOICES)
+    # auto: the model dtype; fp8_e4m3 stores K/V as float8 e4m3 with per-layer scales (half the bytes of bf16)
+    kv_cache_dtype: str = flag("auto", "dtype of the KV cache: auto (the model dtype), float32, bfloat16, float16 or "
+                                       "fp8_e4m3 (per-layer scales: the checkpoint's k_scale/v_scale, else 1.0)",
+                               choices=("auto", *KV_CACHE_DTYPES))
     device: str = flag("auto", "auto, cpu, cuda[:N] (rank r on cuda:N+r) or a comma list with one entry per TP rank")
     seed: int = flag(0, "seed for dummy weights", parse=int)
     block_size: int = flag(16, "KV block size in tokens", parse=int)
@@ -133,6 +147,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected auto, float32, float16 or bfloat16")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"unknown quantization {self.quantization!r}; expected auto or none")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; expected auto, "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -203,3 +222,7 @@ class EngineConfig:
         if checkpoint_dtype in ("float16", "bfloat16"):
             return checkpoint_dtype
         return "bfloat16"
+
+    def resolve_kv_cache_dtype(self, model_dtype: str) -> str:
+        """The KV layout's dtype (torch's name): ``--kv-cache-dtype``, or the model dtype for auto."""
+        return model_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]

@@ -198,7 +198,7 @@ def test_engine_flags_are_the_config_fields_and_reach_a_child_whole() -> None:
            "--no-kv-shared-prefill-skip",
            "--fused-ops", "torch", "--attention-backend", "torch_sdpa", "--kv-offload-block-factor", "2",
            "--prefill-graph-tokens", "512", "--no-decode-gemv", "--no-fused-kv-write", "--no-pdl",
-           "--dense-min-query", "2048"]
+           "--dense-min-query", "2048", "--quantization", "none", "--kv-cache-dtype", "fp8_e4m3"]
     parser = build_parser()
     config = engine_config_from_args(parser.parse_args(cmd))
     child = engine_config_from_args(parser.parse_args(["decode", *engine_argv(parser.parse_args(cmd))]))

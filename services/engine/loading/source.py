@@ -7,8 +7,8 @@ random weights at a real shape), or nothing (the bundled SmolLM2-135M-Instruct G
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,9 @@ class ModelSource:
     load_tokenizer: Callable[[], Tokenizer | None]
     # The checkpoint's own dtype, when it states one ("float32", "bfloat16", ...).
     checkpoint_dtype: str | None = None
+    # Per-layer KV-cache scales the checkpoint stores (layer id -> (k_scale, v_scale)); empty when it stores none,
+    # and an FP8 KV cache then scales by 1.0.
+    kv_scales: Mapping[int, tuple[float, float]] = field(default_factory=dict)
 
 
 def resolve_model(model: str | None) -> ModelSource:
