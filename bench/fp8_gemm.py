@@ -1,0 +1,129 @@
+"""FP8 projections against bf16 on the same shapes: the block-scaled Triton GEMM, torch's scaled matmul, cuBLAS bf16.
+
+For each projection of a model and each row count it times, inside CUDA graphs over ``--copies`` distinct
+weights (so no weight is still in L2 when it is read again):
+
+* ``bf16``: ``torch.nn.functional.linear`` on bf16 weights (cuBLAS), the reference speed;
+* ``scaled_mm``: per-token activation quantization + ``torch._scaled_mm`` with row-wise scales (the per-tensor and
+  per-channel checkpoints' path, ``fp8_gemm.row_scaled_linear``);
+* ``block``: 1x128 group quantization + the block-scaled Triton GEMM (``fp8_gemm.block_scaled_linear``), and the
+  GEMM alone on pre-quantized activations (``block_gemm``); with ``--sweep``, every tile of ``SWEEP`` for the GEMM
+  alone, the best printed per shape.
+
+Each row prints microseconds, the ratio to bf16, the weight-read floor (e4m3 bytes over the HBM peak) at decode
+sizes and TFLOP/s against the FP8 peak (twice the bf16 one) at prefill sizes. The block GEMM's output is checked
+against the dequantized product before it is timed.
+
+    python3 bench/fp8_gemm.py --rows 1,8,32,2048,8192 --sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from bench._common import GPU_PEAKS, cuda_graph_ms, emit_json, int_list
+
+# (name, out_features, in_features): Llama-3.1-8B's fused projections and DeepSeek-V3's dense-MLP and MLA shapes.
+SHAPES = {
+    "llama-3.1-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+    "deepseek-v3": [("q_a", 1536, 7168), ("kv_a", 576, 7168), ("q_b", 24576, 1536), ("o", 7168, 16384),
+                    ("gate_up", 36864, 7168), ("down", 7168, 18432)],
+}
+BLOCK = (128, 128)
+
+
+def sweep_tiles():
+    from services.engine.ops.fp8_gemm_triton import Fp8Tile
+
+    return [Fp8Tile(bm, bn, w, s) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for w in (4, 8)
+            for s in (3, 4) if not (bm == 128 and bn == 128 and w == 4) and not (bm <= 32 and w == 8)]
+
+
+def graph_us(fn, copies: int) -> float:
+    def every_copy() -> None:
+        for i in range(copies):
+            fn(i)
+
+    return cuda_graph_ms(every_copy, 15, median=statistics.median_high) * 1e3 / copies
+
+
+def measure(model: str, proj: str, n: int, k: int, rows: int, copies: int, sweep: bool, peaks) -> dict:
+    from services.engine.ops import fp8_gemm, fp8_gemm_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(copies)]
+    blocks = [_block_quantize(w) for w in w16]
+    rowq = [fp8_gemm.quantize_rows(w) for w in w16]  # per-channel scales: [n, 1]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    xq, xs = fp8_gemm_triton.quantize_groups(x, BLOCK[1])
+    got = fp8_gemm_triton.block_scaled_mm(xq, xs, *blocks[0], BLOCK, torch.float32)
+    want = fp8_gemm.block_scaled_mm_reference(xq, xs, *blocks[0], BLOCK, torch.float32)
+    error = ((got - want).abs().max() / want.abs().max()).item()
+    times = {
+        "bf16": graph_us(lambda i: torch.nn.functional.linear(x, w16[i]), copies),
+        "scaled_mm": graph_us(lambda i: fp8_gemm.row_scaled_linear(x, rowq[i][0], rowq[i][1].view(-1)), copies),
+        "block": graph_us(lambda i: fp8_gemm.block_scaled_linear(x, *blocks[i], BLOCK), copies),
+        "block_gemm": graph_us(lambda i: fp8_gemm_triton.block_scaled_mm(xq, xs, *blocks[i], BLOCK, x.dtype), copies),
+    }
+    row = {"model": model, "proj": proj, "n": n, "k": k, "rows": rows, "rel_error": error,
+           **{f"{name}_us": t for name, t in times.items()}}
+    if sweep:
+        best = min((graph_us(lambda i, t=t: fp8_gemm_triton.block_scaled_mm(xq, xs, *blocks[i], BLOCK, x.dtype,
+                                                                            tile=t), copies), t)
+                   for t in sweep_tiles())
+        row["sweep_best_us"], row["sweep_best_tile"] = best[0], list(best[1])
+    bw, flops16 = peaks
+    row["floor_us"] = n * k / bw * 1e6  # e4m3 weight bytes
+    row["tflops_block"] = 2 * rows * n * k / times["block"] / 1e6
+    row["mfu_fp8_block"] = row["tflops_block"] * 1e12 / (2 * flops16)
+    return row
+
+
+def _block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 blocks of a weight with one scale per 128x128 block (the DeepSeek-V3 checkpoints' format)."""
+    from services.engine.ops import fp8_gemm
+
+    n, k = w.shape
+    grid = (-(-n // BLOCK[0]), -(-k // BLOCK[1]))
+    padded = torch.nn.functional.pad(w.float(), (0, grid[1] * BLOCK[1] - k, 0, grid[0] * BLOCK[0] - n))
+    amax = padded.view(grid[0], BLOCK[0], grid[1], BLOCK[1]).abs().amax(dim=(1, 3))
+    scales = (amax / fp8_gemm.FP8_MAX).clamp_min(fp8_gemm.MIN_SCALE)
+    q = (w.float() / fp8_gemm.expand_block_scales(scales, n, k, BLOCK)).to(fp8_gemm.FP8_DTYPE)
+    return q.contiguous(), scales.contiguous()
+
+
+def summary(r: dict) -> str:
+    """One printed line per measured row: times, the ratios to bf16, the floor and the FP8 MFU."""
+    best = f"; best {r['sweep_best_us']:.1f} {r['sweep_best_tile']}" if "sweep_best_us" in r else ""
+    return (f"{r['model']:13s} {r['proj']:8s} {r['rows']:5d} bf16 {r['bf16_us']:8.1f} scaled_mm "
+            f"{r['scaled_mm_us']:8.1f} ({r['bf16_us'] / r['scaled_mm_us']:.2f}x) block {r['block_us']:8.1f} "
+            f"({r['bf16_us'] / r['block_us']:.2f}x; gemm {r['block_gemm_us']:.1f}{best}) floor {r['floor_us']:.1f} "
+            f"mfu8 {r['mfu_fp8_block']:.2f} err {r['rel_error']:.1e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="llama-3.1-8b,deepseek-v3")
+    parser.add_argument("--rows", type=int_list, default=[1, 8, 32, 2048, 8192])
+    parser.add_argument("--copies", type=int, default=4, help="distinct weights per graph (L2 cold)")
+    parser.add_argument("--sweep", action="store_true", help="time every tile of the block GEMM per shape")
+    parser.add_argument("--json-out")
+    args = parser.parse_args()
+    name = torch.cuda.get_device_name()
+    peaks = next((v for key, v in GPU_PEAKS.items() if key in name), (3.35e12, 989e12))
+    rows_out = []
+    for model in args.models.split(","):
+        for proj, n, k in SHAPES[model]:
+            for rows in args.rows:
+                copies = args.copies if rows <= 64 else 1
+                rows_out.append(measure(model, proj, n, k, rows, copies, args.sweep and rows in (1, 8, 32, 2048),
+                                        peaks))
+                print(summary(rows_out[-1]), flush=True)
+    emit_json(rows_out, args.json_out, False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""FP8 (e4m3) projections of quantized checkpoints: ``y = x @ dequant(W).T (+ b)`` with W kept as e4m3.
+
+FP8 tensor cores run at twice the bf16 rate on Hopper and an e4m3 weight is half the bytes a decode step reads,
+so an FP8 checkpoint computes in FP8 instead of being widened at load. The activation is quantized on the fly
+(dynamic scales, as the checkpoints' ``activation_scheme: dynamic`` says), then:
+
+* **per-tensor or per-output-channel weight scales** (compressed-tensors, fbgemm): one scale per token row of x
+  (``quantize_rows``) and ``torch._scaled_mm`` with row-wise scales (cuBLASLt's FP8 GEMM);
+* **128x128 weight blocks** (DeepSeek-V3/R1, Qwen3-FP8): x in groups of ``block_k`` columns per row, one scale
+  each (``quantize_groups``, the 1x128 recipe of DeepSeek's reference), and the Triton GEMM of
+  ``fp8_gemm_triton``, which multiplies each K slab's partial product by its two scales as it accumulates.
+
+The torch functions are the exact math the kernels implement, and the tests' reference: a block-scaled product
+equals the product of the dequantized operands up to the order of the fp32 sum.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+#: e4m3's largest finite value: a scale maps a row's (or a group's) absolute maximum onto it.
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+#: A zero row gets this scale rather than 0, so dequantizing it is 0 and not NaN.
+MIN_SCALE = 1e-12
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as e4m3 with one float32 scale per row ([M, 1]): ``x ~= q * scale``."""
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as e4m3 with one float32 scale per ``group`` columns of a row ([M, ceil(K / group)]); a last,
+    shorter group has its own scale."""
+    m, k = x.shape
+    num_groups = math.ceil(k / group)
+    padded = torch.nn.functional.pad(x.float(), (0, num_groups * group - k)).view(m, num_groups, group)
+    scale = (padded.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, -1)[:, :k]
+    return q.contiguous(), scale
+
+
+def expand_block_scales(scales: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
+    """A [ceil(rows / b0), ceil(cols / b1)] grid of block scales spread to one per element ([rows, cols])."""
+    return scales.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+
+
+def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float32 values of a block-scaled e4m3 matrix (a weight [N, K] with 2-D blocks, or an activation [M, K] with
+    1 x block groups)."""
+    return q.float() * expand_block_scales(scales.float(), q.shape[0], q.shape[1], block)
+
+
+def block_scaled_mm_reference(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor,
+                              block: tuple[int, int], out_dtype: torch.dtype,
+                              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``dequant(xq) @ dequant(wq).T (+ bias)`` in float32, rounded once to ``out_dtype``: what the Triton kernel
+    computes, x in 1 x ``block[1]`` groups and W in ``block`` blocks."""
+    x = dequantize_blocks(xq, x_scales, (1, block[1]))
+    y = x @ dequantize_blocks(wq, w_scales, block).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def block_scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor, block: tuple[int, int],
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A projection with a block-scaled e4m3 weight: x [..., K] in its dtype, out in x's dtype. CUDA runs the
+    group quantization and the GEMM as Triton kernels; elsewhere the torch reference."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x.is_cuda:
+        from services.engine.ops import fp8_gemm_triton
+
+        xq, xs = fp8_gemm_triton.quantize_groups(x2, block[1])
+        y = fp8_gemm_triton.block_scaled_mm(xq, xs, wq, w_scales, block, x.dtype, bias)
+    else:
+        xq, xs = quantize_groups(x2, block[1])
+        y = block_scaled_mm_reference(xq, xs, wq, w_scales, block, x.dtype, bias)
+    return y.view(*shape[:-1], wq.shape[0])
+
+
+def row_scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A projection with a per-tensor ([1] or []) or per-output-channel ([N] or [N, 1]) scaled e4m3 weight
+    [N, K], x quantized per row: ``torch._scaled_mm`` with row-wise scales on CUDA, the float32 product of the
+    dequantized operands elsewhere."""
+    shape = x.shape
+    n = wq.shape[0]
+    x2 = x.reshape(-1, shape[-1])
+    if x.is_cuda:
+        from services.engine.ops import fp8_gemm_triton
+
+        xq, xs = fp8_gemm_triton.quantize_groups(x2, x2.shape[1])
+    else:
+        xq, xs = quantize_rows(x2)
+    ws = w_scales.float().reshape(-1).expand(n).reshape(1, n).contiguous()
+    if x.is_cuda:
+        y = torch._scaled_mm(xq, wq.T, scale_a=xs, scale_b=ws, out_dtype=x.dtype,
+                             bias=None if bias is None else bias.to(x.dtype))
+    else:
+        y = ((xq.float() * xs) @ (wq.float() * ws.T).T + (0.0 if bias is None else bias.float())).to(x.dtype)
+    return y.view(*shape[:-1], n)

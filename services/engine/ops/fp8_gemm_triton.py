@@ -1,0 +1,130 @@
+"""Triton kernels of the FP8 projections (``fp8_gemm``): activation quantization in groups and the block-scaled GEMM.
+
+``quantize_groups``: one program per (row, group of columns) finds the group's absolute maximum, scales it onto
+e4m3's range and writes the e4m3 values and the float32 scale; a group as wide as the row is the per-token
+quantization of the row-scaled path.
+
+``block_scaled_mm``: ``C = A @ B.T`` with A [M, K] e4m3 in 1 x ``BLOCK_K`` groups (scales [M, ceil(K/BLOCK_K)]) and
+B [N, K] e4m3 in ``SCALE_N`` x ``BLOCK_K`` blocks (scales [ceil(N/SCALE_N), ceil(K/BLOCK_K)]). A program owns a
+``BLOCK_M`` x ``BLOCK_N`` tile of C and walks K one scale slab at a time::
+
+    acc += dot(A[m, slab], B[n, slab].T) * a_scale[m, slab] * b_scale[n // SCALE_N, slab]
+
+so each slab's FP8 tensor-core product is rescaled in fp32 before it is summed (the slab is the scale's K extent,
+hence ``BLOCK_K`` is the weight's block width). B's tile is read K-contiguous, the operand order Hopper's FP8 MMA
+wants. Programs are ordered in groups of ``GROUP_M`` rows of tiles so a weight tile is reused from L2.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from services.engine.ops.fp8_gemm import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
+
+class Fp8Tile(NamedTuple):
+    """A launch shape of the block-scaled GEMM."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+#: The tile by rows of A (a decode batch up to 16 rows, a larger batch, a prefill), chosen by ``bench/fp8_gemm.py``.
+TILES = ((16, Fp8Tile(16, 64, 4, 4)), (64, Fp8Tile(64, 64, 4, 4)), (None, Fp8Tile(128, 128, 8, 3)))
+
+
+def tile_for(m: int) -> Fp8Tile:
+    return next(tile for limit, tile in TILES if limit is None or m <= limit)
+
+
+@triton.jit
+def _quantize_groups_kernel(X, Q, S, K, stride_x, stride_q, num_groups, GROUP: tl.constexpr,
+                            BLOCK: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr):
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    offs = g * GROUP + tl.arange(0, BLOCK)
+    ok = (tl.arange(0, BLOCK) < GROUP) & (offs < K)
+    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FMAX, SMIN)
+    q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+    tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=ok)
+    tl.store(S + row * num_groups + g, scale)
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``fp8_gemm.quantize_groups``: x [M, K] (rows contiguous) -> (e4m3 [M, K], float32 [M, ceil(K/group)])."""
+    m, k = x.shape
+    num_groups = triton.cdiv(k, group)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_groups_kernel[(m, num_groups)](x, q, scales, k, x.stride(0), q.stride(0), num_groups, GROUP=group,
+                                                 BLOCK=triton.next_power_of_2(group), FMAX=FP8_MAX, SMIN=MIN_SCALE)
+    return q, scales
+
+
+@triton.jit
+def _block_scaled_mm_kernel(A, A_s, B, B_s, C, Bias, M, N, K, stride_am, stride_bn, stride_cm, stride_asm,
+                            stride_bsn, num_slabs, SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_ptrs = A + offs_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = B + offs_n[None, :] * stride_bn + offs_k[:, None]
+    as_ptrs = A_s + offs_m * stride_asm
+    bs_ptrs = B_s + (offs_n // SCALE_N) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for slab in range(0, num_slabs):
+        k_ok = offs_k < K - slab * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + slab, mask=m_ok, other=0.0)
+        b_s = tl.load(bs_ptrs + slab, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = C + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def block_scaled_mm(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor,
+                    block: tuple[int, int], out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                    tile: Fp8Tile | None = None) -> torch.Tensor:
+    """``dequant(xq) @ dequant(wq).T (+ bias)`` (see the module docstring); ``tile`` defaults to ``tile_for(M)``."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    if wq.shape[1] != k or xq.stride(1) != 1 or wq.stride(1) != 1:
+        raise ValueError(f"block_scaled_mm: x {tuple(xq.shape)} and w {tuple(wq.shape)} must share K, rows contiguous")
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    t = tile or tile_for(m)
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    _block_scaled_mm_kernel[grid](
+        xq, x_scales, wq, w_scales, out, bias if bias is not None else out, m, n, k, xq.stride(0), wq.stride(0),
+        out.stride(0), x_scales.stride(0), w_scales.stride(0), triton.cdiv(k, block[1]), SCALE_N=block[0],
+        HAS_BIAS=bias is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block[1], GROUP_M=t.group_m,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    return out
