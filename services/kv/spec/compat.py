@@ -31,6 +31,11 @@ of when the owner sends it (after every prompt token, ``groups.STATE_SENT_AFTER`
 group and its field. The TP size is not hashed: ``state_runs`` maps heads between any two. Absent for other
 models.
 
+A quantized KV cache (FP8, ``kv_quant``) ends each ``kv_groups`` entry with its dtype, scale scheme and every
+layer's scales (the values, so a reader can check them and dequantize with them); a difference names the group and
+``dtype``, ``scale`` or ``kv_scales`` (the latter as ``sha:`` digests). Unquantized engines add nothing and hash as
+before FP8 KV existed.
+
 An engine's values are gathered once into a :class:`KVIdentity` (``KVIdentity.of``, from the
 model's shape and the engine's layout) that the hash, the exporter and the puller all take.
 
@@ -50,6 +55,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from services.kv.spec import kv_quant
 from services.kv.spec.groups import AttentionKind, StateGroupSpec
 from services.kv.spec.layout import BlockOrder, KVLayoutSpec
 
@@ -67,7 +73,8 @@ class GroupDifference:
     group_id: int
     kind: str  # the local group's attention kind ("full", "sliding_window", "mla"); "" for a group count
     # "kind", "sliding_window", "layers", "num_kv_heads", "head_dim" ("row_width" in an MLA group), "tp" (how
-    # TP places the group: "sharded" heads or a "replicated" row) or "groups" (the count)
+    # TP places the group: "sharded" heads or a "replicated" row), "dtype", "scale" or "kv_scales" (a quantized
+    # group's, ``kv_quant``) or "groups" (the count)
     field: str
     local: object
     remote: object
@@ -139,6 +146,9 @@ class KVIdentity:
     kv_digest: str = DIGEST_SCHEME
     #: The per-request state of the model's state layers (Mamba2), or None: hashed as ``state``.
     state: StateGroupSpec | None = None
+    #: A quantized KV dtype's scales, ``(layer, k_scale, v_scale)`` for every layer of every group, sorted; empty
+    #: for unquantized KV (``kv_quant``).
+    kv_scales: tuple[tuple[int, float, float], ...] = ()
 
     @property
     def digest_on(self) -> bool:
@@ -158,12 +168,15 @@ class KVIdentity:
         group_kv_heads: Mapping[int, int] | None = None,
         kv_digest: str = DIGEST_SCHEME,
         state: StateGroupSpec | None = None,
+        kv_scales: Mapping[int, Sequence[float]] | None = None,
     ) -> KVIdentity:
         """The identity of an engine with this model shape and (rank-local) layout.
 
         ``group_kv_heads`` maps group id -> the model's total KV heads of that group's layers (see
         the module docstring for what happens without it); ``kv_sharing`` maps a layer to the layer
-        whose KV it reads. Block size, pool size, placement and TP are not part of it.
+        whose KV it reads. Block size, pool size, placement and TP are not part of it. ``kv_scales`` (layer ->
+        (k_scale, v_scale)) are kept only when the layout's dtype is quantized (``kv_quant.DEFAULT_SCALE`` for a
+        layer without); they mean nothing for bytes that hold the values themselves.
         """
         groups = tuple(
             GroupIdentity(g.kind, g.sliding_window, tuple(g.layer_ids),
@@ -171,8 +184,10 @@ class KVIdentity:
                           layout.group_head_dim(g.group_id))
             for g in layout.groups
         )
+        scales = kv_quant.layer_scales(kv_scales, [x for g in layout.groups for x in g.layer_ids], num_layers) \
+            if kv_quant.is_quantized(layout.dtype) else ()
         return cls(architecture, num_layers, num_kv_heads, head_dim, layout.dtype, layout.order, groups,
-                   tuple(sorted((kv_sharing or {}).items())), protocol_version, kv_digest, state)
+                   tuple(sorted((kv_sharing or {}).items())), protocol_version, kv_digest, state, scales)
 
     @property
     def sharing(self) -> dict[int, int]:
@@ -259,6 +274,8 @@ TP_SHARDED, TP_REPLICATED = "sharded", "replicated"
 
 def _groups_field(identity: KVIdentity) -> str:
     # Block size is deliberately left out: it is reconciled by the block-size ratio, per group.
+    quantized = kv_quant.is_quantized(identity.dtype)
+    scales = {layer: (k, v) for layer, k, v in identity.kv_scales}
     out = []
     for g in identity.groups:
         entry: list = [g.kind.value, g.sliding_window, list(g.layer_ids)]
@@ -267,6 +284,8 @@ def _groups_field(identity: KVIdentity) -> str:
             entry += [*shape, TP_REPLICATED]
         elif shape != (identity.num_kv_heads, identity.head_dim):
             entry += list(shape)
+        if quantized:  # only then: every other engine hashes as before quantized KV
+            entry.append(kv_quant.quant_entry(identity.dtype, g.layer_ids, scales))
         out.append(entry)
     return json.dumps(out)
 
@@ -281,7 +300,7 @@ def parse_groups(fields: Mapping[str, str]) -> list[tuple] | None:
         heads, head_dim = int(fields["num_kv_heads"]), int(fields["head_dim"])
         out = []
         for entry in json.loads(fields["kv_groups"]):
-            kind, window, layers, *shape = entry
+            kind, window, layers, *shape = kv_quant.split_entry(entry)[0]
             total, dim, *tp = shape if shape else (heads, head_dim)
             if tp not in ([], [TP_REPLICATED]):
                 return None
@@ -296,16 +315,27 @@ def _field_name(name: str, kinds: tuple[str, str]) -> str:
     return "row_width" if name == "head_dim" and AttentionKind.MLA.value in kinds else name
 
 
+def _group_quants(fields: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """Per group, its (dtype, scale scheme, scales' digest) as ``kv_quant.group_quant`` names them."""
+    return [kv_quant.group_quant(kv_quant.split_entry(entry)[1], fields.get("dtype", ""))
+            for entry in json.loads(fields["kv_groups"])]
+
+
 def group_differences(local: Mapping[str, str], remote: Mapping[str, str]) -> list[GroupDifference]:
     """Each (group, field) whose value differs between two sets of compat fields."""
     a, b = parse_groups(local), parse_groups(remote)
     if a is None or b is None:
         return []
+    try:
+        a = [(*g, *q) for g, q in zip(a, _group_quants(local), strict=True)]
+        b = [(*g, *q) for g, q in zip(b, _group_quants(remote), strict=True)]
+    except (AttributeError, TypeError, ValueError):  # a quantization object that is not one: the raw field
+        return []
     out = []
     if len(a) != len(b):
         out.append(GroupDifference(-1, "", "groups", len(a), len(b)))
     for gid, (la, rb) in enumerate(zip(a, b, strict=False)):
-        for name, x, y in zip(_GROUP_FIELDS, la, rb, strict=True):
+        for name, x, y in zip(_GROUP_FIELDS + kv_quant.QUANT_FIELDS, la, rb, strict=True):
             if x != y:
                 out.append(GroupDifference(gid, la[0], _field_name(name, (la[0], rb[0])), x, y))
     return out
@@ -335,7 +365,10 @@ def check_compatible(local: CompatInfo, remote_fields: Mapping[str, str], remote
     groups = group_differences(local.fields, remote_fields) if "kv_groups" in diffs else []
     states = state_differences(local.fields, remote_fields) if "state" in diffs else []
     # A kv_groups or state difference explained field by field is not repeated as two JSON blobs.
-    shown = {k: v for k, v in diffs.items() if not (k == "kv_groups" and groups) and k != "state"}
+    # So is the dtype, when the groups name it (a quantized side's).
+    named = {g.field for g in groups}
+    shown = {k: v for k, v in diffs.items()
+             if not (k == "kv_groups" and groups) and k != "state" and not (k == "dtype" and "dtype" in named)}
     detail = "; ".join([str(g) for g in groups] + states +
                        [f"{k}: local {a!r} vs remote {b!r}" for k, (a, b) in shown.items()])
     if "kv_digest" in diffs:
