@@ -3,8 +3,9 @@
 A ticket's bytes cross two layouts (block sizes, block orders and TP slices may differ between the
 owner and the reader), so the digest is a function of the KV's *logical* content, not of its
 memory. Each (layer, K or V, token, head) row of ``head_dim`` elements (an MLA layer: its one latent
-row, keyed as K, and no V) is read as 32-bit words (two 16-bit elements per word, little-endian, or
-one 32-bit element), every word contributes one term, and the digest is the sum of the terms modulo 2**32::
+row, keyed as K, and no V) is read as 32-bit words (four FP8 elements, two 16-bit elements, little-endian, or
+one 32-bit element per word), every word contributes one term, and the digest is the sum of the terms modulo
+2**32::
 
     term = mix(word XOR key(layer, kv, token, head, word index))
     mix(x) = fmix32-style: x *= M1; x ^= x >> 15; x *= M2; x ^= x >> 13   (all mod 2**32)
@@ -19,6 +20,11 @@ would be no stronger (its high bits only count carries) and costs a second accum
 Because the digest is a sum, it splits: by token unit (so the reader checks exactly the tokens it
 pulled), by owner rank (each owner rank adds its share of a reader rank's heads), by source
 (host-tier and device parts), and it does not depend on where a token sits in memory.
+
+It digests the bytes both sides hold, never the values they stand for: FP8 KV (``float8_e4m3fn``, stored as
+``x / scale``) is read as its raw bytes through an int32 view (no float8 kernel is needed, on the host or in
+Triton), so a pair whose scales differ would digest equal bytes equally; the scales are checked by the
+compatibility hash instead (``spec.kv_quant``), before any READ.
 
 A ticket carries, per KV group and reading rank, the digest of each ``unit`` tokens from token 0
 (``unit`` = the smaller of the two sides' block sizes, so every token run a reader can start at is
@@ -109,18 +115,22 @@ def layer_views(layout: KVLayoutSpec, buffers: Sequence[torch.Tensor], group_id:
     return out
 
 
+#: The bits ``corrupt_blocks`` flips, as int32 words: the top exponent bit of each element (bit 6 of an e4m3 byte,
+#: bit 14 of a 16-bit float, bit 30 of an fp32).
+_EXPONENT_BITS = {1: 0x40404040, 2: 0x40004000, 4: 0x40000000}
+
+
 def corrupt_blocks(views: list[tuple[int, int, torch.Tensor]], block_size: int, job: DigestJob,
                    element_size: int) -> None:
     """``PDSERVE_FAULT_INJECT=kv_corrupt``: in every block of the job's range, flip a high exponent bit of
     every element of the block's first token in range, in every layer's K (a change that must show in the
     output when nothing checks it, and that the digest always catches)."""
+    bits = _EXPONENT_BITS[element_size]
     first, last = job.start // block_size, -(-job.end // block_size)
     device = views[0][2].device
     ids = torch.tensor(job.block_ids[first:last], dtype=torch.long, device=device)
     # Each block's first token inside the range (the first block may start mid-block).
     tokens = torch.tensor([max(job.start - b * block_size, 0) for b in range(first, last)], device=device)
-    # Bit 14 of each 16-bit float, bit 30 of an fp32, as int32 words.
-    bits = 0x40004000 if element_size == 2 else 0x40000000
     for _, kv, view in views:
         if kv == 0:
             view[ids, tokens, job.head_start:job.head_end] ^= bits

@@ -30,7 +30,8 @@ if DEVICE.type == "cpu":
     # triton.language is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 PROMPT_HASH = prompt_hash(range(30))  # the tickets' prompt (nothing here reads it)
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def hybrid_groups(bs_sliding: int, bs_full: int) -> tuple[KVCacheGroupSpec, ...]:
@@ -77,7 +78,7 @@ LAYOUTS = [(LayoutKind.PER_LAYER, BlockOrder.NHD), (LayoutKind.PER_LAYER, BlockO
            (LayoutKind.HEADS_OUTER, BlockOrder.HND)]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
 @pytest.mark.parametrize("group_id", [0, 1], ids=["sliding", "full-own-shape"])
 def test_the_digest_is_the_same_in_every_layout_block_size_and_order(dtype: str, group_id: int) -> None:
     n = 37  # a partial last block everywhere
@@ -265,7 +266,7 @@ def test_no_digest_when_it_is_off() -> None:
 
 # ---- the Triton kernel against the host path -----------------------------------------------------------
 @pytest.mark.parametrize(("kind", "order"), LAYOUTS)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float8_e4m3fn"])
 def test_the_triton_kernel_computes_the_host_digest(kind: LayoutKind, order: BlockOrder, dtype: str) -> None:
     from services.kv.digest.kernel import digest_units_cuda
 
