@@ -91,10 +91,11 @@ def test_allocator_takes_first_fit_merges_on_free_and_refuses_when_full() -> Non
         a.free(ALIGN)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float8_e4m3fn"])  # FP8: moved as bytes (no float8 index_copy_ on CPU)
 @pytest.mark.parametrize("case", list(LAYOUTS))
-def test_gather_then_scatter_moves_every_block_between_pools(case: str) -> None:
-    owner = layout_for({**BASE, **LAYOUTS[case], "num_blocks": 20}, 1)
-    reader = layout_for({**BASE, **LAYOUTS[case], "num_blocks": 13}, 1)
+def test_gather_then_scatter_moves_every_block_between_pools(case: str, dtype: str) -> None:
+    owner = layout_for({**BASE, **LAYOUTS[case], "num_blocks": 20, "dtype": dtype}, 1)
+    reader = layout_for({**BASE, **LAYOUTS[case], "num_blocks": 13, "dtype": dtype}, 1)
     assert same_layout(owner, reader)
     src, dst = random_cache(owner, 1), zero_cache(reader)
     ids = [np.array([7, 2, 19, 4, 11][: 5 - g], dtype=np.int64) for g in range(len(owner.groups))]
@@ -125,13 +126,14 @@ def apply(local_rows: np.ndarray, remote_rows: np.ndarray, buffers: list[torch.T
         at(dst, n).copy_(at(src, n))
 
 
-@pytest.mark.parametrize("case", ["cross_layer", "per_layer", "hybrid_cross_layer"])
+@pytest.mark.parametrize("case", ["cross_layer", "per_layer", "hybrid_cross_layer", "fp8_hybrid_per_layer"])
 @pytest.mark.parametrize("reader_area", [True, False])
 def test_rows_of_a_staged_span_land_in_the_reader_blocks(case: str, reader_area: bool) -> None:
     """From the owner's staged span straight into the reader's blocks (no room, or no area), or into the reader's
     area then scattered; the first ``skip`` staged blocks (a held prefix) are not read."""
-    owner = layout_for({**BASE, **LAYOUTS[case], "num_blocks": 40}, 1)
-    reader = layout_for({**BASE, **LAYOUTS[case], "num_blocks": 40}, 1)
+    over = {**LAYOUTS[case.removeprefix("fp8_")], **({"dtype": "float8_e4m3fn"} if case.startswith("fp8_") else {})}
+    owner = layout_for({**BASE, **over, "num_blocks": 40}, 1)
+    reader = layout_for({**BASE, **over, "num_blocks": 40}, 1)
     src, dst = random_cache(owner, 2), zero_cache(reader)
     num_tokens = 23
     owner_ids, local_ids, starts = [], [], {}
