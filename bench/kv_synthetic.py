@@ -17,8 +17,8 @@ num_kv_heads (total), head_dim, dtype, num_layers, block_size, window (optional)
 reader_tp), prompt (optional: the token ids the ticket's prompt hash is of, default ``prompt_of``)}], and
 optionally epoch, port, token, lease_s (the tickets' lease: their deadline; nothing here frees blocks by it),
 device ("cpu", "cuda" or "cuda:N"), devices (one device per rank, e.g. ["cuda:0", "cuda:1"]; rank i takes
-entry i mod len; default: every rank on device) and fill ("pattern", or "none" for benchmarks that need no
-content).
+entry i mod len; default: every rank on device), fill ("pattern", or "none" for benchmarks that need no
+content) and kv_scales ({layer: [k_scale, v_scale]}: an FP8 KV dtype's per-layer scales, 1.0 where absent).
 
 Hybrid models (several KV groups with their own shape, Gemma-3/4 style) add ``groups``: one
 object per group, in group-id order, ``{"kind": "full" | "sliding_window", "layers": [...],
@@ -113,6 +113,7 @@ def identity_for(cfg: dict, layout: KVLayoutSpec) -> KVIdentity:
         architecture=ARCHITECTURE, num_layers=cfg["num_layers"], num_kv_heads=cfg["num_kv_heads"],
         head_dim=cfg["head_dim"], layout=layout, kv_sharing=kv_sharing(cfg), group_kv_heads=group_total_heads(cfg),
         kv_digest=cfg.get("kv_digest", DIGEST_SCHEME),
+        kv_scales={int(layer): tuple(pair) for layer, pair in cfg.get("kv_scales", {}).items()},
     )
 
 
