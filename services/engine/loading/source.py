@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.loading.gguf import load_gguf
-from services.engine.loading.weights import iter_safetensors
+from services.engine.loading.quant.kv_scales import read_kv_scales
+from services.engine.loading.quant.registry import parse_quantization
+from services.engine.loading.quant.scheme import QuantScheme
+from services.engine.loading.quant.stream import checkpoint_tensors
+from services.engine.loading.weights import iter_safetensors, safetensors_files
 from services.engine.model_config.hf import ModelConfig, preset
 from services.text.model_ref import ModelRef, load_tokenizer, parse_model
 from services.text.tokenizer import Tokenizer
@@ -35,6 +39,10 @@ class ModelSource:
     # Per-layer KV-cache scales the checkpoint stores (layer id -> (k_scale, v_scale)); empty when it stores none,
     # and an FP8 KV cache then scales by 1.0.
     kv_scales: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    # The checkpoint's quantization (FP8 formats), None when it has none. Its weights reach the model
+    # dequantized either way (``--quantization auto`` and ``none`` alike, until FP8 GEMMs exist); the scheme
+    # is kept so that a compute path in FP8 can load the weights as stored instead.
+    quantization: QuantScheme | None = None
 
 
 def resolve_model(model: str | None) -> ModelSource:
@@ -52,13 +60,16 @@ def _hf_source(ref: ModelRef) -> ModelSource:
     config_path = path / "config.json"
     config = ModelConfig.from_file(config_path)
     raw = json.loads(config_path.read_text())
+    scheme = parse_quantization(raw)
     return ModelSource(
         name=ref.name,
         kind="hf",
         config=config,
-        weights=lambda: iter_safetensors(path),
+        weights=lambda: checkpoint_tensors(iter_safetensors(path), scheme),
         load_tokenizer=lambda: load_tokenizer(ref),
         checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        kv_scales=read_kv_scales(safetensors_files(path)),
+        quantization=scheme,
     )
 
 

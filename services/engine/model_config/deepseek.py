@@ -135,11 +135,8 @@ def deepseek_fields(d: dict[str, Any]) -> dict[str, Any]:
     Every layer is an MLA layer; ``num_kv_heads`` 1 and ``head_dim`` the latent row's width describe
     what the KV cache holds, not the query heads. ``attention_scale`` is transformers':
     ``qk_head_dim ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2`` under YaRN.
-    Quantised (FP8) checkpoints and other routers than V3's are refused by field name.
+    Other routers than V3's are refused by field name.
     """
-    if d.get("quantization_config"):
-        raise ValueError("config field 'quantization_config' is set: quantized (e.g. FP8) DeepSeek checkpoints "
-                         "are not supported; use a bf16/fp16/fp32 checkpoint")
     activation = config_field(d, "hidden_act", str)
     if activation != "silu":
         raise ValueError(f"config field 'hidden_act': DeepSeek-V3's MLPs are silu-gated, got {activation!r}")

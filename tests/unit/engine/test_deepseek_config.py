@@ -82,7 +82,6 @@ def test_hub_form_reads_like_the_saved_form() -> None:
 
 
 @pytest.mark.parametrize(("change", "field"), [
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
     ({"scoring_func": "softmax"}, "scoring_func"),
     ({"topk_method": "greedy"}, "topk_method"),
     ({"moe_layer_freq": 2}, "moe_layer_freq"),
