@@ -38,8 +38,38 @@ BLOCK = (128, 128)
 def sweep_tiles():
     from services.engine.ops.fp8_gemm_triton import Fp8Tile
 
-    return [Fp8Tile(bm, bn, w, s) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for w in (4, 8)
-            for s in (3, 4) if not (bm == 128 and bn == 128 and w == 4) and not (bm <= 32 and w == 8)]
+    small = [Fp8Tile(bm, bn, w, s) for bm in (16, 32, 64) for bn in (32, 64, 128) for w in (4, 8) for s in (3, 4)
+             if not (bm <= 32 and w == 8)]
+    large = [Fp8Tile(bm, bn, 8, s) for bm, bn in ((128, 128), (128, 256), (256, 128)) for s in (3, 4)]
+    return small + large + [Fp8Tile(128, 128, 4, 4), Fp8Tile(64, 256, 8, 3)]
+
+
+def torch_blockwise(want: torch.Tensor, xq, xs, wq, ws):
+    """torch's own block-scaled FP8 matmul (``F.scaled_mm`` with 1x128 / 128x128 recipes, cuBLASLt) as a function of
+    (xq, xs, wq, ws), in the first scale layout that reproduces ``want``; None where torch has none or all fail."""
+    F = torch.nn.functional
+    if not hasattr(F, "scaled_mm"):
+        return None, "no F.scaled_mm"
+    st = F.ScalingType
+    layouts = {"a_outer_b_t": lambda xs, ws: (xs.t().contiguous().t(), ws.t()),
+               "a_outer_b": lambda xs, ws: (xs.t().contiguous().t(), ws),
+               "plain": lambda xs, ws: (xs, ws), "a_outer_b_tc": lambda xs, ws: (xs.t().contiguous().t(),
+                                                                               ws.t().contiguous())}
+    errors = []
+    for name, layout in layouts.items():
+        def fn(xq, xs, wq, ws, layout=layout):
+            sa, sb = layout(xs, ws)
+            return F.scaled_mm(xq, wq.T, sa, st.BlockWise1x128, sb, st.BlockWise128x128, output_dtype=torch.bfloat16)
+        try:
+            got = fn(xq, xs, wq, ws).float()
+        except Exception as e:  # noqa: BLE001 (report why torch refused, try the next layout)
+            errors.append(f"{name}: {str(e).splitlines()[0][:80]}")
+            continue
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        if err < 2e-2:
+            return fn, name
+        errors.append(f"{name}: error {err:.2e}")
+    return None, "; ".join(errors)
 
 
 def graph_us(fn, copies: int) -> float:
@@ -68,7 +98,10 @@ def measure(model: str, proj: str, n: int, k: int, rows: int, copies: int, sweep
         "block": graph_us(lambda i: fp8_gemm.block_scaled_linear(x, *blocks[i], BLOCK), copies),
         "block_gemm": graph_us(lambda i: fp8_gemm_triton.block_scaled_mm(xq, xs, *blocks[i], BLOCK, x.dtype), copies),
     }
-    row = {"model": model, "proj": proj, "n": n, "k": k, "rows": rows, "rel_error": error,
+    blockwise, how = torch_blockwise(want, xq, xs, *blocks[0])
+    if blockwise is not None:
+        times["torch_block"] = graph_us(lambda i: blockwise(xq, xs, *blocks[i]), copies)
+    row = {"model": model, "proj": proj, "n": n, "k": k, "rows": rows, "rel_error": error, "torch_block_how": how,
            **{f"{name}_us": t for name, t in times.items()}}
     if sweep:
         best = min((graph_us(lambda i, t=t: fp8_gemm_triton.block_scaled_mm(xq, xs, *blocks[i], BLOCK, x.dtype,
@@ -98,6 +131,8 @@ def _block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def summary(r: dict) -> str:
     """One printed line per measured row: times, the ratios to bf16, the floor and the FP8 MFU."""
     best = f"; best {r['sweep_best_us']:.1f} {r['sweep_best_tile']}" if "sweep_best_us" in r else ""
+    if "torch_block_us" in r:
+        best += f"; torch block {r['torch_block_us']:.1f}"
     return (f"{r['model']:13s} {r['proj']:8s} {r['rows']:5d} bf16 {r['bf16_us']:8.1f} scaled_mm "
             f"{r['scaled_mm_us']:8.1f} ({r['bf16_us'] / r['scaled_mm_us']:.2f}x) block {r['block_us']:8.1f} "
             f"({r['bf16_us'] / r['block_us']:.2f}x; gemm {r['block_gemm_us']:.1f}{best}) floor {r['floor_us']:.1f} "
@@ -110,6 +145,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int_list, default=[1, 8, 32, 2048, 8192])
     parser.add_argument("--copies", type=int, default=4, help="distinct weights per graph (L2 cold)")
     parser.add_argument("--sweep", action="store_true", help="time every tile of the block GEMM per shape")
+    parser.add_argument("--sweep-rows", type=int_list, default=[1, 8, 32, 2048, 8192])
     parser.add_argument("--json-out")
     args = parser.parse_args()
     name = torch.cuda.get_device_name()
@@ -119,7 +155,7 @@ def main() -> None:
         for proj, n, k in SHAPES[model]:
             for rows in args.rows:
                 copies = args.copies if rows <= 64 else 1
-                rows_out.append(measure(model, proj, n, k, rows, copies, args.sweep and rows in (1, 8, 32, 2048),
+                rows_out.append(measure(model, proj, n, k, rows, copies, args.sweep and rows in args.sweep_rows,
                                         peaks))
                 print(summary(rows_out[-1]), flush=True)
     emit_json(rows_out, args.json_out, False)

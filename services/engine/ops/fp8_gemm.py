@@ -27,6 +27,13 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 MIN_SCALE = 1e-12
 
 
+def _kernels():
+    """The Triton kernels, imported on first use: a CPU process never imports triton."""
+    from services.engine.ops import fp8_gemm_triton
+
+    return fp8_gemm_triton
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] as e4m3 with one float32 scale per row ([M, 1]): ``x ~= q * scale``."""
     scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
@@ -70,12 +77,12 @@ def block_scaled_mm_reference(xq: torch.Tensor, x_scales: torch.Tensor, wq: torc
 def block_scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor, block: tuple[int, int],
                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """A projection with a block-scaled e4m3 weight: x [..., K] in its dtype, out in x's dtype. CUDA runs the
-    group quantization and the GEMM as Triton kernels; elsewhere the torch reference."""
+    group quantization and the GEMM as Triton kernels (blocks at least 32 wide: every real checkpoint's);
+    elsewhere the torch reference."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if x.is_cuda:
-        from services.engine.ops import fp8_gemm_triton
-
+    if x.is_cuda and _kernels().supported_block(block):
+        fp8_gemm_triton = _kernels()
         xq, xs = fp8_gemm_triton.quantize_groups(x2, block[1])
         y = fp8_gemm_triton.block_scaled_mm(xq, xs, wq, w_scales, block, x.dtype, bias)
     else:
@@ -93,9 +100,7 @@ def row_scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor,
     n = wq.shape[0]
     x2 = x.reshape(-1, shape[-1])
     if x.is_cuda:
-        from services.engine.ops import fp8_gemm_triton
-
-        xq, xs = fp8_gemm_triton.quantize_groups(x2, x2.shape[1])
+        xq, xs = _kernels().quantize_groups(x2, x2.shape[1])
     else:
         xq, xs = quantize_rows(x2)
     ws = w_scales.float().reshape(-1).expand(n).reshape(1, n).contiguous()

@@ -40,33 +40,48 @@ class Fp8Tile(NamedTuple):
 TILES = ((16, Fp8Tile(16, 64, 4, 4)), (64, Fp8Tile(64, 64, 4, 4)), (None, Fp8Tile(128, 128, 8, 3)))
 
 
+#: FP8 tensor-core MMAs take K in steps of 32: a narrower weight block cannot be one slab of the kernel.
+MIN_BLOCK_K = 32
+
+
+def supported_block(block: tuple[int, int]) -> bool:
+    """Whether the kernel computes weights of these blocks (real checkpoints' 128 x 128 are)."""
+    return block[1] >= MIN_BLOCK_K and block[1] & (block[1] - 1) == 0
+
+
 def tile_for(m: int) -> Fp8Tile:
     return next(tile for limit, tile in TILES if limit is None or m <= limit)
 
 
 @triton.jit
-def _quantize_groups_kernel(X, Q, S, K, stride_x, stride_q, num_groups, GROUP: tl.constexpr,
-                            BLOCK: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr):
+def _quantize_groups_kernel(X, Q, S, K, stride_x, stride_q, num_groups, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                            GROUPS_PER_PROGRAM: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr):
     row = tl.program_id(0)
-    g = tl.program_id(1)
-    offs = g * GROUP + tl.arange(0, BLOCK)
-    ok = (tl.arange(0, BLOCK) < GROUP) & (offs < K)
+    groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    cols = tl.arange(0, BLOCK)
+    offs = groups[:, None] * GROUP + cols[None, :]
+    ok = (cols[None, :] < GROUP) & (offs < K) & (groups[:, None] < num_groups)
     x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FMAX, SMIN)
-    q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FMAX, SMIN)
+    q = tl.minimum(tl.maximum(x / scale[:, None], -FMAX), FMAX)
     tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=ok)
-    tl.store(S + row * num_groups + g, scale)
+    tl.store(S + row * num_groups + groups, scale, mask=groups < num_groups)
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """As ``fp8_gemm.quantize_groups``: x [M, K] (rows contiguous) -> (e4m3 [M, K], float32 [M, ceil(K/group)])."""
+    """As ``fp8_gemm.quantize_groups``: x [M, K] (rows contiguous) -> (e4m3 [M, K], float32 [M, ceil(K/group)]).
+    A program quantizes up to 1024 values of a row (several groups of 128, or one whole row)."""
     m, k = x.shape
     num_groups = triton.cdiv(k, group)
+    block = triton.next_power_of_2(group)
+    per_program = max(1, min(1024 // block, triton.next_power_of_2(num_groups)))
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)
     if m:
-        _quantize_groups_kernel[(m, num_groups)](x, q, scales, k, x.stride(0), q.stride(0), num_groups, GROUP=group,
-                                                 BLOCK=triton.next_power_of_2(group), FMAX=FP8_MAX, SMIN=MIN_SCALE)
+        grid = (m, triton.cdiv(num_groups, per_program))
+        _quantize_groups_kernel[grid](x, q, scales, k, x.stride(0), q.stride(0), num_groups, GROUP=group, BLOCK=block,
+                                      GROUPS_PER_PROGRAM=per_program, FMAX=FP8_MAX, SMIN=MIN_SCALE,
+                                      num_warps=4 if block * per_program <= 2048 else 8)
     return q, scales
 
 
@@ -115,6 +130,8 @@ def block_scaled_mm(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor, 
     """``dequant(xq) @ dequant(wq).T (+ bias)`` (see the module docstring); ``tile`` defaults to ``tile_for(M)``."""
     m, k = xq.shape
     n = wq.shape[0]
+    if not supported_block(block):
+        raise ValueError(f"block_scaled_mm: block width {block[1]} is not a power of two >= {MIN_BLOCK_K}")
     if wq.shape[1] != k or xq.stride(1) != 1 or wq.stride(1) != 1:
         raise ValueError(f"block_scaled_mm: x {tuple(xq.shape)} and w {tuple(wq.shape)} must share K, rows contiguous")
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)

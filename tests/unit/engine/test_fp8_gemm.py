@@ -76,6 +76,10 @@ def test_block_scaled_kernel_matches_the_reference(m: int, n: int, k: int, block
     xq, xs = fp8_gemm.quantize_groups(_randn(m, k, seed=3), block[1])
     want = fp8_gemm.block_scaled_mm_reference(xq, xs, wq, ws, block, torch.float32, bias)
     dev = [t.to(DEVICE) for t in (xq, xs, wq, ws, bias)]
+    if not kernels.supported_block(block):  # FP8 MMAs take K in steps of 32: block_scaled_linear takes torch
+        with pytest.raises(ValueError, match="not a power of two >= 32"):
+            kernels.block_scaled_mm(*dev[:4], block, torch.float32, dev[4])
+        return
     got = kernels.block_scaled_mm(*dev[:4], block, torch.float32, dev[4])
     assert _rel(got.cpu(), want) < 1e-5
     if not ON_CPU:  # bf16 out, and the whole linear (kernel-quantized activation) against the torch path
@@ -125,7 +129,7 @@ for limit, tile in k.TILES:
 q = {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32"}
 for group in (128, 4096):
     print(group, compile_for_sm90(k._quantize_groups_kernel, q, dict(GROUP=group, BLOCK=group, FMAX=448.0,
-          SMIN=1e-12)))
+          GROUPS_PER_PROGRAM=max(1, 1024 // group), SMIN=1e-12), num_warps=4 if group <= 1024 else 8))
 """
 
 
