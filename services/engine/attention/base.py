@@ -28,6 +28,7 @@ from typing import ClassVar
 import torch
 
 from services.engine import ops
+from services.engine.kv_cache.kv_scales import UNIT_SCALE
 
 
 @dataclass(frozen=True)
@@ -157,11 +158,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
                 meta: GroupAttentionMetadata, scale: float, softcap: float | None,
-                fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
+                kv_scale: tuple[float, float] = UNIT_SCALE) -> torch.Tensor:
         """Attention of ``q`` [num_tokens, heads, head_dim] over the cache (this step's K/V already
         written). ``fresh``: this step's K/V rows as computed (absent in layers that write none), for a
-        backend that attends to them without the pages. Returns [num_tokens, heads * head_dim] in
-        ``q``'s dtype."""
+        backend that attends to them without the pages. ``kv_scale``: the layer's (k, v) scales, which
+        an FP8 cache's values are multiplied by when read (``ops.fp8``). Returns [num_tokens, heads *
+        head_dim] in ``q``'s dtype."""
 
 
 @dataclass(frozen=True)
@@ -176,9 +179,10 @@ class Rope:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             meta: GroupAttentionMetadata) -> None:
-    """Store this step's K/V rows ([num_tokens, kv_heads, head_dim]) in their cache slots (one launch)."""
-    ops.write_kv(k, v, k_cache, v_cache, meta.write_blocks, meta.write_offsets)
+             meta: GroupAttentionMetadata, kv_scale: tuple[float, float] = UNIT_SCALE) -> None:
+    """Store this step's K/V rows ([num_tokens, kv_heads, head_dim]) in their cache slots (one launch;
+    an FP8 cache gets them quantized with ``kv_scale``)."""
+    ops.write_kv(k, v, k_cache, v_cache, meta.write_blocks, meta.write_offsets, kv_scale)
 
 
 def paged_attention(
@@ -192,6 +196,7 @@ def paged_attention(
     scale: float,
     softcap: float | None = None,
     rope: Rope | None = None,
+    kv_scale: tuple[float, float] = UNIT_SCALE,
 ) -> torch.Tensor:
     """Store this step's K/V in the cache, then attend with the group's backend.
 
@@ -199,15 +204,17 @@ def paged_attention(
     ``k``/``v`` None: a layer that reads another layer's KV and writes none. ``softcap``: scores
     become ``softcap * tanh(scores / softcap)`` before the mask (Gemma-2). ``rope``: q and k are not
     rotated yet; they are rotated in the same launch that writes K/V (on the Triton path).
+    ``kv_scale``: the (k, v) scales of the layer whose cache this is (``LayerKV.scales``): an FP8
+    cache stores ``K / k_scale`` and ``V / v_scale`` in e4m3 and attention reads them scaled back.
     Returns [num_tokens, heads * head_dim].
     """
     if k is None:
         if rope is not None:
             q, _ = ops.apply_rope(q, None, rope.cos, rope.sin, rope.positions)
-        return meta.backend.forward(q, k_cache, v_cache, batch, meta, scale, softcap)
+        return meta.backend.forward(q, k_cache, v_cache, batch, meta, scale, softcap, kv_scale=kv_scale)
     if rope is None:
-        write_kv(k, v, k_cache, v_cache, meta)
+        write_kv(k, v, k_cache, v_cache, meta, kv_scale)
     else:
         q, k = ops.rope_and_write_kv(q, k, v, rope.cos, rope.sin, rope.positions, k_cache, v_cache,
-                                     meta.write_blocks, meta.write_offsets)
-    return meta.backend.forward(q, k_cache, v_cache, batch, meta, scale, softcap, fresh=(k, v))
+                                     meta.write_blocks, meta.write_offsets, kv_scale)
+    return meta.backend.forward(q, k_cache, v_cache, batch, meta, scale, softcap, fresh=(k, v), kv_scale=kv_scale)

@@ -33,15 +33,17 @@ from torch.nn.attention import sdpa_kernel
 
 from services.engine.attention.base import AttentionBackend, AttentionBatch, GroupAttentionMetadata
 from services.engine.attention.torch_sdpa import SDPA_BACKENDS, TorchSDPABackend, gather_context
+from services.engine.ops import fp8
 
 # Latent rows [..., row width] -> per-head (keys [..., heads, qk_head_dim], values [..., heads, v_head_dim]).
 ExpandRows = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def write_rows(rows: torch.Tensor, cache: torch.Tensor, meta: GroupAttentionMetadata) -> None:
+def write_rows(rows: torch.Tensor, cache: torch.Tensor, meta: GroupAttentionMetadata, row_scale: float = 1.0) -> None:
     """Store this step's rows ([num_tokens, row width]) in their slots of the [num_blocks, block_size, 1,
-    row width] cache view (any strides: every layout kind)."""
-    cache[meta.write_blocks, meta.write_offsets] = rows[:, None, :]
+    row width] cache view (any strides: every layout kind); an FP8 cache gets ``rows / row_scale`` in e4m3
+    (the latent and the rotated key part alike)."""
+    cache[meta.write_blocks, meta.write_offsets] = fp8.to_cache(rows, cache, row_scale)[:, None, :]
 
 
 class MLABackend(AttentionBackend):
@@ -52,16 +54,19 @@ class MLABackend(AttentionBackend):
     """
 
     def forward_absorbed(self, q: torch.Tensor, rows: torch.Tensor, latent_dim: int, batch: AttentionBatch,
-                         meta: GroupAttentionMetadata, scale: float) -> torch.Tensor:
+                         meta: GroupAttentionMetadata, scale: float, row_scale: float = 1.0) -> torch.Tensor:
         """``q`` [num_tokens, heads, row width] (latent query, then rope query) against the rows as one
-        shared KV head whose values are their first ``latent_dim`` elements: [num_tokens, heads * latent_dim]."""
-        return self.forward(q, rows, rows[..., :latent_dim], batch, meta, scale, None)
+        shared KV head whose values are their first ``latent_dim`` elements: [num_tokens, heads * latent_dim].
+        ``row_scale``: what an FP8 cache's rows are multiplied by when read."""
+        return self.forward(q, rows, rows[..., :latent_dim], batch, meta, scale, None,
+                            kv_scale=(row_scale, row_scale))
 
     @abstractmethod
     def forward_expanded(self, q: torch.Tensor, rows: torch.Tensor, batch: AttentionBatch,
-                         meta: GroupAttentionMetadata, scale: float, expand: ExpandRows) -> torch.Tensor:
-        """``q`` [num_tokens, heads, qk_head_dim] against each context's rows expanded by ``expand`` into
-        per-head keys and values: [num_tokens, heads * v_head_dim]."""
+                         meta: GroupAttentionMetadata, scale: float, expand: ExpandRows,
+                         row_scale: float = 1.0) -> torch.Tensor:
+        """``q`` [num_tokens, heads, qk_head_dim] against each context's rows (dequantized with ``row_scale``
+        from an FP8 cache) expanded by ``expand`` into per-head keys and values: [num_tokens, heads * v_head_dim]."""
 
 
 class TorchMLABackend(TorchSDPABackend, MLABackend):
@@ -70,10 +75,12 @@ class TorchMLABackend(TorchSDPABackend, MLABackend):
     name = "torch_mla"
 
     def forward_expanded(self, q: torch.Tensor, rows: torch.Tensor, batch: AttentionBatch,
-                         meta: GroupAttentionMetadata, scale: float, expand: ExpandRows) -> torch.Tensor:
+                         meta: GroupAttentionMetadata, scale: float, expand: ExpandRows,
+                         row_scale: float = 1.0) -> torch.Tensor:
         num_tokens, num_heads, qk_dim = q.shape
         b, qm, lm = batch.num_reqs, batch.max_query_len, batch.max_context_len
-        keys, values = expand(gather_context(rows, meta.block_tables, lm)[:, 0])  # [b, lm, heads, dim] each
+        context = fp8.from_cache(gather_context(rows, meta.block_tables, lm)[:, 0], row_scale, q.dtype)
+        keys, values = expand(context)  # [b, lm, heads, dim] each
         padded_q = q.new_zeros(b * qm, num_heads, qk_dim)
         padded_q[meta.query_slots] = q
         padded_q = padded_q.view(b, qm, num_heads, qk_dim).transpose(1, 2)

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.engine.attention.base import AttentionBackend, AttentionBatch, GroupAttentionMetadata
+from services.engine.kv_cache.kv_scales import UNIT_SCALE
+from services.engine.ops import fp8
 
 # cuDNN's SDPA builds a new execution plan for every new shape (~1 ms of CPU per call), and a
 # serving step's context length changes every step; the other backends have no such cost.
@@ -75,7 +77,8 @@ class TorchSDPABackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
                 meta: GroupAttentionMetadata, scale: float, softcap: float | None,
-                fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
+                kv_scale: tuple[float, float] = UNIT_SCALE) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         b, qm, lm = batch.num_reqs, batch.max_query_len, batch.max_context_len
         kv_heads = k_cache.shape[2]
@@ -89,8 +92,9 @@ class TorchSDPABackend(AttentionBackend):
         folded_q = folded_q.reshape(b, kv_heads, group * qm, head_dim)
         mask = meta.mask if group == 1 else meta.mask.expand(b, group, qm, lm).reshape(b, 1, group * qm, lm)
 
-        keys = gather_context(k_cache, meta.block_tables, lm)
-        values = gather_context(v_cache, meta.block_tables, lm)
+        # An FP8 cache is gathered as it is (a byte per element), then dequantized: what every backend reads.
+        keys = fp8.from_cache(gather_context(k_cache, meta.block_tables, lm), kv_scale[0], q.dtype)
+        values = fp8.from_cache(gather_context(v_cache, meta.block_tables, lm), kv_scale[1], q.dtype)
         if softcap is None:
             with sdpa_kernel(SDPA_BACKENDS):
                 out = F.scaled_dot_product_attention(folded_q, keys, values, attn_mask=mask, scale=scale)

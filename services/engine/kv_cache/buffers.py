@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.engine.kv_cache.kv_scales import UNIT_SCALE, KVScales
 from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec
 from services.kv.spec.layout import DTYPE_SIZES, KVLayoutSpec
 
@@ -14,8 +15,24 @@ if TYPE_CHECKING:
     from services.engine.model_config.hf import ModelConfig
     from services.engine.parallel import ParallelConfig
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float8_e4m3fn": torch.float8_e4m3fn}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+class LayerKV(tuple):
+    """One layer's cache views (``(K, V)``; MLA ``(rows,)``; a state layer ``()``), and ``scales``: the
+    ``(k_scale, v_scale)`` its values are stored with (``KVScales``), which the layer hands to attention.
+
+    A tuple, so a model indexes it as before (``kv[0]``, ``kv[1]``) and reads ``kv.scales`` beside.
+    """
+
+    scales: tuple[float, float]
+
+    def __new__(cls, views: tuple[torch.Tensor, ...], scales: tuple[float, float]) -> LayerKV:
+        layer = super().__new__(cls, views)
+        layer.scales = scales
+        return layer
 
 
 class KVCache:
@@ -28,12 +45,19 @@ class KVCache:
     ``scratch_block`` (if set) is a block of the spec that the block manager never hands out:
     padded rows of a decode CUDA graph write their K/V there, so no request's block is touched.
     The spec counts it (the buffers really hold it); the manager's pool does not.
+
+    ``scales`` (``KVScales``): what each layer's K and V are divided by in an FP8 cache; ``views_by_layer``
+    hands them to the layers with their views. None: 1.0 everywhere.
     """
 
-    def __init__(self, spec: KVLayoutSpec, device: torch.device, scratch_block: int | None = None) -> None:
+    def __init__(self, spec: KVLayoutSpec, device: torch.device, scratch_block: int | None = None,
+                 scales: KVScales | None = None) -> None:
         if scratch_block is not None and not 0 <= scratch_block < spec.num_blocks:
             raise ValueError(f"scratch block {scratch_block} is outside the {spec.num_blocks} blocks of the layout")
+        if scales is not None and scales.dtype != spec.dtype:
+            raise ValueError(f"KV scales for a {scales.dtype} cache given to a {spec.dtype} layout")
         self.spec = spec
+        self.scales = scales
         self.device = device
         self.scratch_block = scratch_block
         dtype = TORCH_DTYPES[spec.dtype]
@@ -45,18 +69,24 @@ class KVCache:
             for layer in spec.layer_ids
         }
 
+    def scale_of(self, layer: int) -> tuple[float, float]:
+        """``(k_scale, v_scale)`` layer ``layer``'s values are stored with (1.0 without ``scales``)."""
+        return UNIT_SCALE if self.scales is None else self.scales.of(layer)
+
     def _view(self, layer: int, kv: int) -> torch.Tensor:
         v = self.spec.view(layer, kv)
         return torch.as_strided(self.buffers[v.buffer_index], v.shape, v.strides, v.offset)
 
     def views_by_layer(self, kv_sharing: dict[int, int], num_layers: int, state_layers: Collection[int] = ()
-                       ) -> tuple[list[tuple[torch.Tensor, ...]], list[int]]:
-        """(K, V) views (MLA: ``(rows,)``) and KV group of every layer; a KV-sharing layer gets its source's.
+                       ) -> tuple[list[LayerKV], list[int]]:
+        """(K, V) views (MLA: ``(rows,)``) with their scales, and KV group of every layer; a KV-sharing layer
+        gets its source's (views and scales: it reads what the source wrote).
 
         A state layer (Mamba2: no KV) gets no views and group -1.
         """
         sources = [kv_sharing.get(i, i) for i in range(num_layers)]
-        return ([() if s in state_layers else self.views[s] for s in sources],
+        return ([LayerKV((), UNIT_SCALE) if s in state_layers else LayerKV(self.views[s], self.scale_of(s))
+                 for s in sources],
                 [-1 if s in state_layers else self.spec.group_of_layer(s).group_id for s in sources])
 
     @property

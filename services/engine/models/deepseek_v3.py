@@ -33,6 +33,7 @@ from torch import nn
 
 from services.engine import ops
 from services.engine.attention import AttentionBatch, MLABackend, Rope, TailBatch, write_rows
+from services.engine.kv_cache.buffers import LayerKV
 from services.engine.model_config.hf import ModelConfig
 from services.engine.models.base import DecoderModel, LayerShapeTable
 from services.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, copy_weight, param, row_parallel_bias
@@ -85,7 +86,7 @@ class MLAttention(nn.Module):
         k_rope = k_rope.unsqueeze(-2).expand(*k_nope.shape[:-1], m.qk_rope_head_dim)
         return torch.cat((k_nope, k_rope), dim=-1), values
 
-    def forward(self, x: torch.Tensor, rope: Rope, rows_cache: torch.Tensor, batch: AttentionBatch, group: int,
+    def forward(self, x: torch.Tensor, rope: Rope, kv: LayerKV, batch: AttentionBatch, group: int,
                 absorbed: bool) -> torch.Tensor:
         m, n, t = self.spec, self.num_heads, x.shape[0]
         q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -95,17 +96,18 @@ class MLAttention(nn.Module):
                                         rope.positions)
         rows = torch.cat((self.kv_a_layernorm(latent), k_rope.view(t, m.qk_rope_head_dim)), dim=-1)
         meta = batch.groups[group]
+        rows_cache, row_scale = kv[0], kv.scales[0]  # one latent row per token: the layer's k_scale for all of it
         backend: MLABackend = meta.backend
-        write_rows(rows, rows_cache, meta)
+        write_rows(rows, rows_cache, meta, row_scale)
         if absorbed:
             w_uk, w_uv = self._up_projections()
             q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)
             out = backend.forward_absorbed(torch.cat((q_latent, q_rope), dim=-1), rows_cache, m.kv_lora_rank, batch,
-                                           meta, self.scale)
+                                           meta, self.scale, row_scale)
             out = torch.einsum("thl,hvl->thv", out.view(t, n, m.kv_lora_rank), w_uv)
         else:
             out = backend.forward_expanded(torch.cat((q_nope, q_rope), dim=-1), rows_cache, batch, meta, self.scale,
-                                           self.expand)
+                                           self.expand, row_scale)
         return all_reduce(self.o_proj(out.reshape(t, n * m.v_head_dim)), self.parallel)
 
 
@@ -164,7 +166,7 @@ class DeepseekV3ForCausalLM(LayerShapeTable, DecoderModel):
                 x = layer.input_layernorm(residual)
             else:
                 x, residual = layer.input_layernorm(out, residual)
-            out = layer.self_attn(x, rope, kv_views[i][0], batch, layer_groups[i], absorbed)
+            out = layer.self_attn(x, rope, kv_views[i], batch, layer_groups[i], absorbed)
             x, residual = layer.post_attention_layernorm(out, residual)
             out = all_reduce(layer.mlp(x), self.parallel)
         return self.norm(residual) if out is None else self.norm(out, residual)[0]

@@ -33,6 +33,7 @@ from torch import nn
 
 from services.engine import ops
 from services.engine.attention import AttentionBatch, Rope, TailBatch, paged_attention
+from services.engine.kv_cache.buffers import LayerKV
 from services.engine.model_config.hf import ModelConfig
 from services.engine.models.base import DecoderModel
 from services.engine.models.layers import (
@@ -75,8 +76,7 @@ class GemmaAttention(nn.Module):
         self.v_norm = (OffsetRMSNorm(self.head_dim, eps, 0.0, dtype, device, with_weight=False)
                        if config.v_norm and self.computes_kv else None)
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
-                batch: AttentionBatch, group: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv: LayerKV, batch: AttentionBatch, group: int) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
@@ -90,7 +90,8 @@ class GemmaAttention(nn.Module):
                 v = self.v_norm(v)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        out = paged_attention(q, k, v, kv[0], kv[1], batch, batch.groups[group], self.scale, self.softcap, rope)
+        out = paged_attention(q, k, v, kv[0], kv[1], batch, batch.groups[group], self.scale, self.softcap, rope,
+                              kv_scale=kv.scales)
         return all_reduce(self.o_proj(out), self.parallel)
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from services.engine import ops
 from services.engine.attention import AttentionBatch, Rope, TailBatch, paged_attention
+from services.engine.kv_cache.buffers import LayerKV
 from services.engine.model_config.hf import ModelConfig
 from services.engine.models.base import DecoderModel
 from services.engine.models.layers import (
@@ -50,8 +51,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
-                group: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv: LayerKV, batch: AttentionBatch, group: int) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -59,7 +59,8 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = paged_attention(q, k, v, kv[0], kv[1], batch, batch.groups[group], self.scale, rope=rope)
+        out = paged_attention(q, k, v, kv[0], kv[1], batch, batch.groups[group], self.scale, rope=rope,
+                              kv_scale=kv.scales)
         return all_reduce(self.o_proj(out), self.parallel)
 
 

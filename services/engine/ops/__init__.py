@@ -173,30 +173,34 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: 
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             write_blocks: torch.Tensor, write_offsets: torch.Tensor) -> None:
+             write_blocks: torch.Tensor, write_offsets: torch.Tensor, scales: tuple[float, float] = (1.0, 1.0)) -> None:
     """Store K and V rows ([tokens, kv_heads, head_dim]) in their cache slots: token ``t`` goes to
     ``cache[write_blocks[t], write_offsets[t]]`` of the [num_blocks, block_size, kv_heads, head_dim]
     views, whatever their strides (per-layer or cross-layer, NHD or HND, ...). Bytes are copied as
-    they are; a slot written twice in one call (padding rows aimed at the scratch block) holds one
-    of the rows."""
+    they are into a cache of their dtype; an FP8 cache gets them quantized with ``scales`` (k, v)
+    (``ops.fp8.quantize``). A slot written twice in one call (padding rows aimed at the scratch
+    block) holds one of the rows."""
     if not _fused_kv_write:
-        reference.rope_and_write_kv(None, k, v, None, None, None, k_cache, v_cache, write_blocks, write_offsets)
+        reference.rope_and_write_kv(None, k, v, None, None, None, k_cache, v_cache, write_blocks, write_offsets,
+                                    scales)
         return
-    _dispatch("rope_and_write_kv", k, None, k, v, None, None, None, k_cache, v_cache, write_blocks, write_offsets)
+    _dispatch("rope_and_write_kv", k, None, k, v, None, None, None, k_cache, v_cache, write_blocks, write_offsets,
+              scales)
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       positions: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      write_blocks: torch.Tensor, write_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      write_blocks: torch.Tensor, write_offsets: torch.Tensor,
+                      scales: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
     """``apply_rope(q, k, cos, sin, positions)`` then ``write_kv`` of the rotated k and of v, in one
-    launch: returns the rotated (q, k), k being exactly the bytes the cache got. An attention layer's
-    step between its projection (and q/k norms) and its attention."""
+    launch: returns the rotated (q, k), k being exactly the bytes the cache got (before quantization,
+    for an FP8 cache). An attention layer's step between its projection (and q/k norms) and its attention."""
     if not _fused_kv_write:
         q, k = apply_rope(q, k, cos, sin, positions)
-        write_kv(k, v, k_cache, v_cache, write_blocks, write_offsets)
+        write_kv(k, v, k_cache, v_cache, write_blocks, write_offsets, scales)
         return q, k
     return _dispatch("rope_and_write_kv", q, q, k, v, cos, sin, positions, k_cache, v_cache, write_blocks,
-                     write_offsets)
+                     write_offsets, scales)
 
 
 def act_and_mul(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

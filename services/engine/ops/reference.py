@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.engine.ops import fp8
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float | None = None,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -48,13 +50,13 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: 
 
 def rope_and_write_kv(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
                       sin: torch.Tensor | None, positions: torch.Tensor | None, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, write_blocks: torch.Tensor, write_offsets: torch.Tensor
-                      ) -> tuple[torch.Tensor | None, torch.Tensor]:
+                      v_cache: torch.Tensor, write_blocks: torch.Tensor, write_offsets: torch.Tensor,
+                      scales: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor | None, torch.Tensor]:
     """See ``services.engine.ops.rope_and_write_kv`` (q None: ``write_kv``, returning (None, k))."""
     if q is not None:
         q, k = apply_rope(q, k, cos, sin, positions)
-    k_cache[write_blocks, write_offsets] = k
-    v_cache[write_blocks, write_offsets] = v
+    k_cache[write_blocks, write_offsets] = fp8.to_cache(k, k_cache, scales[0])
+    v_cache[write_blocks, write_offsets] = fp8.to_cache(v, v_cache, scales[1])
     return q, k
 
 

@@ -389,8 +389,8 @@ def _cache_declines(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
 
 def rope_and_write_kv(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
                       sin: torch.Tensor | None, positions: torch.Tensor | None, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, write_blocks: torch.Tensor, write_offsets: torch.Tensor
-                      ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+                      v_cache: torch.Tensor, write_blocks: torch.Tensor, write_offsets: torch.Tensor,
+                      scales: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor | None, torch.Tensor] | None:
     """One launch: (q None) K/V rows copied into their slots, returning (None, k); else q and k
     rotated first, returning the new (q, k), the k being what the cache got."""
     if _cache_declines(k, v, k_cache, v_cache, write_blocks, write_offsets):

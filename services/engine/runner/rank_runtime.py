@@ -8,6 +8,7 @@ which heads and weight rows it owns (one runtime per rank, as in nano-vllm).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -16,6 +17,7 @@ from services.engine import ops
 from services.engine.attention.triton_paged import configure_dense_min_query
 from services.engine.engine_config import EngineConfig
 from services.engine.kv_cache.buffers import TORCH_DTYPES, KVCache, kv_cache_groups
+from services.engine.kv_cache.kv_scales import KVScales
 from services.engine.kv_cache.state_pool import StatePool
 from services.engine.loading.source import ModelSource
 from services.engine.loading.weights import dummy_weights
@@ -27,6 +29,8 @@ from services.engine.triton_support import configure_pdl
 from services.kv.spec.layout import KVLayoutSpec
 
 CPU_KV_CACHE_BYTES = 1 << 30
+
+log = logging.getLogger(__name__)
 
 
 def use_device(device: torch.device) -> None:
@@ -46,7 +50,8 @@ def load_model(config: EngineConfig, source: ModelSource, dtype: str, device: to
 
 
 def kv_layout(config: EngineConfig, source: ModelSource, dtype: str, num_blocks: int) -> KVLayoutSpec:
-    """This rank's KV layout: its heads of every group, ``num_blocks`` blocks (scratch included)."""
+    """This rank's KV layout: its heads of every group, ``num_blocks`` blocks (scratch included), in the KV
+    cache's ``dtype`` (``EngineConfig.resolve_kv_cache_dtype``: an FP8 cache's blocks cost a byte per element)."""
     mc = source.config
     kind, order = config.kv_layout_choice()
     return KVLayoutSpec(
@@ -83,6 +88,13 @@ def num_blocks_for(config: EngineConfig, source: ModelSource, dtype: str, device
                          "beside the scratch block")
     return int(num_blocks)
 
+
+def log_kv_pool(layout: KVLayoutSpec, num_kv_blocks: int, rank: int) -> None:
+    """The start-up line of the pool's size: blocks, the tokens they hold (per group: each block id is a block
+    of every group), the dtype and the bytes (scratch block included), so an FP8 pool's 2x shows."""
+    tokens = ", ".join(f"{num_kv_blocks * g.block_size} tokens in group {g.group_id}" for g in layout.groups)
+    log.info("rank %d KV cache: %d blocks (%s), %s, %.3f GiB", rank, num_kv_blocks, tokens, layout.dtype,
+             layout.total_bytes / 2**30)
 
 
 def max_model_len_for(config: EngineConfig, source: ModelSource, num_kv_blocks: int) -> int:
@@ -124,13 +136,18 @@ class RankRuntime:
         configure_pdl(config.pdl)
         configure_dense_min_query(config.dense_min_query)
         self.model = load_model(config, source, self.dtype, self.device)
-        num_blocks = num_blocks_for(config, source, self.dtype, self.device)
+        self.kv_dtype = config.resolve_kv_cache_dtype(self.dtype)
+        # What each layer's K/V is divided by in an FP8 cache (1.0 otherwise): a later compat check reads these.
+        self.kv_scales = KVScales.for_cache(self.kv_dtype, source.config.num_layers, source.kv_scales)
+        num_blocks = num_blocks_for(config, source, self.kv_dtype, self.device)
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
-        self.kv_layout = kv_layout(config, source, self.dtype, num_blocks)
+        self.kv_layout = kv_layout(config, source, self.kv_dtype, num_blocks)
         self.num_kv_blocks = self.kv_layout.num_blocks - 1
-        self.kv_cache = KVCache(self.kv_layout, self.device, scratch_block=self.num_kv_blocks)
-        # One state row per sequence seat: a running request always has its slot (StateSlots).
+        self.kv_cache = KVCache(self.kv_layout, self.device, scratch_block=self.num_kv_blocks, scales=self.kv_scales)
+        log_kv_pool(self.kv_layout, self.num_kv_blocks, config.parallel.tp_rank)
+        # One state row per sequence seat: a running request always has its slot (StateSlots); states keep the
+        # model dtype whatever the KV cache's.
         self.state_pool = StatePool.for_model(source.config, config.max_num_seqs, TORCH_DTYPES[self.dtype],
                                               self.device, config.parallel)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, decode_graphs=self._decode_graphs(),

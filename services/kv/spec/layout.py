@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from services.kv.spec.groups import KVCacheGroupSpec
 
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
 
 class BlockOrder(enum.Enum):
