@@ -51,12 +51,14 @@ def staging_mib(config: WorkerConfig, device_type: str) -> int:
 def kv_identity(engine: LLMEngine, kv_digest: bool = True) -> KVIdentity:
     """What makes this engine's KV bytes mean what they mean: built once per daemon, handed to the
     exporter (prefill) or the puller (decode), which present and check it as the compatibility hash.
-    ``kv_digest``: whether transfers carry and check the KV digest (both sides must agree)."""
+    ``kv_digest``: whether transfers carry and check the KV digest (both sides must agree). An FP8 KV cache's
+    per-layer scales (``RankRuntime.kv_scales``) are part of it: its bytes mean nothing without them."""
     mc = engine.model_config
     return KVIdentity.of(architecture=mc.architecture, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                          head_dim=mc.head_dim, layout=engine.kv_layout, kv_sharing=mc.kv_sharing,
                          group_kv_heads=engine.group_kv_heads, kv_digest=DIGEST_SCHEME if kv_digest else DIGEST_OFF,
-                         state=pool.spec if (pool := engine.runtime.state_pool) is not None else None)
+                         state=pool.spec if (pool := engine.runtime.state_pool) is not None else None,
+                         kv_scales=dict(enumerate(engine.runtime.kv_scales.layers)))
 
 
 def _state_buffer(engine: LLMEngine) -> torch.Tensor | None:

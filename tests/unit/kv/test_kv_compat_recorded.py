@@ -3,6 +3,8 @@ sub-packages: a refactoring that changes what a hash covers (a field renamed, a 
 default moved) would make every deployed pair refuse a peer of the previous release. The engines are small
 random checkpoints of each KV shape pdserve serves: full attention, a sliding window, Gemma-4's per-group heads
 and KV sharing, DeepSeek's MLA rows, Granite's Mamba2 state; in both block orders, with and without the digest.
+FP8 KV (``--kv-cache-dtype fp8_e4m3``) adds its groups' dtype, scale scheme and scales (``spec/kv_quant.py``) and
+has hashes of its own, recorded when it was added; every other engine's stayed as they were.
 
 A hash here may change only with a protocol change that says so in ``proto/pdserve/v1/kv.proto``'s changelog."""
 
@@ -46,9 +48,18 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return made
 
 
-def _hash(checkpoint: Path, layout: str, digest: bool) -> CompatInfo:
+# (family, layout kind) -> the compat hash of an FP8 KV engine (scales 1.0: the checkpoints store none), with the
+# digest; recorded when FP8 KV was added (kv.proto's changelog).
+RECORDED_FP8: dict[tuple[str, str], str] = {
+    ("llama", "cross_layer"): "ad9438ff7a65838cb2e146a338b88b73a093310a40ef263f17f98314b61c24af",
+    ("deepseek_v3", "cross_layer"): "d763acf80cbf7b7774973b29e6377d77dbcb8f006fff9aba5ad87cff67f66066",
+}
+
+
+def _hash(checkpoint: Path, layout: str, digest: bool, kv_cache_dtype: str = "auto") -> CompatInfo:
     engine = LLMEngine(EngineConfig(model=str(checkpoint), device="cpu", dtype="float32",
-                                    kv_layout=LayoutKind(layout), block_size=16, num_kv_blocks=16))
+                                    kv_layout=LayoutKind(layout), block_size=16, num_kv_blocks=16,
+                                    kv_cache_dtype=kv_cache_dtype))
     return CompatInfo.of_identity(kv_identity(engine, kv_digest=digest))
 
 
@@ -57,3 +68,10 @@ def test_the_compat_hash_is_the_recorded_one(checkpoints: dict[str, Path], famil
                                              digest: bool) -> None:
     info = _hash(checkpoints[family], layout, digest)
     assert info.hash == RECORDED[family, layout, digest], info.fields
+
+
+@pytest.mark.parametrize(("family", "layout"), list(RECORDED_FP8))
+def test_an_fp8_kv_engine_hashes_as_recorded(checkpoints: dict[str, Path], family: str, layout: str) -> None:
+    info = _hash(checkpoints[family], layout, True, kv_cache_dtype="fp8_e4m3")
+    assert info.fields["dtype"] == "float8_e4m3fn"
+    assert info.hash == RECORDED_FP8[family, layout], info.fields

@@ -1,0 +1,80 @@
+"""End to end with FP8 KV: router + prefill + decode processes, both workers ``--kv-cache-dtype fp8_e4m3``.
+
+Greedy completions through the disaggregated stack equal one colocated engine with the same FP8 KV cache; every
+request's KV is pulled (none recomputed on the decode worker); and the bytes pulled for the same prompts are a
+quarter of a float32-KV stack's and half of a bfloat16 one's (the scales travel once, in the handshake, not
+per pull), each control run beside it here, on the same checkpoint, layouts and block sizes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.contract.sampling_params import SamplingParams
+from services.engine.engine_config import EngineConfig
+from services.engine.llm_engine import LLMEngine
+from services.launch.spawn import Daemon
+from tests.checkpoints import make_checkpoint
+from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, completion_tokens, info, metric_total, stack
+
+MAX_TOKENS = 8
+FP8 = ("--kv-cache-dtype", "fp8_e4m3")
+BF16 = ("--dtype", "bfloat16")  # the CPU path runs bfloat16 (its KV follows the model dtype)
+
+
+def _after(args: tuple[str, ...], extra: tuple[str, ...]) -> tuple[str, ...]:
+    """The stack's worker arguments with ``extra`` (a later ``--dtype`` wins over the stack's float32)."""
+    return (*args, *extra)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    directory, _ = make_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """Distinct prompts of several blocks each (no shared prefix: the decode worker's cache holds none of them)."""
+    rng = random.Random(48)
+    return [[rng.randrange(3, 300) for _ in range(rng.randrange(17, 41))] for _ in range(6)]
+
+
+def _pulled(decode: Daemon) -> dict[str, float]:
+    return {"pulls": metric_total(decode, "pdserve_kv_transfer_seconds_count"),
+            "bytes": metric_total(decode, "pdserve_kv_transfer_bytes_total"),
+            "recomputed": metric_total(decode, "pdserve_local_recompute_fallbacks_total")}
+
+
+def _serve(model: str, prompts: list[list[int]], extra: tuple[str, ...]) -> tuple[list[list[int]], dict[str, float]]:
+    """Each prompt's greedy tokens through a fresh stack whose workers add ``extra``, and what its decode worker
+    pulled for them."""
+    with stack(model, prefill_args=_after(PREFILL_ARGS, extra), decode_args=_after(DECODE_ARGS, extra)) as s:
+        before = _pulled(s.decode[0])
+        tokens = [completion_tokens(s.url, p, MAX_TOKENS, stream=bool(i % 2)) for i, p in enumerate(prompts)]
+        after = _pulled(s.decode[0])
+        assert info(s.prefill[0]).kv_blocks_pinned == 0  # every ticket was read and released
+        return tokens, {k: after[k] - before[k] for k in after}
+
+
+def test_fp8_kv_disaggregated_equals_colocated_and_pulls_a_quarter_of_float32(model: str,
+                                                                             prompts: list[list[int]]) -> None:
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=256,
+                                    kv_cache_dtype="fp8_e4m3"))
+    assert engine.kv_layout.dtype == "float8_e4m3fn"
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    colocated = [out.token_ids for out in engine.generate(prompts, params)]
+    del engine
+
+    fp8_tokens, fp8 = _serve(model, prompts, FP8)
+    assert fp8_tokens == colocated
+    assert fp8["pulls"] == len(prompts) and fp8["recomputed"] == 0  # every request's KV came over the wire
+
+    _, f32 = _serve(model, prompts, ())
+    _, bf16 = _serve(model, prompts, BF16)
+    for control in (f32, bf16):
+        assert control["pulls"] == len(prompts) and control["recomputed"] == 0
+    assert fp8["bytes"] > 0 and fp8["bytes"] * 4 == f32["bytes"] and fp8["bytes"] * 2 == bf16["bytes"], (
+        fp8, f32, bf16)
