@@ -163,8 +163,10 @@ def test_compressed_tensors_scales_by_channel_and_refuses_ignored_modules() -> N
     assert torch.equal(out[f"{Q}.weight"], w.float() * s)
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.o_proj\.weight_scale'.*unquantized"):
         _stream([("model.layers.0.self_attn.o_proj.weight_scale", s)], CT)
-    with pytest.raises(ValueError, match=rf"'{Q}\.weight_scale' has shape \[6\]"):
-        _stream([(f"{Q}.weight", w), (f"{Q}.weight_scale", s.flatten())], CT)
+    assert torch.equal(_stream([(f"{Q}.weight", w), (f"{Q}.weight_scale", s.flatten())], CT)[f"{Q}.weight"],
+                       w.float() * s)  # per-row scales stored flat
+    with pytest.raises(ValueError, match=rf"'{Q}\.weight_scale' has shape \[1, 6\]"):
+        _stream([(f"{Q}.weight", w), (f"{Q}.weight_scale", s.T)], CT)
 
 
 def _shard(path: Path, tensors: dict[str, torch.Tensor]) -> list[Path]:

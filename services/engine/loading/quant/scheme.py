@@ -46,7 +46,7 @@ class WeightFormat:
         if self.granularity is ScaleGranularity.TENSOR:
             return ((), (1,)) if not lead else (lead, (*lead, 1), (*lead, 1, 1))
         if self.granularity is ScaleGranularity.CHANNEL:
-            return ((*lead, rows, 1),)
+            return ((*lead, rows, 1), (*lead, rows))  # [rows] as some per-row checkpoints store it
         assert self.block_size is not None
         return ((*lead, math.ceil(rows / self.block_size[0]), math.ceil(cols / self.block_size[1])),)
 

@@ -74,7 +74,7 @@ class _Pairing:
 
     def _check_quantized(self, module: str, name: str) -> None:
         if self.scheme.weight_format(module) is None:
-            raise ValueError(f"tensor {name!r} is FP8-quantized, but the {self.scheme.method} scheme keeps "
+            raise ValueError(f"tensor {name!r} stores {module} in FP8, but the {self.scheme.method} scheme keeps "
                              f"{module} unquantized (never quantized, or in the config's skip list)")
 
     def _dequantized(self, module: str) -> tuple[str, torch.Tensor]:
