@@ -7,8 +7,12 @@ so an FP8 checkpoint computes in FP8 instead of being widened at load. The activ
 * **per-tensor or per-output-channel weight scales** (compressed-tensors, fbgemm): one scale per token row of x
   (``quantize_rows``) and ``torch._scaled_mm`` with row-wise scales (cuBLASLt's FP8 GEMM);
 * **128x128 weight blocks** (DeepSeek-V3/R1, Qwen3-FP8): x in groups of ``block_k`` columns per row, one scale
-  each (``quantize_groups``, the 1x128 recipe of DeepSeek's reference), and the Triton GEMM of
-  ``fp8_gemm_triton``, which multiplies each K slab's partial product by its two scales as it accumulates.
+  each (``quantize_groups``, the 1x128 recipe of DeepSeek's reference), then by the number of rows (measured on
+  an H200 by ``bench/fp8_gemm.py``, ``bench/RESULTS.md``): up to ``TRITON_MAX_ROWS`` rows (decode) the Triton GEMM
+  of ``fp8_gemm_triton``, which multiplies each K slab's partial product by its two scales as it accumulates and
+  reads the weight at 1.2-1.5x its floor (1.5-2.2x faster than bf16 on the large projections); more rows take
+  cuBLASLt's block-scaled GEMM (``torch.nn.functional.scaled_mm`` with the 1x128 / 128x128 recipes), 1.5-1.7x
+  faster than bf16 where the Triton GEMM reaches only 0.3 of the FP8 peak.
 
 The torch functions are the exact math the kernels implement, and the tests' reference: a block-scaled product
 equals the product of the dequantized operands up to the order of the fp32 sum.
@@ -25,6 +29,10 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 #: A zero row gets this scale rather than 0, so dequantizing it is 0 and not NaN.
 MIN_SCALE = 1e-12
+#: Rows of x up to which block-scaled projections take the Triton GEMM (more go to cuBLASLt where it applies).
+TRITON_MAX_ROWS = 16
+#: The one block shape cuBLASLt's block-scaled recipe takes (with K a multiple of it).
+CUBLAS_BLOCK = (128, 128)
 
 
 def _kernels():
@@ -81,14 +89,24 @@ def block_scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tenso
     elsewhere the torch reference."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if x.is_cuda and _kernels().supported_block(block):
-        fp8_gemm_triton = _kernels()
-        xq, xs = fp8_gemm_triton.quantize_groups(x2, block[1])
-        y = fp8_gemm_triton.block_scaled_mm(xq, xs, wq, w_scales, block, x.dtype, bias)
+    if x.is_cuda and _cublas_block_applies(x2, wq, block):
+        xq, xs = _kernels().quantize_groups(x2, block[1], column_major_scales=True)
+        F = torch.nn.functional
+        y = F.scaled_mm(xq, wq.T, xs, F.ScalingType.BlockWise1x128, w_scales.T, F.ScalingType.BlockWise128x128,
+                        bias=None if bias is None else bias.to(x.dtype), output_dtype=x.dtype)
+    elif x.is_cuda and _kernels().supported_block(block):
+        xq, xs = _kernels().quantize_groups(x2, block[1])
+        y = _kernels().block_scaled_mm(xq, xs, wq, w_scales, block, x.dtype, bias)
     else:
         xq, xs = quantize_groups(x2, block[1])
         y = block_scaled_mm_reference(xq, xs, wq, w_scales, block, x.dtype, bias)
     return y.view(*shape[:-1], wq.shape[0])
+
+
+def _cublas_block_applies(x: torch.Tensor, wq: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether cuBLASLt's block-scaled GEMM takes this product (and wins: more than ``TRITON_MAX_ROWS`` rows)."""
+    return (x.shape[0] > TRITON_MAX_ROWS and tuple(block) == CUBLAS_BLOCK and x.shape[1] % CUBLAS_BLOCK[1] == 0
+            and x.dtype == torch.bfloat16 and hasattr(torch.nn.functional, "scaled_mm"))
 
 
 def row_scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor,

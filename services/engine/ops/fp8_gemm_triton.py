@@ -54,8 +54,9 @@ def tile_for(m: int) -> Fp8Tile:
 
 
 @triton.jit
-def _quantize_groups_kernel(X, Q, S, K, stride_x, stride_q, num_groups, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                            GROUPS_PER_PROGRAM: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr):
+def _quantize_groups_kernel(X, Q, S, K, stride_x, stride_q, stride_sm, stride_sg, num_groups, GROUP: tl.constexpr,
+                            BLOCK: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, FMAX: tl.constexpr,
+                            SMIN: tl.constexpr):
     row = tl.program_id(0)
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     cols = tl.arange(0, BLOCK)
@@ -65,21 +66,28 @@ def _quantize_groups_kernel(X, Q, S, K, stride_x, stride_q, num_groups, GROUP: t
     scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FMAX, SMIN)
     q = tl.minimum(tl.maximum(x / scale[:, None], -FMAX), FMAX)
     tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=ok)
-    tl.store(S + row * num_groups + groups, scale, mask=groups < num_groups)
+    tl.store(S + row * stride_sm + groups * stride_sg, scale, mask=groups < num_groups)
 
 
-def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(x: torch.Tensor, group: int,
+                    column_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``fp8_gemm.quantize_groups``: x [M, K] (rows contiguous) -> (e4m3 [M, K], float32 [M, ceil(K/group)]).
-    A program quantizes up to 1024 values of a row (several groups of 128, or one whole row)."""
+    A program quantizes up to 1024 values of a row (several groups of 128, or one whole row).
+    ``column_major_scales``: the scales' groups outermost in memory (strides (1, M)), as cuBLASLt's 1x128 recipe
+    reads them."""
     m, k = x.shape
     num_groups = triton.cdiv(k, group)
     block = triton.next_power_of_2(group)
     per_program = max(1, min(1024 // block, triton.next_power_of_2(num_groups)))
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)
+    if column_major_scales:
+        scales = torch.empty((num_groups, m), dtype=torch.float32, device=x.device).T
+    else:
+        scales = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)
     if m:
         grid = (m, triton.cdiv(num_groups, per_program))
-        _quantize_groups_kernel[grid](x, q, scales, k, x.stride(0), q.stride(0), num_groups, GROUP=group, BLOCK=block,
+        _quantize_groups_kernel[grid](x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
+                                      num_groups, GROUP=group, BLOCK=block,
                                       GROUPS_PER_PROGRAM=per_program, FMAX=FP8_MAX, SMIN=MIN_SCALE,
                                       num_warps=4 if block * per_program <= 2048 else 8)
     return q, scales
@@ -87,7 +95,7 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
 
 @triton.jit
 def _block_scaled_mm_kernel(A, A_s, B, B_s, C, Bias, M, N, K, stride_am, stride_bn, stride_cm, stride_asm,
-                            stride_bsn, num_slabs, SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            stride_ask, stride_bsn, num_slabs, SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
@@ -113,7 +121,7 @@ def _block_scaled_mm_kernel(A, A_s, B, B_s, C, Bias, M, N, K, stride_am, stride_
         k_ok = offs_k < K - slab * BLOCK_K
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        a_s = tl.load(as_ptrs + slab, mask=m_ok, other=0.0)
+        a_s = tl.load(as_ptrs + slab * stride_ask, mask=m_ok, other=0.0)
         b_s = tl.load(bs_ptrs + slab, mask=n_ok, other=0.0)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
@@ -132,7 +140,7 @@ def block_scaled_mm(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor, 
     n = wq.shape[0]
     if not supported_block(block):
         raise ValueError(f"block_scaled_mm: block width {block[1]} is not a power of two >= {MIN_BLOCK_K}")
-    if wq.shape[1] != k or xq.stride(1) != 1 or wq.stride(1) != 1:
+    if wq.shape[1] != k or xq.stride(1) != 1 or wq.stride(1) != 1 or w_scales.stride(1) != 1:
         raise ValueError(f"block_scaled_mm: x {tuple(xq.shape)} and w {tuple(wq.shape)} must share K, rows contiguous")
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
@@ -141,7 +149,7 @@ def block_scaled_mm(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor, 
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
     _block_scaled_mm_kernel[grid](
         xq, x_scales, wq, w_scales, out, bias if bias is not None else out, m, n, k, xq.stride(0), wq.stride(0),
-        out.stride(0), x_scales.stride(0), w_scales.stride(0), triton.cdiv(k, block[1]), SCALE_N=block[0],
-        HAS_BIAS=bias is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block[1], GROUP_M=t.group_m,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        out.stride(0), x_scales.stride(0), x_scales.stride(1), w_scales.stride(0), triton.cdiv(k, block[1]),
+        SCALE_N=block[0], HAS_BIAS=bias is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block[1],
+        GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages)
     return out

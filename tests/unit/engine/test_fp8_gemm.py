@@ -25,7 +25,8 @@ from tests.sm90_compile import compile_script_lines  # noqa: E402
 
 # (m, n, k, block): N and K multiples of the block and not (DeepSeek-V3's 576-row kv_a projection, scaled down),
 # one row and many, blocks narrower than a tile.
-SHAPES = [(1, 256, 256, (128, 128)), (7, 72, 300, (128, 128)), (33, 96, 160, (32, 32)), (130, 40, 64, (16, 16))]
+SHAPES = [(1, 256, 256, (128, 128)), (7, 72, 300, (128, 128)), (33, 96, 160, (32, 32)), (130, 40, 64, (16, 16)),
+          (40, 200, 384, (128, 128))]  # more rows than TRITON_MAX_ROWS: cuBLASLt's block recipe on CUDA
 
 
 def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -81,7 +82,8 @@ def test_block_scaled_kernel_matches_the_reference(m: int, n: int, k: int, block
             kernels.block_scaled_mm(*dev[:4], block, torch.float32, dev[4])
         return
     got = kernels.block_scaled_mm(*dev[:4], block, torch.float32, dev[4])
-    assert _rel(got.cpu(), want) < 1e-5
+    # Hopper's FP8 MMAs sum a slab with fewer mantissa bits than fp32 (why the kernel rescales per slab in fp32).
+    assert _rel(got.cpu(), want) < (1e-5 if ON_CPU else 1e-3)
     if not ON_CPU:  # bf16 out, and the whole linear (kernel-quantized activation) against the torch path
         got16 = kernels.block_scaled_mm(*dev[:4], block, torch.bfloat16, dev[4])
         assert _rel(got16.cpu(), want) < 1e-2
