@@ -26,16 +26,20 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat) -> 
     A block grid is padded out to whole blocks (the last block row/column of a ragged edge covers fewer
     elements), multiplied block by block, and cut back to the weight's shape.
     """
-    w = weight.to(torch.float32)
+    w = weight.to(torch.float32, copy=True)  # a tensor of its own: scaled in place below
     s = scale.to(torch.float32)
     if fmt.granularity is not ScaleGranularity.BLOCK:
-        # TENSOR: a scalar (or one per stacked expert); CHANNEL: [..., rows, 1]. Both broadcast.
-        return w * s.reshape(*s.shape, *([1] * (w.dim() - s.dim())))
+        # TENSOR: a scalar (or one per stacked expert); CHANNEL: [..., rows, 1] or [..., rows]. Both broadcast.
+        return w.mul_(s.reshape(*s.shape, *([1] * (w.dim() - s.dim()))))
     assert fmt.block_size is not None
     b0, b1 = fmt.block_size
     *lead, rows, cols = w.shape
     g0, g1 = s.shape[-2], s.shape[-1]
+    grid = s.reshape(*lead, g0, 1, g1, 1)
+    if (rows, cols) == (g0 * b0, g1 * b1):  # whole blocks: no copy
+        w.view(*lead, g0, b0, g1, b1).mul_(grid)
+        return w
     padded = torch.zeros(*lead, g0 * b0, g1 * b1, dtype=torch.float32, device=w.device)
     padded[..., :rows, :cols] = w
-    blocks = padded.reshape(*lead, g0, b0, g1, b1) * s.reshape(*lead, g0, 1, g1, 1)
-    return blocks.reshape(*lead, g0 * b0, g1 * b1)[..., :rows, :cols].contiguous()
+    padded.view(*lead, g0, b0, g1, b1).mul_(grid)
+    return padded[..., :rows, :cols].contiguous()
