@@ -34,6 +34,12 @@ BLOCK_N), one per program; each stores its unnormalised accumulator, running max
 ``_reduce_kernel`` merges them (flash-decoding). The partition is computed from the request's
 own lengths, read on the device, so a decode graph captured for a context bucket splits each
 request's real context evenly.
+
+With ``FP8`` (an e4m3 cache, ``ops.fp8``) each K/V tile is cast to q's dtype as it is loaded (exact: every
+e4m3 value is a float16/bfloat16/float32 value) and the layer's scales are applied where they are one
+number: the k scale folded into ``qk_scale`` on the host (a score is linear in its key), the v scale once
+on the accumulator after the key loop (every value of the weighted sum carries it), before any split or
+dense merge. Without ``FP8`` the kernels are what they were: the branches are constexpr.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ def _attention_kernel(
     qk_scale,  # scale * log2(e); with SOFTCAP, scale alone
     softcap,  # used with SOFTCAP
     window,  # used with WINDOW
+    v_scale,  # used with FP8 (the k scale is folded into qk_scale on the host)
     BLOCK_SIZE: tl.constexpr,  # tokens per cache page
     GROUP: tl.constexpr,  # query heads per KV head
     TOKENS_PER_TILE: tl.constexpr,  # BLOCK_M // GROUP
@@ -77,6 +84,7 @@ def _attention_kernel(
     WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
     MODES: tl.constexpr,  # a DensePlan's per-request modes: 0 paged, 1 prefix then merge, 2 skip
+    FP8: tl.constexpr,  # K/V pages are e4m3: cast to q's dtype on load, scores and output scaled (see above)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32 rounding); 16-bit inputs ignore it
     PDL: tl.constexpr,  # programmatic dependent launch (``triton_pdl``)
 ):
@@ -135,6 +143,8 @@ def _attention_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_ks + d[None, :] * stride_kd,
                     mask=kv_mask, other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SOFTCAP:
             # softcap * tanh(s * scale / softcap), tanh from exp(-2|x|) (no overflow), then to base 2.
@@ -155,8 +165,12 @@ def _attention_kernel(
         l_i = l_i * alpha + _sum(p, 1)
         v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vs + d[None, :] * stride_vd,
                     mask=kv_mask, other=0.0)
+        if FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if FP8:
+        acc = acc * v_scale  # every value of the sum carries the one scale: applied once, before any merge
 
     out_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
@@ -216,7 +230,8 @@ def _mla_kernel(
     stride_bt,
     stride_ot, stride_oh, stride_od,
     num_heads, num_splits, q_tiles,
-    qk_scale,  # scale * log2(e)
+    qk_scale,  # scale * log2(e); with FP8 times the row scale
+    row_scale,  # used with FP8: what the latent values are multiplied by
     BLOCK_SIZE: tl.constexpr,  # tokens per cache page
     HEADS: tl.constexpr,  # query heads per tile (a power of two)
     TOKENS_PER_TILE: tl.constexpr,  # BLOCK_M // HEADS
@@ -227,6 +242,7 @@ def _mla_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    FP8: tl.constexpr,  # rows are e4m3: cast to q's dtype on load, scores and output scaled
     DOT_PRECISION: tl.constexpr,
 ):
     """Absorbed multi-head latent attention: every query head against one shared row per key.
@@ -284,6 +300,9 @@ def _mla_kernel(
         latent = tl.load(key + lat[None, :] * stride_rd, mask=n_ok[:, None] & lat_ok[None, :], other=0.0)
         k_rope = tl.load(key + (LATENT + rope)[None, :] * stride_rd, mask=n_ok[:, None] & rope_ok[None, :],
                          other=0.0)
+        if FP8:
+            latent = latent.to(q_lat.dtype)
+            k_rope = k_rope.to(q_lat.dtype)
         s = tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
         s = s * qk_scale
@@ -295,6 +314,8 @@ def _mla_kernel(
         l_i = l_i * alpha + _sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision=DOT_PRECISION)
         m_i = m_new
+    if FP8:
+        acc = acc * row_scale
 
     out_mask = row_ok[:, None] & lat_ok[None, :]
     if SPLIT:

@@ -35,6 +35,7 @@ from services.engine.attention.triton_paged import (
     choose_num_splits,
     split_partials,
 )
+from services.engine.ops import fp8
 
 # The widest row (latent + rope part) whose latent accumulator the kernel's tiles hold (DeepSeek-V2/V3: 512 + 64).
 MAX_ROW_WIDTH = 576
@@ -76,11 +77,12 @@ class TritonMLABackend(TritonPagedBackend, MLABackend):
         return self.unsupported_reason(16, dtype, device)
 
     def forward_absorbed(self, q: torch.Tensor, rows: torch.Tensor, latent_dim: int, batch: AttentionBatch,
-                         meta: GroupAttentionMetadata, scale: float) -> torch.Tensor:
+                         meta: GroupAttentionMetadata, scale: float, row_scale: float = 1.0) -> torch.Tensor:
         from services.engine.attention.triton_kernels import LOG2E, kernels
 
         num_tokens, num_heads, width = q.shape
-        if rows.dtype != q.dtype or rows.shape[-1] != width:
+        quantized = fp8.is_fp8(rows)
+        if (rows.dtype != q.dtype and not quantized) or rows.shape[-1] != width:
             raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not fit a {tuple(rows.shape)} {rows.dtype} row cache")
         if num_tokens == 0:
             return q.new_empty(0, num_heads * latent_dim)
@@ -103,10 +105,11 @@ class TritonMLABackend(TritonPagedBackend, MLABackend):
             q, rows, out, part_acc, part_max, part_sum,
             meta.block_tables, batch.query_start, batch.context_lens,
             *q.stride(), rows.stride(0), rows.stride(1), rows.stride(3), meta.block_tables.stride(0), *out.stride(),
-            num_heads, splits, q_tiles, float(scale) * LOG2E,
+            num_heads, splits, q_tiles, float(scale) * LOG2E * (row_scale if quantized else 1.0),
+            float(row_scale) if quantized else 1.0,
             BLOCK_SIZE=rows.shape[1], HEADS=heads, TOKENS_PER_TILE=config.block_m // heads, LATENT=latent_dim,
             BLOCK_L=block_l, ROPE=width - latent_dim, BLOCK_R=max(16, _next_pow2(width - latent_dim)),
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=splits > 1,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=splits > 1, FP8=quantized,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
@@ -118,7 +121,8 @@ class TritonMLABackend(TritonPagedBackend, MLABackend):
         return out.reshape(num_tokens, num_heads * latent_dim)
 
     def forward_expanded(self, q: torch.Tensor, rows: torch.Tensor, batch: AttentionBatch,
-                         meta: GroupAttentionMetadata, scale: float, expand: ExpandRows) -> torch.Tensor:
+                         meta: GroupAttentionMetadata, scale: float, expand: ExpandRows,
+                         row_scale: float = 1.0) -> torch.Tensor:
         # Imported here: torch.nn.attention.bias imports triton, which must not happen before a test process
         # has chosen Triton's interpreter (triton_kernels.py).
         from torch.nn.attention.bias import causal_lower_right
@@ -126,13 +130,14 @@ class TritonMLABackend(TritonPagedBackend, MLABackend):
         if batch.host_lens is None:  # a captured step: the padded gather needs no host lengths
             padded = self._padded.build_metadata(batch, meta.block_tables, meta.write_blocks, meta.write_offsets,
                                                  None)
-            return self._padded.forward_expanded(q, rows, batch, padded, scale, expand)
+            return self._padded.forward_expanded(q, rows, batch, padded, scale, expand, row_scale)
         num_heads, block_size, width = q.shape[1], rows.shape[1], rows.shape[-1]
         outs = []
         start = 0
         for i, (q_len, ctx) in enumerate(zip(*batch.host_lens, strict=True)):
             num_blocks = -(-ctx // block_size)
             context = rows[meta.block_tables[i, :num_blocks]].reshape(num_blocks * block_size, width)[:ctx]
+            context = fp8.from_cache(context, row_scale, q.dtype)
             keys, values = expand(context)  # [ctx, heads, dim] each
             v_dim = values.shape[-1]
             if self.pad_values and v_dim < keys.shape[-1]:

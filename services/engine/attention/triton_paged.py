@@ -33,6 +33,8 @@ from services.engine.attention.base import (
     GroupAttentionMetadata,
 )
 from services.engine.attention.dense_causal import dense_causal, dense_unsupported_reason
+from services.engine.kv_cache.kv_scales import UNIT_SCALE
+from services.engine.ops import fp8
 from services.engine.triton_support import overridden_by_env, pdl_enabled, triton_import_error
 
 # Head dims up to this compile to tiles without register spills on sm_90 (512: Gemma-4's full
@@ -166,8 +168,8 @@ class TritonPagedBackend(AttentionBackend):
             return f"device {device.type} (Triton runs on CUDA, or interpreted on CPU)"
         if head_dim > MAX_HEAD_DIM:
             return f"head dim {head_dim} (the kernel supports up to {MAX_HEAD_DIM})"
-        if dtype not in _DTYPES:
-            return f"dtype {dtype} (the kernel supports float16, bfloat16 and float32)"
+        if dtype not in _DTYPES and dtype != fp8.FP8_DTYPE:
+            return f"dtype {dtype} (the kernel supports float16, bfloat16 and float32, and float8_e4m3fn caches)"
         return None
 
     def build_metadata(self, batch: AttentionBatch, block_tables: torch.Tensor, write_blocks: torch.Tensor,
@@ -238,13 +240,16 @@ class TritonPagedBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
                 meta: GroupAttentionMetadata, scale: float, softcap: float | None,
-                fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
+                kv_scale: tuple[float, float] = UNIT_SCALE) -> torch.Tensor:
         from services.engine.attention.triton_kernels import LOG2E, kernels
         from services.engine.triton_pdl import launch_options
 
         num_tokens, num_heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
-        if num_heads % kv_heads or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        quantized = fp8.is_fp8(k_cache)
+        cache_dtype = fp8.FP8_DTYPE if quantized else q.dtype
+        if num_heads % kv_heads or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype:
             raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not fit a {kv_heads}-head {k_cache.dtype} cache")
         if num_tokens == 0:
             return q.new_empty(0, num_heads * head_dim)
@@ -253,6 +258,8 @@ class TritonPagedBackend(AttentionBackend):
                                  or dense_unsupported_reason(head_dim, q.dtype, q.device) is not None):
             plan = None  # a layer that writes no KV, a softcapped one, or a shape the dense kernel lacks
         if plan is not None:
+            if quantized:  # attend to the fresh tokens as the cache holds them, as a later step (or a peer) reads them
+                fresh = (fp8.round_trip(fresh[0], kv_scale[0]), fp8.round_trip(fresh[1], kv_scale[1]))
             out, lse = self._dense_half(q, fresh, plan, batch.num_reqs, scale)
             if not plan.any_paged:
                 return out.reshape(num_tokens, num_heads * head_dim)
@@ -270,18 +277,22 @@ class TritonPagedBackend(AttentionBackend):
         part_acc, part_max, part_sum = split_partials(out, splits, head_dim)
         window = meta.sliding_window
         pdl = pdl_enabled(q.device)
+        qk_scale = float(scale) if softcap is not None else float(scale) * LOG2E
+        if quantized:
+            qk_scale *= kv_scale[0]
         attention_kernel[(batch.num_reqs * q_tiles, kv_heads, splits)](
             q, k_cache, v_cache, out, part_acc, part_max, part_sum,
             meta.block_tables, batch.query_start, batch.context_lens, modes, lse,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), meta.block_tables.stride(0), *out.stride(),
             *(lse.stride() if plan is not None else (0, 0)),
             num_heads, splits, q_tiles,
-            float(scale) if softcap is not None else float(scale) * LOG2E,
+            qk_scale,
             float(softcap) if softcap is not None else 0.0,
             int(window) if window is not None else 0,
+            float(kv_scale[1]) if quantized else 1.0,
             BLOCK_SIZE=block_size, GROUP=group, TOKENS_PER_TILE=config.block_m // group, HEAD_DIM=head_dim,
             BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SOFTCAP=softcap is not None,
-            WINDOW=window is not None, SPLIT=splits > 1, MODES=plan is not None,
+            WINDOW=window is not None, SPLIT=splits > 1, MODES=plan is not None, FP8=quantized,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
             num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         )

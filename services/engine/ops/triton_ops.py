@@ -37,6 +37,7 @@ from services.engine.triton_support import pdl_enabled
 # sm_90 without spills at 16 warps, 16384 spills; wider rows take the torch path.
 MAX_NORM_COLS = 8192
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_MAX = tl.constexpr(float(torch.finfo(torch.float8_e4m3fn).max))  # e4m3's largest finite value: 448
 
 
 # ---- kernels -----------------------------------------------------------------------------------------
@@ -142,9 +143,15 @@ def _rope_kernel(
 
 
 @triton.jit
-def _store_slot(Cache, rows_lo, rows_hi, slot_offsets, d, mask, stride_d, HALF: tl.constexpr):
-    """Both halves of BLOCK_R head rows into the cache rows starting at ``slot_offsets``."""
+def _store_slot(Cache, rows_lo, rows_hi, slot_offsets, d, mask, stride_d, scale, HALF: tl.constexpr,
+                FP8: tl.constexpr):
+    """Both halves of BLOCK_R head rows into the cache rows starting at ``slot_offsets``; with FP8, each
+    divided by ``scale`` in float32, saturated to +-448 and rounded to e4m3 (``ops.fp8.quantize``)."""
     dst = Cache + slot_offsets[:, None] + d[None, :] * stride_d
+    if FP8:
+        fp8 = Cache.dtype.element_ty
+        rows_lo = tl.clamp(rows_lo.to(tl.float32) / scale, -FP8_MAX, FP8_MAX).to(fp8)
+        rows_hi = tl.clamp(rows_hi.to(tl.float32) / scale, -FP8_MAX, FP8_MAX).to(fp8)
     tl.store(dst, rows_lo, mask=mask)
     tl.store(dst + HALF * stride_d, rows_hi, mask=mask)
 
@@ -155,11 +162,13 @@ def _rope_write_kv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
     stride_kb, stride_ks, stride_kh_cache, stride_kd, stride_vb, stride_vs, stride_vh_cache, stride_vd,
     num_tokens, num_q_heads, num_kv_heads, q_blocks,
+    k_scale, v_scale,  # used with FP8
     HALF: tl.constexpr,  # head_dim // 2
     BLOCK_HALF: tl.constexpr,
     BLOCK_R: tl.constexpr,  # (token, head) rows per program
     HAS_POSITIONS: tl.constexpr,
     ROPE: tl.constexpr,  # rotate q and k (q_blocks programs for q), else only copy K/V into the cache
+    FP8: tl.constexpr,  # the caches are e4m3: K/V quantized with their scales as they are stored
     PDL: tl.constexpr,
 ):
     """The first ``q_blocks`` programs rotate query rows into ``QOut`` (as ``_rope_kernel``); each
@@ -172,7 +181,7 @@ def _rope_write_kv_kernel(
         _rope_rows(Q, QOut, Cos, Sin, Positions, stride_qt, stride_qh, stride_ct, stride_st, num_q_heads,
                    num_tokens * num_q_heads, pid, HALF, BLOCK_HALF, BLOCK_R, HAS_POSITIONS)
     else:
-        dtype = KCache.dtype.element_ty
+        dtype = K.dtype.element_ty  # the cache's too, unless FP8
         rows = (pid - q_blocks).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < num_tokens * num_kv_heads
         token = rows // num_kv_heads
@@ -193,12 +202,12 @@ def _rope_write_kv_kernel(
             tl.store(k_out, k1, mask=mask)
             tl.store(k_out + HALF, k2, mask=mask)
         _store_slot(KCache, k1, k2, block * stride_kb + slot * stride_ks + head * stride_kh_cache, d, mask,
-                    stride_kd, HALF)
+                    stride_kd, k_scale, HALF, FP8)
         v_src = V + (token * stride_vt + head * stride_vh)[:, None] + d[None, :]
         v1 = tl.load(v_src, mask=mask, other=0.0)
         v2 = tl.load(v_src + HALF, mask=mask, other=0.0)
         _store_slot(VCache, v1, v2, block * stride_vb + slot * stride_vs + head * stride_vh_cache, d, mask,
-                    stride_vd, HALF)
+                    stride_vd, v_scale, HALF, FP8)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -380,7 +389,8 @@ def _cache_declines(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     if k.dtype not in _DTYPES or v.dtype != k.dtype or head_dim % 2 or not _check_device(k):
         return True
     for cache in (k_cache, v_cache):
-        if (cache.ndim != 4 or tuple(cache.shape[2:]) != (num_kv_heads, head_dim) or cache.dtype != k.dtype
+        if (cache.ndim != 4 or tuple(cache.shape[2:]) != (num_kv_heads, head_dim)
+                or cache.dtype not in (k.dtype, torch.float8_e4m3fn) or cache.dtype != k_cache.dtype
                 or cache.device != k.device):
             return True
     return any(index.shape != (num_tokens,) or index.stride(0) != 1 or index.is_floating_point()
@@ -413,9 +423,9 @@ def rope_and_write_kv(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, 
             write_blocks, write_offsets,
             *(q.stride()[:2] if rope else (0, 0)), *k.stride()[:2], *v.stride()[:2],
             *((cos.stride(0), sin.stride(0)) if rope else (0, 0)), *k_cache.stride(), *v_cache.stride(),
-            num_tokens, num_q_heads, num_kv_heads, q_blocks,
+            num_tokens, num_q_heads, num_kv_heads, q_blocks, float(scales[0]), float(scales[1]),
             HALF=half, BLOCK_HALF=block_half, BLOCK_R=block_r, HAS_POSITIONS=positions is not None, ROPE=rope,
-            PDL=pdl, num_warps=num_warps, **launch_options(pdl),
+            FP8=k_cache.dtype == torch.float8_e4m3fn, PDL=pdl, num_warps=num_warps, **launch_options(pdl),
         )
     return q_out, k_out
 
