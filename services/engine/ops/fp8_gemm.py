@@ -24,11 +24,8 @@ import math
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-#: e4m3's largest finite value: a scale maps a row's (or a group's) absolute maximum onto it.
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
-#: A zero row gets this scale rather than 0, so dequantizing it is 0 and not NaN.
-MIN_SCALE = 1e-12
+from services.engine.ops.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
 #: Rows of x up to which block-scaled projections take the Triton GEMM (more go to cuBLASLt where it applies).
 TRITON_MAX_ROWS = 16
 #: The one block shape cuBLASLt's block-scaled recipe takes (with K a multiple of it).

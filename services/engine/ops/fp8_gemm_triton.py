@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.ops.fp8_gemm import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from services.engine.ops.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 
 class Fp8Tile(NamedTuple):
