@@ -20,8 +20,14 @@ def is_fp8(t: torch.Tensor) -> bool:
 
 
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x / scale`` saturated to +-448 and rounded to e4m3 (float32 inside)."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    """``x / scale`` saturated to +-448 and rounded to e4m3 (float32 inside).
+
+    The division is IEEE's on every device, as the Triton write does it (``div_rn``): on CUDA a tensor divided
+    by a Python number is multiplied by its reciprocal instead, off by an ulp at times, which can tip an e4m3
+    rounding; a 0-dim device tensor divisor keeps the true division (a fill, no host sync: graph-safe).
+    """
+    divisor = scale if x.device.type == "cpu" else torch.full((), scale, dtype=torch.float32, device=x.device)
+    return (x.float() / divisor).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
