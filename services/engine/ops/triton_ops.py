@@ -152,8 +152,8 @@ def _store_slot(Cache, rows_lo, rows_hi, slot_offsets, d, mask, stride_d, scale,
         fp8 = Cache.dtype.element_ty
         # IEEE division (div_rn), as torch divides: '/' compiles to an approximate one, off by an ulp at times,
         # which can tip an e4m3 rounding.
-        rows_lo = tl.clamp(tl.div_rn(rows_lo.to(tl.float32), scale.to(tl.float32)), -FP8_MAX, FP8_MAX).to(fp8)
-        rows_hi = tl.clamp(tl.div_rn(rows_hi.to(tl.float32), scale.to(tl.float32)), -FP8_MAX, FP8_MAX).to(fp8)
+        rows_lo = tl.clamp(tl.div_rn(rows_lo.to(tl.float32), scale * 1.0), -FP8_MAX, FP8_MAX).to(fp8)
+        rows_hi = tl.clamp(tl.div_rn(rows_hi.to(tl.float32), scale * 1.0), -FP8_MAX, FP8_MAX).to(fp8)
     tl.store(dst, rows_lo, mask=mask)
     tl.store(dst + HALF * stride_d, rows_hi, mask=mask)
 
