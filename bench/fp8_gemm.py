@@ -41,7 +41,8 @@ def sweep_tiles():
     small = [Fp8Tile(bm, bn, w, s) for bm in (16, 32, 64) for bn in (32, 64, 128) for w in (4, 8) for s in (3, 4)
              if not (bm <= 32 and w == 8)]
     large = [Fp8Tile(bm, bn, 8, s) for bm, bn in ((128, 128), (128, 256), (256, 128)) for s in (3, 4)]
-    return small + large + [Fp8Tile(128, 128, 4, 4), Fp8Tile(64, 256, 8, 3)]
+    split = [Fp8Tile(16, bn, 4, 4, split_k=sk) for bn in (32, 64) for sk in (1, 2, 4, 8)]
+    return small + large + split + [Fp8Tile(128, 128, 4, 4), Fp8Tile(64, 256, 8, 3)]
 
 
 def torch_blockwise(want: torch.Tensor, xq, xs, wq, ws):

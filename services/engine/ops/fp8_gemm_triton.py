@@ -6,7 +6,8 @@ quantization of the row-scaled path.
 
 ``block_scaled_mm``: ``C = A @ B.T`` with A [M, K] e4m3 in 1 x ``BLOCK_K`` groups (scales [M, ceil(K/BLOCK_K)]) and
 B [N, K] e4m3 in ``SCALE_N`` x ``BLOCK_K`` blocks (scales [ceil(N/SCALE_N), ceil(K/BLOCK_K)]). A program owns a
-``BLOCK_M`` x ``BLOCK_N`` tile of C and walks K one scale slab at a time::
+``BLOCK_M`` x ``BLOCK_N`` tile of C (or, split K ways for a small decode product, its share of the K slabs,
+written as an fp32 partial sum) and walks K one scale slab at a time::
 
     acc += dot(A[m, slab], B[n, slab].T) * a_scale[m, slab] * b_scale[n // SCALE_N, slab]
 
@@ -27,13 +28,14 @@ from services.engine.ops.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 
 class Fp8Tile(NamedTuple):
-    """A launch shape of the block-scaled GEMM."""
+    """A launch shape of the block-scaled GEMM; ``split_k`` 0 picks the K split by ``split_k_for``."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     group_m: int = 8
+    split_k: int = 0
 
 
 #: The tile by rows of A (a decode batch up to 16 rows, a larger batch, a prefill), chosen by ``bench/fp8_gemm.py``.
@@ -47,6 +49,21 @@ MIN_BLOCK_K = 32
 def supported_block(block: tuple[int, int]) -> bool:
     """Whether the kernel computes weights of these blocks (real checkpoints' 128 x 128 are)."""
     return block[1] >= MIN_BLOCK_K and block[1] & (block[1] - 1) == 0
+
+
+#: Up to this many rows, a product whose tiles do not fill the GPU twice splits K (at most ``MAX_SPLIT_K`` ways).
+SPLIT_K_MAX_ROWS = 16
+MAX_SPLIT_K = 8
+
+
+def split_k_for(num_tiles: int, num_slabs: int, m: int, device: torch.device) -> int:
+    """How many programs share one output tile's K slabs: a decode batch's projection with few output tiles (a
+    576-row MLA projection has 18 of 32 columns) reads its weight from too few SMs unless K is split; each split
+    then writes an fp32 partial sum."""
+    if m > SPLIT_K_MAX_ROWS or device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLIT_K, num_slabs, triton.cdiv(2 * sms, num_tiles)))
 
 
 def tile_for(m: int) -> Fp8Tile:
@@ -94,11 +111,14 @@ def quantize_groups(x: torch.Tensor, group: int,
 
 
 @triton.jit
-def _block_scaled_mm_kernel(A, A_s, B, B_s, C, Bias, M, N, K, stride_am, stride_bn, stride_cm, stride_asm,
-                            stride_ask, stride_bsn, num_slabs, SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_M: tl.constexpr):
+def _block_scaled_mm_kernel(A, A_s, B, B_s, C, Bias, M, N, K, stride_am, stride_bn, stride_cm, stride_cs, stride_asm,
+                            stride_ask, stride_bsn, num_slabs, slabs_per_split, SCALE_N: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
+    split = tl.program_id(1)
+    first_slab = split * slabs_per_split
+    last_slab = tl.minimum(num_slabs, first_slab + slabs_per_split)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_pid_n
@@ -112,12 +132,12 @@ def _block_scaled_mm_kernel(A, A_s, B, B_s, C, Bias, M, N, K, stride_am, stride_
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    a_ptrs = A + offs_m[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = B + offs_n[None, :] * stride_bn + offs_k[:, None]
+    a_ptrs = A + offs_m[:, None] * stride_am + (first_slab * BLOCK_K + offs_k)[None, :]
+    b_ptrs = B + offs_n[None, :] * stride_bn + (first_slab * BLOCK_K + offs_k)[:, None]
     as_ptrs = A_s + offs_m * stride_asm
     bs_ptrs = B_s + (offs_n // SCALE_N) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for slab in range(0, num_slabs):
+    for slab in range(first_slab, last_slab):
         k_ok = offs_k < K - slab * BLOCK_K
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -128,7 +148,7 @@ def _block_scaled_mm_kernel(A, A_s, B, B_s, C, Bias, M, N, K, stride_am, stride_
         b_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = C + offs_m[:, None] * stride_cm + offs_n[None, :]
+    c_ptrs = C + split * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -142,14 +162,26 @@ def block_scaled_mm(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor, 
         raise ValueError(f"block_scaled_mm: block width {block[1]} is not a power of two >= {MIN_BLOCK_K}")
     if wq.shape[1] != k or xq.stride(1) != 1 or wq.stride(1) != 1 or w_scales.stride(1) != 1:
         raise ValueError(f"block_scaled_mm: x {tuple(xq.shape)} and w {tuple(wq.shape)} must share K, rows contiguous")
-    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
-        return out
+        return torch.empty((m, n), dtype=out_dtype, device=xq.device)
     t = tile or tile_for(m)
-    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
-    _block_scaled_mm_kernel[grid](
-        xq, x_scales, wq, w_scales, out, bias if bias is not None else out, m, n, k, xq.stride(0), wq.stride(0),
-        out.stride(0), x_scales.stride(0), x_scales.stride(1), w_scales.stride(0), triton.cdiv(k, block[1]),
-        SCALE_N=block[0], HAS_BIAS=bias is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block[1],
-        GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages)
-    return out
+    num_tiles = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
+    num_slabs = triton.cdiv(k, block[1])
+    splits = t.split_k or split_k_for(num_tiles, num_slabs, m, xq.device)
+    per_split = triton.cdiv(num_slabs, splits)
+    splits = triton.cdiv(num_slabs, per_split)  # no empty split
+    # One split writes the output; several write fp32 partial sums, added (with the bias) afterwards.
+    out = (torch.empty((m, n), dtype=out_dtype, device=xq.device) if splits == 1
+           else torch.empty((splits, m, n), dtype=torch.float32, device=xq.device))
+    fused_bias = bias is not None and splits == 1
+    _block_scaled_mm_kernel[(num_tiles, splits)](
+        xq, x_scales, wq, w_scales, out, bias if fused_bias else out, m, n, k, xq.stride(0), wq.stride(0),
+        out.stride(-2), out.stride(0) if splits > 1 else 0, x_scales.stride(0), x_scales.stride(1),
+        w_scales.stride(0), num_slabs, per_split, SCALE_N=block[0], HAS_BIAS=fused_bias, BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n, BLOCK_K=block[1], GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages)
+    if splits == 1:
+        return out
+    total = out.sum(dim=0)
+    if bias is not None:
+        total += bias.float()
+    return total.to(out_dtype)

@@ -92,6 +92,22 @@ def test_block_scaled_kernel_matches_the_reference(m: int, n: int, k: int, block
         assert _rel(lin.cpu(), fp8_gemm.block_scaled_linear(x, wq, ws, block, bias.to(torch.bfloat16))) < 2e-2
 
 
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_split_k_sums_the_same_product(splits: int) -> None:
+    """K split over programs (a small decode product): the partial sums and the bias add up to the unsplit result,
+    whatever the split count (3 does not divide the 5 slabs; 8 is more than there are, so fewer run)."""
+    m, n, k, block = 3, 40, 320, (32, 64)
+    wq, ws = _block_quantized(n, k, block, seed=9)
+    xq, xs = fp8_gemm.quantize_groups(_randn(m, k, seed=10), block[1])
+    bias = _randn(n, seed=11)
+    want = fp8_gemm.block_scaled_mm_reference(xq, xs, wq, ws, block, torch.float32, bias)
+    dev = [t.to(DEVICE) for t in (xq, xs, wq, ws, bias)]
+    tile = kernels.Fp8Tile(16, 32, 4, 2, split_k=splits)
+    got = kernels.block_scaled_mm(*dev[:4], block, torch.float32, dev[4], tile=tile)
+    assert _rel(got.cpu(), want) < (1e-5 if ON_CPU else 1e-3)
+    assert kernels.split_k_for(4, 56, 1, torch.device("cpu")) == 1  # only CUDA decode products split
+
+
 @pytest.mark.skipif(ON_CPU, reason="the interpreter's e4m3 cast truncates; compiled on CUDA")
 @pytest.mark.parametrize("group", [128, 300, 16])
 def test_quantization_kernel_matches_the_reference(group: int) -> None:
