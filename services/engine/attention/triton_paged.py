@@ -238,6 +238,14 @@ class TritonPagedBackend(AttentionBackend):
             splits = 1
         return config, q_tiles, splits
 
+    @staticmethod
+    def _usable_plan(plan: DensePlan | None, fresh: tuple[torch.Tensor, torch.Tensor] | None, softcap: float | None,
+                     q: torch.Tensor) -> DensePlan | None:
+        """The step's dense plan, unless the layer writes no KV, is softcapped or has a shape dense_causal lacks."""
+        if plan is None or fresh is None or softcap is not None:
+            return None
+        return plan if dense_unsupported_reason(q.shape[-1], q.dtype, q.device) is None else None
+
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
                 meta: GroupAttentionMetadata, scale: float, softcap: float | None,
                 fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -247,16 +255,13 @@ class TritonPagedBackend(AttentionBackend):
 
         num_tokens, num_heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
-        quantized = fp8.is_fp8(k_cache)
+        quantized = fp8.is_fp8(k_cache)  # e4m3 pages: the k scale folds into qk_scale (x1.0 otherwise: exact)
         cache_dtype = fp8.FP8_DTYPE if quantized else q.dtype
         if num_heads % kv_heads or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype:
             raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not fit a {kv_heads}-head {k_cache.dtype} cache")
         if num_tokens == 0:
             return q.new_empty(0, num_heads * head_dim)
-        plan = meta.dense
-        if plan is not None and (fresh is None or softcap is not None
-                                 or dense_unsupported_reason(head_dim, q.dtype, q.device) is not None):
-            plan = None  # a layer that writes no KV, a softcapped one, or a shape the dense kernel lacks
+        plan = self._usable_plan(meta.dense, fresh, softcap, q)
         if plan is not None:
             if quantized:  # attend to the fresh tokens as the cache holds them, as a later step (or a peer) reads them
                 fresh = (fp8.round_trip(fresh[0], kv_scale[0]), fp8.round_trip(fresh[1], kv_scale[1]))
@@ -277,9 +282,7 @@ class TritonPagedBackend(AttentionBackend):
         part_acc, part_max, part_sum = split_partials(out, splits, head_dim)
         window = meta.sliding_window
         pdl = pdl_enabled(q.device)
-        qk_scale = float(scale) if softcap is not None else float(scale) * LOG2E
-        if quantized:
-            qk_scale *= kv_scale[0]
+        qk_scale = (float(scale) if softcap is not None else float(scale) * LOG2E) * (kv_scale[0] if quantized else 1.0)
         attention_kernel[(batch.num_reqs * q_tiles, kv_heads, splits)](
             q, k_cache, v_cache, out, part_acc, part_max, part_sum,
             meta.block_tables, batch.query_start, batch.context_lens, modes, lse,
