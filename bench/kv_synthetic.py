@@ -113,8 +113,13 @@ def identity_for(cfg: dict, layout: KVLayoutSpec) -> KVIdentity:
         architecture=ARCHITECTURE, num_layers=cfg["num_layers"], num_kv_heads=cfg["num_kv_heads"],
         head_dim=cfg["head_dim"], layout=layout, kv_sharing=kv_sharing(cfg), group_kv_heads=group_total_heads(cfg),
         kv_digest=cfg.get("kv_digest", DIGEST_SCHEME),
-        kv_scales={int(layer): tuple(pair) for layer, pair in cfg.get("kv_scales", {}).items()},
+        kv_scales=identity_scales(cfg),
     )
+
+
+def identity_scales(cfg: dict) -> dict[int, tuple[float, float]]:
+    """The config's per-layer KV scales (``kv_scales``), as a checkpoint gives them."""
+    return {int(layer): tuple(pair) for layer, pair in cfg.get("kv_scales", {}).items()}
 
 
 def pattern(cfg: dict) -> dict[int, torch.Tensor]:
@@ -166,7 +171,8 @@ async def serve(cfg: dict) -> None:
         agent = TransferAgent(f"{cfg['engine_id']}-{epoch}-tp{rank}", device=device.type)
         ranks.append(LocalKVRank(agent, layout, cache.buffers, staging_bytes=cfg.get("staging_bytes", 0)))
     exporter = KVExporter(engine_id=cfg["engine_id"], model_name="pattern", identity=identity_for(cfg, layout),
-                          ranks=ranks, epoch=epoch, lease_s=cfg.get("lease_s", 30.0))
+                          ranks=ranks, epoch=epoch, lease_s=cfg.get("lease_s", 30.0),
+                          checkpoint_kv_scales=identity_scales(cfg))
     server = grpc.aio.server()
     add_handshake_service(server, HandshakeServicer(exporter.describe, cfg.get("token")))
     port = server.add_insecure_port(f"127.0.0.1:{cfg.get('port', 0)}")
@@ -179,6 +185,7 @@ async def serve(cfg: dict) -> None:
             r["request_id"], r["block_ids"], num_tokens=r["num_tokens"], first_token_id=7,
             handshake_address=address, reader_tp_size=r.get("reader_tp", cfg["reader_tp"]),
             reader_block_size=cfg.get("reader_block_size", 0), prompt_hash=prompt_hash(prompt_of(r)),
+            reader_compat_hash=cfg.get("reader_compat_hash", ""),
         )
         hand_out_s[r["request_id"]] = time.perf_counter() - started  # the owner's digest, and its gather if staged
         tickets[r["request_id"]] = ticket.SerializeToString().hex()

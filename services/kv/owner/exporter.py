@@ -18,20 +18,24 @@ the notifications expected, its lease) and its signature, in that order.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from services.kv.owner.hand_out import HandOutPlan
 from services.kv.owner.notifications import NotificationTracker
 from services.kv.owner.ticket_digests import kv_digests, state_digests
-from services.kv.plan.staging import staged_spans, staged_start, worth_staging
+from services.kv.plan.staging import SpanDtype, staged_spans, staged_start, worth_staging
 from services.kv.ranks.kv_rank import KVRank, LocalKVRank
+from services.kv.spec import kv_quant
 from services.kv.spec.compat import CompatInfo, KVIdentity
 from services.kv.spec.description import EngineDescription, RankExport
+from services.kv.spec.kv_convert import target_hashes
+from services.kv.spec.layout import KVLayoutSpec
 from services.kv.spec.pair_support import group_heads_from_fields
 from services.kv.spec.topology import group_readers_per_remote_rank
 from services.kv.spec.wire import (
@@ -55,11 +59,13 @@ class KVExporter:
         epoch: int | None = None,
         lease_s: float = 30.0,
         clock: Callable[[], float] = time.time,
+        checkpoint_kv_scales: Mapping[int, Sequence[float]] | None = None,
     ) -> None:
         """``identity`` is the engine's (``KVIdentity.of``: the model's shape, its layout); it must
         describe the ranks' layout. ``lease_s``: how long a ticket's blocks stay pinned unread (the lease the
         caller's ``expire`` runs with: ``--kv-lease-s``), which sets each ticket's deadline on ``clock`` (wall
-        time, which the reader compares with its own)."""
+        time, which the reader compares with its own). ``checkpoint_kv_scales`` (layer -> (k, v), 1.0 where absent):
+        what an unquantized engine quantizes with for an FP8 reader whose own they are (``spec.kv_convert``)."""
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         if not ranks:
@@ -74,19 +80,8 @@ class KVExporter:
         self._ticket_key = secrets.token_bytes(32)  # this epoch's; readers get it in the handshake
         self._ranks = list(ranks)
         self.compat = CompatInfo.of_identity(identity)
-        self._description = EngineDescription(
-            engine_id=engine_id, epoch=self.epoch, model_name=model_name, num_layers=identity.num_layers,
-            num_kv_heads=identity.num_kv_heads, head_dim=identity.head_dim, compat=self.compat, groups=layout.groups,
-            ranks=tuple(
-                RankExport(i, r.name, r.metadata(), r.regions, r.layout, r.host_layout, r.host_regions, r.state_region,
-                           _staging_region(r))
-                for i, r in enumerate(ranks)
-            ),
-            kv_sharing=identity.sharing,
-            ticket_key=self._ticket_key,
-            state=identity.state,
-            num_state_slots=_num_state_slots(identity, ranks),
-        )
+        self._description = _describe(engine_id, self.epoch, model_name, identity, self.compat, ranks,
+                                      self._ticket_key)
         # The model's total KV heads per group: each group is sharded by its own (Gemma-4's differ).
         self._group_heads = group_heads_from_fields(self.compat.fields)
         self._trackers = [NotificationTracker() for _ in ranks]
@@ -103,6 +98,11 @@ class KVExporter:
         self.num_staging_full = 0
         # Every rank has a staging area in this process (fixed at creation: a follower's rank never has one).
         self._can_stage = all(isinstance(r, LocalKVRank) and r.staging is not None for r in self._ranks)
+        # What it quantizes with for an FP8 reader, and a reader's compat hash -> its KV dtype, for each reader
+        # this engine converts KV for (``kv_convert``).
+        self._quant_scales = {layer: (k, v) for layer, k, v in kv_quant.layer_scales(
+            checkpoint_kv_scales, layout.layer_ids, identity.num_layers)}
+        self._converts = target_hashes(self.compat.fields, self._quant_scales)
 
     @property
     def tp_size(self) -> int:
@@ -128,6 +128,7 @@ class KVExporter:
         part_start_token: int = 0,
         num_prompt_tokens: int = 0,
         state_slot: int | None = None,
+        reader_compat_hash: str = "",
     ) -> kv_pb2.TransferTicket:
         """The ticket for a prefill whose blocks stay pinned until read (or the lease ends).
 
@@ -146,7 +147,14 @@ class KVExporter:
 
         A model with state layers: ``state_slot`` is the request's held state slot, holding its state after the
         whole prompt; named (with its digest) on the whole ticket or the last part only.
+
+        ``reader_compat_hash``: the reader's compatibility hash ("": this engine's). A reader whose KV dtype this
+        engine converts for (``spec.kv_convert``) gets a staged ticket, whatever its runs: quantized into the span
+        (an FP8 reader; the digest then covers the span's bytes) or the FP8 blocks as they are (a reader that
+        dequantizes). A ticket that cannot be staged for it is a ValueError naming why; so is a hash this engine
+        neither has nor converts for.
         """
+        convert = self._reader_dtype(reader_compat_hash)
         plan = HandOutPlan(
             request_id=request_id, block_ids=block_ids, num_tokens=num_tokens, first_token_id=first_token_id,
             first_token_logprob=first_token_logprob, handshake_address=handshake_address,
@@ -155,15 +163,51 @@ class KVExporter:
             num_prompt_tokens=num_prompt_tokens, state_slot=state_slot, opened=self._open.get(request_id),
             digest=self.identity.digest_on and bool(num_tokens),
             state_digest=self.identity.digest_on and state_slot is not None,
-            stage=self._may_stage(reader_tp_size, reader_block_size, num_tokens, num_host_tokens, state_slot))
+            stage=self._may_stage(reader_tp_size, reader_block_size, num_tokens, num_host_tokens, state_slot),
+            convert=convert)
         self._check(plan)
-        digests = await kv_digests(self._ranks, self._group_heads, plan) if plan.digest else []
-        state = await state_digests(self._ranks, self.identity.state, plan) if plan.state_digest else []
-        staged = await self._stage(plan) if plan.stage else {}
+        digests, state, staged = await self._digest_and_stage(plan)
         nonce, deadline = self._open_ticket(plan, staged)
         ticket = plan.ticket(self.engine_id, self.epoch, nonce, deadline, digests, state, staged)
         ticket.signature = ticket_signature(ticket, self._ticket_key)
         return ticket
+
+    async def _digest_and_stage(self, plan: HandOutPlan) -> tuple[list[kv_pb2.GroupDigests], list[int], dict[int, int]]:
+        """The ticket's KV and state digests and its staged spans. A ticket this engine quantizes is staged first and
+        its spans digested (the bytes a READ returns); any other's blocks are digested, then staged if worth it."""
+        quantize = self._span_dtype(plan) if plan.stage else None
+        staged = await self._stage(plan, quantize) if quantize is not None else {}
+        try:
+            span = (self._span_layout(quantize), self._staged_counts(plan), staged) if quantize else None
+            digests = await kv_digests(self._ranks, self._group_heads, plan, span) if plan.digest else []
+            state = await state_digests(self._ranks, self.identity.state, plan) if plan.state_digest else []
+            if quantize is None and plan.stage:
+                staged = await self._stage(plan)
+        except BaseException:
+            self._unstage(staged)
+            raise
+        return digests, state, staged
+
+    def _reader_dtype(self, reader_compat_hash: str) -> str:
+        """The KV dtype of a reader this engine converts for ("": none, its hash is this engine's or not given)."""
+        if not reader_compat_hash or reader_compat_hash == self.compat.hash:
+            return ""
+        if reader_compat_hash not in self._converts:
+            raise ValueError(f"reader's KV compatibility hash {reader_compat_hash[:12]} is neither this engine's "
+                             f"({self.compat.hash[:12]}) nor one whose KV dtype it converts for: its dtype, its "
+                             "scales or another field differ (the router's pair check names them)")
+        return self._converts[reader_compat_hash]
+
+    def _span_dtype(self, plan: HandOutPlan) -> SpanDtype | None:
+        """What the staged span holds when this engine quantizes for its reader (None: it does not)."""
+        if not plan.convert or not kv_quant.is_quantized(plan.convert):
+            return None
+        return SpanDtype(plan.convert, self._quant_scales)
+
+    def _span_layout(self, quantize: SpanDtype | None) -> KVLayoutSpec:
+        """The layout a staged span is laid out as: this engine's, in the FP8 dtype when it quantizes."""
+        layout = self._ranks[0].layout
+        return layout if quantize is None else dataclasses.replace(layout, dtype=quantize.dtype)
 
     def _check(self, plan: HandOutPlan) -> None:
         """Refuse a call that cannot make a ticket (before any step: nothing is drawn, registered or staged)."""
@@ -187,6 +231,19 @@ class KVExporter:
             raise ValueError(f"request {request_id!r} already has a ticket out")
         if plan.host and self._ranks[0].host_layout is None:
             raise ValueError("a ticket names host-tier blocks but this engine has no host tier")
+        if plan.convert and plan.num_tokens and not plan.stage:
+            raise ValueError(f"request {request_id!r}: a reader of KV dtype {plan.convert} reads this engine's "
+                             f"{self.identity.dtype} KV only staged, and this ticket cannot be: "
+                             + self._why_not_staged(plan))
+
+    def _why_not_staged(self, plan: HandOutPlan) -> str:
+        if not self._can_stage:
+            return "not every rank has a staging area here (--kv-staging-mib)"
+        if plan.reader_tp_size != self.tp_size:
+            return f"reader tp {plan.reader_tp_size} vs tp {self.tp_size}"
+        if plan.host or plan.state_slot is not None:
+            return "it holds host-tier tokens or a state slot"
+        return f"reader block size {plan.reader_block_size} vs this engine's"
 
     def _open_ticket(self, plan: HandOutPlan, staged: dict[int, int]) -> tuple[str, float]:
         """Put the ticket out: its nonce (its readers' notifications expected), its lease's deadline (wall s), its
@@ -234,26 +291,39 @@ class KVExporter:
         return not num_host_tokens and state_slot is None and self._can_stage and reader_tp_size == self.tp_size \
             and bool(num_tokens) and reader_block_size in (0, math.gcd(*(g.block_size for g in layout.groups)))
 
-    async def _stage(self, plan: HandOutPlan) -> dict[int, int]:
-        """Gather the ticket's blocks into every rank's staging area (``ranks.staging_area``) when they lie in
-        runs enough to pay for it; the span's offset per rank ({}: not staged). All ranks or none: a rank without
-        room frees the others' spans."""
+    def _staged_ids(self, plan: HandOutPlan) -> list[np.ndarray]:
+        """Per group, the ticket's blocks a staged span holds (past its earlier parts and its window)."""
         layout = self._ranks[0].layout
         ids = []
         for g in layout.groups:
             used = -(-plan.num_tokens // g.block_size)
             ids.append(np.asarray(plan.block_ids[g.group_id][:used], dtype=np.int64)[
                 staged_start(layout, g.group_id, plan.part_start_token, plan.whole):])
-        if not worth_staging(layout, ids):
+        return ids
+
+    def _staged_counts(self, plan: HandOutPlan) -> tuple[int, ...]:
+        return tuple(len(i) for i in self._staged_ids(plan))
+
+    async def _stage(self, plan: HandOutPlan, quantize: SpanDtype | None = None) -> dict[int, int]:
+        """Gather the ticket's blocks into every rank's staging area (``ranks.staging_area``) when they lie in
+        runs enough to pay for it, or always for a converting reader (``quantize``: into that FP8 dtype); the span's
+        offset per rank ({}: not staged). All ranks or none: a rank without room frees the others' spans (a
+        converting reader's ticket is then a ValueError)."""
+        layout, ids = self._ranks[0].layout, self._staged_ids(plan)
+        if not plan.convert and not worth_staging(layout, ids):
             return {}
-        _, num_bytes = staged_spans(layout, tuple(len(i) for i in ids))
+        _, num_bytes = staged_spans(self._span_layout(quantize), tuple(len(i) for i in ids))
         offsets = {rank: off for rank, r in enumerate(self._ranks) if (off := r.staging.alloc(num_bytes)) is not None}
         if len(offsets) < self.tp_size:
             self.num_staging_full += 1
             self._unstage(offsets)
+            if plan.convert:
+                raise ValueError(f"request {plan.request_id!r}: no room for its {num_bytes} bytes in the staging area, "
+                                 f"which a reader of KV dtype {plan.convert} reads from (--kv-staging-mib)")
             return {}
         try:
-            await asyncio.gather(*(self._ranks[rank].gather(off, ids) for rank, off in offsets.items()))
+            await asyncio.gather(*(self._ranks[rank].gather(off, ids, **({"convert": quantize} if quantize else {}))
+                                   for rank, off in offsets.items()))
         except BaseException:
             self._unstage(offsets)
             raise
@@ -352,6 +422,22 @@ def _num_state_slots(identity: KVIdentity, ranks: Sequence[KVRank]) -> int:
     if len(counts) != 1:
         raise ValueError(f"the ranks registered different numbers of state slots: {sorted(counts)}")
     return counts.pop()
+
+
+def _describe(engine_id: str, epoch: int, model_name: str, identity: KVIdentity, compat: CompatInfo,
+              ranks: Sequence[KVRank], ticket_key: bytes) -> EngineDescription:
+    """The engine's description for the handshake: its identity, and per rank its agent, memory and layout."""
+    return EngineDescription(
+        engine_id=engine_id, epoch=epoch, model_name=model_name, num_layers=identity.num_layers,
+        num_kv_heads=identity.num_kv_heads, head_dim=identity.head_dim, compat=compat, groups=ranks[0].layout.groups,
+        ranks=tuple(
+            RankExport(i, r.name, r.metadata(), r.regions, r.layout, r.host_layout, r.host_regions, r.state_region,
+                       _staging_region(r))
+            for i, r in enumerate(ranks)
+        ),
+        kv_sharing=identity.sharing, ticket_key=ticket_key, state=identity.state,
+        num_state_slots=_num_state_slots(identity, ranks),
+    )
 
 
 def _staging_region(rank: KVRank) -> MemoryRegion | None:

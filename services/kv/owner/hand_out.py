@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.kv.spec import kv_quant
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 
@@ -41,6 +42,8 @@ class HandOutPlan:
     digest: bool
     state_digest: bool
     stage: bool
+    #: The reader's KV dtype when this engine converts for it (``spec.kv_convert``): always staged; "" otherwise.
+    convert: str = ""
 
     @property
     def whole(self) -> int:
@@ -77,5 +80,6 @@ class HandOutPlan:
             num_prompt_tokens=self.num_prompt_tokens if self.part or self.part_start_token else 0,
             has_state=self.state_slot is not None, state_slot=self.state_slot or 0, state_digests=state_digests,
             staged_offsets=[staged[r] for r in sorted(staged)],
+            staged_kv_dtype=self.convert if staged and kv_quant.is_quantized(self.convert) else "",
             lease_deadline_unix_ms=math.floor(deadline * 1000), prompt_hash=self.prompt_hash,
         )

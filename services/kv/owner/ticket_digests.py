@@ -19,6 +19,7 @@ from services.kv.owner.hand_out import HandOutPlan
 from services.kv.plan.state_runs import state_runs
 from services.kv.ranks.kv_rank import KVRank
 from services.kv.spec.groups import StateGroupSpec
+from services.kv.spec.layout import KVLayoutSpec
 from services.kv.spec.topology import group_rank_reads
 from services.proto_gen.pdserve.v1 import kv_pb2
 
@@ -26,16 +27,27 @@ from services.proto_gen.pdserve.v1 import kv_pb2
 _RankJobs = list[list[tuple[int, int, DigestJob]]]
 
 
+#: A quantized staged span to digest instead of the blocks: (its layout, blocks per group, offset per owner rank).
+SpanOnRanks = tuple[KVLayoutSpec, tuple[int, ...], Mapping[int, int]]
+
+
 async def kv_digests(ranks: Sequence[KVRank], group_heads: Mapping[int, int],
-                     plan: HandOutPlan) -> list[kv_pb2.GroupDigests]:
+                     plan: HandOutPlan, span: SpanOnRanks | None = None) -> list[kv_pb2.GroupDigests]:
     """Per (group, reading rank): unit digests from token 0 (0 before ``part_start_token``: a part's), each owner
     rank adding the heads that reader reads from it, every rank at once. Sliding groups from the window of the
-    whole prompt; ``reader_block_size`` (0: this engine's) sets the unit, the largest that divides both block sizes."""
+    whole prompt; ``reader_block_size`` (0: this engine's) sets the unit, the largest that divides both block sizes.
+    ``span``: the bytes a READ returns are the ranks' staged (quantized) spans, so those are digested."""
     layout = ranks[0].layout
     units = {g.group_id: math.gcd(g.block_size, plan.reader_block_size or g.block_size) for g in layout.groups}
     jobs = _digest_jobs(ranks, group_heads, plan, units)
-    answers = await asyncio.gather(*(rank.digest([j for _, _, j in rank_jobs])
-                                     for rank, rank_jobs in zip(ranks, jobs, strict=True) if rank_jobs))
+
+    def run(index: int, rank_jobs: list[DigestJob]):  # noqa: ANN202 - the rank's digest coroutine
+        if span is None:
+            return ranks[index].digest(rank_jobs)
+        return ranks[index].span_digest(span[0], span[2][index], span[1], rank_jobs)
+
+    answers = await asyncio.gather(*(run(i, [j for _, _, j in rank_jobs])
+                                     for i, rank_jobs in enumerate(jobs) if rank_jobs))
     sums = {(g, r): np.zeros(-(-plan.num_tokens // units[g]), dtype=np.uint64)
             for g in units for r in range(plan.reader_tp_size)}
     for rank_jobs, rank_units in zip([j for j in jobs if j], answers, strict=True):

@@ -10,6 +10,11 @@ size (``same_layout``: equal TP sizes, rank r reads rank r) reads the span with 
 straight into its blocks when they lie in fewer runs (``plan_rows``). Any other reader ignores the staging and
 reads the owner's blocks, which stay pinned as for every ticket.
 
+A pair whose KV dtypes differ by FP8 quantization (``services.kv.spec.kv_convert``) always goes through staging,
+and one side converts there (``SpanDtype``: the span's FP8 dtype and scales): the owner's span is laid out as its
+layout in the reader's dtype (``same_layout(..., dtype=)``), and a reader that dequantizes always reads into its
+area (``plan_rows(into_area=True)``).
+
 What a rank stages: for each layout buffer in order, ``[planes, n, block stride]`` bytes for its group's blocks
 ``staged_start .. len(ticket ids)`` (``staged_spans``), the start skipping what a part ticket's earlier parts and
 a sliding window leave out. This module is the arithmetic only (no torch).
@@ -91,9 +96,21 @@ def worth_staging(layout: KVLayoutSpec, ids: Sequence[np.ndarray]) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def same_layout(owner: KVLayoutSpec, reader: KVLayoutSpec) -> bool:
-    """Whether a staged span of ``owner`` is the reader's bytes block for block (all but the pool size equal)."""
+def same_layout(owner: KVLayoutSpec, reader: KVLayoutSpec, dtype: str | None = None) -> bool:
+    """Whether a staged span of ``owner`` is the reader's bytes block for block (all but the pool size equal);
+    ``dtype``: the span's dtype when a converting pair's side changes it (both layouts are compared in it)."""
+    if dtype is not None:
+        owner, reader = (dataclasses.replace(x, dtype=dtype) for x in (owner, reader))
     return dataclasses.replace(reader, num_blocks=owner.num_blocks) == owner
+
+
+@dataclass(frozen=True)
+class SpanDtype:
+    """What a converting pair's staged span holds: ``dtype`` (FP8) bytes, each layer's K and V divided by its
+    ``scales`` (layer -> (k_scale, v_scale)); the blocks on the converting side hold the values."""
+
+    dtype: str
+    scales: Mapping[int, tuple[float, float]] = dataclasses.field(hash=False)
 
 
 @dataclass(frozen=True)
@@ -105,6 +122,8 @@ class StagedRead:
     num_bytes: int
     #: Set when the READ lands in this rank's own staging area: (its offset there, block ids per group).
     scatter: tuple[int, list[np.ndarray]] | None = None
+    #: A dequantizing reader's: the span's dtype and scales, converted in the scatter.
+    convert: SpanDtype | None = None
 
 
 class SpanArea(Protocol):
@@ -117,18 +136,22 @@ class SpanArea(Protocol):
 
 def plan_rows(owner: KVLayoutSpec, owner_region: MemoryRegion, owner_offset: int, counts: tuple[int, ...],
               skip: Sequence[int], local_ids: Sequence[np.ndarray], local_num_blocks: int,
-              local_regions: Sequence[MemoryRegion], area: SpanArea | None) -> StagedRead:
+              local_regions: Sequence[MemoryRegion], area: SpanArea | None, convert: SpanDtype | None = None
+              ) -> StagedRead | None:
     """The READ of one owner rank's staged span (``counts[g]`` staged blocks per group, of which the first
     ``skip[g]`` are not read: the reader holds them or its window has left them) into blocks ``local_ids[g]`` (the
     rest). Straight into the blocks when that takes no more descriptors than the staged span's rows, or there is
-    no room in ``area``; else into ``area``, to be scattered."""
+    no room in ``area``; else into ``area``, to be scattered. ``convert`` (a dequantizing reader's): always into
+    ``area``, None when it has no room."""
     spans, _ = staged_spans(owner, counts)
     wanted = [counts[g] - skip[g] for g in range(len(counts))]
     direct_rows = sum(count_runs(local_ids[s.group_id]) * s.planes for s in spans)
     staged_rows = sum(s.planes for s in spans if wanted[s.group_id])
     local_offset = None
-    if area is not None and direct_rows > staged_rows:
+    if area is not None and (direct_rows > staged_rows or convert is not None):
         local_offset = area.alloc(sum(s.planes * wanted[s.group_id] * s.stride for s in spans))
+    if convert is not None and local_offset is None:
+        return None
     # Runs as the planner's columns: source offsets in the owner's area (its buffer 0); destinations in this rank's
     # KV buffers, or in its area (buffer index len(local_regions)).
     cols: list[list[np.ndarray]] = [[], [], [], []]  # src offset, dst buffer, dst offset, length
@@ -161,7 +184,7 @@ def plan_rows(owner: KVLayoutSpec, owner_region: MemoryRegion, owner_offset: int
         local_table.append((area.region.address, area.region.device_id))
     remote_rows, local_rows = plan.address_rows([(owner_region.address, owner_region.device_id)], local_table)
     scatter = None if local_offset is None else (local_offset, list(local_ids))
-    return StagedRead(local_rows, remote_rows, plan.total_bytes, scatter)
+    return StagedRead(local_rows, remote_rows, plan.total_bytes, scatter, convert)
 
 
 def staged_blocks(owner: KVLayoutSpec, num_tokens: int, part_start_token: int, window_end: int,

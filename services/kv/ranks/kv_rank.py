@@ -10,6 +10,7 @@ rank in this process, and a proxy that forwards the same calls to a follower pro
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -20,6 +21,8 @@ from services.kv.digest.runner import DigestRunner
 from services.kv.digest.scheme import DigestJob, state_digest
 from services.kv.nixl.agent import TransferAgent
 from services.kv.nixl.descriptors import MemKind
+from services.kv.plan.staging import SpanDtype
+from services.kv.ranks.span_convert import dequantize_scatter, quantize_gather, span_digests
 from services.kv.ranks.staging_area import StagingArea, gather, scatter
 from services.kv.spec.layout import KVLayoutSpec
 from services.kv.spec.wire import MemoryRegion
@@ -141,15 +144,29 @@ class LocalKVRank:
             raise ValueError(f"rank {self.name} holds no state slots")
         return await asyncio.to_thread(state_digest, self.state_buffer[slot], runs)
 
-    async def gather(self, offset: int, block_ids: Sequence[np.ndarray]) -> None:
+    async def gather(self, offset: int, block_ids: Sequence[np.ndarray], convert: SpanDtype | None = None) -> None:
         """Stage blocks (per group) into this rank's staging span at ``offset`` (``staging_area.gather``), done on
-        return."""
-        await self._staging_copy(gather, offset, block_ids, settle=True)
+        return; ``convert``: quantized into that FP8 dtype with its scales (``span_convert.quantize_gather``)."""
+        copy = gather if convert is None else functools.partial(quantize_gather, span=convert)
+        await self._staging_copy(copy, offset, block_ids, settle=True)
 
-    async def scatter(self, offset: int, block_ids: Sequence[np.ndarray]) -> None:
-        """The staged span at ``offset`` into blocks (per group) of this rank (``staging_area.scatter``). On a GPU it is
-        queued on the side stream this rank's digest shares, not waited for (``StagingArea.wait``)."""
-        await self._staging_copy(scatter, offset, block_ids, settle=False)
+    async def scatter(self, offset: int, block_ids: Sequence[np.ndarray], convert: SpanDtype | None = None) -> None:
+        """The staged span at ``offset`` into blocks (per group) of this rank (``staging_area.scatter``; ``convert``:
+        an FP8 span, dequantized, ``span_convert.dequantize_scatter``). On a GPU it is queued on the side stream this
+        rank's digest shares, not waited for (``StagingArea.wait``)."""
+        copy = scatter if convert is None else functools.partial(dequantize_scatter, span=convert)
+        await self._staging_copy(copy, offset, block_ids, settle=False)
+
+    async def span_digest(self, layout: KVLayoutSpec, offset: int, counts: Sequence[int],
+                          jobs: Sequence[DigestJob]) -> list[np.ndarray]:
+        """Digest jobs over this rank's staged span at ``offset`` (``counts[g]`` blocks per group of ``layout``)
+        instead of its blocks (``span_convert.span_digests``): a converting pair's FP8 bytes."""
+        staging = self._staging()
+        staging.wait()  # what was queued on the side stream (a scatter, a READ's copy) is done
+        if staging.stream is None:
+            return await asyncio.to_thread(span_digests, layout, staging, offset, counts, jobs)
+        with torch.cuda.stream(staging.stream):
+            return span_digests(layout, staging, offset, counts, jobs)
 
     async def _staging_copy(self, copy, offset: int, block_ids: Sequence[np.ndarray], *,  # noqa: ANN001
                             settle: bool) -> None:

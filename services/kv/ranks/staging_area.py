@@ -19,6 +19,7 @@ import torch
 from services.kv.plan.staging import (
     ALIGN,
     Span,
+    SpanDtype,
     StagedRead,
     staged_spans,
 )
@@ -154,14 +155,16 @@ class StagingRank(Protocol):
 
     staging: StagingArea | None
 
-    async def scatter(self, offset: int, block_ids: Sequence[np.ndarray]) -> None: ...
+    async def scatter(self, offset: int, block_ids: Sequence[np.ndarray], convert: SpanDtype | None = None
+                      ) -> None: ...
 
 
 async def unstage(reads: Sequence[tuple[StagingRank, StagedRead]]) -> float:
     """Scatter what each rank's READ put into its staging area into its blocks (every rank at once; a GPU's is
     queued on the digest's stream, and ``release_spans`` waits for it); the seconds it took here."""
     started = time.perf_counter()
-    scatters = [rank.scatter(*plan.scatter) for rank, plan in reads if plan.scatter is not None]
+    scatters = [rank.scatter(*plan.scatter, **({"convert": plan.convert} if plan.convert else {}))
+                for rank, plan in reads if plan.scatter is not None]
     if len(scatters) == 1:
         await scatters[0]
     elif scatters:

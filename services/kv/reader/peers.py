@@ -11,13 +11,14 @@ from collections.abc import Callable
 import grpc
 
 from services.common.tls import TLSConfig, open_channel
-from services.kv.spec.compat import PROTOCOL_VERSION, CompatInfo, check_compatible
+from services.kv.spec.compat import PROTOCOL_VERSION, CompatInfo
 from services.kv.spec.description import (
     EngineDescription,
     HandshakeError,
     StaleTicketError,
     description_from_proto,
 )
+from services.kv.spec.kv_convert import check_pair
 from services.proto_gen.pdserve.v1 import kv_pb2, kv_pb2_grpc
 
 
@@ -97,7 +98,7 @@ class PeerCache:
             raise HandshakeError(f"{address} serves engine {description.engine_id!r}, not {engine_id!r}")
         key = (engine_id, description.epoch)
         try:
-            check_compatible(self._local, description.compat.fields, description.compat.hash)
+            check_pair(self._local, description.compat.fields, description.compat.hash)  # or a pair that converts
             if self._validate is not None:
                 self._validate(description)
             entry: EngineDescription | Exception = description

@@ -48,6 +48,7 @@ from services.kv.reader.topology_check import check_topology
 from services.kv.reader.verify import check_digests, digest_jobs
 from services.kv.spec.compat import CompatInfo, KVIdentity
 from services.kv.spec.description import EngineDescription
+from services.kv.spec.kv_convert import KVConversion, conversion
 from services.proto_gen.pdserve.v1 import kv_pb2
 
 
@@ -101,7 +102,8 @@ class KVPuller:
         self.ticket_checks = TicketChecks() if check_tickets else None
         self._prepared_lists = prepared_lists
         self._targets = ReadTargets(self._ranks)
-        self._planner = PullPlanner(self._ranks, self._targets)
+        self._conversions: dict[str, KVConversion | None] = {}  # an owner's compat hash -> the pair's conversion
+        self._planner = PullPlanner(self._ranks, self._targets, self._conversion)
         self.peers = PeerCache(
             self.compat, reader_engine_id=engine_id, auth_token=auth_token, timeout_s=handshake_timeout_s,
             validate=functools.partial(check_topology, self._ranks, identity), on_evict=self._drop_peers, tls=tls,
@@ -110,6 +112,15 @@ class KVPuller:
     @property
     def tp_size(self) -> int:
         return len(self._ranks)
+
+    def _conversion(self, remote: EngineDescription) -> KVConversion | None:
+        """The KV dtype conversion between ``remote`` and this engine (``spec.kv_convert``; None: equal hashes),
+        as the handshake's check accepted it."""
+        key = remote.compat.hash
+        if key not in self._conversions:
+            self._conversions[key] = None if key == self.compat.hash else \
+                conversion(remote.compat.fields, self.compat.fields)
+        return self._conversions[key]
 
     def _drop_peers(self, old: EngineDescription) -> None:
         self._targets.forget(old.engine_id)  # removing the peers below releases their prepared lists
@@ -163,8 +174,10 @@ class KVPuller:
         try:
             done = await self._read(plan, clock)
             clock.mark("read")
-            if plan.digest_jobs is not None:
-                await check_digests(ticket, self._ranks, plan.digest_jobs)
+            if plan.digest_jobs is not None:  # a dequantizing pull's on the FP8 span, before its scatter
+                await check_digests(ticket, self._ranks, plan.digest_jobs, plan.spans if plan.dequantize else ())
+            if plan.dequantize:
+                clock.sub("read.scatter", await unstage(plan.spans))
         finally:
             release_spans(plan.spans)  # once the scatters are done
         if plan.state_digest is not None:
@@ -203,9 +216,8 @@ class KVPuller:
             # later tickets of the dead epoch fail fast as stale instead of timing out on reads.
             self.peers.forget(plan.ticket.engine_id)
             raise
-        scatter_s = await unstage(plan.spans)  # a GPU's scatter is queued before the digest, on its stream
-        if plan.spans:
-            clock.sub("read.scatter", scatter_s)
+        if plan.spans and not plan.dequantize:  # a GPU's scatter is queued before the digest, on its stream
+            clock.sub("read.scatter", await unstage(plan.spans))
         return done
 
     def planned_reads(self, ticket: kv_pb2.TransferTicket, local_block_ids: Sequence[Sequence[int]],

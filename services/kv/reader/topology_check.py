@@ -7,11 +7,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from services.kv.plan.staging import same_layout
 from services.kv.plan.state_runs import state_owner_ranks
 from services.kv.ranks.kv_rank import KVRank
-from services.kv.spec.compat import KVIdentity
+from services.kv.spec.compat import CompatInfo, KVCompatibilityError, KVIdentity, check_compatible
 from services.kv.spec.description import EngineDescription
 from services.kv.spec.groups import AttentionKind
+from services.kv.spec.kv_convert import KVConversion, conversion
 from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind
 from services.kv.spec.pair_support import group_heads_from_fields
 from services.kv.spec.topology import RankRead, block_unit, group_rank_reads, kv_head_range
@@ -23,6 +25,10 @@ def check_topology(ranks: Sequence[KVRank], identity: KVIdentity, remote: Engine
     """Refuse a pair we could never transfer between: TP, groups, per-group shape and block sizes."""
     local, owner = ranks[0].layout, remote.ranks[0].layout
     _check_groups(local, remote)
+    own = CompatInfo.of_identity(identity)
+    conv = conversion(remote.compat.fields, own.fields) if remote.compat.hash != own.hash else None
+    if conv is not None:
+        check_conversion(ranks, remote, conv, own)
     # Each group is sharded by its own total heads (from the compat fields both sides hashed);
     # every rank must hold exactly the slice that sharding gives it, or reads would land wrong.
     heads = group_heads_from_fields(remote.compat.fields)
@@ -61,6 +67,44 @@ def _check_groups(local: KVLayoutSpec, remote: EngineDescription) -> None:
             block_unit(rg.block_size, lg.block_size)
         except ValueError as e:
             raise ValueError(f"{lg.label}: {e}") from None
+
+
+def check_conversion(ranks: Sequence[KVRank], remote: EngineDescription, conv: KVConversion, own: CompatInfo
+                     ) -> None:
+    """A pair whose KV dtypes convert (``spec.kv_convert``) moves every ticket through the staging areas: equal TP
+    sizes, the owner's ranks with staging areas (and this engine's, when it dequantizes), and each rank's layout
+    the owner's rank's but for the dtype and pool size (kind, block order, every group's block size). A pair
+    without them is refused as incompatible (the groups' dtype named as ever), and why it cannot convert."""
+    gap = _conversion_gap(ranks, remote, conv)
+    if gap is None:
+        return
+    try:
+        check_compatible(own, remote.compat.fields, remote.compat.hash)
+    except KVCompatibilityError as e:
+        raise KVCompatibilityError(f"{e}; the pair converts KV only through staging, which needs {gap}",
+                                   e.differences, e.group_differences) from None
+
+
+def _conversion_gap(ranks: Sequence[KVRank], remote: EngineDescription, conv: KVConversion) -> str | None:
+    """What a converting pair lacks, naming the field (None: nothing)."""
+    if len(ranks) != remote.tp_size:
+        return f"equal TP sizes: tp local {len(ranks)} vs remote {remote.tp_size}"
+    if any(o.staging_region is None for o in remote.ranks):
+        return "a staging area on every owner rank: the owner announces none (--kv-staging-mib)"
+    if not conv.quantize_on_send and any(q.staging is None for q in ranks):
+        return "a staging area on every rank of this engine to dequantize in (--kv-staging-mib)"
+    for o, q in zip(remote.ranks, ranks, strict=True):
+        if same_layout(o.layout, q.layout, conv.wire_dtype):
+            continue
+        a, b = q.layout, o.layout
+        for lg, rg in zip(a.groups, b.groups, strict=True):
+            if lg.block_size != rg.block_size:
+                return f"equal block sizes: {lg.label}: block_size local {lg.block_size} vs remote {rg.block_size}"
+        for name, x, y in (("kv_layout_kind", a.kind.value, b.kind.value), ("kv_layout", a.order.value, b.order.value)):
+            if x != y:
+                return f"one layout: {name} local {x} vs remote {y}"
+        return f"one layout: local {a} vs remote {b}"
+    return None
 
 
 def _check_head_shares(side: str, tp: int, layouts: Sequence[KVLayoutSpec], heads: dict[int, int]) -> None:

@@ -9,11 +9,13 @@ units before its own first token are 0, and its range is its own.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from services.kv.digest.scheme import MASK32, DigestJob, ticket_units, total
+from services.kv.plan.staging import StagedRead
 from services.kv.ranks.kv_rank import KVRank
 from services.kv.reader.errors import KVIntegrityError, TicketError
 from services.proto_gen.pdserve.v1 import kv_pb2
@@ -67,11 +69,21 @@ def _expected(parts: Sequence[kv_pb2.TransferTicket], entries: list[dict], group
     return expected & MASK32
 
 
-async def check_digests(ticket: kv_pb2.TransferTicket, ranks: Sequence[KVRank], jobs: DigestJobs) -> None:
+async def check_digests(ticket: kv_pb2.TransferTicket, ranks: Sequence[KVRank], jobs: DigestJobs,
+                        spans: Sequence[tuple[KVRank, StagedRead]] = ()) -> None:
     """Digest every pulled token on every local rank (where the KV now is) and compare with what the tickets
-    promised; KVIntegrityError names the groups that differ."""
-    answers = await asyncio.gather(*(rank.digest([job for job, _ in rank_jobs])
-                                     for rank, rank_jobs in zip(ranks, jobs, strict=True)))
+    promised; KVIntegrityError names the groups that differ. ``spans`` (a dequantizing reader's, one per rank): the
+    FP8 bytes are in each rank's staging area, not yet in its blocks, and digested there."""
+    def run(q: int, rank: KVRank, rank_jobs: list[DigestJob]):  # noqa: ANN202 - the rank's digest coroutine
+        if not spans:
+            return rank.digest(rank_jobs)
+        read = spans[q][1]
+        offset, ids = read.scatter
+        layout = dataclasses.replace(rank.layout, dtype=read.convert.dtype)
+        return rank.span_digest(layout, offset, [len(i) for i in ids], rank_jobs)
+
+    answers = await asyncio.gather(*(run(q, rank, [job for job, _ in rank_jobs])
+                                     for q, (rank, rank_jobs) in enumerate(zip(ranks, jobs, strict=True))))
     bad = sorted({job.group_id for rank_jobs, got in zip(jobs, answers, strict=True)
                   for (job, expected), units in zip(rank_jobs, got, strict=True)
                   if expected is not None and total(units) != expected})

@@ -8,7 +8,10 @@ layout, so the router can run it without a handshake.
 A pair is supported when, in this order:
 
 * the compatibility hashes are equal (a difference is explained field by field, and per KV group,
-  as ``services.kv.spec.compat`` spells it, but with "prefill"/"decode" instead of "remote"/"local");
+  as ``services.kv.spec.compat`` spells it, but with "prefill"/"decode" instead of "remote"/"local"), or the
+  pair differs only in a KV dtype one side converts (``kv_convert``: 16/32-bit and FP8), and then has what the
+  conversion needs: equal TP sizes and equal block sizes (it goes through the staging areas, which hold a
+  ticket's blocks as the owner's layout has them);
 * the block sizes divide one another (per group where the caller knows them per group);
 * each side's TP size can shard every group's KV heads (the model's total heads of that group, from
   ``kv_groups``): one must divide the other. Groups with differing head counts are fine:
@@ -24,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.kv.spec.compat import CompatInfo, KVCompatibilityError, check_compatible, compat_hash, parse_groups
+from services.kv.spec.kv_convert import KVConversion, conversion
 from services.kv.spec.topology import block_unit
 
 
@@ -59,7 +63,15 @@ def group_heads_from_fields(fields: Mapping[str, str]) -> dict[int, int]:
 
 def pair_refusal(prefill: PairSide, decode: PairSide) -> str | None:
     """None when ``decode`` can pull KV from ``prefill``, else one short reason naming both values."""
-    return _compat_refusal(prefill, decode) or _block_refusal(prefill, decode) or _tp_refusal(prefill, decode)
+    return _compat_refusal(prefill, decode) or _block_refusal(prefill, decode) or _tp_refusal(prefill, decode) \
+        or _conversion_refusal(prefill, decode)
+
+
+def pair_conversion(prefill: PairSide, decode: PairSide) -> KVConversion | None:
+    """The KV dtype conversion a pair of different hashes would use (None: equal hashes, or none applies)."""
+    if prefill.compat_hash == decode.compat_hash or not (prefill.compat_fields and decode.compat_fields):
+        return None
+    return conversion(prefill.compat_fields, decode.compat_fields)
 
 
 # ---- compatibility hash ------------------------------------------------------------------------
@@ -77,6 +89,8 @@ def _compat_refusal(prefill: PairSide, decode: PairSide) -> str | None:
         return None
     if not (prefill.compat_fields and decode.compat_fields):
         return f"compat hash: prefill {prefill.compat_hash[:12]} vs decode {decode.compat_hash[:12]}"
+    if pair_conversion(prefill, decode) is not None:
+        return None  # the structure it needs: _conversion_refusal
     try:
         check_compatible(CompatInfo(decode.compat_fields, decode.compat_hash), prefill.compat_fields,
                          prefill.compat_hash)
@@ -145,3 +159,23 @@ def _tp_refusal(prefill: PairSide, decode: PairSide) -> str | None:
                 reasons.append(f"{where}{name} tp {side.tp_size} cannot shard {heads} KV heads "
                                "(neither divides the other)")
     return "; ".join(dict.fromkeys(reasons)) or None
+
+
+# ---- KV dtype conversion -----------------------------------------------------------------------
+
+
+def _conversion_refusal(prefill: PairSide, decode: PairSide) -> str | None:
+    """A converting pair needs equal TP sizes and block sizes (a block size a side does not report is skipped):
+    the conversion runs over the staging areas, which hold the owner's blocks as its layout does."""
+    conv = pair_conversion(prefill, decode)
+    if conv is None:
+        return None
+    what = f"dtype prefill {conv.owner_dtype} vs decode {conv.reader_dtype} converts only through staging, which needs"
+    if prefill.tp_size != decode.tp_size:
+        return f"KV {what} equal TP sizes: tp prefill {prefill.tp_size} vs decode {decode.tp_size}"
+    for gid in sorted(set(prefill.group_block_sizes) | set(decode.group_block_sizes)) or [None]:
+        p, d = _block_size(prefill, gid), _block_size(decode, gid)
+        if p and d and p != d:
+            where = "KV" if gid is None else f"KV group {gid}:"
+            return f"{where} {what} equal block sizes: block_size prefill {p} vs decode {d}"
+    return None

@@ -88,10 +88,15 @@ def test_scale_mismatch_names_only_the_group_whose_layer_differs() -> None:
 
 
 def test_pair_check_names_the_group_field_with_prefill_and_decode() -> None:
-    fp8, bf16 = _info(), _info(layout=_layout("bfloat16"))
-    reason = pair_refusal(PairSide(bf16.hash, bf16.fields), PairSide(fp8.hash, fp8.fields))
-    assert "KV group 0 (sliding_window): dtype prefill bfloat16 vs decode float8_e4m3fn" in reason
+    """bfloat16 and FP8 KV convert (tests/unit/kv/test_kv_convert.py); float16 and bfloat16 do not, named by group."""
+    f16, bf16 = _info(layout=_layout("float16")), _info(layout=_layout("bfloat16"))
+    reason = pair_refusal(PairSide(bf16.hash, bf16.fields), PairSide(f16.hash, f16.fields))
+    assert "compat field dtype: prefill bfloat16 vs decode float16" in reason
+    fp8 = _info()
     assert pair_refusal(PairSide(fp8.hash, fp8.fields), PairSide(fp8.hash, fp8.fields)) is None
+    other = _info(kv_scales={0: (0.25, 1.0)})
+    assert "KV group 0 (sliding_window): kv_scales prefill sha:" in pair_refusal(
+        PairSide(other.hash, other.fields), PairSide(fp8.hash, fp8.fields))
 
 
 def test_mla_fp8_group_keeps_its_row_and_adds_its_scales() -> None:
