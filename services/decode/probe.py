@@ -176,7 +176,10 @@ class PairProber:
             stub = worker_pb2_grpc.PrefillWorkerStub(channel)
             request = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
                                                 params=sampling_to_proto(PROBE_PARAMS), reader_tp_size=self.tp_size,
-                                                reader_block_size=self.block_size)
+                                                reader_block_size=self.block_size,
+                                                # a prefill worker whose KV dtype converts for this one stages for it
+                                                reader_compat_hash=getattr(getattr(self.policy.puller, "compat", None),
+                                                                           "hash", ""))
             try:
                 answer = await stub.Prefill(request, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as e:

@@ -61,6 +61,9 @@ def up_worker_specs(args, worker_argv: list[str], placement: Placement) -> list[
         # The other role's TP size: with --kv-layout auto, different sizes pick the heads-outer KV layout.
         role_argv = _set_flag(role_argv, "--peer-tp-size", _role_flag(args, _PEER_ROLE[role], "tp"))
         role_argv = _set_flag(role_argv, "--block-size", _role_flag(args, role, "block_size"))
+        role_argv = _set_flag(role_argv, "--kv-cache-dtype", _role_flag(args, role, "kv_cache_dtype"))
+        if kv_dtypes_differ(args) and "--kv-staging-mib" not in role_argv:
+            role_argv += ["--kv-staging-mib", str(CONVERTING_STAGING_MIB)]  # a converting pair moves KV staged only
         specs += [(role, None, tuple(_set_flag(role_argv, "--device", device))) for device in devices]
     return specs
 
@@ -68,7 +71,7 @@ def up_worker_specs(args, worker_argv: list[str], placement: Placement) -> list[
 def check_switchable(args) -> None:
     """``--role-planner`` switches workers' roles in place, so every worker runs the same engine flags: per-role
     TP sizes or block sizes that differ would make a switched worker the wrong shape for its new role."""
-    for name in ("tp", "block_size"):
+    for name in ("tp", "block_size", "kv_cache_dtype"):
         if _role_flag(args, "prefill", name) != _role_flag(args, "decode", name):
             flag = name.replace("_", "-")
             raise ValueError(f"--role-planner starts every worker with the same engine flags (a worker may serve "
@@ -76,6 +79,15 @@ def check_switchable(args) -> None:
 
 
 _PEER_ROLE = {"prefill": "decode", "decode": "prefill"}
+#: The staging area each worker gets when the roles' KV dtypes differ and ``--kv-staging-mib`` is not given (a
+#: converting pair moves every ticket through both sides' areas: services/kv/spec/kv_convert.py).
+CONVERTING_STAGING_MIB = 256
+
+
+def kv_dtypes_differ(args) -> bool:
+    """``--prefill-kv-cache-dtype`` and ``--decode-kv-cache-dtype`` differ (the pair converts, or is refused by name
+    on the router's ``/health`` when it cannot)."""
+    return _role_flag(args, "prefill", "kv_cache_dtype") != _role_flag(args, "decode", "kv_cache_dtype")
 
 
 def mixed_tp(args) -> bool:
@@ -85,7 +97,7 @@ def mixed_tp(args) -> bool:
     return _role_flag(args, "prefill", "tp") != _role_flag(args, "decode", "tp")
 
 
-def _role_flag(args, role: str, name: str) -> int:
+def _role_flag(args, role: str, name: str) -> int | str:
     """``--prefill-tp`` etc. when given, else the flag both roles share (``--tp``)."""
     value = getattr(args, f"{role}_{name}")
     return getattr(args, name) if value is None else value

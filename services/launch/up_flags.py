@@ -151,6 +151,10 @@ def add_up_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                          help=f"tensor-parallel size of each {role} worker (default: --tp)")
         own.add_argument(f"--{role}-block-size", type=int, default=None,
                          help=f"KV block size of the {role} workers (default: --block-size)")
+        own.add_argument(f"--{role}-kv-cache-dtype", default=None, metavar="DTYPE",
+                         help=f"KV cache dtype of the {role} workers (default: --kv-cache-dtype); a 16/32-bit prefill "
+                              "and an fp8_e4m3 decode side (or the reverse) convert the KV through their staging "
+                              "areas: the prefill workers quantize on send, or the decode workers dequantize on read")
         own.add_argument(f"--{role}-gpus", type=_gpu_list, default=None, metavar="I,J,...",
                          help=f"GPU indices for the {role} workers' ranks, handed out in order "
                               "(default: placed automatically)")

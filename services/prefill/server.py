@@ -129,7 +129,8 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
                     ticket = await self.exporter.hand_out(
                         rid, item.block_ids, num_tokens=item.end, first_token_id=0, handshake_address=self.address,
                         reader_tp_size=request.reader_tp_size or 1, reader_block_size=request.reader_block_size,
-                        part_start_token=parts_end, num_prompt_tokens=num_prompt_tokens, prompt_hash=prompt_hash)
+                        part_start_token=parts_end, num_prompt_tokens=num_prompt_tokens, prompt_hash=prompt_hash,
+                        reader_compat_hash=request.reader_compat_hash)
                 except ValueError as e:  # abandoned meanwhile (Release, Abort, a part's lease)
                     await context.abort(grpc.StatusCode.ABORTED, f"request {rid}: {e}")
                 parts_end = item.end
@@ -183,6 +184,7 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
             reader_block_size=request.reader_block_size, part_start_token=parts_end,
             num_prompt_tokens=num_prompt_tokens if parts_end else 0, state_slot=held.state_slot,
             prompt_hash=prompt_hash or kv_wire.prompt_hash(request.prompt_token_ids),
+            reader_compat_hash=request.reader_compat_hash,
         ))
         self.metrics.requests.labels("prefill", "ticket").inc()
         return response
@@ -260,7 +262,8 @@ def _attach(context: WorkerContext) -> list[Background]:
 
     def exporter_of(epoch: int) -> KVExporter:
         return KVExporter(engine_id=context.engine_id, model_name=engine.source.name, ranks=context.ranks,
-                          epoch=epoch, identity=context.identity, lease_s=config.kv_lease_s)
+                          epoch=epoch, identity=context.identity, lease_s=config.kv_lease_s,
+                          checkpoint_kv_scales=engine.source.kv_scales)
 
     switch = context.switch or RoleSwitch("prefill", context.epoch)
     servicer = PrefillServicer(context.server, context.aengine, exporter_of(switch.epoch), context.address,

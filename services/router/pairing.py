@@ -122,6 +122,8 @@ class Assignment:
     num_prompt_tokens: int
     reader_tp_size: int = 1
     reader_block_size: int = 0  # the decode engine's KV block size (sets the ticket's digest unit); 0: unknown
+    # the decode engine's compat hash: a prefill worker whose KV dtype it converts (kv_convert) stages for it
+    reader_compat_hash: str = ""
     prefill_work_tokens: int = 0  # the prompt tokens the prefill worker is estimated to compute
     # (role, Reason) per worker chosen, and why the request is disaggregated or direct: metric labels.
     decisions: tuple[tuple[str, str], ...] = ()
@@ -441,6 +443,7 @@ class PairingPolicy:
             num_prompt_tokens=num_prompt_tokens,
             reader_tp_size=(decode.identity.tp_size if decode.identity else 0) or 1,
             reader_block_size=(decode.identity.block_size if decode.identity else 0) or 0,
+            reader_compat_hash=decode.identity.compat_hash if decode.identity else "",
             prefill_work_tokens=work if prefill is not None else 0,
             decisions=tuple((role.value, reason.value) for role, reason in reasons),
             route_reason=route.value,

@@ -204,7 +204,8 @@ class RequestRun:
                 response = await self.owner.pool.prefill(
                     address, self.request.request_id, self.request.prompt_token_ids, self.request.params,
                     self.assignment.reader_tp_size, timeout_s=self._remaining_s(),
-                    reader_block_size=self.assignment.reader_block_size)
+                    reader_block_size=self.assignment.reader_block_size,
+            reader_compat_hash=self.assignment.reader_compat_hash)
         except grpc.aio.AioRpcError as exc:
             if self.parts is not None:
                 self.parts.close()  # no last part: the decode worker prefills the prompt (or is cancelled)
@@ -231,7 +232,8 @@ class RequestRun:
         call = self.owner.pool.prefill_stream(
             address, self.request.request_id, self.request.prompt_token_ids, self.request.params,
             self.assignment.reader_tp_size, timeout_s=self._remaining_s(),
-            reader_block_size=self.assignment.reader_block_size)
+            reader_block_size=self.assignment.reader_block_size,
+            reader_compat_hash=self.assignment.reader_compat_hash)
         self.prefill_call = call
         try:
             async for message in call:

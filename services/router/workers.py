@@ -90,22 +90,23 @@ class WorkerPool:
 
     async def prefill(self, address: str, request_id: str, prompt_token_ids: list[int],
                       params: worker_pb2.SamplingParams, reader_tp_size: int,
-                      timeout_s: float, reader_block_size: int = 0) -> worker_pb2.PrefillResponse:
+                      timeout_s: float, reader_block_size: int = 0,
+                      reader_compat_hash: str = "") -> worker_pb2.PrefillResponse:
         """Prefill on ``address``; the reader's TP and block size shape the ticket (its notifications, its
-        KV digest's unit)."""
+        KV digest's unit), its compat hash whether the prefill worker converts its KV dtype for it."""
         request = worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                             params=params, reader_tp_size=reader_tp_size,
-                                            reader_block_size=reader_block_size)
+                                            reader_block_size=reader_block_size, reader_compat_hash=reader_compat_hash)
         return await self._prefill(address).Prefill(request, timeout=timeout_s)
 
     def prefill_stream(self, address: str, request_id: str, prompt_token_ids: list[int],
                        params: worker_pb2.SamplingParams, reader_tp_size: int, timeout_s: float,
-                       reader_block_size: int = 0) -> grpc.aio.UnaryStreamCall:
+                       reader_block_size: int = 0, reader_compat_hash: str = "") -> grpc.aio.UnaryStreamCall:
         """Prefill on ``address`` with the KV handed out per chunk: iterate the call for PrefillParts (part
         tickets, then the final answer); ``cancel()`` it to stop."""
         request = worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                             params=params, reader_tp_size=reader_tp_size,
-                                            reader_block_size=reader_block_size)
+                                            reader_block_size=reader_block_size, reader_compat_hash=reader_compat_hash)
         return self._prefill(address).PrefillStream(request, timeout=timeout_s)
 
     def generate_parts(self, address: str, request_id: str, prompt_token_ids: list[int],
