@@ -9,9 +9,9 @@ All three are hashed per KV group: each ``kv_groups`` entry of a quantized engin
 one ``[k, v]`` pair per layer of the group, in the group's layer order, as JSON numbers (Python's float repr, so
 a float32 scale travels exactly). The values themselves travel, not only their hash: a reader can check them (a
 mismatch is named ``KV group 0 (full): kv_scales local sha:ab12.. vs remote sha:cd34..``) and, between a pair whose
-dtypes differ, dequantize with the owner's scales, or an owner can quantize with the ones it advertises; the
-entry says what the bytes a READ returns mean, whoever quantized them. An engine whose KV is not quantized adds
-nothing, so it hashes exactly as before FP8 KV existed; against a quantized peer its groups read as
+dtypes differ (``kv_convert``), a reader can dequantize with the owner's scales and an owner quantize with the
+reader's; the entry says what the bytes a READ returns mean, whoever quantized them. An engine whose KV is not
+quantized adds nothing, so it hashes exactly as before FP8 KV existed; against a quantized peer its groups read as
 ``dtype <its dtype>``, ``scale none``, ``kv_scales none``.
 """
 
@@ -46,8 +46,8 @@ def layer_scales(kv_scales: Mapping[int, Sequence[float]] | None, layer_ids: Seq
 
     Refuses a scale that is not a finite positive number and one for a layer the model does not have: a bad
     scale would make the KV garbage on every side that trusts it."""
-    given = dict(kv_scales or {})
-    outside = sorted(layer for layer in given if not 0 <= int(layer) < num_layers)
+    given = {int(layer): pair for layer, pair in (kv_scales or {}).items()}  # "1" (JSON) names layer 1 too
+    outside = sorted(layer for layer in given if not 0 <= layer < num_layers)
     if outside:
         raise ValueError(f"KV scales name layers {outside}, the model has {num_layers}")
     out = []

@@ -138,3 +138,12 @@ def test_homogeneous_fp8_model() -> None:
                                                 layout=layout))
     assert json.loads(info.fields["kv_groups"]) == [
         ["full", None, [0, 1, 2, 3], {"dtype": FP8, "scale": SCALE_SCHEME, "kv_scales": [[1.0, 1.0]] * 4}]]
+
+
+def test_scales_keyed_by_layer_name_are_the_same_layers() -> None:
+    """Scales read from JSON name their layers as strings: "1" is layer 1, not a layer without scales."""
+    from services.kv.spec.kv_quant import layer_scales
+
+    assert layer_scales({"1": (0.5, 2.0)}, [0, 1], 2) == ((0, 1.0, 1.0), (1, 0.5, 2.0))
+    with pytest.raises(ValueError, match="name layers \\[2\\]"):
+        layer_scales({"2": (0.5, 2.0)}, [0, 1], 2)
