@@ -18,11 +18,12 @@ from services.engine.loading.quant.registry import parse_quantization
 from services.engine.loading.quant.scheme import QuantScheme
 from services.engine.loading.quant.stream import checkpoint_tensors
 from services.engine.loading.weights import iter_safetensors, safetensors_files
-from services.engine.model_config.hf import ModelConfig, preset
+from services.engine.model_config.hf import ModelConfig, preset, preset_quantization
 from services.text.model_ref import ModelRef, load_tokenizer, parse_model
 from services.text.tokenizer import Tokenizer
 
-WeightSource = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+# Called with the HF modules to pass through as e4m3 (``checkpoint_tensors``' ``keep_fp8``).
+WeightSource = Callable[[frozenset[str]], Iterator[tuple[str, torch.Tensor]]]
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,8 @@ class ModelSource:
     # Per-layer KV-cache scales the checkpoint stores (layer id -> (k_scale, v_scale)); empty when it stores none,
     # and an FP8 KV cache then scales by 1.0.
     kv_scales: Mapping[int, tuple[float, float]] = field(default_factory=dict)
-    # The checkpoint's quantization (FP8 formats), None when it has none. Its weights reach the model
-    # dequantized either way (``--quantization auto`` and ``none`` alike, until FP8 GEMMs exist); the scheme
-    # is kept so that a compute path in FP8 can load the weights as stored instead.
+    # The checkpoint's quantization (FP8 formats; a dummy:*-fp8 preset's too), None when it has none: the model
+    # keeps the projections it computes in FP8 as stored (``--quantization``), the others come dequantized.
     quantization: QuantScheme | None = None
 
 
@@ -65,7 +65,7 @@ def _hf_source(ref: ModelRef) -> ModelSource:
         name=ref.name,
         kind="hf",
         config=config,
-        weights=lambda: checkpoint_tensors(iter_safetensors(path), scheme),
+        weights=lambda keep_fp8=frozenset(): checkpoint_tensors(iter_safetensors(path), scheme, keep_fp8),
         load_tokenizer=lambda: load_tokenizer(ref),
         checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         kv_scales=read_kv_scales(safetensors_files(path)),
@@ -79,11 +79,13 @@ def _gguf_source(ref: ModelRef) -> ModelSource:
         name=ref.name,
         kind="gguf",
         config=ModelConfig.from_hf_dict(checkpoint.config),
-        weights=checkpoint.tensors,
+        weights=lambda keep_fp8=frozenset(): checkpoint.tensors(),
         load_tokenizer=checkpoint.tokenizer,
     )
 
 
 def _dummy_source(ref: ModelRef) -> ModelSource:
+    quantization = preset_quantization(ref.preset)
+    scheme = parse_quantization({"quantization_config": quantization}) if quantization is not None else None
     return ModelSource(name=ref.name, kind="dummy", config=preset(ref.preset), weights=None,
-                       load_tokenizer=lambda: load_tokenizer(ref))
+                       load_tokenizer=lambda: load_tokenizer(ref), quantization=scheme)

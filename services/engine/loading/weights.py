@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from services.engine.loading.quant.quantize import quantize_weight
+from services.engine.loading.quant.scheme import QuantScheme
 from services.engine.models import DecoderModel
 
 
@@ -57,6 +59,22 @@ def dummy_weights(model: DecoderModel, seed: int = 0) -> Iterator[tuple[str, tor
     unit_norm = 1.0 - model.config.norm_weight_offset
     for name in model._expected_names():
         yield name, dummy_tensor(name, model._hf_shape(name), dtype, device, seed, unit_norm)
+
+
+def dummy_fp8_checkpoint(model: DecoderModel, scheme: QuantScheme, seed: int = 0
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``dummy_weights`` as an FP8 checkpoint of ``scheme`` would store them: each matrix the scheme quantizes as
+    e4m3 and its scale (``quantize_weight``), named as the scheme's checkpoints name them. The same dummy values
+    as the unquantized preset's, so the two models differ by the FP8 rounding alone."""
+    for name, tensor in dummy_weights(model, seed):
+        module = name.removesuffix(".weight")
+        fmt = scheme.weight_format(module) if name.endswith(".weight") and tensor.dim() == 2 else None
+        if fmt is None:
+            yield name, tensor
+            continue
+        weight, scale = quantize_weight(tensor, fmt)
+        yield name, weight
+        yield f"{module}.{scheme.scale_suffix}", scale
 
 
 def dummy_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int = 0,

@@ -465,9 +465,26 @@ _GRANITE_PRESETS["granite-4.0-h-moe-tiny"] = dict(_GRANITE_PRESETS["granite-4.0-
 PRESETS.update({name: ModelConfig.from_hf_dict({**_GRANITE_COMMON, **d}) for name, d in _GRANITE_PRESETS.items()})
 
 
+# FP8 presets: a preset above (the same dummy weights) quantized at load by the given quantization_config, as
+# the FP8 checkpoints of these models store them: DeepSeek / Qwen3-FP8's 128 x 128 blocks, fbgemm's per-row scales.
+_FP8_BLOCKS = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+QUANTIZED_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-3.1-8b-fp8": ("llama-3.1-8b", _FP8_BLOCKS),
+    "llama-3.1-8b-fp8-channel": ("llama-3.1-8b", {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}),
+    "deepseek-v2-lite-fp8": ("deepseek-v2-lite", _FP8_BLOCKS),
+    "tiny-fp8": ("tiny", {**_FP8_BLOCKS, "weight_block_size": [16, 16]}),
+}
+
+
+def preset_quantization(name: str) -> dict[str, Any] | None:
+    """The ``quantization_config`` a dummy preset's weights are quantized by (None: kept in --dtype)."""
+    return QUANTIZED_PRESETS[name][1] if name in QUANTIZED_PRESETS else None
+
+
 def preset(name: str) -> ModelConfig:
     try:
-        return PRESETS[name]
+        return PRESETS[QUANTIZED_PRESETS[name][0] if name in QUANTIZED_PRESETS else name]
     except KeyError:
-        raise ValueError(f"unknown dummy preset {name!r}; presets: {', '.join(sorted(PRESETS))}") from None
+        raise ValueError(f"unknown dummy preset {name!r}; presets: "
+                         f"{', '.join(sorted([*PRESETS, *QUANTIZED_PRESETS]))}") from None
 

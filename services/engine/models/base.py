@@ -9,6 +9,7 @@ from torch import nn
 
 from services.engine.attention import AttentionBatch, TailBatch
 from services.engine.model_config.hf import ModelConfig
+from services.engine.models.fp8_linear import Fp8Target, ScaleSlot
 from services.engine.models.layers import (
     copy_weight,
     load_attention_projection,
@@ -30,6 +31,9 @@ class DecoderModel(nn.Module):
     config: ModelConfig
     parallel: ParallelConfig
     LAYER_NORMS: tuple[str, ...] = ()  # per-layer norms the checkpoint stores: model.layers.N.<norm>.weight
+    # FP8 scales the loader expects beside the weights (HF name ``<module>.weight_fp8_scale`` -> where they go),
+    # filled by ``services.engine.loading.fp8_model`` when projections stay FP8; empty otherwise.
+    fp8_scales: dict[str, tuple[ScaleSlot, tuple[int, ...]]]
 
     @property
     def supports_cuda_graphs(self) -> bool:
@@ -42,6 +46,16 @@ class DecoderModel(nn.Module):
     def skips_to_tail(self) -> bool:
         """Whether ``forward`` honours ``tail`` (only rows whose output is needed past the last KV layer)."""
         return False
+
+    def fp8_targets(self) -> list[Fp8Target]:
+        """The projections that can run in FP8 and where their HF modules' rows go (none by default: an
+        architecture without them runs an FP8 checkpoint dequantized)."""
+        return []
+
+    def replace_module(self, path: str, module: nn.Module) -> None:
+        """Put ``module`` at ``path`` (``layers.0.mlp.down_proj``) in place of what is there."""
+        parent, _, name = path.rpartition(".")
+        setattr(self.get_submodule(parent) if parent else self, name, module)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_views: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: list[int],
@@ -58,9 +72,17 @@ class DecoderModel(nn.Module):
         Raises ValueError naming any missing or unexpected tensor or any tensor of the wrong shape;
         names ``_ignored`` says transformers drops on load are skipped.
         """
-        expected = set(self._expected_names())
+        fp8_scales = getattr(self, "fp8_scales", {})
+        expected = set(self._expected_names()) | set(fp8_scales)
         seen: set[str] = set()
         for name, tensor in weights:
+            if name in fp8_scales:
+                slot, shape = fp8_scales[name]
+                if tuple(tensor.shape) != shape:
+                    raise ValueError(f"FP8 scale {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+                slot.place(tensor)
+                seen.add(name)
+                continue
             if name not in expected:
                 if self._ignored(name):
                     continue

@@ -36,7 +36,16 @@ from services.engine.attention import AttentionBatch, MLABackend, Rope, TailBatc
 from services.engine.kv_cache.buffers import LayerKV
 from services.engine.model_config.hf import ModelConfig
 from services.engine.models.base import DecoderModel, LayerShapeTable
-from services.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, copy_weight, param, row_parallel_bias
+from services.engine.models.fp8_linear import Fp8Part, Fp8Target, row_range
+from services.engine.models.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    copy_weight,
+    mlp_fp8_targets,
+    param,
+    row_parallel_bias,
+)
 from services.engine.models.moe import DeepseekMoE, GatedMLP
 from services.engine.parallel import ParallelConfig, all_reduce
 
@@ -245,17 +254,47 @@ class DeepseekV3ForCausalLM(LayerShapeTable, DecoderModel):
     def _rope_rows_halved(self, proj: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` with the output rows that make rope dims reordered from interleaved pairs to
         evens-then-odds (no change without ``rope_interleave``), so rotate-half RoPE rotates each pair."""
+        order = self._rope_order(proj)
+        return tensor if order is None else tensor[order.to(tensor.device)]
+
+    def _rope_order(self, proj: str) -> torch.Tensor | None:
+        """The HF rows of ``proj`` in the order the model holds them (None: as stored; see ``_rope_rows_halved``)."""
         m = self.config.mla
         if not m.rope_interleave:
-            return tensor
+            return None
         r = m.qk_rope_head_dim
         halves = torch.cat((torch.arange(0, r, 2), torch.arange(1, r, 2)))
         if proj == "kv_a_proj_with_mqa":  # rows: latent, then the rope key
-            order = torch.cat((torch.arange(m.kv_lora_rank), m.kv_lora_rank + halves))
-        else:  # rows per head: the unrotated part, then the rope part
-            per_head = torch.cat((torch.arange(m.qk_nope_head_dim), m.qk_nope_head_dim + halves))
-            order = (torch.arange(self.config.num_heads)[:, None] * m.qk_head_dim + per_head).flatten()
-        return tensor[order.to(tensor.device)]
+            return torch.cat((torch.arange(m.kv_lora_rank), m.kv_lora_rank + halves))
+        # rows per head: the unrotated part, then the rope part
+        per_head = torch.cat((torch.arange(m.qk_nope_head_dim), m.qk_nope_head_dim + halves))
+        return (torch.arange(self.config.num_heads)[:, None] * m.qk_head_dim + per_head).flatten()
+
+    def fp8_targets(self) -> list[Fp8Target]:
+        """Every layer's q (or q_a/q_b), kv_a and o projections, its dense MLP or shared experts. kv_b is read as
+        matrices in the absorbed form and routed experts run grouped: both stay dequantized."""
+        tp, out = self.parallel, []
+        for i, layer in enumerate(self.layers):
+            path, hf, attn = f"layers.{i}.self_attn", f"model.layers.{i}.self_attn", layer.self_attn
+            for proj in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"):
+                linear = getattr(attn, proj)
+                if linear is None:
+                    continue
+                full = linear.weight.shape[0] * (tp.tp_size if proj in ("q_proj", "q_b_proj") else 1)
+                order = self._rope_order(proj) if proj != "q_a_proj" else None
+                rows = torch.arange(full) if order is None else order
+                if proj in ("q_proj", "q_b_proj"):
+                    rows = tp.shard(rows, 0)
+                out.append(Fp8Target(f"{path}.{proj}", (Fp8Part(f"{hf}.{proj}", rows),)))
+            o_rows = row_range(0, attn.o_proj.weight.shape[0])
+            out.append(Fp8Target(f"{path}.o_proj", (Fp8Part(f"{hf}.o_proj", o_rows),), True, (tp.tp_rank, tp.tp_size)))
+            mlp = layer.mlp
+            if isinstance(mlp, GatedMLP):
+                out += mlp_fp8_targets(f"layers.{i}.mlp", f"model.layers.{i}.mlp", mlp, tp)
+            elif mlp.shared_experts is not None:
+                out += mlp_fp8_targets(f"layers.{i}.mlp.shared_experts", f"model.layers.{i}.mlp.shared_experts",
+                                       mlp.shared_experts, tp)
+        return out
 
 
 def _mlp_shapes(prefix: str, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:

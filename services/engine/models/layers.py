@@ -15,6 +15,7 @@ from torch import nn
 from services.engine import ops
 from services.engine.attention import Rope
 from services.engine.model_config.hf import RopeSpec
+from services.engine.models.fp8_linear import Fp8Linear, Fp8Part, Fp8Target, row_range
 from services.engine.parallel import ParallelConfig
 
 
@@ -35,9 +36,12 @@ class Linear(nn.Module):
         return ops.linear(x, self.weight, self.bias)
 
 
-def gated_mlp(activation: str, x: torch.Tensor, gate_up_proj: Linear, down_proj: Linear) -> torch.Tensor:
+def gated_mlp(activation: str, x: torch.Tensor, gate_up_proj: Linear | Fp8Linear,
+              down_proj: Linear | Fp8Linear) -> torch.Tensor:
     """``down_proj(act(gate) * up)`` of a fused ``gate_up_proj(x)``: two launches at small decode batches on
-    CUDA, the activation fused into one of them (``ops.gated_mlp``)."""
+    CUDA, the activation fused into one of them (``ops.gated_mlp``); an FP8 projection runs its own GEMM."""
+    if isinstance(gate_up_proj, Fp8Linear) or isinstance(down_proj, Fp8Linear):
+        return down_proj(ops.act_and_mul(activation, *gate_up_proj(x).chunk(2, dim=-1)))
     return ops.gated_mlp(activation, x, gate_up_proj.weight, gate_up_proj.bias, down_proj.weight, down_proj.bias)
 
 
@@ -233,3 +237,28 @@ def load_mlp_projection(name: str, mlp: nn.Module, proj: str, kind: str, tensor:
     half = dest.shape[0] // 2
     dest = dest[:half] if proj == "gate_proj" else dest[half:]
     return copy_weight(name, dest, tp.shard(tensor, 0))
+
+
+def attention_fp8_targets(path: str, hf: str, attn: nn.Module, tp: ParallelConfig, num_kv_heads: int,
+                          head_dim: int) -> list[Fp8Target]:
+    """Where ``load_attention_projection`` puts the rows of HF's q/k/v/o (``hf``: ``model.layers.N.self_attn``)
+    in ``attn``'s ``qkv_proj`` and ``o_proj`` (module paths under ``path``), for an FP8 ``qkv_proj``/``o_proj``."""
+    rank, q = tp.tp_rank, attn.q_size
+    start, end = tp.kv_head_range(num_kv_heads)
+    kv_rows = row_range(start * head_dim, end * head_dim)
+    parts = (Fp8Part(f"{hf}.q_proj", row_range(rank * q, (rank + 1) * q)), Fp8Part(f"{hf}.k_proj", kv_rows),
+             Fp8Part(f"{hf}.v_proj", kv_rows))
+    o_rows = attn.o_proj.weight.shape[0]
+    return [Fp8Target(f"{path}.qkv_proj", parts),
+            Fp8Target(f"{path}.o_proj", (Fp8Part(f"{hf}.o_proj", row_range(0, o_rows)),), True,
+                      (rank, tp.tp_size))]
+
+
+def mlp_fp8_targets(path: str, hf: str, mlp: nn.Module, tp: ParallelConfig) -> list[Fp8Target]:
+    """Where ``load_mlp_projection`` puts HF's gate/up/down rows in ``mlp``'s ``gate_up_proj``/``down_proj``."""
+    rank, local = tp.tp_rank, mlp.gate_up_proj.weight.shape[0] // 2
+    shard = row_range(rank * local, (rank + 1) * local)
+    hidden = mlp.down_proj.weight.shape[0]
+    return [Fp8Target(f"{path}.gate_up_proj", (Fp8Part(f"{hf}.gate_proj", shard), Fp8Part(f"{hf}.up_proj", shard))),
+            Fp8Target(f"{path}.down_proj", (Fp8Part(f"{hf}.down_proj", row_range(0, hidden)),), True,
+                      (rank, tp.tp_size))]

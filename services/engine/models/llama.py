@@ -20,11 +20,14 @@ from services.engine.attention import AttentionBatch, Rope, TailBatch, paged_att
 from services.engine.kv_cache.buffers import LayerKV
 from services.engine.model_config.hf import ModelConfig
 from services.engine.models.base import DecoderModel
+from services.engine.models.fp8_linear import Fp8Target
 from services.engine.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    attention_fp8_targets,
     gated_mlp,
+    mlp_fp8_targets,
     param,
 )
 from services.engine.parallel import ParallelConfig, all_reduce
@@ -133,4 +136,12 @@ class LlamaForCausalLM(DecoderModel):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return ops.linear(hidden, head).float()
 
-
+    def fp8_targets(self) -> list[Fp8Target]:
+        """Every layer's fused q/k/v, o, fused gate/up and down projections."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            spec = self.config.layers[i]
+            out += attention_fp8_targets(f"layers.{i}.self_attn", f"model.layers.{i}.self_attn", layer.self_attn,
+                                         self.parallel, spec.num_kv_heads, spec.head_dim)
+            out += mlp_fp8_targets(f"layers.{i}.mlp", f"model.layers.{i}.mlp", layer.mlp, self.parallel)
+        return out

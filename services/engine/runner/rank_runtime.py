@@ -19,8 +19,10 @@ from services.engine.engine_config import EngineConfig
 from services.engine.kv_cache.buffers import TORCH_DTYPES, KVCache, kv_cache_groups
 from services.engine.kv_cache.kv_scales import KVScales
 from services.engine.kv_cache.state_pool import StatePool
+from services.engine.loading.fp8_model import fp8_compute_chosen, keep_fp8_projections
+from services.engine.loading.quant.stream import checkpoint_tensors
 from services.engine.loading.source import ModelSource
-from services.engine.loading.weights import dummy_weights
+from services.engine.loading.weights import dummy_fp8_checkpoint, dummy_weights
 from services.engine.models import DecoderModel, build_model
 from services.engine.runner.cuda_graphs import DecodeGraphRunner
 from services.engine.runner.model_runner import ModelRunner
@@ -41,9 +43,21 @@ def use_device(device: torch.device) -> None:
 
 
 def load_model(config: EngineConfig, source: ModelSource, dtype: str, device: torch.device) -> DecoderModel:
-    """This rank's shard of the model, with the checkpoint's weights or seeded dummy ones."""
+    """This rank's shard of the model, with the checkpoint's weights or seeded dummy ones; an FP8 checkpoint's
+    projections kept in FP8 where ``--quantization`` says so (``loading.fp8_model``), the rest dequantized."""
     model = build_model(source.config, config.parallel, TORCH_DTYPES[dtype], device)
-    weights = source.weights() if source.weights is not None else dummy_weights(model, config.seed)
+    scheme = source.quantization
+    keep: frozenset[str] = frozenset()
+    if fp8_compute_chosen(config.quantization, scheme, device, source.name):
+        keep = keep_fp8_projections(model, scheme)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the replaced bf16 storage: free memory sizes the KV cache
+    if source.weights is not None:
+        weights = source.weights(keep)
+    elif scheme is not None:
+        weights = checkpoint_tensors(dummy_fp8_checkpoint(model, scheme, config.seed), scheme, keep)
+    else:
+        weights = dummy_weights(model, config.seed)
     with torch.no_grad():
         model.load_weights(weights)
     return model.eval()
