@@ -163,7 +163,7 @@ class AttentionBackend(ABC):
         """Attention of ``q`` [num_tokens, heads, head_dim] over the cache (this step's K/V already
         written). ``fresh``: this step's K/V rows as computed (absent in layers that write none), for a
         backend that attends to them without the pages. ``kv_scale``: the layer's (k, v) scales, which
-        an FP8 cache's values are multiplied by when read (``ops.fp8``). Returns [num_tokens, heads *
+        an FP8 cache's values are multiplied by when read (``ops.kv_fp8``). Returns [num_tokens, heads *
         head_dim] in ``q``'s dtype."""
 
 

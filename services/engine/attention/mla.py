@@ -33,7 +33,7 @@ from torch.nn.attention import sdpa_kernel
 
 from services.engine.attention.base import AttentionBackend, AttentionBatch, GroupAttentionMetadata
 from services.engine.attention.torch_sdpa import SDPA_BACKENDS, TorchSDPABackend, gather_context
-from services.engine.ops import fp8
+from services.engine.ops import kv_fp8
 
 # Latent rows [..., row width] -> per-head (keys [..., heads, qk_head_dim], values [..., heads, v_head_dim]).
 ExpandRows = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -43,7 +43,7 @@ def write_rows(rows: torch.Tensor, cache: torch.Tensor, meta: GroupAttentionMeta
     """Store this step's rows ([num_tokens, row width]) in their slots of the [num_blocks, block_size, 1,
     row width] cache view (any strides: every layout kind); an FP8 cache gets ``rows / row_scale`` in e4m3
     (the latent and the rotated key part alike)."""
-    cache[meta.write_blocks, meta.write_offsets] = fp8.to_cache(rows, cache, row_scale)[:, None, :]
+    cache[meta.write_blocks, meta.write_offsets] = kv_fp8.to_cache(rows, cache, row_scale)[:, None, :]
 
 
 class MLABackend(AttentionBackend):
@@ -79,7 +79,7 @@ class TorchMLABackend(TorchSDPABackend, MLABackend):
                          row_scale: float = 1.0) -> torch.Tensor:
         num_tokens, num_heads, qk_dim = q.shape
         b, qm, lm = batch.num_reqs, batch.max_query_len, batch.max_context_len
-        context = fp8.from_cache(gather_context(rows, meta.block_tables, lm)[:, 0], row_scale, q.dtype)
+        context = kv_fp8.from_cache(gather_context(rows, meta.block_tables, lm)[:, 0], row_scale, q.dtype)
         keys, values = expand(context)  # [b, lm, heads, dim] each
         padded_q = q.new_zeros(b * qm, num_heads, qk_dim)
         padded_q[meta.query_slots] = q

@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.engine.attention.base import AttentionBackend, AttentionBatch, GroupAttentionMetadata
 from services.engine.kv_cache.kv_scales import UNIT_SCALE
-from services.engine.ops import fp8
+from services.engine.ops import kv_fp8
 
 # cuDNN's SDPA builds a new execution plan for every new shape (~1 ms of CPU per call), and a
 # serving step's context length changes every step; the other backends have no such cost.
@@ -93,8 +93,8 @@ class TorchSDPABackend(AttentionBackend):
         mask = meta.mask if group == 1 else meta.mask.expand(b, group, qm, lm).reshape(b, 1, group * qm, lm)
 
         # An FP8 cache is gathered as it is (a byte per element), then dequantized: what every backend reads.
-        keys = fp8.from_cache(gather_context(k_cache, meta.block_tables, lm), kv_scale[0], q.dtype)
-        values = fp8.from_cache(gather_context(v_cache, meta.block_tables, lm), kv_scale[1], q.dtype)
+        keys = kv_fp8.from_cache(gather_context(k_cache, meta.block_tables, lm), kv_scale[0], q.dtype)
+        values = kv_fp8.from_cache(gather_context(v_cache, meta.block_tables, lm), kv_scale[1], q.dtype)
         if softcap is None:
             with sdpa_kernel(SDPA_BACKENDS):
                 out = F.scaled_dot_product_attention(folded_q, keys, values, attn_mask=mask, scale=scale)

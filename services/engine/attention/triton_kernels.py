@@ -35,7 +35,7 @@ BLOCK_N), one per program; each stores its unnormalised accumulator, running max
 own lengths, read on the device, so a decode graph captured for a context bucket splits each
 request's real context evenly.
 
-With ``FP8`` (an e4m3 cache, ``ops.fp8``) each K/V tile is cast to q's dtype as it is loaded (exact: every
+With ``FP8`` (an e4m3 cache, ``ops.kv_fp8``) each K/V tile is cast to q's dtype as it is loaded (exact: every
 e4m3 value is a float16/bfloat16/float32 value) and the layer's scales are applied where they are one
 number: the k scale folded into ``qk_scale`` on the host (a score is linear in its key), the v scale once
 on the accumulator after the key loop (every value of the weighted sum carries it), before any split or

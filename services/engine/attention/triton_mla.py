@@ -35,7 +35,7 @@ from services.engine.attention.triton_paged import (
     choose_num_splits,
     split_partials,
 )
-from services.engine.ops import fp8
+from services.engine.ops import fp8_format, kv_fp8
 
 # The widest row (latent + rope part) whose latent accumulator the kernel's tiles hold (DeepSeek-V2/V3: 512 + 64).
 MAX_ROW_WIDTH = 576
@@ -81,7 +81,7 @@ class TritonMLABackend(TritonPagedBackend, MLABackend):
         from services.engine.attention.triton_kernels import LOG2E, kernels
 
         num_tokens, num_heads, width = q.shape
-        quantized = fp8.is_fp8(rows)
+        quantized = fp8_format.is_fp8(rows)
         if (rows.dtype != q.dtype and not quantized) or rows.shape[-1] != width:
             raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not fit a {tuple(rows.shape)} {rows.dtype} row cache")
         if num_tokens == 0:
@@ -137,7 +137,7 @@ class TritonMLABackend(TritonPagedBackend, MLABackend):
         for i, (q_len, ctx) in enumerate(zip(*batch.host_lens, strict=True)):
             num_blocks = -(-ctx // block_size)
             context = rows[meta.block_tables[i, :num_blocks]].reshape(num_blocks * block_size, width)[:ctx]
-            context = fp8.from_cache(context, row_scale, q.dtype)
+            context = kv_fp8.from_cache(context, row_scale, q.dtype)
             keys, values = expand(context)  # [ctx, heads, dim] each
             v_dim = values.shape[-1]
             if self.pad_values and v_dim < keys.shape[-1]:

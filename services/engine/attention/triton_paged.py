@@ -34,7 +34,7 @@ from services.engine.attention.base import (
 )
 from services.engine.attention.dense_causal import dense_causal, dense_unsupported_reason
 from services.engine.kv_cache.kv_scales import UNIT_SCALE
-from services.engine.ops import fp8
+from services.engine.ops import fp8_format, kv_fp8
 from services.engine.triton_support import overridden_by_env, pdl_enabled, triton_import_error
 
 # Head dims up to this compile to tiles without register spills on sm_90 (512: Gemma-4's full
@@ -168,8 +168,10 @@ class TritonPagedBackend(AttentionBackend):
             return f"device {device.type} (Triton runs on CUDA, or interpreted on CPU)"
         if head_dim > MAX_HEAD_DIM:
             return f"head dim {head_dim} (the kernel supports up to {MAX_HEAD_DIM})"
-        if dtype not in _DTYPES and dtype != fp8.FP8_DTYPE:
+        if dtype not in _DTYPES and dtype != fp8_format.FP8_DTYPE:
             return f"dtype {dtype} (the kernel supports float16, bfloat16 and float32, and float8_e4m3fn caches)"
+        if dtype == fp8_format.FP8_DTYPE and not fp8_format.fp8_kernels_run_on(device):
+            return "a float8_e4m3fn cache below compute capability 8.9 (Triton compiles e4m3 from Ada on)"
         return None
 
     def build_metadata(self, batch: AttentionBatch, block_tables: torch.Tensor, write_blocks: torch.Tensor,
@@ -255,8 +257,8 @@ class TritonPagedBackend(AttentionBackend):
 
         num_tokens, num_heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
-        quantized = fp8.is_fp8(k_cache)  # e4m3 pages: the k scale folds into qk_scale (x1.0 otherwise: exact)
-        cache_dtype = fp8.FP8_DTYPE if quantized else q.dtype
+        quantized = fp8_format.is_fp8(k_cache)  # e4m3 pages: the k scale folds into qk_scale (x1.0 otherwise: exact)
+        cache_dtype = fp8_format.FP8_DTYPE if quantized else q.dtype
         if num_heads % kv_heads or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype:
             raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not fit a {kv_heads}-head {k_cache.dtype} cache")
         if num_tokens == 0:
@@ -264,7 +266,7 @@ class TritonPagedBackend(AttentionBackend):
         plan = self._usable_plan(meta.dense, fresh, softcap, q)
         if plan is not None:
             if quantized:  # attend to the fresh tokens as the cache holds them, as a later step (or a peer) reads them
-                fresh = (fp8.round_trip(fresh[0], kv_scale[0]), fp8.round_trip(fresh[1], kv_scale[1]))
+                fresh = (kv_fp8.round_trip(fresh[0], kv_scale[0]), kv_fp8.round_trip(fresh[1], kv_scale[1]))
             out, lse = self._dense_half(q, fresh, plan, batch.num_reqs, scale)
             if not plan.any_paged:
                 return out.reshape(num_tokens, num_heads * head_dim)

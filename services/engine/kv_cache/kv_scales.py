@@ -1,6 +1,6 @@
 """Per-layer scales of an FP8 KV cache: what each layer's K and V are divided by before they are stored.
 
-An FP8 (e4m3) cache stores ``saturate(x / scale)`` (``ops.fp8``) and attention reads
+An FP8 (e4m3) cache stores ``saturate(x / scale)`` (``ops.kv_fp8``) and attention reads
 ``fp8 * scale``; the scale lets a layer whose K or V runs past e4m3's range (+-448) keep its
 magnitude. Scales come from the checkpoint (``ModelSource.kv_scales``: its ``k_scale``/``v_scale``);
 a layer the checkpoint gives none scales by 1.0, as vLLM does. An MLA layer stores one latent row

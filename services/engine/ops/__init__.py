@@ -178,7 +178,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     ``cache[write_blocks[t], write_offsets[t]]`` of the [num_blocks, block_size, kv_heads, head_dim]
     views, whatever their strides (per-layer or cross-layer, NHD or HND, ...). Bytes are copied as
     they are into a cache of their dtype; an FP8 cache gets them quantized with ``scales`` (k, v)
-    (``ops.fp8.quantize``). A slot written twice in one call (padding rows aimed at the scratch
+    (``ops.fp8_format.quantize``). A slot written twice in one call (padding rows aimed at the scratch
     block) holds one of the rows."""
     if not _fused_kv_write:
         reference.rope_and_write_kv(None, k, v, None, None, None, k_cache, v_cache, write_blocks, write_offsets,

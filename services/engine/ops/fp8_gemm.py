@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from services.engine.ops.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from services.engine.ops.fp8_format import FP8_MAX, MIN_SCALE, dequantize_blocks, quantize
 
 #: Rows of x up to which block-scaled projections take the Triton GEMM (more go to cuBLASLt where it applies).
 TRITON_MAX_ROWS = 16
@@ -42,7 +42,7 @@ def _kernels():
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] as e4m3 with one float32 scale per row ([M, 1]): ``x ~= q * scale``."""
     scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    return quantize(x, scale), scale
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,19 +52,8 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     num_groups = math.ceil(k / group)
     padded = torch.nn.functional.pad(x.float(), (0, num_groups * group - k)).view(m, num_groups, group)
     scale = (padded.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
-    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, -1)[:, :k]
+    q = quantize(padded, scale[..., None]).view(m, -1)[:, :k]
     return q.contiguous(), scale
-
-
-def expand_block_scales(scales: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
-    """A [ceil(rows / b0), ceil(cols / b1)] grid of block scales spread to one per element ([rows, cols])."""
-    return scales.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
-
-
-def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """float32 values of a block-scaled e4m3 matrix (a weight [N, K] with 2-D blocks, or an activation [M, K] with
-    1 x block groups)."""
-    return q.float() * expand_block_scales(scales.float(), q.shape[0], q.shape[1], block)
 
 
 def block_scaled_mm_reference(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor,
@@ -82,8 +71,8 @@ def block_scaled_mm_reference(xq: torch.Tensor, x_scales: torch.Tensor, wq: torc
 def block_scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor, block: tuple[int, int],
                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """A projection with a block-scaled e4m3 weight: x [..., K] in its dtype, out in x's dtype. CUDA runs the
-    group quantization and the GEMM as Triton kernels (blocks at least 32 wide: every real checkpoint's);
-    elsewhere the torch reference."""
+    group quantization as a Triton kernel, then (``_cublas_block_applies``) cuBLASLt's block recipe or the Triton
+    GEMM (blocks at least 32 wide: every real checkpoint's); elsewhere the torch reference."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x.is_cuda and _cublas_block_applies(x2, wq, block):

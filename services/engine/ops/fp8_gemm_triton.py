@@ -81,7 +81,7 @@ def _quantize_groups_kernel(X, Q, S, K, stride_x, stride_q, stride_sm, stride_sg
     ok = (cols[None, :] < GROUP) & (offs < K) & (groups[:, None] < num_groups)
     x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FMAX, SMIN)
-    q = tl.minimum(tl.maximum(x / scale[:, None], -FMAX), FMAX)
+    q = tl.clamp(tl.div_rn(x, scale[:, None]), -FMAX, FMAX)  # IEEE division, as fp8_format.quantize divides
     tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=ok)
     tl.store(S + row * stride_sm + groups * stride_sg, scale, mask=groups < num_groups)
 
@@ -162,6 +162,10 @@ def block_scaled_mm(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor, 
         raise ValueError(f"block_scaled_mm: block width {block[1]} is not a power of two >= {MIN_BLOCK_K}")
     if wq.shape[1] != k or xq.stride(1) != 1 or wq.stride(1) != 1 or w_scales.stride(1) != 1:
         raise ValueError(f"block_scaled_mm: x {tuple(xq.shape)} and w {tuple(wq.shape)} must share K, rows contiguous")
+    grid_k = triton.cdiv(k, block[1])
+    if tuple(x_scales.shape) != (m, grid_k) or tuple(w_scales.shape) != (triton.cdiv(n, block[0]), grid_k):
+        raise ValueError(f"block_scaled_mm: scales {tuple(x_scales.shape)} / {tuple(w_scales.shape)} do not fit x "
+                         f"{tuple(xq.shape)} / w {tuple(wq.shape)} in {block[0]}x{block[1]} blocks")
     if m == 0:
         return torch.empty((m, n), dtype=out_dtype, device=xq.device)
     t = tile or tile_for(m)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.engine.ops import fp8
+from services.engine.ops import kv_fp8
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float | None = None,
@@ -55,8 +55,8 @@ def rope_and_write_kv(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, 
     """See ``services.engine.ops.rope_and_write_kv`` (q None: ``write_kv``, returning (None, k))."""
     if q is not None:
         q, k = apply_rope(q, k, cos, sin, positions)
-    k_cache[write_blocks, write_offsets] = fp8.to_cache(k, k_cache, scales[0])
-    v_cache[write_blocks, write_offsets] = fp8.to_cache(v, v_cache, scales[1])
+    k_cache[write_blocks, write_offsets] = kv_fp8.to_cache(k, k_cache, scales[0])
+    v_cache[write_blocks, write_offsets] = kv_fp8.to_cache(v, v_cache, scales[1])
     return q, k
 
 

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.ops import fp8_format
 from services.engine.ops.gated_act_triton import gated_act
 
 # The GEMV's launchers, dispatched (``ops._dispatch``) like this module's own.
@@ -37,7 +38,7 @@ from services.engine.triton_support import pdl_enabled
 # sm_90 without spills at 16 warps, 16384 spills; wider rows take the torch path.
 MAX_NORM_COLS = 8192
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FP8_MAX = tl.constexpr(float(torch.finfo(torch.float8_e4m3fn).max))  # e4m3's largest finite value: 448
+FP8_MAX = tl.constexpr(fp8_format.FP8_MAX)  # e4m3's largest finite value: 448
 
 
 # ---- kernels -----------------------------------------------------------------------------------------
@@ -146,7 +147,7 @@ def _rope_kernel(
 def _store_slot(Cache, rows_lo, rows_hi, slot_offsets, d, mask, stride_d, scale, HALF: tl.constexpr,
                 FP8: tl.constexpr):
     """Both halves of BLOCK_R head rows into the cache rows starting at ``slot_offsets``; with FP8, each
-    divided by ``scale`` in float32, saturated to +-448 and rounded to e4m3 (``ops.fp8.quantize``)."""
+    divided by ``scale`` in float32, saturated to +-448 and rounded to e4m3 (``ops.fp8_format.quantize``)."""
     dst = Cache + slot_offsets[:, None] + d[None, :] * stride_d
     if FP8:
         fp8 = Cache.dtype.element_ty
@@ -392,9 +393,11 @@ def _cache_declines(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         return True
     for cache in (k_cache, v_cache):
         if (cache.ndim != 4 or tuple(cache.shape[2:]) != (num_kv_heads, head_dim)
-                or cache.dtype not in (k.dtype, torch.float8_e4m3fn) or cache.dtype != k_cache.dtype
+                or cache.dtype not in (k.dtype, fp8_format.FP8_DTYPE) or cache.dtype != k_cache.dtype
                 or cache.device != k.device):
             return True
+    if fp8_format.is_fp8(k_cache) and not fp8_format.fp8_kernels_run_on(k.device):
+        return True  # Triton has no e4m3 before sm_89: the torch write
     return any(index.shape != (num_tokens,) or index.stride(0) != 1 or index.is_floating_point()
                or index.device != k.device for index in (write_blocks, write_offsets))
 
@@ -427,7 +430,7 @@ def rope_and_write_kv(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, 
             *((cos.stride(0), sin.stride(0)) if rope else (0, 0)), *k_cache.stride(), *v_cache.stride(),
             num_tokens, num_q_heads, num_kv_heads, q_blocks, float(scales[0]), float(scales[1]),
             HALF=half, BLOCK_HALF=block_half, BLOCK_R=block_r, HAS_POSITIONS=positions is not None, ROPE=rope,
-            FP8=k_cache.dtype == torch.float8_e4m3fn, PDL=pdl, num_warps=num_warps, **launch_options(pdl),
+            FP8=fp8_format.is_fp8(k_cache), PDL=pdl, num_warps=num_warps, **launch_options(pdl),
         )
     return q_out, k_out
 

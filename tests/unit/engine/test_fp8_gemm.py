@@ -19,14 +19,15 @@ if ON_CPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton")
 
-from services.engine.ops import fp8_gemm  # noqa: E402
+from services.engine.ops import fp8_format, fp8_gemm  # noqa: E402
 from services.engine.ops import fp8_gemm_triton as kernels  # noqa: E402
 from tests.sm90_compile import compile_script_lines  # noqa: E402
 
 # (m, n, k, block): N and K multiples of the block and not (DeepSeek-V3's 576-row kv_a projection, scaled down),
 # one row and many, blocks narrower than a tile.
 SHAPES = [(1, 256, 256, (128, 128)), (7, 72, 300, (128, 128)), (33, 96, 160, (32, 32)), (130, 40, 64, (16, 16)),
-          (40, 200, 384, (128, 128))]  # more rows than TRITON_MAX_ROWS: cuBLASLt's block recipe on CUDA
+          (40, 200, 384, (128, 128)),  # more rows than TRITON_MAX_ROWS: cuBLASLt's block recipe on CUDA
+          (5, 96, 256, (32, 64)), (6, 128, 160, (64, 32))]  # blocks taller than wide and wider than tall
 
 
 def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -38,8 +39,16 @@ def _block_quantized(n: int, k: int, block: tuple[int, int], seed: int) -> tuple
     grid = (-(-n // block[0]), -(-k // block[1]))
     scales = torch.rand(grid, generator=torch.Generator().manual_seed(seed + 1)) * 0.02 + 0.002
     w = _randn(n, k, seed=seed)
-    q = (w / fp8_gemm.expand_block_scales(scales, n, k, block)).clamp(-fp8_gemm.FP8_MAX, fp8_gemm.FP8_MAX)
-    return q.to(fp8_gemm.FP8_DTYPE), scales
+    return fp8_format.quantize(w, fp8_format.expand_block_scales(scales, n, k, block)), scales
+
+
+def _dequantized_by_loops(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The test's own dequantization: every element times the scale of the block it sits in, by index."""
+    out = q.float().clone()
+    for i in range(q.shape[0]):
+        for j in range(0, q.shape[1], block[1]):
+            out[i, j:j + block[1]] *= scales[i // block[0], j // block[1]]
+    return out
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -49,12 +58,12 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_group_quantization_round_trips_within_e4m3_precision() -> None:
     x = _randn(9, 300, seed=0) * torch.linspace(0.01, 10.0, 300)  # columns of very different magnitudes
     q, scales = fp8_gemm.quantize_groups(x, 128)
-    assert q.dtype == fp8_gemm.FP8_DTYPE and scales.shape == (9, 3)
-    back = fp8_gemm.dequantize_blocks(q, scales, (1, 128))
+    assert q.dtype == fp8_format.FP8_DTYPE and scales.shape == (9, 3)
+    back = fp8_format.dequantize_blocks(q, scales, (1, 128))
     assert _rel(back, x) < 0.07  # e4m3 has 3 mantissa bits: <= 1/16 relative per element at the group's max
     # Each group's maximum lands on e4m3's largest value.
     assert torch.allclose(q.float().abs().view(9, -1)[:, :256].view(9, 2, 128).amax(-1),
-                          torch.full((9, 2), fp8_gemm.FP8_MAX))
+                          torch.full((9, 2), fp8_format.FP8_MAX))
     assert torch.equal(fp8_gemm.quantize_groups(torch.zeros(2, 16), 8)[0].float(), torch.zeros(2, 16))
 
 
@@ -63,11 +72,13 @@ def test_reference_is_the_dequantized_product(m: int, n: int, k: int, block: tup
     wq, ws = _block_quantized(n, k, block, seed=m)
     xq, xs = fp8_gemm.quantize_groups(_randn(m, k, seed=2), block[1])
     got = fp8_gemm.block_scaled_mm_reference(xq, xs, wq, ws, block, torch.float32)
-    w = wq.float() * ws.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
-    x = xq.float() * xs.repeat_interleave(block[1], 1)[:, :k]
-    assert _rel(got, x @ w.T) < 1e-5
-    # The scales matter: the grid transposed (where its shape allows) or dropped gives another product.
+    x = _dequantized_by_loops(xq, xs, (1, block[1]))
+    assert _rel(got, x @ _dequantized_by_loops(wq, ws, block).T) < 1e-5
+    # The scales matter: dropped, or a grid of the wrong shape (transposed, or for swapped block sides), refused.
     assert _rel(fp8_gemm.block_scaled_mm_reference(xq, xs, wq, torch.ones_like(ws), block, torch.float32), got) > 0.1
+    if ws.shape[0] != ws.shape[1]:
+        with pytest.raises(ValueError, match="block scales of a"):
+            fp8_gemm.block_scaled_mm_reference(xq, xs, wq, ws.T.contiguous(), block, torch.float32)
 
 
 @pytest.mark.parametrize("m,n,k,block", SHAPES)
@@ -122,8 +133,8 @@ def test_quantization_kernel_matches_the_reference(group: int) -> None:
 def test_row_scaled_linear_is_the_dequantized_product(scale_shape: str) -> None:
     n, k = 64, 128
     w = _randn(n, k, seed=6, scale=0.05)
-    ws = w.abs().amax() / fp8_gemm.FP8_MAX if scale_shape == "tensor" else w.abs().amax(1, keepdim=True) / 448.0
-    wq = (w / ws).to(fp8_gemm.FP8_DTYPE)
+    ws = w.abs().amax() / 448.0 if scale_shape == "tensor" else w.abs().amax(1, keepdim=True) / 448.0
+    wq = (w / ws).to(torch.float8_e4m3fn)
     x = _randn(5, k, seed=7)
     want = fp8_gemm.quantize_rows(x)
     expected = (want[0].float() * want[1]) @ (wq.float() * ws).T

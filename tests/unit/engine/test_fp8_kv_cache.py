@@ -27,7 +27,7 @@ from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.loading.source import ModelSource, resolve_model
-from services.engine.ops import fp8
+from services.engine.ops import kv_fp8
 from services.engine.ops.reference import rope_and_write_kv
 from tests.checkpoints import make_checkpoint
 from tests.parity import hf_greedy, run_to_completion
@@ -41,7 +41,7 @@ DEEPSEEK_SCALES = {0: (0.61, 1.0), 1: (1.45, 1.0), 2: (0.29, 1.0)}  # MLA: one l
 
 
 def fake_quant(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """What an FP8 cache gives back for ``x``: the reference's own statement of it (not ``ops.fp8``)."""
+    """What an FP8 cache gives back for ``x``: the reference's own statement of it (not ``ops.kv_fp8``)."""
     return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
 
 
@@ -190,9 +190,9 @@ def test_write_saturates_and_reads_back_scaled() -> None:
     v = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]])
     rope_and_write_kv(None, k, v, None, None, None, cache, cache[1:], torch.tensor([0]), torch.tensor([2]),
                       (0.5, 2.0))
-    got = fp8.from_cache(cache[0, 2, 0], 0.5, torch.float32)
+    got = kv_fp8.from_cache(cache[0, 2, 0], 0.5, torch.float32)
     assert got.tolist() == [224.0, -224.0, fake_quant(torch.tensor(0.3), 0.5).item(), -2.5]  # 448 * 0.5: no NaN
-    assert fp8.from_cache(cache[1, 2, 0], 2.0, torch.float32).tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert kv_fp8.from_cache(cache[1, 2, 0], 2.0, torch.float32).tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 @pytest.mark.parametrize("bad", ["fp8", "float8", "int8"])

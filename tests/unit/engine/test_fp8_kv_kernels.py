@@ -7,7 +7,7 @@ compiled kernels, in bfloat16 too, and the engine-level tests at the end (CUDA o
 ``triton_mla`` engines with an FP8 cache give ``torch_sdpa``'s greedy tokens, and decode CUDA graphs (the
 scales baked into the captured launches) give eager's.
 
-The write is exact: the kernel's e4m3 bytes equal ``ops.fp8.quantize``'s. Attention compares within the
+The write is exact: the kernel's e4m3 bytes equal ``ops.fp8_format.quantize``'s. Attention compares within the
 tolerance of two float32 (or bf16) orders of summation over the same dequantized values.
 """
 
@@ -34,7 +34,7 @@ from services.engine.engine_config import EngineConfig  # noqa: E402
 from services.engine.kv_cache.buffers import KVCache  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
 from services.engine.loading.source import resolve_model  # noqa: E402
-from services.engine.ops import fp8, reference  # noqa: E402
+from services.engine.ops import fp8_format, reference  # noqa: E402
 from services.kv.spec.groups import AttentionKind, KVCacheGroupSpec  # noqa: E402
 from services.kv.spec.layout import BlockOrder, KVLayoutSpec, LayoutKind  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
@@ -79,7 +79,7 @@ def test_fused_write_stores_the_reference_bytes(rope: bool, dtype: torch.dtype) 
         assert _rel_error(k_rotated, k_torch) < (1e-6 if dtype == torch.float32 else 2e-2)
     expected_cache = _fp8_cache(LayoutKind.CROSS_LAYER, BlockOrder.HND, 6, kv_heads, head_dim, 4)
     ref_k, ref_v = expected_cache.views[1]
-    # The bytes the cache must hold: the kernel's own rotated k (what it returns), quantized by ops.fp8.
+    # The bytes the cache must hold: the kernel's own rotated k (what it returns), quantized by ops.kv_fp8.
     reference.rope_and_write_kv(None, k_rotated if rope else k, v, None, None, None, ref_k, ref_v, blocks, offsets,
                                 SCALES)
     torch_buf, triton_buf = expected_cache.buffers[0], cache.buffers[0]
@@ -90,7 +90,7 @@ def test_fused_write_stores_the_reference_bytes(rope: bool, dtype: torch.dtype) 
         expected = torch_buf.float()
         carried = (expected.abs() == 2 ** expected.abs().log2().round()) & (triton_buf.float() == expected / 2)
         same |= carried
-    assert bool(same.all()), "the kernel's e4m3 bytes differ from ops.fp8.quantize's"
+    assert bool(same.all()), "the kernel's e4m3 bytes differ from ops.fp8_format.quantize's"
     assert not triton_buf.float().isnan().any() and triton_buf.float().abs().max() == 448  # saturated, not NaN
 
 
@@ -115,8 +115,8 @@ class Fp8Problem:
         k_view, v_view = self.cache.views[1]
         self.k = torch.randn(*k_view.shape, generator=gen).to(dtype).to(DEVICE) * 3
         self.v = torch.randn(*v_view.shape, generator=gen).to(dtype).to(DEVICE)
-        k_view.copy_(fp8.quantize(self.k, SCALES[0]))
-        v_view.copy_(fp8.quantize(self.v, SCALES[1]))
+        k_view.copy_(fp8_format.quantize(self.k, SCALES[0]))
+        v_view.copy_(fp8_format.quantize(self.v, SCALES[1]))
         self.step = step_batch(q_lens, ctx_lens, DEVICE)
         self.q = torch.randn(self.step.num_tokens, heads, head_dim, generator=gen).to(dtype).to(DEVICE)
         self.window = window
@@ -182,7 +182,7 @@ def test_triton_mla_absorbed_reads_fp8_rows_like_torch_mla(dtype: torch.dtype, s
     cache = KVCache(KVLayoutSpec(LayoutKind.CROSS_LAYER, BlockOrder.NHD, num_blocks, 1, latent + rope,
                                  "float8_e4m3fn", (group,)), DEVICE)
     (rows,) = cache.views[1]
-    rows.copy_(fp8.quantize(torch.randn(*rows.shape, generator=gen).to(DEVICE) * 2, SCALES[0]))
+    rows.copy_(fp8_format.quantize(torch.randn(*rows.shape, generator=gen).to(DEVICE) * 2, SCALES[0]))
     ids = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [ids[sum(per_req[:i]):sum(per_req[:i + 1])] + [0] * (max(per_req) - n) for i, n in enumerate(per_req)]
     tables = torch.tensor(tables, device=DEVICE)
@@ -201,7 +201,7 @@ def test_writing_fp8_through_the_reference_matches_ops_fp8() -> None:
     k = torch.tensor([[[0.1, 7.0, -1000.0, 3.3]]])
     reference.rope_and_write_kv(None, k, k, None, None, None, cache, cache, torch.tensor([0]), torch.tensor([1]),
                                 (0.3, 0.3))
-    assert torch.equal(cache[0, 1].view(torch.uint8), fp8.quantize(k[0], 0.3).view(torch.uint8))
+    assert torch.equal(cache[0, 1].view(torch.uint8), fp8_format.quantize(k[0], 0.3).view(torch.uint8))
 
 
 # ---- engine level, CUDA only ---------------------------------------------------------------------------------
@@ -239,3 +239,15 @@ def test_cuda_fp8_pool_is_fp8(checkpoints: dict[str, str]) -> None:
     engine = LLMEngine(config)
     assert engine.kv_cache.buffers[0].dtype == torch.float8_e4m3fn
     assert engine.runner.decode_graphs is not None
+
+
+def test_fp8_caches_take_the_torch_paths_below_sm89(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton has no e4m3 before Ada: an FP8 cache on an A100 is declined by the paged backend (so ``auto`` picks
+    torch_sdpa; the fused write declines it by the same test) instead of failing to compile at the first launch."""
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "8.9" in TritonPagedBackend().unsupported_reason(64, fp8_format.FP8_DTYPE, gpu)
+    assert TritonPagedBackend().unsupported_reason(64, torch.bfloat16, gpu) is None
+    assert not fp8_format.fp8_kernels_run_on(gpu) and fp8_format.fp8_kernels_run_on(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert TritonPagedBackend().unsupported_reason(64, fp8_format.FP8_DTYPE, gpu) is None
