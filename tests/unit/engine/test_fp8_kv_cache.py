@@ -253,9 +253,18 @@ def test_deepseek_fp8_differs_from_a_float32_cache(deepseek) -> None:
 
 # ---- hybrids: Gemma-4 (sliding + full + KV-shared layers) and Granite (Mamba2 state layers) ----------------------
 def test_gemma4_engine_runs_fp8_and_matches_hf_fake_quant(tmp_path: Path) -> None:
-    """Every layer one pair of scales: a KV-shared layer reads its source's cache, which HF hands it too."""
+    """Every layer its own scales: a KV-shared layer reads its source's cache, so its own scales must go unused and
+    the source's apply (HF hands the shared layer the source's raw K/V, which the reference rounds with the source's
+    scales)."""
+    from services.engine.model_config.hf import ModelConfig
+
     directory, hf = make_checkpoint("gemma4", tmp_path)
-    _check_hybrid(str(directory), hf, {i: (0.37, 1.7) for i in range(hf.config.num_hidden_layers)}, "eager")
+    layers = ModelConfig.from_file(directory / "config.json").layers
+    own = {i: (0.37 + 0.11 * i, 1.7 - 0.13 * i) for i in range(len(layers))}
+    sources = {i: spec.kv_source for i, spec in enumerate(layers) if spec.kv_source is not None}
+    assert sources, "the checkpoint must have KV-shared layers"
+    read_with = {i: own[sources.get(i, i)] for i in own}  # what each layer's attention reads K/V with
+    _check_hybrid(str(directory), hf, read_with, "eager", engine_scales=own)
 
 
 def test_granite_hybrid_engine_runs_fp8_and_keeps_its_state_dtype(tmp_path: Path) -> None:
@@ -268,7 +277,10 @@ def test_granite_hybrid_engine_runs_fp8_and_keeps_its_state_dtype(tmp_path: Path
     assert all(t.dtype == torch.float32 for t in (*pool.conv.values(), *pool.ssm.values()))
 
 
-def _check_hybrid(checkpoint: str, hf, scales: dict[int, tuple[float, float]], base: str) -> LLMEngine:
+def _check_hybrid(checkpoint: str, hf, scales: dict[int, tuple[float, float]], base: str,
+                  engine_scales: dict[int, tuple[float, float]] | None = None) -> LLMEngine:
+    """HF with K/V rounded through e4m3 by ``scales`` (per layer, as each layer's attention reads them) against the
+    engine given ``engine_scales`` (default: the same)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface
@@ -288,7 +300,7 @@ def _check_hybrid(checkpoint: str, hf, scales: dict[int, tuple[float, float]], b
     AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping[base])  # the base's mask form
     hf.set_attn_implementation(name)
     tokens, logits = hf_greedy(hf, PROMPTS[:3], 16)
-    engine = _engine(_source(checkpoint, scales))
+    engine = _engine(_source(checkpoint, scales if engine_scales is None else engine_scales))
     _, outputs = run_to_completion(engine, PROMPTS[:3], dataclasses.replace(GREEDY, max_tokens=16))
     assert [o.token_ids for o in outputs] == tokens
     assert _max_rel_error(outputs, logits) < 1e-3
