@@ -185,3 +185,16 @@ def test_kv_scales_refusals_name_the_layer_or_tensor(tmp_path) -> None:
         read_kv_scales(_shard(tmp_path / "c.safetensors", {f"{prefix}.k_scale": torch.tensor(0.5),
                                                            f"{prefix}.v_scale": torch.ones(2)}))
     assert dict(checkpoint_tensors(iter([(f"{prefix}.k_scale", torch.tensor(0.5))]), None)) == {}
+
+
+def test_an_fp8_tensor_never_reaches_the_model_unscaled() -> None:
+    """Review: without a quantization_config, or under a name that is not a module's weight, an e4m3 tensor would
+    have been cast into the model as its raw values; both are refused by name."""
+    from services.engine.loading.quant.stream import checkpoint_tensors
+
+    fp8 = torch.ones(4, 4).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="no quantization_config"):
+        list(checkpoint_tensors([("model.layers.0.mlp.up_proj.weight", fp8)], None))
+    scheme = parse_quantization({"quant_method": "fp8", "weight_block_size": [16, 16], "activation_scheme": "dynamic"})
+    with pytest.raises(ValueError, match="experts.gate_up_proj"):
+        list(checkpoint_tensors([("model.layers.0.mlp.experts.gate_up_proj", fp8)], scheme))

@@ -34,6 +34,9 @@ def checkpoint_tensors(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Quan
         if kv_scale_of(name) is not None:
             continue
         if pairing is None:
+            if tensor.dtype in (*FP8_DTYPES, torch.float8_e5m2):
+                raise ValueError(f"tensor {name!r} is {tensor.dtype}, but config.json has no quantization_config "
+                                 "saying how it is scaled")
             yield name, tensor
             continue
         yield from pairing.add(name, tensor)
@@ -69,6 +72,9 @@ class _Pairing:
             self._check_quantized(module, name)
             self.weights[module] = (name, tensor)
         else:
+            if tensor.dtype in (*FP8_DTYPES, torch.float8_e5m2):
+                raise ValueError(f"tensor {name!r} is {tensor.dtype}, but only <module>.weight tensors are FP8 "
+                                 f"in a {self.scheme.method} checkpoint (stacked experts are not supported as FP8)")
             if name.endswith(".weight"):
                 module = name.removesuffix(".weight")
                 if module in self.scales:
