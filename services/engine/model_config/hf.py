@@ -472,6 +472,7 @@ QUANTIZED_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-3.1-8b-fp8": ("llama-3.1-8b", _FP8_BLOCKS),
     "llama-3.1-8b-fp8-channel": ("llama-3.1-8b", {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}),
     "deepseek-v2-lite-fp8": ("deepseek-v2-lite", _FP8_BLOCKS),
+    "qwen3-0.6b-fp8": ("qwen3-0.6b", _FP8_BLOCKS),  # every projection whole 128 x 128 blocks: the GPU tests' size
     "tiny-fp8": ("tiny", {**_FP8_BLOCKS, "weight_block_size": [16, 16]}),
 }
 
