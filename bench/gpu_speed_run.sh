@@ -44,6 +44,10 @@
 #   bash bench/gpu_speed_run.sh families  dummy DeepSeek-V2-Lite and Granite-4.0-H-Tiny shapes, bf16: prefill 512/2k
 #                                         and decode bs 1/32 at 2k beside floors on the active experts' bytes and FLOPs
 #                                         (FAMILY_LIMIT: seconds per model, default 280)
+#   bash bench/gpu_speed_run.sh fp8       FP8 checkpoints computed in FP8: their CUDA tests (weights kept, graphs vs
+#                                         eager, agreement with bf16, CUDA kernels vs the CPU reference), then
+#                                         bench/fp8_engine.py: dummy Llama-3.1-8B bf16 vs its FP8 (128x128 blocks)
+#                                         preset, prefill 2k/8k and decode bs 1/8/32 at 2k, floors, greedy agreement
 #   bash bench/gpu_speed_run.sh offload   the host KV tier: its tests on CUDA (pinned memory, copy stream),
 #                                         the e2e serving test (decode reading the prefill's host tier into
 #                                         VRAM), and TTFT/store/load of an 8k prompt (bench/offload.py)
@@ -151,6 +155,11 @@ for part in "$@"; do
         timeout 200 python3 bench/tp_serving.py --setups "1@cuda:0/1@cuda:0" --num-requests 8 --prompt-len 4096 \
             --max-tokens 16 --num-kv-blocks 2048 $parts 2>&1 | tail -3
       done | tee "$OUT/parts_equal.txt" ;;
+    fp8)  # within 540 s: two small engines per test, then each 8B engine loaded once
+      PDSERVE_TEST_DEVICE=cuda timeout 180 python3 -m pytest -q -s -p no:cacheprovider \
+          tests/unit/engine/test_fp8_compute_cuda.py 2>&1 | tee "$OUT/fp8_compute_tests.log" | grep -v Warning | tail -12
+      timeout 340 python3 bench/fp8_engine.py --json-out "$OUT/fp8_engine.jsonl" 2>&1 | grep -v Warning \
+          | tee "$OUT/fp8_engine.txt" ;;
     offload)
       PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_kv_offload.py \
           2>&1 | tee "$OUT/offload_tests.log" | tail -8
