@@ -117,11 +117,12 @@ class ColocatedReference:
     those of its prompt alone, which the workers' answers must equal anyway; a batch of long outputs takes a
     fraction of the engine steps of one call per prompt)."""
 
-    def __init__(self, model: str, num_kv_blocks: int = 256) -> None:
+    def __init__(self, model: str, num_kv_blocks: int = 256, kv_cache_dtype: str = "auto") -> None:
         from services.engine.engine_config import EngineConfig
         from services.engine.llm_engine import LLMEngine
 
-        self.engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=num_kv_blocks))
+        self.engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=num_kv_blocks,
+                                             kv_cache_dtype=kv_cache_dtype))
 
     def __call__(self, prompt: list[int], max_tokens: int) -> list[int]:
         return self.many([prompt], max_tokens)[0]

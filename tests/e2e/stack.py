@@ -166,6 +166,13 @@ def metric_total(d: Daemon, name: str, label: str = "") -> float:
     return sum(samples)
 
 
+def pull_totals(decode: Daemon) -> dict[str, float]:
+    """A decode worker's KV pulls so far, the bytes they moved and the requests it recomputed instead."""
+    return {"pulls": metric_total(decode, "pdserve_kv_transfer_seconds_count"),
+            "bytes": metric_total(decode, "pdserve_kv_transfer_bytes_total"),
+            "recomputed": metric_total(decode, "pdserve_local_recompute_fallbacks_total")}
+
+
 def finished_requests(d: Daemon) -> float:
     """``pdserve_requests_total{outcome="finished"}`` scraped from the worker's /metrics endpoint."""
     return metric_total(d, "pdserve_requests_total", 'outcome="finished"')

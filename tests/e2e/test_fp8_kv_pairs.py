@@ -17,12 +17,9 @@ import random
 
 import pytest
 
-from services.contract.sampling_params import SamplingParams
-from services.engine.engine_config import EngineConfig
-from services.engine.llm_engine import LLMEngine
-from services.launch.spawn import Daemon, daemons, start_router, stop_router
-from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import completion_tokens, http_get, info, metric_total
+from services.launch.spawn import daemons, start_router, stop_router
+from tests.checkpoints import ColocatedReference, make_checkpoint
+from tests.e2e.stack import completion_tokens, http_get, info, metric_total, pull_totals
 
 MAX_TOKENS = 8
 SAME = ("--kv-layout", "cross_layer", "--block-size", "4", "--num-kv-blocks", "256", "--max-num-seqs", "16",
@@ -42,19 +39,6 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(3, 300) for _ in range(rng.randrange(17, 41))] for _ in range(5)]
 
 
-def _colocated(model: str, prompts: list[list[int]], kv_cache_dtype: str) -> list[list[int]]:
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=256,
-                                    kv_cache_dtype=kv_cache_dtype))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [out.token_ids for out in engine.generate(prompts, params)]
-
-
-def _pulled(decode: Daemon) -> dict[str, float]:
-    return {"pulls": metric_total(decode, "pdserve_kv_transfer_seconds_count"),
-            "bytes": metric_total(decode, "pdserve_kv_transfer_bytes_total"),
-            "recomputed": metric_total(decode, "pdserve_local_recompute_fallbacks_total")}
-
-
 def _serve(model: str, prompts: list[list[int]], prefill: tuple[str, ...], decode: tuple[str, ...],
            unservable: tuple[str, ...] | None = None) -> tuple[list[list[int]], dict[str, float], dict]:
     """Greedy tokens through a router, a prefill and a decode worker (and an ``unservable`` decode worker, which
@@ -65,9 +49,9 @@ def _serve(model: str, prompts: list[list[int]], prefill: tuple[str, ...], decod
         p, d, *other = started
         router = start_router(model, [p.address], [x.address for x in (d, *other)])
         try:
-            before = _pulled(d)
+            before = pull_totals(d)
             tokens = [completion_tokens(router.url, x, MAX_TOKENS, stream=bool(i % 2)) for i, x in enumerate(prompts)]
-            after = _pulled(d)
+            after = pull_totals(d)
             health = http_get(f"{router.url}/health", timeout=10).json()
             assert info(p).kv_blocks_pinned == 0  # every ticket was read and released
             for x in other:
@@ -82,7 +66,7 @@ def _agreement(name: str, tokens: list[list[int]], model: str, prompts: list[lis
     """Each colocated engine's tokens (FP8 KV, float32 KV), with how many completions and tokens agree, printed."""
     out = {}
     for kv in ("fp8_e4m3", "auto"):
-        reference = _colocated(model, prompts, kv)
+        reference = ColocatedReference(model, kv_cache_dtype=kv).many(prompts, MAX_TOKENS)
         same = sum(a == b for a, b in zip(tokens, reference, strict=True))
         lead = sum(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), MAX_TOKENS)
                    for a, b in zip(tokens, reference, strict=True))

@@ -12,12 +12,8 @@ import random
 
 import pytest
 
-from services.contract.sampling_params import SamplingParams
-from services.engine.engine_config import EngineConfig
-from services.engine.llm_engine import LLMEngine
-from services.launch.spawn import Daemon
-from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, completion_tokens, info, metric_total, stack
+from tests.checkpoints import ColocatedReference, make_checkpoint
+from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, completion_tokens, info, pull_totals, stack
 
 MAX_TOKENS = 8
 FP8 = ("--kv-cache-dtype", "fp8_e4m3")
@@ -42,31 +38,23 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(3, 300) for _ in range(rng.randrange(17, 41))] for _ in range(6)]
 
 
-def _pulled(decode: Daemon) -> dict[str, float]:
-    return {"pulls": metric_total(decode, "pdserve_kv_transfer_seconds_count"),
-            "bytes": metric_total(decode, "pdserve_kv_transfer_bytes_total"),
-            "recomputed": metric_total(decode, "pdserve_local_recompute_fallbacks_total")}
-
-
 def _serve(model: str, prompts: list[list[int]], extra: tuple[str, ...]) -> tuple[list[list[int]], dict[str, float]]:
     """Each prompt's greedy tokens through a fresh stack whose workers add ``extra``, and what its decode worker
     pulled for them."""
     with stack(model, prefill_args=_after(PREFILL_ARGS, extra), decode_args=_after(DECODE_ARGS, extra)) as s:
-        before = _pulled(s.decode[0])
+        before = pull_totals(s.decode[0])
         tokens = [completion_tokens(s.url, p, MAX_TOKENS, stream=bool(i % 2)) for i, p in enumerate(prompts)]
-        after = _pulled(s.decode[0])
+        after = pull_totals(s.decode[0])
         assert info(s.prefill[0]).kv_blocks_pinned == 0  # every ticket was read and released
         return tokens, {k: after[k] - before[k] for k in after}
 
 
 def test_fp8_kv_disaggregated_equals_colocated_and_pulls_a_quarter_of_float32(model: str,
                                                                              prompts: list[list[int]]) -> None:
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=256,
-                                    kv_cache_dtype="fp8_e4m3"))
-    assert engine.kv_layout.dtype == "float8_e4m3fn"
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    colocated = [out.token_ids for out in engine.generate(prompts, params)]
-    del engine
+    reference = ColocatedReference(model, kv_cache_dtype="fp8_e4m3")
+    assert reference.engine.kv_layout.dtype == "float8_e4m3fn"
+    colocated = reference.many(prompts, MAX_TOKENS)
+    del reference
 
     fp8_tokens, fp8 = _serve(model, prompts, FP8)
     assert fp8_tokens == colocated
