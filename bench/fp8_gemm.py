@@ -118,15 +118,10 @@ def measure(model: str, proj: str, n: int, k: int, rows: int, copies: int, sweep
 
 def _block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 blocks of a weight with one scale per 128x128 block (the DeepSeek-V3 checkpoints' format)."""
-    from services.engine.ops import fp8_format
+    from services.engine.loading.quant.quantize import quantize_weight
+    from services.engine.loading.quant.scheme import ScaleGranularity, WeightFormat
 
-    n, k = w.shape
-    grid = (-(-n // BLOCK[0]), -(-k // BLOCK[1]))
-    padded = torch.nn.functional.pad(w.float(), (0, grid[1] * BLOCK[1] - k, 0, grid[0] * BLOCK[0] - n))
-    amax = padded.view(grid[0], BLOCK[0], grid[1], BLOCK[1]).abs().amax(dim=(1, 3))
-    scales = (amax / fp8_format.FP8_MAX).clamp_min(fp8_format.MIN_SCALE)
-    q = fp8_format.quantize(w, fp8_format.expand_block_scales(scales, n, k, BLOCK))
-    return q.contiguous(), scales.contiguous()
+    return quantize_weight(w, WeightFormat(ScaleGranularity.BLOCK, BLOCK))
 
 
 def summary(r: dict) -> str:

@@ -12,7 +12,7 @@ import math
 import torch
 
 from services.engine.loading.quant.scheme import ScaleGranularity, WeightFormat
-from services.engine.ops.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from services.engine.ops.fp8_format import FP8_MAX, MIN_SCALE, quantize
 
 
 def quantize_weight(weight: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,14 +23,14 @@ def quantize_weight(weight: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tens
     rows, cols = w.shape
     if fmt.granularity is ScaleGranularity.TENSOR:
         scale = (w.abs().amax() / FP8_MAX).clamp_min(MIN_SCALE)
-        return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+        return quantize(w, scale), scale
     if fmt.granularity is ScaleGranularity.CHANNEL:
         scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
-        return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+        return quantize(w, scale), scale
     assert fmt.block_size is not None
     b0, b1 = fmt.block_size
     g0, g1 = math.ceil(rows / b0), math.ceil(cols / b1)
     padded = torch.nn.functional.pad(w, (0, g1 * b1 - cols, 0, g0 * b0 - rows)).view(g0, b0, g1, b1)
     scale = (padded.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(MIN_SCALE)
-    q = (padded / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = quantize(padded, scale[:, None, :, None])
     return q.view(g0 * b0, g1 * b1)[:rows, :cols].contiguous(), scale
