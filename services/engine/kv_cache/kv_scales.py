@@ -17,8 +17,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-FP8_KV_DTYPE = "float8_e4m3fn"
-UNIT_SCALE = (1.0, 1.0)
+from services.kv.spec.kv_quant import DEFAULT_SCALE, is_quantized
+
+UNIT_SCALE = (DEFAULT_SCALE, DEFAULT_SCALE)
 
 
 @dataclass(frozen=True)
@@ -42,14 +43,14 @@ class KVScales:
                 raise ValueError(f"KV scale given for layer {layer}; the model has layers 0..{num_layers - 1}")
             if len(pair) != 2 or not all(isinstance(s, (int, float)) and math.isfinite(s) and s > 0 for s in pair):
                 raise ValueError(f"KV scales of layer {layer} must be two positive finite numbers, got {pair!r}")
-        if dtype != FP8_KV_DTYPE:
+        if not is_quantized(dtype):
             return cls(dtype, (UNIT_SCALE,) * num_layers)
         return cls(dtype, tuple(tuple(float(s) for s in checkpoint.get(i, UNIT_SCALE)) for i in range(num_layers)))
 
     @property
     def quantized(self) -> bool:
         """Whether the cache stores FP8 (values divided by their scale and rounded to e4m3)."""
-        return self.dtype == FP8_KV_DTYPE
+        return is_quantized(self.dtype)
 
     def of(self, layer: int) -> tuple[float, float]:
         """``(k_scale, v_scale)`` of ``layer``; an MLA layer's latent rows use the first."""
