@@ -169,6 +169,10 @@ def test_the_index_resyncs_after_its_streams_drop(cluster: Cluster) -> None:
         proxy.cut()
     _wait("the cut streams to be noticed", lambda: _metric(router, "pdserve_router_kv_resyncs_total") >= dropped + 2)
     _wait("the index to resync by snapshot", lambda: _synced(router) == 3)
+    # The cut also failed the health checks: until both prefill workers are back, the one holding the prefix may
+    # be skipped for being down, which says nothing about the index.
+    _wait("both prefill workers to be healthy again",
+          lambda: _metric(router, "pdserve_router_workers", 'role="prefill",state="healthy"') == 2)
     hits = _prefix_hits(router)
     second, answer = _served_by(cluster, lambda: _complete(router, prefix + _tokens(rng, 8)))
     assert second == first and answer.cached_tokens == PREFIX  # the entries came back with the snapshot
