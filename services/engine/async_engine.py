@@ -114,7 +114,7 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                           hold_kv_on_finish: bool = False, grammar_prefix: Sequence[int] = (),
-                          kv_part_align: int = 0, kv_final_part_tokens: int = 0) -> Request:
+                          kv_part_align: int = 0, kv_final_part_tokens: int = 0, kv_rounding: str = "") -> Request:
         """Queue a request; read its outputs with :meth:`outputs`. ValueError for bad input.
 
         ``grammar_prefix``: output tokens that are part of the prompt here (a first token sampled by the
@@ -122,7 +122,8 @@ class AsyncEngine:
         ``kv_part_align`` > 0 (prefill, KV sent per chunk): its prompt's computed blocks are pinned in parts
         ending on multiples of that many tokens, read with :meth:`outputs_with_parts`; with
         ``kv_final_part_tokens`` > 0 a prompt chunked over several steps ends with a chunk of at most that many
-        tokens, so the part left after the first token (the one a reader waits for) is small.
+        tokens, so the part left after the first token (the one a reader waits for) is small. ``kv_rounding``:
+        ``LLMEngine.add_request``'s.
         """
         grammar = await self._grammar(params, grammar_prefix)
         self._open_stream(request_id)
@@ -130,7 +131,7 @@ class AsyncEngine:
         def add(e: LLMEngine) -> Request:
             cap = (kv_final_part_tokens, kv_part_align) if kv_part_align and kv_final_part_tokens > 0 else None
             request = e.add_request(request_id, prompt_token_ids, params, hold_kv_on_finish=hold_kv_on_finish,
-                                    grammar=grammar, final_chunk_cap=cap)
+                                    grammar=grammar, final_chunk_cap=cap, kv_rounding=kv_rounding)
             if kv_part_align:
                 self._parts.watch(request_id, kv_part_align, len(prompt_token_ids))
             return request

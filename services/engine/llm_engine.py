@@ -39,6 +39,7 @@ from services.engine.sched.scheduler_output import PLACEHOLDER_TOKEN, SchedulerO
 from services.engine.structured.backend import GrammarMatcher
 from services.engine.structured.bitmask import allocate_bitmask
 from services.engine.structured.compiler import GrammarCompiler
+from services.kv.spec import kv_quant
 from services.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -188,19 +189,30 @@ class LLMEngine:
         hold_kv_on_finish: bool = False,
         grammar: GrammarMatcher | None = None,
         final_chunk_cap: tuple[int, int] | None = None,
+        kv_rounding: str = "",
     ) -> Request:
         """Queue a request. Raises ValueError (and changes nothing) for bad input.
 
         ``grammar``: the request's matcher when ``params.structured`` is set, made beforehand off this
         thread (``GrammarCompiler.matcher_async``); made here when not given. ``hold_kv_on_finish``
         (prefill worker): keep the blocks after it finishes until ``release_held_kv``. ``final_chunk_cap``
-        (prefill worker sending KV per chunk): ``Request.final_chunk_cap``.
+        (prefill worker sending KV per chunk): ``Request.final_chunk_cap``. ``kv_rounding`` (prefill worker for
+        an FP8-KV reader): the FP8 KV dtype its K/V are rounded through (``attention.kv_rounding``); "" on an FP8
+        cache, which holds them so already.
         """
         request, grammar = self._new_request(request_id, prompt, params, grammar, hold_kv_on_finish)
         request.final_chunk_cap = final_chunk_cap
+        request.kv_rounding = self._kv_rounding(kv_rounding)
         self.scheduler.add_request(request)
         self.outputs.add(request, grammar)
         return request
+
+    def _kv_rounding(self, dtype: str) -> str:
+        """``dtype`` as a request's ``kv_rounding`` here: ValueError unless "" or an FP8 KV dtype; "" when this
+        engine's cache is FP8 itself."""
+        if dtype and not kv_quant.is_quantized(dtype):
+            raise ValueError(f"KV rounding {dtype!r}: only an FP8 KV dtype ({sorted(kv_quant.QUANTIZED_DTYPES)})")
+        return "" if kv_quant.is_quantized(self.kv_layout.dtype) else dtype
 
     def _new_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None,
                      grammar: GrammarMatcher | None, hold_kv_on_finish: bool = False,

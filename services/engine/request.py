@@ -71,6 +71,9 @@ class Request:
     final_chunk_cap: tuple[int, int] | None = None
     # Its row of the state pool (models with state layers), from its first allocation until its blocks go.
     state_slot: int | None = None
+    # The FP8 KV dtype its K/V are rounded through in this 16-bit cache ("" none): a prefill for an FP8-KV
+    # reader (``attention.kv_rounding``). Its blocks hash apart from other requests' (``kv_salt``).
+    kv_rounding: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
     stop_reason: int | str | None = None
 
@@ -87,6 +90,11 @@ class Request:
             return num_tokens
         cut = -(-(prompt_len - tokens) // align) * align
         return cut - start if start < cut < prompt_len else num_tokens
+
+    @property
+    def kv_salt(self) -> bytes:
+        """What its prefix-cache hashes add to the engine's salt: blocks of rounded K/V are not plain ones."""
+        return f"kv_rounding={self.kv_rounding};".encode() if self.kv_rounding else b""
 
     @property
     def num_prompt_tokens(self) -> int:

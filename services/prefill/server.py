@@ -149,10 +149,12 @@ class PrefillServicer(KVEventsRPCs, SwitchRoleRPCs, DrainRPCs, worker_pb2_grpc.P
         """The request queued for its first token, blocks held when it finishes; INVALID_ARGUMENT for bad input."""
         try:
             params = sampling_from_proto(request.params)
+            # An FP8-KV reader continues where its own engine would: the prefill attends over FP8-rounded K/V.
+            rounding = self.exporter.quantizes_for(request.reader_compat_hash)
             held = await self.engine.add_request(request.request_id, list(request.prompt_token_ids),
                                                  _first_token_only(params), hold_kv_on_finish=True,
                                                  kv_part_align=kv_part_align,
-                                                 kv_final_part_tokens=self.final_part_tokens)
+                                                 kv_final_part_tokens=self.final_part_tokens, kv_rounding=rounding)
         except ValueError as e:
             self.metrics.requests.labels("prefill", "invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

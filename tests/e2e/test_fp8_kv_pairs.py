@@ -1,12 +1,12 @@
 """End to end with prefill and decode workers of different KV dtypes: router + workers as processes.
 
 A float32-KV prefill worker and an fp8_e4m3-KV decode worker: the prefill worker quantizes every ticket into its
-staging area (the router tells it the decode worker's compat hash), every request is pulled, and the bytes pulled
-are a quarter of a float32 pair's. The reverse pair (fp8 prefill, float32 decode: the decode worker dequantizes on
-read) is served too. The first token is the prefill worker's, so it equals the colocated engine of the prefill
-side's KV dtype; the rest is decoded over KV that the decode side's engine would hold only in part (its prefill
-attended over unrounded or rounded KV), so each pair's greedy agreement with both colocated engines (FP8 and
-float32 KV) is measured and printed, not required. The values themselves are exact:
+staging area (the router tells it the decode worker's compat hash) and, for such a reader, prefills over K/V
+rounded through e4m3 as an FP8 cache holds them (``engine.attention.kv_rounding``), so the greedy tokens are the
+colocated FP8-KV engine's, every request is pulled, and the bytes pulled are a quarter of a float32 pair's. The
+reverse pair (fp8 prefill, float32 decode: the decode worker dequantizes on read) is served too: its first token
+is the FP8 prefill's, the rest is decoded over KV the float32 engine would hold only in part, so its greedy
+agreement with both colocated engines is measured and printed, not required. The values themselves are exact:
 tests/integration/test_kv_transfer_fp8_pairs.py. A decode worker that cannot convert (another block size) is
 listed on ``/health`` as unpaired, with the reason.
 """
@@ -81,7 +81,8 @@ def test_float32_prefill_quantizes_for_an_fp8_decode_worker(model: str, prompts:
                                     unservable=(*SAME, *FP8, "--block-size", "8"))
     assert pulled["pulls"] == len(prompts) and pulled["recomputed"] == 0
     reference = _agreement("float32 prefill + fp8 decode", tokens, model, prompts)
-    assert [t[0] for t in tokens] == [t[0] for t in reference["auto"]]  # the prefill worker's first token
+    assert tokens == reference["fp8_e4m3"], "a float32 prefill for an FP8 reader must give the FP8 engine's tokens"
+    assert tokens != reference["auto"], "the FP8 and float32 engines agree: the check above tells nothing"
     workers = {w["address"]: w for w in health["workers"]}
     reason = workers[health["addresses"][2]]["unpaired_reason"]
     assert "dtype prefill float32 vs decode float8_e4m3fn converts only through staging, which needs equal block " \

@@ -8,6 +8,7 @@
 * ``mla.py``: multi-head latent attention (DeepSeek) over a cache of latent rows, in its expanded
   and absorbed forms: the ``MLABackend`` interface and ``torch_mla``; ``triton_mla.py``: the CUDA one.
 * ``registry.py``: backends by name, ``auto``, and the per-group choice with its fallback.
+* ``kv_rounding.py``: the K/V of requests for an FP8-KV reader rounded through e4m3 in a 16-bit cache.
 """
 
 from services.engine.attention.base import (
@@ -20,6 +21,7 @@ from services.engine.attention.base import (
     step_batch,
     write_kv,
 )
+from services.engine.attention.kv_rounding import KVRounding
 from services.engine.attention.mla import MLABackend, write_rows
 from services.engine.attention.registry import (
     BACKEND_CHOICES,
@@ -36,6 +38,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionBatch",
     "GroupAttentionMetadata",
+    "KVRounding",
     "MLABackend",
     "Rope",
     "TailBatch",

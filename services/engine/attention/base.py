@@ -28,6 +28,7 @@ from typing import ClassVar
 import torch
 
 from services.engine import ops
+from services.engine.attention.kv_rounding import KVRounding
 from services.engine.kv_cache.kv_scales import UNIT_SCALE
 
 
@@ -97,6 +98,8 @@ class AttentionBatch:
     groups: tuple[GroupAttentionMetadata, ...] = ()
     # (query lens, context lens) on the host: known for eager steps, None in a captured graph.
     host_lens: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    # Requests whose K/V this 16-bit cache rounds through e4m3 (``kv_rounding``), else None.
+    kv_rounding: KVRounding | None = None
 
     def with_groups(self, groups: tuple[GroupAttentionMetadata, ...]) -> AttentionBatch:
         return replace(self, groups=groups)
@@ -197,6 +200,7 @@ def paged_attention(
     softcap: float | None = None,
     rope: Rope | None = None,
     kv_scale: tuple[float, float] = UNIT_SCALE,
+    rounding_scale: tuple[float, float] = UNIT_SCALE,
 ) -> torch.Tensor:
     """Store this step's K/V in the cache, then attend with the group's backend.
 
@@ -206,12 +210,19 @@ def paged_attention(
     rotated yet; they are rotated in the same launch that writes K/V (on the Triton path).
     ``kv_scale``: the (k, v) scales of the layer whose cache this is (``LayerKV.scales``): an FP8
     cache stores ``K / k_scale`` and ``V / v_scale`` in e4m3 and attention reads them scaled back.
+    ``rounding_scale``: the (k, v) scales an FP8 cache of the model would use for the layer
+    (``LayerKV.fp8_scales``), which the rows ``batch.kv_rounding`` marks are rounded with.
     Returns [num_tokens, heads * head_dim].
     """
     if k is None:
         if rope is not None:
             q, _ = ops.apply_rope(q, None, rope.cos, rope.sin, rope.positions)
         return meta.backend.forward(q, k_cache, v_cache, batch, meta, scale, softcap, kv_scale=kv_scale)
+    if batch.kv_rounding is not None:  # rotate first: the rounding is of the keys as stored
+        if rope is not None:
+            q, k = ops.apply_rope(q, k, rope.cos, rope.sin, rope.positions)
+            rope = None
+        k, v = batch.kv_rounding.apply(k, rounding_scale[0]), batch.kv_rounding.apply(v, rounding_scale[1])
     if rope is None:
         write_kv(k, v, k_cache, v_cache, meta, kv_scale)
     else:

@@ -44,7 +44,7 @@ class BlockHashChains:
         chains = self._chains.get(request)
         if chains is None:
             chains = self._chains[request] = {}
-        return RequestBlockHashes(request, chains, self.cache_salt)
+        return RequestBlockHashes(request, chains, self.cache_salt + request.kv_salt)
 
 
 class RequestBlockHashes:

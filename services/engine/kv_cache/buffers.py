@@ -28,10 +28,13 @@ class LayerKV(tuple):
     """
 
     scales: tuple[float, float]
+    fp8_scales: tuple[float, float]
 
-    def __new__(cls, views: tuple[torch.Tensor, ...], scales: tuple[float, float]) -> LayerKV:
+    def __new__(cls, views: tuple[torch.Tensor, ...], scales: tuple[float, float],
+                fp8_scales: tuple[float, float] = UNIT_SCALE) -> LayerKV:
         layer = super().__new__(cls, views)
         layer.scales = scales
+        layer.fp8_scales = fp8_scales  # what an FP8 cache of the model stores it with (``attention.kv_rounding``)
         return layer
 
 
@@ -47,17 +50,19 @@ class KVCache:
     The spec counts it (the buffers really hold it); the manager's pool does not.
 
     ``scales`` (``KVScales``): what each layer's K and V are divided by in an FP8 cache; ``views_by_layer``
-    hands them to the layers with their views. None: 1.0 everywhere.
+    hands them to the layers with their views. None: 1.0 everywhere. ``fp8_scales``: the scales an FP8 cache of
+    the model would use (a 16-bit cache rounds some requests' K/V with them: ``attention.kv_rounding``).
     """
 
     def __init__(self, spec: KVLayoutSpec, device: torch.device, scratch_block: int | None = None,
-                 scales: KVScales | None = None) -> None:
+                 scales: KVScales | None = None, fp8_scales: KVScales | None = None) -> None:
         if scratch_block is not None and not 0 <= scratch_block < spec.num_blocks:
             raise ValueError(f"scratch block {scratch_block} is outside the {spec.num_blocks} blocks of the layout")
         if scales is not None and scales.dtype != spec.dtype:
             raise ValueError(f"KV scales for a {scales.dtype} cache given to a {spec.dtype} layout")
         self.spec = spec
         self.scales = scales
+        self.fp8_scales = fp8_scales
         self.device = device
         self.scratch_block = scratch_block
         dtype = TORCH_DTYPES[spec.dtype]
@@ -85,7 +90,9 @@ class KVCache:
         A state layer (Mamba2: no KV) gets no views and group -1.
         """
         sources = [kv_sharing.get(i, i) for i in range(num_layers)]
-        return ([LayerKV((), UNIT_SCALE) if s in state_layers else LayerKV(self.views[s], self.scale_of(s))
+        fp8 = self.fp8_scales
+        return ([LayerKV((), UNIT_SCALE) if s in state_layers
+                 else LayerKV(self.views[s], self.scale_of(s), UNIT_SCALE if fp8 is None else fp8.of(s))
                  for s in sources],
                 [-1 if s in state_layers else self.spec.group_of_layer(s).group_id for s in sources])
 

@@ -107,6 +107,8 @@ class MLAttention(nn.Module):
         meta = batch.groups[group]
         rows_cache, row_scale = kv[0], kv.scales[0]  # one latent row per token: the layer's k_scale for all of it
         backend: MLABackend = meta.backend
+        if batch.kv_rounding is not None:  # a request for an FP8 reader: rows as an FP8 cache gives them back
+            rows = batch.kv_rounding.apply(rows, kv.fp8_scales[0])
         write_rows(rows, rows_cache, meta, row_scale)
         if absorbed:
             w_uk, w_uv = self._up_projections()

@@ -91,7 +91,7 @@ class GemmaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
         out = paged_attention(q, k, v, kv[0], kv[1], batch, batch.groups[group], self.scale, self.softcap, rope,
-                              kv_scale=kv.scales)
+                              kv_scale=kv.scales, rounding_scale=kv.fp8_scales)
         return all_reduce(self.o_proj(out), self.parallel)
 
 

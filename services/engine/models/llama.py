@@ -63,7 +63,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = paged_attention(q, k, v, kv[0], kv[1], batch, batch.groups[group], self.scale, rope=rope,
-                              kv_scale=kv.scales)
+                              kv_scale=kv.scales, rounding_scale=kv.fp8_scales)
         return all_reduce(self.o_proj(out), self.parallel)
 
 

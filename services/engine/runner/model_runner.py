@@ -7,6 +7,7 @@ samples) and the request's block tables, and knows nothing of queues or preempti
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -14,6 +15,7 @@ from services.engine.attention import (
     AttentionBackend,
     AttentionBatch,
     GroupAttentionMetadata,
+    KVRounding,
     TailBatch,
     cache_group_backends,
     step_batch,
@@ -59,14 +61,14 @@ class ModelRunner:
     def runs_as_graph(self, chunks: Sequence[Chunk]) -> bool:
         """Whether ``execute`` would run these chunks through the decode graphs (the steps the engine
         may pipeline; a prefill-graph step is not one: its tokens come from the host)."""
-        return self.decode_graphs is not None and self.decode_graphs.can_run(chunks)
+        return self.decode_graphs is not None and not _rounds_kv(chunks) and self.decode_graphs.can_run(chunks)
 
     def runs_as_prefill_graph(self, chunks: Sequence[Chunk]) -> bool:
         """Whether ``execute`` would run these chunks through the prefill graphs: a step that is not
         decode-only, fits a bucket, and needs no tail rows (chosen on the host, see ``TailBatch``)."""
         return (self.prefill_graphs is not None and not self.runs_as_graph(chunks)
                 and not (self.kv_shared_prefill_skip and self.model.skips_to_tail)
-                and self.prefill_graphs.can_run(chunks))
+                and not _rounds_kv(chunks) and self.prefill_graphs.can_run(chunks))
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[Chunk], device_tokens: DeviceTokens | None = None) -> StepLogits:
@@ -139,7 +141,9 @@ class ModelRunner:
         dev = self.device
         step = step_batch([c.num_tokens for c in chunks], [c.start + c.num_tokens for c in chunks], dev)
         groups = tuple(self._group_metadata(g.group_id, chunks, positions, step) for g in self.groups)
-        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), step.with_groups(groups)
+        rounding = KVRounding.of([bool(c.kv_rounding) for c in chunks], [c.num_tokens for c in chunks], dev)
+        step = replace(step, groups=groups, kv_rounding=rounding)
+        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), step
 
     def _group_metadata(self, group_id: int, chunks: Sequence[Chunk], positions: list[int],
                         step: AttentionBatch) -> GroupAttentionMetadata:
@@ -170,6 +174,11 @@ def _sampled_rows(chunks: Sequence[Chunk], logits: torch.Tensor, device: torch.d
         return StepLogits(sample_rows, logits.clone(), {})
     rows = torch.tensor(sample_rows, dtype=torch.long).to(device, non_blocking=True)
     return StepLogits(sample_rows, logits[rows], {})
+
+
+def _rounds_kv(chunks: Sequence[Chunk]) -> bool:
+    """Whether a chunk's K/V are rounded through FP8 (``attention.kv_rounding``): such a step runs eagerly."""
+    return any(c.kv_rounding for c in chunks)
 
 
 def _num_output_rows(chunk: Chunk) -> int:

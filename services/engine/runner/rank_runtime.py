@@ -15,7 +15,7 @@ import torch
 
 from services.engine import ops
 from services.engine.attention.triton_paged import configure_dense_min_query
-from services.engine.engine_config import EngineConfig
+from services.engine.engine_config import KV_CACHE_DTYPES, EngineConfig
 from services.engine.kv_cache.buffers import TORCH_DTYPES, KVCache, kv_cache_groups
 from services.engine.kv_cache.kv_scales import KVScales
 from services.engine.kv_cache.state_pool import StatePool
@@ -158,7 +158,11 @@ class RankRuntime:
             num_blocks = agree_num_blocks(num_blocks)
         self.kv_layout = kv_layout(config, source, self.kv_dtype, num_blocks)
         self.num_kv_blocks = self.kv_layout.num_blocks - 1
-        self.kv_cache = KVCache(self.kv_layout, self.device, scratch_block=self.num_kv_blocks, scales=self.kv_scales)
+        # A 16-bit cache rounds the K/V of requests for an FP8 reader with the scales an FP8 cache would use.
+        fp8_scales = None if self.kv_scales.quantized else KVScales.for_cache(
+            KV_CACHE_DTYPES["fp8_e4m3"], source.config.num_layers, source.kv_scales)
+        self.kv_cache = KVCache(self.kv_layout, self.device, scratch_block=self.num_kv_blocks, scales=self.kv_scales,
+                                fp8_scales=fp8_scales)
         log_kv_pool(self.kv_layout, self.num_kv_blocks, config.parallel.tp_rank)
         # One state row per sequence seat: a running request always has its slot (StateSlots); states keep the
         # model dtype whatever the KV cache's.

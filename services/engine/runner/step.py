@@ -38,6 +38,10 @@ class Chunk(Protocol):
     def state_slot(self) -> int | None:
         """The request's row of the state pool (models with state layers), else None."""
 
+    @property
+    def kv_rounding(self) -> str:
+        """The FP8 dtype the request's K/V are rounded through (``attention.kv_rounding``), else ""."""
+
 
 @dataclass(frozen=True)
 class DeviceTokens:

@@ -48,6 +48,10 @@ class ScheduledChunk:
         return self.request.state_slot
 
     @property
+    def kv_rounding(self) -> str:
+        return self.request.kv_rounding
+
+    @property
     def return_logits(self) -> bool:
         """Whether every position's logits are kept: asked for, or they hold prompt logprobs."""
         p = self.request.sampling_params

@@ -270,4 +270,4 @@ def _step_chunk(c: Chunk, block_size: int) -> m.StepChunk:
     """The chunk as a message: block tables cut at the last block this chunk's context touches."""
     num_blocks = -(-(c.start + c.num_tokens) // block_size)
     return m.StepChunk(list(c.token_ids), c.start, c.num_tokens, c.samples, c.return_logits,
-                       [list(t[:num_blocks]) for t in c.block_ids], c.state_slot)
+                       [list(t[:num_blocks]) for t in c.block_ids], c.state_slot, c.kv_rounding)

@@ -29,6 +29,7 @@ class StepChunk(msgspec.Struct, array_like=True, frozen=True):
     return_logits: bool
     block_ids: list[list[int]]
     state_slot: int | None = None  # the request's state row (models with state layers)
+    kv_rounding: str = ""  # the FP8 dtype its K/V are rounded through (``attention.kv_rounding``)
 
 
 class Step(msgspec.Struct, tag=True):

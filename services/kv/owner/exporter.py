@@ -188,6 +188,12 @@ class KVExporter:
             raise
         return digests, state, staged
 
+    def quantizes_for(self, reader_compat_hash: str) -> str:
+        """The FP8 KV dtype this engine quantizes a ticket into for that reader ("": none), which the prefill then
+        rounds the request's K/V through (``engine.attention.kv_rounding``); ValueError as ``hand_out``'s."""
+        dtype = self._reader_dtype(reader_compat_hash)
+        return dtype if kv_quant.is_quantized(dtype) else ""
+
     def _reader_dtype(self, reader_compat_hash: str) -> str:
         """The KV dtype of a reader this engine converts for ("": none, its hash is this engine's or not given)."""
         if not reader_compat_hash or reader_compat_hash == self.compat.hash:

@@ -74,6 +74,7 @@ class _Chunk:
     block_ids: list[list[int]]
     samples: bool = True
     return_logits: bool = False
+    kv_rounding: str = ""
 
     @property
     def num_tokens(self) -> int:
