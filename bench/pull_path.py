@@ -214,8 +214,10 @@ def median_stages(samples: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run_placement(owner_device: str, reader_device: str, tokens: list[int], pools: list[str], repeats: int,
-                  load: bool, prepared_lists: bool = True, staging: bool = True) -> list[dict]:
-    cfg = {**SHAPE, "kind": "cross_layer", "num_blocks": 2 * -(-max(tokens) // SHAPE["block_size"]) + 1}
+                  load: bool, prepared_lists: bool = True, staging: bool = True,
+                  kv_dtype: str = "bfloat16") -> list[dict]:
+    cfg = {**SHAPE, "dtype": kv_dtype, "kind": "cross_layer",
+           "num_blocks": 2 * -(-max(tokens) // SHAPE["block_size"]) + 1}
     requests = [{"request_id": f"{n}-{pool}", "num_tokens": n,
                  "block_ids": [block_ids(-(-n // SHAPE["block_size"]), POOLS[pool])]}
                 for n in tokens for pool in pools]
@@ -235,7 +237,8 @@ def run_placement(owner_device: str, reader_device: str, tokens: list[int], pool
         # Each ticket is pulled again and again (the samples): the ticket checks would refuse the second pull.
         puller = KVPuller(engine_id="pull-path-reader", identity=identity_for(cfg, layout), ranks=[rank],
                           transfer_timeout_s=TIMEOUT_S, prepared_lists=prepared_lists, check_tickets=False)
-        base = dict(scenario="pull_path", owner_device=owner_device, reader_device=reader_device, load=load)
+        base = dict(scenario="pull_path", owner_device=owner_device, reader_device=reader_device, load=load,
+                    kv_dtype=kv_dtype)
         prepared: list = []  # the prepared descriptor lists, released under the agent's lock at the end
 
         async def measure() -> None:
@@ -287,20 +290,42 @@ def run_placement(owner_device: str, reader_device: str, tokens: list[int], pool
     return rows
 
 
+def print_dtype_ratios(rows: list[dict]) -> None:
+    """The pull of each KV dtype against the first one's (bf16 by default) on the same prompt and pool."""
+    pulls = [r for r in rows if r["variant"] == "pull"]
+    dtypes = list(dict.fromkeys(r["kv_dtype"] for r in pulls))
+    if len(dtypes) < 2:
+        return
+    by = {(r["owner_device"], r["reader_device"], r["tokens"], r["pool"], r["kv_dtype"]): r for r in pulls}
+    print(f"\n# the pull by KV dtype, against {dtypes[0]} (median ms; bytes include no scales: they are in the "
+          "handshake)")
+    print(f"{'placement':>15} {'tokens':>6} {'pool':>10} " + " ".join(f"{d + ' ms':>16}" for d in dtypes)
+          + " " + " ".join(f"{d + '/' + dtypes[0]:>24}" for d in dtypes[1:]) + f" {'bytes ratio':>11}")
+    for (o, d, n, pool, dt), base in by.items():
+        if dt != dtypes[0]:
+            continue
+        others = [by.get((o, d, n, pool, x)) for x in dtypes[1:]]
+        if None in others:
+            continue
+        cells = " ".join(f"{r['seconds'] * 1e3:>16.3f}" for r in [base, *others])
+        ratios = " ".join(f"{r['seconds'] / base['seconds']:>24.3f}" for r in others)
+        print(f"{o + '/' + d:>15} {n:>6} {pool:>10} {cells} {ratios} {others[-1]['bytes'] / base['bytes']:>11.3f}")
+
+
 def print_rows(rows: list[dict], repeats: int) -> None:
-    by = {(r["owner_device"], r["reader_device"], r["tokens"], r["pool"], r["variant"]): r for r in rows}
-    placements = list(dict.fromkeys((r["owner_device"], r["reader_device"]) for r in rows))
-    for o, d in placements:
+    by = {(r["owner_device"], r["reader_device"], r["kv_dtype"], r["tokens"], r["pool"], r["variant"]): r
+          for r in rows}
+    placements = list(dict.fromkeys((r["owner_device"], r["reader_device"], r["kv_dtype"]) for r in rows))
+    for o, d, dt in placements:
         load = " with a busy engine-like thread" if rows[0]["load"] else ""
-        print(f"\n# KV pull vs raw NIXL READ, P {o} -> D {d}{load}: Llama-3.1-8B KV (cross-layer, bf16, block 16), "
+        print(f"\n# KV pull vs raw NIXL READ, P {o} -> D {d}{load}: Llama-3.1-8B KV (cross-layer, {dt}, block 16), "
               f"median of {repeats}")
         print(f"{'tokens':>6} {'pool':>10} {'MiB':>7} {'descs':>5} {'raw_1 ms':>9} {'GB/s':>7} {'raw_plan':>9} "
               f"{'raw_prep':>9} {'agent':>8} {'pull ms':>8} {'GB/s':>7} {'pull/raw_1':>10} {'staged':>6} "
               f"{'p.descs':>7} {'hand-out ms':>11}")
-        keys = [k for k in by if k[:2] == (o, d) and k[4] == "pull"]
-        for _, _, n, pool, _ in keys:
-            p, r1 = by[o, d, n, pool, "pull"], by[o, d, n, pool, "raw_1"]
-            rp, ag, pp = by[o, d, n, pool, "raw_plan"], by[o, d, n, pool, "agent"], by[o, d, n, pool, "raw_prep"]
+        keys = [k for k in by if k[:3] == (o, d, dt) and k[5] == "pull"]
+        for _, _, _, n, pool, _ in keys:
+            p, r1, rp, ag, pp = (by[o, d, dt, n, pool, v] for v in ("pull", "raw_1", "raw_plan", "agent", "raw_prep"))
             print(f"{n:>6} {pool:>10} {p['bytes'] / 2**20:>7.0f} {rp['descriptors']:>5} {r1['seconds'] * 1e3:>9.3f} "
                   f"{r1['bytes'] / r1['seconds'] / 1e9:>7.1f} {rp['seconds'] * 1e3:>9.3f} {pp['seconds'] * 1e3:>9.3f} "
                   f"{ag['seconds'] * 1e3:>8.3f} "
@@ -310,8 +335,8 @@ def print_rows(rows: list[dict], repeats: int) -> None:
         print("\n  KV digest (the reader's check of every pulled byte, inside the pull), median: its cost as a "
               "ratio to the pull without it")
         print(f"  {'tokens':>6} {'pool':>10} {'digest ms':>10} {'GB/s':>7} {'pull ms':>8} {'digest/pull':>11}")
-        for _, _, n, pool, _ in keys:
-            p = by[o, d, n, pool, "pull"]
+        for _, _, _, n, pool, _ in keys:
+            p = by[o, d, dt, n, pool, "pull"]
             dig = p["stages"].get("digest", 0.0)
             print(f"  {n:>6} {pool:>10} {dig * 1e3:>10.3f} {p['bytes'] / max(dig, 1e-9) / 1e9:>7.1f} "
                   f"{(p['seconds'] - dig) * 1e3:>8.3f} {dig / (p['seconds'] - dig):>11.3f}")
@@ -320,14 +345,15 @@ def print_rows(rows: list[dict], repeats: int) -> None:
         print(f"\n  pull stages but the digest, us (median): {' '.join(f'{s:>8}' for s in names)} {'other':>8} | "
               f"raw_1: "
               f"{' '.join(f'{s:>8}' for s in RAW_STAGES)} | planning warm")
-        for _, _, n, pool, _ in keys:
-            p, r1 = by[o, d, n, pool, "pull"], by[o, d, n, pool, "raw_1"]
+        for _, _, _, n, pool, _ in keys:
+            p, r1 = by[o, d, dt, n, pool, "pull"], by[o, d, dt, n, pool, "raw_1"]
             other = p["seconds"] - p["stages"].get("digest", 0.0) - sum(p["stages"].get(s, 0.0) for s in stages)
             cells = " ".join(f"{p['stages'].get(s, 0.0) * 1e6:>8.0f}" for s in stages)
             raw = " ".join(f"{r1['stages'][s] * 1e6:>8.0f}" for s in RAW_STAGES)
             print(f"  {n:>6} {pool:>17}: {cells} {other * 1e6:>8.0f} |        {raw} | "
                   f"{p['planning_warm_seconds'] * 1e6:>8.0f}")
-        firsts = [r for r in rows if (r["owner_device"], r["reader_device"]) == (o, d) and r["variant"] == "first"]
+        firsts = [r for r in rows if (r["owner_device"], r["reader_device"], r["kv_dtype"]) == (o, d, dt)
+                  and r["variant"] == "first"]
         for f in firsts:
             st = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in f["stages"].items() if v >= 1e-4)
             print(f"\n  first pull ({f['tokens']} tokens, {f['pool']}): {f['seconds'] * 1e3:.1f} ms ({st} ms)")
@@ -349,6 +375,8 @@ def main() -> None:
                     help="plan every pull from scratch (KVPuller(prepared_lists=False)), as before prepared lists")
     ap.add_argument("--no-staging", action="store_true",
                     help="no KV staging areas (services/kv/plan/staging.py): a fragmented pool's pull reads each block")
+    ap.add_argument("--kv-dtypes", default="bfloat16",
+                    help="KV cache dtypes, comma-separated (e.g. bfloat16,fp8_e4m3: each pulled, then side by side)")
     ap.add_argument("--json", action="store_true", help="one JSON object per row on stdout, no tables")
     ap.add_argument("--json-out", default=None, help="also write the JSON lines to this file")
     args = ap.parse_args()
@@ -365,10 +393,12 @@ def main() -> None:
         os.environ.setdefault(CUDA_IPC_GET_ENV, "y")  # before any agent (and the owners) start
     rows = []
     for owner_device, reader_device in placements:
-        rows += run_placement(owner_device, reader_device, tokens, pools, args.repeats, args.engine_load,
-                              not args.no_prepared_lists, not args.no_staging)
+        for kv_dtype in args.kv_dtypes.split(","):
+            rows += run_placement(owner_device, reader_device, tokens, pools, args.repeats, args.engine_load,
+                                  not args.no_prepared_lists, not args.no_staging, kv_dtype)
     if not emit_json(rows, args.json_out, args.json):
         print_rows(rows, args.repeats)
+        print_dtype_ratios(rows)
 
 
 if __name__ == "__main__":
