@@ -112,9 +112,8 @@ def expand_scale(scale: torch.Tensor, shape: torch.Size, options: Fp8Options) ->
 def quant_config(options: Fp8Options) -> dict:
     """The ``quantization_config`` of ``options``' format, as the format's own tools write it."""
     if options.fmt == "fp8":
-        config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
-        if options.block_size is not None:
-            config["weight_block_size"] = list(options.block_size)
+        config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                  "weight_block_size": None if options.block_size is None else list(options.block_size)}
         return {**config, "modules_to_not_convert": ["lm_head", *options.keep]} if options.keep else config
     if options.fmt == "fbgemm_fp8":
         return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,

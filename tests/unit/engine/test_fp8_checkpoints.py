@@ -160,18 +160,26 @@ def _word_tokenizer(directory: Path, vocab_size: int) -> None:
 
 
 def test_cli_generate_prints_hf_tokens(plain, tmp_path) -> None:
-    directory, hf = fp8_checkpoint(plain["llama"], tmp_path / "cli", Fp8Options("fp8"))
-    _word_tokenizer(directory, hf.config.vocab_size)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "eos_token_id": None}))  # no early stop
+    """``pdserve generate`` on each format, dense and DeepSeek-V3 ([16, 16] blocks: DeepSeek's 40-row kv_a
+    projection ends in a partial block), prints HF's greedy tokens on the dequantized weights. The six runs are
+    processes of their own, started together."""
     prompt = [11, 200, 31, 7, 150, 99]
-    (tokens,), _ = hf_greedy(hf, [prompt], NUM_TOKENS)
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "generate", "--model", str(directory), "--device", "cpu",
-         "--dtype", "float32", "--prompt", "".join(f"<{t}>" for t in prompt), "--max-tokens", str(NUM_TOKENS),
-         "--temperature", "0"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert [int(t) for t in re.findall(r"<(\d+)>", proc.stdout)] == tokens
+    runs = {}
+    for arch in ("llama", "deepseek_v3"):
+        for fmt in FORMATS:
+            directory, hf = fp8_checkpoint(plain[arch], tmp_path / f"cli-{arch}-{fmt}", Fp8Options(fmt))
+            _word_tokenizer(directory, hf.config.vocab_size)
+            config = json.loads((directory / "config.json").read_text())
+            (directory / "config.json").write_text(json.dumps({**config, "eos_token_id": None}))  # no early stop
+            (tokens,), _ = hf_greedy(hf, [prompt], NUM_TOKENS)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "generate", "--model", str(directory), "--device", "cpu",
+                 "--dtype", "float32", "--prompt", "".join(f"<{t}>" for t in prompt), "--max-tokens",
+                 str(NUM_TOKENS), "--temperature", "0"],
+                cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            runs[arch, fmt] = (proc, tokens)
+    for (arch, fmt), (proc, tokens) in runs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{arch} {fmt}: {err[-2000:]}"
+        assert [int(t) for t in re.findall(r"<(\d+)>", out)] == tokens, f"{arch} {fmt}"

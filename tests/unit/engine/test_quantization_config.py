@@ -54,6 +54,8 @@ def test_schemes_say_what_the_configs_say() -> None:
         "weight_scale_inv")
     assert fp8.weight_format("model.layers.0.mlp.gate") is None and fp8.weight_format("lm_head") is None
     assert _scheme({**FP8, "weight_block_size": None}).weight_format(Q).granularity is ScaleGranularity.TENSOR
+    unsaid = {k: v for k, v in FP8.items() if k != "weight_block_size"}  # transformers' default: 128 x 128
+    assert _scheme(unsaid).weight_format(Q) == WeightFormat(ScaleGranularity.BLOCK, (128, 128))
     ct = _scheme(CT)
     assert ct.weight_format(Q).granularity is ScaleGranularity.CHANNEL and ct.activation_scheme == "dynamic"
     assert ct.weight_format("model.layers.3.self_attn.o_proj") is None  # the re: entry
@@ -69,6 +71,18 @@ def test_module_patterns_stop_at_module_boundaries() -> None:
     assert patterns.matches("model.layers.1.self_attn.q_proj") and not patterns.matches("model.layers.11.mlp.up")
     assert patterns.matches("model.layers.4.mlp.gate") and not patterns.matches("model.layers.4.mlp.gate_proj")
     assert patterns.matches("model.layers.7.mlp.down_proj")
+
+
+def test_a_compressed_tensors_module_takes_its_most_specific_group() -> None:
+    """A name beats a ``re:`` entry, which beats ``Linear``, whatever the groups' order (compressed-tensors')."""
+    weights = {**_FP8_ARGS, "dynamic": False}
+    groups = {"any": {"targets": ["Linear"], "weights": {**weights, "strategy": "tensor"}},
+              "attn": {"targets": [r"re:.*self_attn\..*"], "weights": {**weights, "strategy": "channel"}},
+              "q": {"targets": [Q], "weights": {**weights, "strategy": "block", "block_structure": [8, 8]}}}
+    scheme = _scheme({**CT, "ignore": [], "config_groups": groups})
+    assert scheme.weight_format(Q) == WeightFormat(ScaleGranularity.BLOCK, (8, 8))
+    assert scheme.weight_format("model.layers.0.self_attn.k_proj").granularity is ScaleGranularity.CHANNEL
+    assert scheme.weight_format("model.layers.0.mlp.up_proj").granularity is ScaleGranularity.TENSOR
 
 
 @pytest.mark.parametrize(("quant", "named"), [

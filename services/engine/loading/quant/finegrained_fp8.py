@@ -1,5 +1,6 @@
 """``quant_method: "fp8"`` (DeepSeek-V3/R1, Qwen3-*-FP8): e4m3 weights with a float32 ``weight_scale_inv``
-per ``weight_block_size`` block of each weight (rounded up at a ragged edge), or one per weight without it."""
+per ``weight_block_size`` block of each weight (rounded up at a ragged edge), or one per weight when it is null.
+A config without the field means 128 x 128 blocks, as transformers' ``FineGrainedFP8Config`` reads it."""
 
 from __future__ import annotations
 
@@ -29,11 +30,15 @@ def parse_finegrained_fp8(config: dict[str, Any]) -> QuantScheme:
     skip = config.get("ignored_layers") if skip is None else skip
     return QuantScheme(
         method="fp8",
-        groups=(WeightGroup(_weight_format(config.get("weight_block_size"))),),
+        groups=(WeightGroup(_weight_format(config.get("weight_block_size", DEFAULT_BLOCK))),),
         scale_suffix="weight_scale_inv",
         unquantized=ModulePatterns(names=string_list(skip, "modules_to_not_convert")),
         activation_scheme=activation,
     )
+
+
+#: transformers' default ``weight_block_size`` (the DeepSeek-V3 recipe's).
+DEFAULT_BLOCK = (128, 128)
 
 
 def _weight_format(block_size: object) -> WeightFormat:

@@ -30,12 +30,17 @@ class ModulePatterns:
                 raise ValueError(f"module pattern {pattern!r} is not a valid regular expression ({e})") from None
 
     def matches(self, module: str) -> bool:
-        if self.any_linear:
-            return True
+        return self.match_rank(module) is not None
+
+    def match_rank(self, module: str) -> int | None:
+        """How specifically a pattern names ``module``: 0 by name, 1 by ``re:`` entry, 2 as any Linear; None: no
+        pattern does. compressed-tensors gives a module to the group that names it most specifically."""
         for name in self.names:
             if module == name or module.endswith("." + name) or re.match(rf"(?:{name})(?:\.|$)", module):
-                return True
-        return any(re.match(regex, module) for regex in self.regexes)
+                return 0
+        if any(re.match(regex, module) for regex in self.regexes):
+            return 1
+        return 2 if self.any_linear else None
 
 
 def string_list(value: object, field: str) -> tuple[str, ...]:

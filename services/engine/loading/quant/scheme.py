@@ -84,10 +84,9 @@ class QuantScheme:
         """The format ``module``'s weight is stored in, or None when the scheme keeps it unquantized."""
         if never_quantized(module) or self.unquantized.matches(module):
             return None
-        for group in self.groups:
-            if group.targets is None or group.targets.matches(module):
-                return group.weight_format
-        return None
+        ranked = [(0 if g.targets is None else g.targets.match_rank(module), i) for i, g in enumerate(self.groups)]
+        matched = [(rank, i) for rank, i in ranked if rank is not None]  # the most specific match, then the first
+        return self.groups[min(matched)[1]].weight_format if matched else None
 
 
 # Module names (last one or two parts) that no FP8 format here quantizes: embeddings, the head, norms, MoE
