@@ -1,9 +1,13 @@
 """End to end with FP8 KV: router + prefill + decode processes, both workers ``--kv-cache-dtype fp8_e4m3``.
 
-Greedy completions through the disaggregated stack equal one colocated engine with the same FP8 KV cache; every
-request's KV is pulled (none recomputed on the decode worker); and the bytes pulled for the same prompts are a
-quarter of a float32-KV stack's and half of a bfloat16 one's (the scales travel once, in the handshake, not
-per pull), each control run beside it here, on the same checkpoint, layouts and block sizes.
+The checkpoint is an FP8 one (compressed-tensors) whose per-layer KV scales are not 1.0, so the scales are read
+from it and must agree across the handshake. Greedy completions through the disaggregated stack equal one
+colocated engine with the same FP8 KV cache; every request's KV is pulled (none recomputed on the decode
+worker); and the bytes pulled for the same prompts are a quarter of a float32-KV stack's and half of a bfloat16
+one's (the scales travel once, in the handshake, not per pull), each control run beside it here, on the same
+checkpoint, layouts and block sizes. The float32 control's tokens equal the colocated float32 engine's and differ
+from the FP8 run's: the transfer is exact without FP8, and FP8 KV changes what is computed (drift of FP8 kernels
+is told apart from a transfer error).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import random
 import pytest
 
 from tests.checkpoints import ColocatedReference, make_checkpoint
+from tests.fp8_checkpoints import Fp8Options, fp8_checkpoint
 from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, completion_tokens, info, pull_totals, stack
 
 MAX_TOKENS = 8
@@ -27,7 +32,9 @@ def _after(args: tuple[str, ...], extra: tuple[str, ...]) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    directory, _ = make_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+    root = tmp_path_factory.mktemp("llama")
+    plain, _ = make_checkpoint("llama", root / "plain")
+    directory, _ = fp8_checkpoint(plain, root / "fp8", Fp8Options("compressed-tensors", kv_scales=True))
     return str(directory)
 
 
@@ -53,14 +60,17 @@ def test_fp8_kv_disaggregated_equals_colocated_and_pulls_a_quarter_of_float32(mo
                                                                              prompts: list[list[int]]) -> None:
     reference = ColocatedReference(model, kv_cache_dtype="fp8_e4m3")
     assert reference.engine.kv_layout.dtype == "float8_e4m3fn"
+    assert any(pair != (1.0, 1.0) for pair in reference.engine.runtime.kv_scales.layers), "the checkpoint's scales"
     colocated = reference.many(prompts, MAX_TOKENS)
     del reference
+    colocated_f32 = ColocatedReference(model).many(prompts, MAX_TOKENS)
 
     fp8_tokens, fp8 = _serve(model, prompts, FP8)
     assert fp8_tokens == colocated
     assert fp8["pulls"] == len(prompts) and fp8["recomputed"] == 0  # every request's KV came over the wire
 
-    _, f32 = _serve(model, prompts, ())
+    f32_tokens, f32 = _serve(model, prompts, ())
+    assert f32_tokens == colocated_f32 and f32_tokens != fp8_tokens  # the control: exact, and not FP8's
     _, bf16 = _serve(model, prompts, BF16)
     for control in (f32, bf16):
         assert control["pulls"] == len(prompts) and control["recomputed"] == 0
