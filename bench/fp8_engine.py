@@ -9,7 +9,9 @@ bf16 in both, so the FP8 run's MFU understates its GEMMs'), decode steps at batc
 the floor (the bytes of the model's own weights -- e4m3 projections with their scales, bf16 embeddings, norms and
 head for the FP8 run -- plus the KV, over HBM bandwidth), and the ratio FP8/bf16 of each. Then greedy agreement:
 the tokens until the first difference between the two over a few prompts, and the largest relative error (max abs
-difference / max abs value) of the FP8 logits at the first step.
+difference / max abs value) of the FP8 logits at the first step; and the same between the FP8 engine and the FP8
+checkpoint dequantized to bf16 at load (``--quantization none``: the same weights exactly, so only the FP8
+compute differs -- the activations' e4m3 rounding and the FP8 GEMMs' sums).
 """
 
 from __future__ import annotations
@@ -93,6 +95,19 @@ def _run(model: str, args, fp8: bool) -> tuple[list[dict], list[list[int]], list
     return rows, tokens, [t.float().cpu() for t in logits]
 
 
+def _dequantized_greedy(args) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The FP8 checkpoint dequantized to bf16 at load: greedy tokens and first-step logits only."""
+    engine = _engine(args.fp8_model, args, "none")
+    try:
+        tokens, logits = _greedy(engine, args)
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    return tokens, [t.float().cpu() for t in logits]
+
+
 def _agreement(fp8: list[list[int]], ref: list[list[int]]) -> list[int]:
     return [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
             for x, y in zip(fp8, ref, strict=True)]
@@ -119,10 +134,16 @@ def main() -> None:
     fp8_rows, fp8_tokens, fp8_logits = _run(args.fp8_model, args, fp8=True)
     for bf16, fp8 in zip(bf16_rows, fp8_rows, strict=True):
         fp8["vs_bf16"] = fp8["ms"] / bf16["ms"]
-    agree = _agreement(fp8_tokens, bf16_tokens)
-    rel = max(float((f - b).abs().max() / b.abs().max()) for f, b in zip(fp8_logits, bf16_logits, strict=True))
-    greedy = dict(case="greedy", prompts=len(agree), tokens=args.greedy_tokens, agree_until=agree,
-                  first_step_logits_max_rel_err=rel)
+    deq_tokens, deq_logits = _dequantized_greedy(args)
+
+    def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b, strict=True))
+
+    greedy = dict(case="greedy", prompts=args.greedy_prompts, tokens=args.greedy_tokens,
+                  agree_until=_agreement(fp8_tokens, bf16_tokens), first_step_logits_max_rel_err=rel(fp8_logits,
+                                                                                                      bf16_logits),
+                  dequantized_agree_until=_agreement(fp8_tokens, deq_tokens),
+                  dequantized_first_step_logits_max_rel_err=rel(fp8_logits, deq_logits))
     if emit_json([*bf16_rows, *fp8_rows, greedy], args.json_out, args.json):
         return
     _print(bf16_rows, fp8_rows, greedy)
@@ -143,6 +164,9 @@ def _print(bf16_rows: list[dict], fp8_rows: list[dict], greedy: dict) -> None:
         print(f"{name:>18} {b['ms']:>9.2f} {qb:>10} {f['ms']:>9.2f} {qf:>10} {f['vs_bf16']:>9.2f}")
     print(f"# greedy FP8 vs bf16 (same dummy weights): tokens until the first difference {greedy['agree_until']} of "
           f"{greedy['tokens']}; first-step logits max rel error {greedy['first_step_logits_max_rel_err']:.3e}")
+    print(f"# greedy FP8 vs the FP8 checkpoint dequantized to bf16: tokens until the first difference "
+          f"{greedy['dequantized_agree_until']}; first-step logits max rel error "
+          f"{greedy['dequantized_first_step_logits_max_rel_err']:.3e}")
 
 
 if __name__ == "__main__":
