@@ -17,8 +17,8 @@ import random
 import pytest
 
 from tests.checkpoints import ColocatedReference, make_checkpoint
-from tests.fp8_checkpoints import Fp8Options, fp8_checkpoint
 from tests.e2e.stack import DECODE_ARGS, PREFILL_ARGS, completion_tokens, info, pull_totals, stack
+from tests.fp8_checkpoints import Fp8Options, fp8_checkpoint
 
 MAX_TOKENS = 8
 FP8 = ("--kv-cache-dtype", "fp8_e4m3")

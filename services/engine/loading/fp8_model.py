@@ -66,6 +66,7 @@ def keep_fp8_projections(model: DecoderModel, scheme: QuantScheme) -> frozenset[
             continue
         new = Fp8Linear(old.weight.shape[1], old.weight.shape[0], old.bias is not None, fmt.block_size,
                         old.weight.dtype, old.weight.device)
+        new.amax_ub = scheme.activation_scale_ub
         model.replace_module(target.path, new)
         swapped += 1
         offset = 0

@@ -40,11 +40,12 @@ class Fp8Linear(nn.Module):
                                          requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
+        self.amax_ub: float | None = None  # fbgemm's activation_scale_ub (row scales only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block is not None:
             return block_scaled_linear(x, self.weight, self.weight_scale, self.block, self.bias)
-        return row_scaled_linear(x, self.weight, self.weight_scale, self.bias)
+        return row_scaled_linear(x, self.weight, self.weight_scale, self.bias, self.amax_ub)
 
     def extra_repr(self) -> str:
         scales = f"blocks {self.block[0]}x{self.block[1]}" if self.block is not None else "per-row scales"

@@ -55,9 +55,11 @@ def _one_row_gemv(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor, blo
     return fp8_gemv_triton if fp8_gemv_triton.supported(x, wq, w_scales, block) else None
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] as e4m3 with one float32 scale per row ([M, 1]): ``x ~= q * scale``."""
-    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+def quantize_rows(x: torch.Tensor, amax_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as e4m3 with one float32 scale per row ([M, 1]): ``x ~= q * scale``. ``amax_ub``: a row's absolute
+    maximum is taken as at most this (fbgemm's ``activation_scale_ub``: larger values saturate)."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    scale = ((amax if amax_ub is None else amax.clamp_max(amax_ub)) / FP8_MAX).clamp_min(MIN_SCALE)
     return quantize(x, scale), scale
 
 
@@ -118,17 +120,17 @@ def _cublas_block_applies(x: torch.Tensor, wq: torch.Tensor, block: tuple[int, i
 
 
 def row_scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, amax_ub: float | None = None) -> torch.Tensor:
     """A projection with a per-tensor ([1] or []) or per-output-channel ([N] or [N, 1]) scaled e4m3 weight
     [N, K], x quantized per row: ``torch._scaled_mm`` with row-wise scales on CUDA, the float32 product of the
-    dequantized operands elsewhere."""
+    dequantized operands elsewhere. ``amax_ub``: ``quantize_rows``'."""
     shape = x.shape
     n = wq.shape[0]
     x2 = x.reshape(-1, shape[-1])
     if x.is_cuda:
-        xq, xs = _kernels().quantize_groups(x2, x2.shape[1])
+        xq, xs = _kernels().quantize_groups(x2, x2.shape[1], amax_ub=amax_ub)
     else:
-        xq, xs = quantize_rows(x2)
+        xq, xs = quantize_rows(x2, amax_ub)
     ws = w_scales.float().reshape(-1).expand(n).reshape(1, n).contiguous()
     if x.is_cuda:
         y = torch._scaled_mm(xq, wq.T, scale_a=xs, scale_b=ws, out_dtype=x.dtype,

@@ -71,7 +71,8 @@ def tile_for(m: int) -> Fp8Tile:
 
 
 @triton.jit
-def _quantize_groups_kernel(X, Q, S, K, stride_x, stride_q, stride_sm, stride_sg, num_groups, GROUP: tl.constexpr,
+def _quantize_groups_kernel(X, Q, S, K, stride_x, stride_q, stride_sm, stride_sg, num_groups, amax_ub,
+                            GROUP: tl.constexpr,
                             BLOCK: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, FMAX: tl.constexpr,
                             SMIN: tl.constexpr):
     row = tl.program_id(0)
@@ -80,18 +81,18 @@ def _quantize_groups_kernel(X, Q, S, K, stride_x, stride_q, stride_sm, stride_sg
     offs = groups[:, None] * GROUP + cols[None, :]
     ok = (cols[None, :] < GROUP) & (offs < K) & (groups[:, None] < num_groups)
     x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FMAX, SMIN)
+    scale = tl.maximum(tl.minimum(tl.max(tl.abs(x), axis=1), amax_ub) / FMAX, SMIN)
     q = tl.clamp(tl.div_rn(x, scale[:, None]), -FMAX, FMAX)  # IEEE division, as fp8_format.quantize divides
     tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=ok)
     tl.store(S + row * stride_sm + groups * stride_sg, scale, mask=groups < num_groups)
 
 
-def quantize_groups(x: torch.Tensor, group: int,
-                    column_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(x: torch.Tensor, group: int, column_major_scales: bool = False,
+                    amax_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``fp8_gemm.quantize_groups``: x [M, K] (rows contiguous) -> (e4m3 [M, K], float32 [M, ceil(K/group)]).
     A program quantizes up to 1024 values of a row (several groups of 128, or one whole row).
     ``column_major_scales``: the scales' groups outermost in memory (strides (1, M)), as cuBLASLt's 1x128 recipe
-    reads them."""
+    reads them. ``amax_ub``: a group's absolute maximum is taken as at most this (``fp8_gemm.quantize_rows``)."""
     m, k = x.shape
     num_groups = triton.cdiv(k, group)
     block = triton.next_power_of_2(group)
@@ -104,7 +105,8 @@ def quantize_groups(x: torch.Tensor, group: int,
     if m:
         grid = (m, triton.cdiv(num_groups, per_program))
         _quantize_groups_kernel[grid](x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
-                                      num_groups, GROUP=group, BLOCK=block,
+                                      num_groups, float("inf") if amax_ub is None else float(amax_ub),
+                                      GROUP=group, BLOCK=block,
                                       GROUPS_PER_PROGRAM=per_program, FMAX=FP8_MAX, SMIN=MIN_SCALE,
                                       num_warps=4 if block * per_program <= 2048 else 8)
     return q, scales

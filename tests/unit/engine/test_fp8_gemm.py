@@ -170,6 +170,27 @@ def test_row_scaled_linear_is_the_dequantized_product(scale_shape: str) -> None:
         assert _rel(got.cpu(), expected) < 2e-2
 
 
+def test_an_activation_bound_saturates_the_rows_above_it() -> None:
+    """fbgemm's ``activation_scale_ub``: a row whose absolute maximum is past the bound is scaled as if the maximum
+    were the bound, so its outlier saturates at it; rows under it are unchanged."""
+    n, k, ub = 32, 128, 12.0
+    w = _randn(n, k, seed=12, scale=0.05)
+    ws = w.abs().amax(1, keepdim=True) / 448.0
+    wq = (w / ws).to(torch.float8_e4m3fn)
+    x = _randn(3, k, seed=13)
+    x[1, 5] = 80.0  # past the bound
+    q, s = fp8_gemm.quantize_rows(x, ub)
+    assert float(s[1]) == pytest.approx(ub / 448.0) and float(q[1, 5].float() * s[1]) == pytest.approx(ub)
+    assert torch.equal(s[[0, 2]], fp8_gemm.quantize_rows(x[[0, 2]])[1])
+    expected = (q.float() * s) @ (wq.float() * ws).T
+    assert _rel(fp8_gemm.row_scaled_linear(x, wq, ws.reshape(-1), amax_ub=ub), expected) < 1e-5
+    assert _rel(fp8_gemm.row_scaled_linear(x, wq, ws.reshape(-1)), expected) > 1e-2  # the bound matters here
+    if not ON_CPU:
+        xb = x.to(torch.bfloat16).to(DEVICE)
+        got = fp8_gemm.row_scaled_linear(xb, wq.to(DEVICE), ws.reshape(-1).to(DEVICE), amax_ub=ub)
+        assert _rel(got.cpu(), expected) < 2e-2
+
+
 _COMPILE_FOR_SM90 = """
 from services.engine.ops import fp8_gemm_triton as k
 from services.engine.ops import fp8_gemv_triton as gemv
@@ -186,7 +207,7 @@ t = gemv.DEFAULT_TILE
 print(t, compile_for_sm90(gemv._fp8_gemv_kernel, g, dict(SCALE_N=128, GROUP=128, GROUPS=t.groups, BLOCK_N=t.block_n,
       HAS_BIAS=False, FMAX=448.0, SMIN=1e-12), [*g, "N", "K", "stride_wn"], num_warps=t.num_warps,
       num_stages=t.num_stages))
-q = {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32"}
+q = {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "amax_ub": "fp32"}
 for group in (128, 4096):
     print(group, compile_for_sm90(k._quantize_groups_kernel, q, dict(GROUP=group, BLOCK=group, FMAX=448.0,
           GROUPS_PER_PROGRAM=max(1, 1024 // group), SMIN=1e-12), num_warps=4 if group <= 1024 else 8))

@@ -67,8 +67,8 @@ class QuantScheme:
     ``weight_scale``); in every format here the weight is ``fp8 * scale``. ``unquantized``: modules kept as
     stored (``modules_to_not_convert`` / ``ignore``). ``activation_scheme``: ``dynamic`` (per-token or
     per-block scales computed at run time) or ``none`` (weight-only FP8); static scales are refused.
-    ``activation_scale_ub``: fbgemm's clamp of dynamic activation scales, recorded for the FP8 GEMMs, unused
-    when dequantizing.
+    ``activation_scale_ub``: fbgemm's clamp of a token row's absolute maximum before its dynamic scale is taken
+    (``Fp8Linear.amax_ub``), unused when dequantizing.
     ``kv_cache_scheme``: whether the config declares FP8 KV-cache scales.
     """
 
