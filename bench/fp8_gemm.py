@@ -7,9 +7,8 @@ weights (so no weight is still in L2 when it is read again):
 * ``scaled_mm``: per-token activation quantization + ``torch._scaled_mm`` with row-wise scales (the per-tensor and
   per-channel checkpoints' path, ``fp8_gemm.row_scaled_linear``);
 * ``block``: ``fp8_gemm.block_scaled_linear`` as the engine calls it (1x128 group quantization + the block-scaled
-  Triton GEMM or cuBLASLt; one row: the FP8 GEMV), and the Triton GEMM alone on pre-quantized activations
-  (``block_gemm``); with ``--sweep``, every tile of ``sweep_tiles`` for the GEMM alone, the best printed per shape;
-* ``gemv`` (one row): ``fp8_gemv_triton.fp8_gemv``, which quantizes x as it reads; with ``--sweep`` its tiles.
+  Triton GEMM or cuBLASLt), and the Triton GEMM alone on pre-quantized activations (``block_gemm``); with
+  ``--sweep``, every tile of ``sweep_tiles`` for the GEMM alone, the best printed per shape.
 
 Each row prints microseconds, the ratio to bf16, the weight-read floor (e4m3 bytes over the HBM peak) at decode
 sizes and TFLOP/s against the FP8 peak (twice the bf16 one) at prefill sizes. The block GEMM's output is checked
@@ -83,7 +82,7 @@ def graph_us(fn, copies: int) -> float:
 
 
 def measure(model: str, proj: str, n: int, k: int, rows: int, copies: int, sweep: bool, peaks) -> dict:
-    from services.engine.ops import fp8_gemm, fp8_gemm_triton, fp8_gemv_triton
+    from services.engine.ops import fp8_gemm, fp8_gemm_triton
 
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(copies)]
@@ -100,26 +99,16 @@ def measure(model: str, proj: str, n: int, k: int, rows: int, copies: int, sweep
         "block": graph_us(lambda i: fp8_gemm.block_scaled_linear(x, *blocks[i], BLOCK), copies),
         "block_gemm": graph_us(lambda i: fp8_gemm_triton.block_scaled_mm(xq, xs, *blocks[i], BLOCK, x.dtype), copies),
     }
-    if rows == 1:  # the one-row GEMV (it quantizes x itself), checked against the same reference
-        row_gemv = fp8_gemv_triton.fp8_gemv(x, *blocks[0], BLOCK).float()
-        gemv_error = ((row_gemv - want).abs().max() / want.abs().max()).item()
-        times["gemv"] = graph_us(lambda i: fp8_gemv_triton.fp8_gemv(x, *blocks[i], BLOCK), copies)
     blockwise, how = torch_blockwise(want, xq, xs, *blocks[0])
     if blockwise is not None:
         times["torch_block"] = graph_us(lambda i: blockwise(xq, xs, *blocks[i]), copies)
     row = {"model": model, "proj": proj, "n": n, "k": k, "rows": rows, "rel_error": error, "torch_block_how": how,
            **{f"{name}_us": t for name, t in times.items()}}
-    if rows == 1:
-        row["gemv_rel_error"] = gemv_error
     if sweep:
         best = min((graph_us(lambda i, t=t: fp8_gemm_triton.block_scaled_mm(xq, xs, *blocks[i], BLOCK, x.dtype,
                                                                             tile=t), copies), t)
                    for t in sweep_tiles())
         row["sweep_best_us"], row["sweep_best_tile"] = best[0], list(best[1])
-        if rows == 1:
-            best = min((graph_us(lambda i, t=t: fp8_gemv_triton.fp8_gemv(x, *blocks[i], BLOCK, tile=t), copies), t)
-                       for t in fp8_gemv_triton.search_space())
-            row["gemv_sweep_best_us"], row["gemv_sweep_best_tile"] = best[0], list(best[1])
     bw, flops16 = peaks
     row["floor_us"] = n * k / bw * 1e6  # e4m3 weight bytes
     row["tflops_block"] = 2 * rows * n * k / times["block"] / 1e6
@@ -140,10 +129,6 @@ def summary(r: dict) -> str:
     best = f"; best {r['sweep_best_us']:.1f} {r['sweep_best_tile']}" if "sweep_best_us" in r else ""
     if "torch_block_us" in r:
         best += f"; torch block {r['torch_block_us']:.1f}"
-    if "gemv_us" in r:
-        best += (f"; GEMV {r['gemv_us']:.1f} = {r['gemv_us'] / r['floor_us']:.2f}x floor, err {r['gemv_rel_error']:.1e}"
-                 + (f", best {r['gemv_sweep_best_us']:.1f} {r['gemv_sweep_best_tile']}" if "gemv_sweep_best_us" in r
-                    else ""))
     return (f"{r['model']:13s} {r['proj']:8s} {r['rows']:5d} bf16 {r['bf16_us']:8.1f} scaled_mm "
             f"{r['scaled_mm_us']:8.1f} ({r['bf16_us'] / r['scaled_mm_us']:.2f}x) block {r['block_us']:8.1f} "
             f"({r['bf16_us'] / r['block_us']:.2f}x; gemm {r['block_gemm_us']:.1f}{best}) floor {r['floor_us']:.1f} "

@@ -51,10 +51,8 @@
 #   bash bench/gpu_speed_run.sh fp8_kernels  the FP8 KV cache's and GEMMs' CUDA tests (kernels against the CPU
 #                                         reference), the block GEMM's tile sweep (split-K) at 1 and 8 rows, and the
 #                                         KV pull of 2k/8k prompts with FP8 KV beside bf16 KV (bench/pull_path.py)
-#   bash bench/gpu_speed_run.sh fp8_ab    FP8 with the one-row GEMV: the CUDA tests, the GEMMs at 1 and 8 rows (the
-#                                         one-row tile sweep), bench/fp8_engine.py with the decode GEMVs on and off
-#                                         (PDSERVE_DECODE_GEMV=1/0), and profiles of the FP8 engine's 2k prefill and
-#                                         batch-1 decode step
+#   bash bench/gpu_speed_run.sh fp8_final  FP8 as shipped: the CUDA tests, bench/fp8_engine.py once, and a profile
+#                                         of the FP8 engine's 2k prefill (profiles.tgz)
 #   bash bench/gpu_speed_run.sh offload   the host KV tier: its tests on CUDA (pinned memory, copy stream),
 #                                         the e2e serving test (decode reading the prefill's host tier into
 #                                         VRAM), and TTFT/store/load of an 8k prompt (bench/offload.py)
@@ -176,23 +174,15 @@ for part in "$@"; do
       timeout 170 python3 bench/pull_path.py --device cuda --tokens 2048,8192 --pools contiguous,fragmented --repeats 5 \
           --kv-dtypes bfloat16,float8_e4m3fn --json-out "$OUT/pull_path_fp8.jsonl" 2>&1 | grep -v "NIXL INFO" \
           | tee "$OUT/pull_path_fp8.txt" | tail -8 ;;
-    fp8_ab)
+    fp8_final)
       PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/unit/engine/test_fp8_compute_cuda.py \
-          tests/unit/engine/test_fp8_gemm.py tests/unit/engine/test_fp8_kv_kernels.py 2>&1 | tee "$OUT/fp8_ab_tests.log" \
+          tests/unit/engine/test_fp8_gemm.py tests/unit/engine/test_fp8_kv_kernels.py 2>&1 | tee "$OUT/fp8_final_tests.log" \
           | grep -E "equal|FAILED|passed|failed" | tail -12
-      timeout 150 python3 bench/fp8_gemm.py --rows 1,8 --sweep --sweep-rows 1 --json-out "$OUT/fp8_gemm_gemv.jsonl" 2>&1 \
-          | tee "$OUT/fp8_gemm_gemv.txt" | grep -v "^{" | tail -24
-      for gemv in 1 0; do
-        echo "== PDSERVE_DECODE_GEMV=$gemv"
-        PDSERVE_DECODE_GEMV=$gemv timeout 150 python3 bench/fp8_engine.py --json-out "$OUT/fp8_engine_gemv$gemv.jsonl" \
-            2>&1 | grep -v Warning | tee "$OUT/fp8_engine_gemv$gemv.txt"
-      done
-      for what in "--prefill 2048" "--batch 1 --context 2048"; do
-        name=prof_fp8_$(echo "$what" | tr -d ' -')
-        # shellcheck disable=SC2086  # $what is flags
-        PDSERVE_PDL=0 timeout 100 python3 bench/profile_step.py --model dummy:llama-3.1-8b-fp8 $what > "$OUT/$name.txt" 2>&1
-        echo "== $what: $(grep -c . "$OUT/$name.txt") lines"
-      done ;;
+      timeout 150 python3 bench/fp8_engine.py --json-out "$OUT/fp8_engine_final.jsonl" 2>&1 | grep -v Warning \
+          | tee "$OUT/fp8_engine_final.txt"
+      PDSERVE_PDL=0 timeout 100 python3 bench/profile_step.py --model dummy:llama-3.1-8b-fp8 --prefill 2048 \
+          > "$OUT/prof_fp8_prefill2048.txt" 2>&1
+      tar czf "$OUT/profiles.tgz" -C "$OUT" prof_fp8_prefill2048.txt && rm -f "$OUT/prof_fp8_prefill2048.txt" ;;
     offload)
       PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_kv_offload.py \
           2>&1 | tee "$OUT/offload_tests.log" | tail -8

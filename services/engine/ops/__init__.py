@@ -90,11 +90,6 @@ def set_backend(name: str) -> str:
     return previous
 
 
-def decode_gemv_enabled() -> bool:
-    """Whether small-batch projections take the Triton GEMVs (``--decode-gemv``, ``PDSERVE_DECODE_GEMV``)."""
-    return _decode_gemv
-
-
 def configure(backend: str | None, *, fused_kv_write: bool, decode_gemv: bool) -> None:
     """The engine's settings of these ops (``EngineConfig.fused_ops``, ``fused_kv_write``, ``decode_gemv``) for
     this process: a ``backend`` of None changes nothing, and each one's variable (``PDSERVE_FUSED_OPS``,

@@ -30,11 +30,13 @@ from services.engine.ops.fp8_format import FP8_MAX, MIN_SCALE, dequantize_blocks
 TRITON_MAX_ROWS = 16
 #: The one block shape cuBLASLt's block-scaled recipe takes (with K a multiple of it).
 CUBLAS_BLOCK = (128, 128)
-#: cuBLASLt's block recipe: torch refuses N off a multiple of 16, and cuBLASLt finds no algorithm for a row count
-#: off a multiple of 4 (measured on an H200: 17, 18, 31, 33, 2047 and 2049 rows refused, 20, 24 and 2056 taken),
-#: the column-major activation scales' leading dimension: rows are padded to it.
+#: cuBLASLt's block recipe: torch refuses N off a multiple of 16 and a K of scale blocks off a multiple of 4 (its
+#: weight-scale layout), and cuBLASLt finds no algorithm for a row count off a multiple of 4 (measured on an H200:
+#: 17, 18, 31, 33, 2047 and 2049 rows refused, 20, 24 and 2056 taken; the column-major activation scales' leading
+#: dimension): rows are padded to it, the other shapes take the Triton GEMM.
 CUBLAS_N_ALIGN = 16
 CUBLAS_ROW_ALIGN = 4
+CUBLAS_K_BLOCKS_ALIGN = 4
 
 
 def _kernels():
@@ -42,17 +44,6 @@ def _kernels():
     from services.engine.ops import fp8_gemm_triton
 
     return fp8_gemm_triton
-
-
-def _one_row_gemv(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor, block: tuple[int, int]):
-    """``fp8_gemv_triton`` when it takes this product (one row on CUDA, the decode GEMVs on), else None."""
-    from services.engine import ops
-
-    if not (x.is_cuda and x.shape[0] == 1 and ops.decode_gemv_enabled()):
-        return None
-    from services.engine.ops import fp8_gemv_triton
-
-    return fp8_gemv_triton if fp8_gemv_triton.supported(x, wq, w_scales, block) else None
 
 
 def quantize_rows(x: torch.Tensor, amax_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,8 +81,7 @@ def block_scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tenso
                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """A projection with a block-scaled e4m3 weight: x [..., K] in its dtype, out in x's dtype. CUDA runs the
     group quantization as a Triton kernel, then (``_cublas_block_applies``) cuBLASLt's block recipe or the Triton
-    GEMM (blocks at least 32 wide: every real checkpoint's); one decode row takes the FP8 GEMV, which quantizes
-    as it reads (``fp8_gemv_triton``); elsewhere the torch reference."""
+    GEMM (blocks at least 32 wide: every real checkpoint's); elsewhere the torch reference."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x.is_cuda and _cublas_block_applies(x2, wq, block):
@@ -101,8 +91,6 @@ def block_scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tenso
                                             column_major_scales=True)
         y = F.scaled_mm(xq, wq.T, xs, F.ScalingType.BlockWise1x128, w_scales.T, F.ScalingType.BlockWise128x128,
                         bias=None if bias is None else bias.to(x.dtype), output_dtype=x.dtype)[:m]
-    elif (gemv := _one_row_gemv(x2, wq, w_scales, block)) is not None:
-        y = gemv.fp8_gemv(x2, wq, w_scales, block, bias)
     elif x.is_cuda and _kernels().supported_block(block):
         xq, xs = _kernels().quantize_groups(x2, block[1])
         y = _kernels().block_scaled_mm(xq, xs, wq, w_scales, block, x.dtype, bias)
@@ -114,8 +102,9 @@ def block_scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tenso
 
 def _cublas_block_applies(x: torch.Tensor, wq: torch.Tensor, block: tuple[int, int]) -> bool:
     """Whether cuBLASLt's block-scaled GEMM takes this product (and wins: more than ``TRITON_MAX_ROWS`` rows)."""
-    return (x.shape[0] > TRITON_MAX_ROWS and tuple(block) == CUBLAS_BLOCK and x.shape[1] % CUBLAS_BLOCK[1] == 0
-            and wq.shape[0] % CUBLAS_N_ALIGN == 0
+    k_blocks, rest = divmod(x.shape[1], CUBLAS_BLOCK[1])
+    return (x.shape[0] > TRITON_MAX_ROWS and tuple(block) == CUBLAS_BLOCK and rest == 0
+            and k_blocks % CUBLAS_K_BLOCKS_ALIGN == 0 and wq.shape[0] % CUBLAS_N_ALIGN == 0
             and x.dtype == torch.bfloat16 and hasattr(torch.nn.functional, "scaled_mm"))
 
 
