@@ -51,8 +51,8 @@
 #   bash bench/gpu_speed_run.sh fp8_kernels  the FP8 KV cache's and GEMMs' CUDA tests (kernels against the CPU
 #                                         reference), the block GEMM's tile sweep (split-K) at 1 and 8 rows, and the
 #                                         KV pull of 2k/8k prompts with FP8 KV beside bf16 KV (bench/pull_path.py)
-#   bash bench/gpu_speed_run.sh fp8_final  FP8 as shipped: the CUDA tests, bench/fp8_engine.py once, and a profile
-#                                         of the FP8 engine's 2k prefill (profiles.tgz)
+#   bash bench/gpu_speed_run.sh fp8_final  FP8 as shipped: the CUDA tests, bench/fp8_engine.py once, and profiles
+#                                         of the FP8 engine's 2k prefill and batch-1 decode step (profiles.tgz)
 #   bash bench/gpu_speed_run.sh offload   the host KV tier: its tests on CUDA (pinned memory, copy stream),
 #                                         the e2e serving test (decode reading the prefill's host tier into
 #                                         VRAM), and TTFT/store/load of an 8k prompt (bench/offload.py)
@@ -181,8 +181,11 @@ for part in "$@"; do
       timeout 150 python3 bench/fp8_engine.py --json-out "$OUT/fp8_engine_final.jsonl" 2>&1 | grep -v Warning \
           | tee "$OUT/fp8_engine_final.txt"
       PDSERVE_PDL=0 timeout 100 python3 bench/profile_step.py --model dummy:llama-3.1-8b-fp8 --prefill 2048 \
-          > "$OUT/prof_fp8_prefill2048.txt" 2>&1
-      tar czf "$OUT/profiles.tgz" -C "$OUT" prof_fp8_prefill2048.txt && rm -f "$OUT/prof_fp8_prefill2048.txt" ;;
+          > "$OUT/prof_fp8_prefill.txt" 2>&1
+      PDSERVE_PDL=0 timeout 100 python3 bench/profile_step.py --model dummy:llama-3.1-8b-fp8 --batch 1 --context 2048 \
+          > "$OUT/prof_fp8_decode.txt" 2>&1
+      tar czf "$OUT/profiles.tgz" -C "$OUT" prof_fp8_prefill.txt prof_fp8_decode.txt \
+          && rm -f "$OUT"/prof_fp8_*.txt ;;
     offload)
       PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_kv_offload.py \
           2>&1 | tee "$OUT/offload_tests.log" | tail -8
