@@ -105,10 +105,12 @@ def test_block_scaled_kernel_matches_the_reference(m: int, n: int, k: int, block
 
 
 @pytest.mark.parametrize("splits", [2, 3, 8])
-def test_split_k_sums_the_same_product(splits: int) -> None:
+@pytest.mark.parametrize("m,n", [(3, 40), (16, 200)])
+def test_split_k_sums_the_same_product(splits: int, m: int, n: int) -> None:
     """K split over programs (a small decode product): the partial sums and the bias add up to the unsplit result,
-    whatever the split count (3 does not divide the 5 slabs; 8 is more than there are, so fewer run)."""
-    m, n, k, block = 3, 40, 320, (32, 64)
+    whatever the split count (3 does not divide the 5 slabs; 8 is more than there are, so fewer run), in one sum
+    kernel over several of its programs (16 x 200 outputs) and in bf16 too."""
+    k, block = 320, (32, 64)
     wq, ws = _block_quantized(n, k, block, seed=9)
     xq, xs = fp8_gemm.quantize_groups(_randn(m, k, seed=10), block[1])
     bias = _randn(n, seed=11)
@@ -117,6 +119,10 @@ def test_split_k_sums_the_same_product(splits: int) -> None:
     tile = kernels.Fp8Tile(16, 32, 4, 2, split_k=splits)
     got = kernels.block_scaled_mm(*dev[:4], block, torch.float32, dev[4], tile=tile)
     assert _rel(got.cpu(), want) < (1e-5 if ON_CPU else 1e-3)
+    got16 = kernels.block_scaled_mm(*dev[:4], block, torch.bfloat16, dev[4].to(torch.bfloat16), tile=tile)
+    assert got16.dtype == torch.bfloat16 and _rel(got16.cpu().float(), want) < 1e-2
+    unbiased = kernels.block_scaled_mm(*dev[:4], block, torch.float32, tile=tile)
+    assert _rel(unbiased.cpu() + bias, want) < (1e-5 if ON_CPU else 1e-3)
     assert kernels.split_k_for(4, 56, 1, torch.device("cpu")) == 1  # only CUDA decode products split
 
 
@@ -177,6 +183,8 @@ for limit, tile in k.TILES:
     print(tile, compile_for_sm90(k._block_scaled_mm_kernel, t, dict(SCALE_N=128, HAS_BIAS=False, BLOCK_M=tile.block_m,
           BLOCK_N=tile.block_n, BLOCK_K=128, GROUP_M=tile.group_m), aligned, num_warps=tile.num_warps,
           num_stages=tile.num_stages))
+print("sum", compile_for_sm90(k._sum_splits_kernel, {"P": "*fp32", "Bias": "*bf16", "Y": "*bf16"},
+      dict(SPLITS=4, HAS_BIAS=True, BLOCK=k.SUM_BLOCK)))
 q = {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "amax_ub": "fp32"}
 for group in (128, 4096):
     print(group, compile_for_sm90(k._quantize_groups_kernel, q, dict(GROUP=group, BLOCK=group, FMAX=448.0,
@@ -185,4 +193,4 @@ for group in (128, 4096):
 
 
 def test_kernels_compile_for_sm90_without_spills() -> None:
-    assert len(compile_script_lines(_COMPILE_FOR_SM90)) == len(kernels.TILES) + 2
+    assert len(compile_script_lines(_COMPILE_FOR_SM90)) == len(kernels.TILES) + 3
