@@ -9,10 +9,12 @@ so an FP8 checkpoint computes in FP8 instead of being widened at load. The activ
 * **128x128 weight blocks** (DeepSeek-V3/R1, Qwen3-FP8): x in groups of ``block_k`` columns per row, one scale
   each (``quantize_groups``, the 1x128 recipe of DeepSeek's reference), then by the number of rows (measured on
   an H200 by ``bench/fp8_gemm.py``, ``bench/RESULTS.md``): up to ``TRITON_MAX_ROWS`` rows (decode) the Triton GEMM
-  of ``fp8_gemm_triton``, which multiplies each K slab's partial product by its two scales as it accumulates and
-  reads the weight at 1.2-1.5x its floor (1.5-2.2x faster than bf16 on the large projections); more rows take
-  cuBLASLt's block-scaled GEMM (``torch.nn.functional.scaled_mm`` with the 1x128 / 128x128 recipes), 1.5-1.7x
-  faster than bf16 where the Triton GEMM reaches only 0.3 of the FP8 peak.
+  of ``fp8_gemm_triton``, which multiplies each K slab's partial product by its two scales as it accumulates
+  (K split over programs for the small-N projections) and reads the large weights at 1.25-1.5x their floor
+  (1.3-2.1x faster than bf16 there, about bf16's speed on Llama's qkv and o); more rows take cuBLASLt's
+  block-scaled GEMM (``torch.nn.functional.scaled_mm`` with the 1x128 / 128x128 recipes, where its shape limits
+  allow: ``_cublas_block_applies``), 1.5-1.7x faster than bf16 where the Triton GEMM reaches only 0.3 of the FP8
+  peak.
 
 The torch functions are the exact math the kernels implement, and the tests' reference: a block-scaled product
 equals the product of the dequantized operands up to the order of the fp32 sum.
