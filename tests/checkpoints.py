@@ -33,6 +33,12 @@ _DEEPSEEK_V3 = dict(
 )
 
 
+# Qwen3-MoE: 8 experts of 32, top-2 renormalised, the second of three layers dense (mlp_only_layers).
+_QWEN3_MOE = dict(_BASE, num_hidden_layers=3, head_dim=16, moe_intermediate_size=32, num_experts=8,
+                  num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+                  tie_word_embeddings=False)
+
+
 def hf_config(arch: str):
     import transformers
 
@@ -49,6 +55,8 @@ def hf_config(arch: str):
     if arch == "mistral":
         # A window shorter than the test sequences, so the windowed mask is exercised.
         return transformers.MistralConfig(**_BASE, sliding_window=24, tie_word_embeddings=False)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**_QWEN3_MOE)
     if arch == "deepseek_v3":
         return transformers.DeepseekV3Config(**{k: v for k, v in _DEEPSEEK_V3.items() if k != "num_key_value_heads"})
     if arch == "gemma2":
@@ -89,6 +97,14 @@ def make_checkpoint(arch: str, directory: Path, seed: int = 0):
     model = transformers.AutoModelForCausalLM.from_config(hf_config(arch), attn_implementation="eager" if gemma
                                                           else "sdpa")
     model = model.float().eval()
+    if arch == "qwen3_moe":
+        # transformers starts the router at zero (every expert tied: the lowest ids chosen) and norms at one.
+        with torch.no_grad():
+            for name, tensor in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    tensor.copy_(0.5 * torch.randn_like(tensor))
+                elif name.endswith("norm.weight"):
+                    tensor.add_(0.2 * torch.randn_like(tensor))
     if arch == "deepseek_v3":
         # Unit norms and zero routing biases would hide a norm or a correction bias read wrong.
         with torch.no_grad():

@@ -43,9 +43,10 @@ class ParallelConfig:
         """Refuse, before any rank starts, a TP size that cannot shard every layer of the model."""
         for i, spec in enumerate(config.layers):
             self.check_divides(config.num_heads, spec.num_kv_heads, config.layer_intermediate_size(i))
-        if config.moe is not None and config.moe.moe_intermediate_size % self.tp_size:
+        experts = config.moe or config.qwen3_moe
+        if experts is not None and experts.moe_intermediate_size % self.tp_size:
             raise ValueError(f"tensor-parallel size {self.tp_size} cannot shard this model: expert width "
-                             f"{config.moe.moe_intermediate_size} over {self.tp_size} ranks")
+                             f"{experts.moe_intermediate_size} over {self.tp_size} ranks")
         if config.granite is not None:
             config.granite.mamba.for_rank(self.tp_size, self.tp_rank)  # heads and groups must split
             experts = config.granite.experts

@@ -25,12 +25,13 @@ from services.engine.model_config.layers import (
     rope_from_dict,
     shared_fields,
 )
+from services.engine.model_config.qwen3_moe import Qwen3MoESpec, qwen3_moe_fields
 from services.kv.spec.groups import AttentionKind
 
 __all__ = ["SUPPORTED_ROPE_TYPES", "LayerSpec", "ModelConfig", "RopeSpec", "preset", "read_rope", "rope_from_dict"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma4", "deepseek_v3",
-                          "granitemoehybrid")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma4",
+                           "deepseek_v3", "granitemoehybrid")
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3", "gemma4")
 
 _ARCH_BY_CLASS = {
@@ -38,6 +39,7 @@ _ARCH_BY_CLASS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
@@ -124,12 +126,15 @@ class ModelConfig:
     mla: MLASpec | None = None
     moe: MoESpec | None = None
     granite: GraniteSpec | None = None
+    qwen3_moe: Qwen3MoESpec | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if (self.qwen3_moe is not None) != (self.architecture == "qwen3_moe"):
+            raise ValueError("a Qwen3-MoE spec goes with the qwen3_moe architecture, and only with it")
         if self.hidden_activation not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"unsupported hidden activation {self.hidden_activation!r}; "
                              f"supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
@@ -229,7 +234,9 @@ class ModelConfig:
             q, kv = self.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
             num_kv_proj = 0 if layer.kv_source is not None else 1 if self.layer_k_is_v(n) else 2
             mixer = self._mamba_parameters() if n in state else h * (q + num_kv_proj * kv) + q * h
-            total += mixer + 3 * h * self.layer_intermediate_size(n) + norms * h
+            sparse = self.qwen3_moe is not None and self.qwen3_moe.is_moe_layer(n)
+            mlp = self.qwen3_moe.num_parameters(h) if sparse else 3 * h * self.layer_intermediate_size(n)
+            total += mixer + mlp + norms * h + (2 * layer.head_dim if self.qk_norm else 0)
         if self.granite is not None:
             total += self.num_layers * self.granite.routed_parameters(h)
         embed = v * h * (1 if self.tie_word_embeddings else 2)
@@ -255,6 +262,8 @@ class ModelConfig:
             return cls(**deepseek_fields(d))
         if arch == "granitemoehybrid":
             return cls(**granite_hybrid_fields(d))
+        if arch == "qwen3_moe":
+            return cls(**qwen3_moe_fields(d))
         hidden = config_field(d, "hidden_size", int)
         heads = config_field(d, "num_attention_heads", int)
         sliding = config_field(d, "sliding_window", int, None)
@@ -464,6 +473,27 @@ _GRANITE_PRESETS["granite-4.0-h-moe-tiny"] = dict(_GRANITE_PRESETS["granite-4.0-
                                                    num_experts_per_tok=2, intermediate_size=32)
 PRESETS.update({name: ModelConfig.from_hf_dict({**_GRANITE_COMMON, **d}) for name, d in _GRANITE_PRESETS.items()})
 
+# Qwen3-MoE presets, config.json-shaped: qwen3-30b-a3b has Qwen3-30B-A3B's shapes (48 layers, 128 experts of 768,
+# 8 a token, ~30.5B parameters, ~3.3B active); qwen3-moe-tiny every feature (a dense layer among sparse ones,
+# renormalised top-k) at test speed.
+_QWEN3_MOE_COMMON = dict(model_type="qwen3_moe", hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         attention_bias=False, norm_topk_prob=True, decoder_sparse_step=1,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+_QWEN3_MOE_PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        mlp_only_layers=[], max_position_embeddings=40960, eos_token_id=151645,
+    ),
+    "qwen3-moe-tiny": dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        mlp_only_layers=[0], max_position_embeddings=2048, eos_token_id=2,
+    ),
+}
+PRESETS.update({name: ModelConfig.from_hf_dict({**_QWEN3_MOE_COMMON, **d})
+                for name, d in _QWEN3_MOE_PRESETS.items()})
+
 
 # FP8 presets: a preset above (the same dummy weights) quantized at load by the given quantization_config, as
 # the FP8 checkpoints of these models store them: DeepSeek / Qwen3-FP8's 128 x 128 blocks, fbgemm's per-row scales.
@@ -473,6 +503,7 @@ QUANTIZED_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-3.1-8b-fp8-channel": ("llama-3.1-8b", {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}),
     "deepseek-v2-lite-fp8": ("deepseek-v2-lite", _FP8_BLOCKS),
     "qwen3-0.6b-fp8": ("qwen3-0.6b", _FP8_BLOCKS),  # every projection whole 128 x 128 blocks: the GPU tests' size
+    "qwen3-30b-a3b-fp8": ("qwen3-30b-a3b", _FP8_BLOCKS),  # Qwen/Qwen3-30B-A3B-FP8's format
     "tiny-fp8": ("tiny", {**_FP8_BLOCKS, "weight_block_size": [16, 16]}),
 }
 

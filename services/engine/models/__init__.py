@@ -15,6 +15,7 @@ from services.engine.models.gemma import GemmaForCausalLM
 from services.engine.models.gemma4 import Gemma4ForCausalLM
 from services.engine.models.granite_hybrid import GraniteHybridForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from services.engine.parallel import ParallelConfig
 
 MODEL_CLASSES: dict[str, type[DecoderModel]] = {
@@ -22,6 +23,7 @@ MODEL_CLASSES: dict[str, type[DecoderModel]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
     "gemma4": Gemma4ForCausalLM,

@@ -81,13 +81,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention then the feed-forward block ``mlp`` (a dense ``MLP``, or a family's sparse block)."""
+
     def __init__(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = Attention(config, layer_id, parallel, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, parallel, dtype, device)
+        self.mlp = mlp
 
 
 class LlamaForCausalLM(DecoderModel):
@@ -102,13 +104,20 @@ class LlamaForCausalLM(DecoderModel):
         self.config = config
         self.parallel = parallel
         self.embed_tokens = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel, dtype, device) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel, dtype, device,
+                                                 self._feed_forward(config, i, parallel, dtype, device))
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (
             None if config.tie_word_embeddings
             else param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
         self.rope = RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings, device)
+
+    def _feed_forward(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
+                      device: torch.device) -> nn.Module:
+        """Layer ``layer_id``'s feed-forward block: the dense MLP (a family with sparse layers overrides this)."""
+        return MLP(config, parallel, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_views: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: list[int],

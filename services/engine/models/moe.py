@@ -145,6 +145,14 @@ class RoutedExperts(nn.Module):
         by_pair[order] = y
         return by_pair.view(tokens, k, -1).sum(dim=1)
 
+    def load(self, name: str, expert: int, proj: str, tensor: torch.Tensor, parallel: ParallelConfig) -> None:
+        """Copy this rank's shard of one expert's HF ``gate_proj`` / ``up_proj`` (rows) or ``down_proj`` (columns)."""
+        if proj == "down_proj":
+            return copy_weight(name, self.down[expert], parallel.shard(tensor, 1))
+        half = self.down.shape[2]  # this rank's width of one expert
+        rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
+        return copy_weight(name, self.gate_up[expert, rows], parallel.shard(tensor, 0))
+
     def _loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         k = experts.shape[1]
         flat = experts.flatten()
@@ -193,12 +201,7 @@ class DeepseekMoE(nn.Module):
             return copy_weight(name, dest, tensor)
         if parts[0] == "shared_experts":
             return self.shared_experts.load(name, parts[1], tensor)
-        expert, proj = int(parts[1]), parts[2]
-        if proj == "down_proj":
-            return copy_weight(name, self.experts.down[expert], self.parallel.shard(tensor, 1))
-        half = self.experts.down.shape[2]  # this rank's width of one expert
-        rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
-        return copy_weight(name, self.experts.gate_up[expert, rows], self.parallel.shard(tensor, 0))
+        return self.experts.load(name, int(parts[1]), parts[2], tensor, self.parallel)
 
 
 class SoftmaxTopKRouter(nn.Module):
