@@ -1,4 +1,5 @@
-"""Mixture-of-experts feed-forward blocks: DeepSeek-V3's (and its dense gated MLP) and Granite-4.0-H's.
+"""Mixture-of-experts feed-forward blocks: DeepSeek-V3's (and its dense gated MLP) and Granite-4.0-H's; Qwen3-MoE's
+block (``qwen3_moe.py``) runs its experts through the same ``RoutedExperts``.
 
 Both blocks are ``routed(x) + shared(x)`` and differ only in the router: DeepSeek-V3's scores
 experts with sigmoids, a correction bias and expert groups (see ``MoESpec``), Granite's takes the
