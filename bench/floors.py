@@ -31,12 +31,16 @@ class RoutedExperts:
 
 
 def routed_experts(mc) -> RoutedExperts | None:
-    """The routed experts of a DeepSeek-V3 or Granite-4.0-H MoE config (None for a dense model)."""
+    """The routed experts of a DeepSeek-V3, Qwen3-MoE or Granite-4.0-H MoE config (None for a dense model)."""
     h = mc.hidden_size
     if mc.moe is not None:
         m = mc.moe
         layers = sum(m.is_moe_layer(i) for i in range(mc.num_layers))
         return RoutedExperts(layers, m.n_routed_experts, m.num_experts_per_tok, 3 * h * m.moe_intermediate_size)
+    if mc.qwen3_moe is not None:
+        q = mc.qwen3_moe
+        layers = sum(q.is_moe_layer(i) for i in range(mc.num_layers))
+        return RoutedExperts(layers, q.num_experts, q.num_experts_per_tok, 3 * h * q.moe_intermediate_size)
     experts = mc.granite.experts if mc.granite is not None else None
     if experts is None:
         return None

@@ -26,9 +26,13 @@ def test_moe_counts_only_the_experts_a_token_picks() -> None:
     assert 2.0e9 < active < 2.8e9 < 15e9 < mc.num_parameters  # DeepSeek-V2-Lite: 2.4B active of 15.7B
     assert routed.expected_read(1) == pytest.approx(6)
     assert 6 < routed.expected_read(8) < routed.expected_read(64) < 64
+    qwen = preset("qwen3-30b-a3b")  # 128 experts, 8 per token, every layer sparse: 3.3B active of 30.5B
+    routed = routed_experts(qwen)
+    assert (routed.num_layers, routed.num_experts, routed.top_k) == (48, 128, 8)
+    assert 3.2e9 < active_parameters(qwen) < 3.5e9
 
 
-@pytest.mark.parametrize("model", ["dummy:granite-4.0-h-moe-tiny", "dummy:deepseek-v3-tiny"])
+@pytest.mark.parametrize("model", ["dummy:granite-4.0-h-moe-tiny", "dummy:deepseek-v3-tiny", "dummy:qwen3-moe-tiny"])
 def test_decode_floor_reads_kv_groups_state_and_picked_experts(model: str) -> None:
     engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=16))
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
