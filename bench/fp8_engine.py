@@ -44,13 +44,13 @@ def _engine(model: str, args, quantization: str) -> LLMEngine:
                                   enable_prefix_caching=False, num_kv_blocks=tokens // 16 + 1))
 
 
-def _timings(engine: LLMEngine, args, fp8: bool) -> list[dict]:
-    """Prefill and decode rows of one engine, beside their floors."""
+def _timings(engine: LLMEngine, args) -> list[dict]:
+    """Prefill and decode rows of one engine, beside their floors (the FP8 peak when it keeps FP8 projections)."""
     dtype = TORCH_DTYPES[engine.dtype]
     bandwidth, flops, _ = machine_peaks(engine.device, dtype)
-    flops *= 2 if fp8 else 1  # FP8 tensor cores: twice the bf16 rate
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     kept = sum(isinstance(m, Fp8Linear) for m in engine.model.modules())
+    flops *= 2 if kept else 1  # FP8 tensor cores: twice the bf16 rate
     common = dict(model=engine.source.name, fp8_projections=kept,
                   weight_gb=weight_bytes / 1e9, peak_tflops=flops / 1e12, peak_bandwidth_gbs=bandwidth / 1e9)
     mc, rows = engine.model_config, []
@@ -82,10 +82,12 @@ def _greedy(engine: LLMEngine, args) -> tuple[list[list[int]], list[torch.Tensor
     return [out.token_ids for out in outputs], firsts
 
 
-def _run(model: str, args, fp8: bool) -> tuple[list[dict], list[list[int]], list[torch.Tensor]]:
-    engine = _engine(model, args, args.quantization if fp8 else "auto")
+def _run(model: str, args, quantization: str, timed: bool = True
+         ) -> tuple[list[dict], list[list[int]], list[torch.Tensor]]:
+    """One engine loaded, timed (unless not ``timed``) and run greedily, then freed before the next loads."""
+    engine = _engine(model, args, quantization)
     try:
-        rows = _timings(engine, args, fp8)
+        rows = _timings(engine, args) if timed else []
         tokens, logits = _greedy(engine, args)
     finally:
         engine.close()
@@ -93,19 +95,6 @@ def _run(model: str, args, fp8: bool) -> tuple[list[dict], list[list[int]], list
         gc.collect()
         torch.cuda.empty_cache()
     return rows, tokens, [t.float().cpu() for t in logits]
-
-
-def _dequantized_greedy(args) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """The FP8 checkpoint dequantized to bf16 at load: greedy tokens and first-step logits only."""
-    engine = _engine(args.fp8_model, args, "none")
-    try:
-        tokens, logits = _greedy(engine, args)
-    finally:
-        engine.close()
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
-    return tokens, [t.float().cpu() for t in logits]
 
 
 def _agreement(fp8: list[list[int]], ref: list[list[int]]) -> list[int]:
@@ -130,11 +119,11 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
-    bf16_rows, bf16_tokens, bf16_logits = _run(args.model, args, fp8=False)
-    fp8_rows, fp8_tokens, fp8_logits = _run(args.fp8_model, args, fp8=True)
+    bf16_rows, bf16_tokens, bf16_logits = _run(args.model, args, "auto")
+    fp8_rows, fp8_tokens, fp8_logits = _run(args.fp8_model, args, args.quantization)
     for bf16, fp8 in zip(bf16_rows, fp8_rows, strict=True):
         fp8["vs_bf16"] = fp8["ms"] / bf16["ms"]
-    deq_tokens, deq_logits = _dequantized_greedy(args)
+    _, deq_tokens, deq_logits = _run(args.fp8_model, args, "none", timed=False)  # the same weights, dequantized
 
     def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
         return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b, strict=True))

@@ -21,9 +21,9 @@ from services.engine.model_config.layers import (
     LayerSpec,
     RopeSpec,
     config_field,
+    decoder_fields,
     read_rope,
     rope_from_dict,
-    shared_fields,
 )
 from services.engine.model_config.qwen3_moe import Qwen3MoESpec, qwen3_moe_fields
 from services.kv.spec.groups import AttentionKind
@@ -264,8 +264,6 @@ class ModelConfig:
             return cls(**granite_hybrid_fields(d))
         if arch == "qwen3_moe":
             return cls(**qwen3_moe_fields(d))
-        hidden = config_field(d, "hidden_size", int)
-        heads = config_field(d, "num_attention_heads", int)
         sliding = config_field(d, "sliding_window", int, None)
         if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
             sliding = None  # Qwen2/3 configs carry a window they do not use unless asked
@@ -274,15 +272,7 @@ class ModelConfig:
                              "is not supported; set use_sliding_window to false")
         bias = config_field(d, "attention_bias", bool, False)
         return cls(
-            architecture=arch,
-            hidden_size=hidden,
-            intermediate_size=config_field(d, "intermediate_size", int),
-            **shared_fields(d),
-            num_layers=config_field(d, "num_hidden_layers", int),
-            num_heads=heads,
-            num_kv_heads=config_field(d, "num_key_value_heads", int, None) or heads,
-            head_dim=config_field(d, "head_dim", int, None) or hidden // heads,
-            rope=read_rope(d),
+            **decoder_fields(d, arch),
             attention_bias=arch == "qwen2" or bias,
             o_proj_bias=arch != "qwen2" and bias,
             mlp_bias=config_field(d, "mlp_bias", bool, False),

@@ -136,6 +136,24 @@ def read_eos_token_ids(d: dict[str, Any]) -> tuple[int, ...]:
     return config_field(d, "eos_token_id", lambda v: tuple(int(x) for x in (v if isinstance(v, list) else [v])), ())
 
 
+def decoder_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The ModelConfig fields of a Llama-shaped decoder's config.json: widths, depth, heads, head dim, rope, and
+    ``shared_fields``' (a KV head count or head dim left out means the full attention's)."""
+    hidden = config_field(d, "hidden_size", int)
+    heads = config_field(d, "num_attention_heads", int)
+    return dict(
+        architecture=arch,
+        hidden_size=hidden,
+        intermediate_size=config_field(d, "intermediate_size", int),
+        **shared_fields(d),
+        num_layers=config_field(d, "num_hidden_layers", int),
+        num_heads=heads,
+        num_kv_heads=config_field(d, "num_key_value_heads", int, None) or heads,
+        head_dim=config_field(d, "head_dim", int, None) or hidden // heads,
+        rope=read_rope(d),
+    )
+
+
 def shared_fields(d: dict[str, Any], tie_default: bool = False) -> dict[str, Any]:
     """The ModelConfig fields every family reads the same way: vocabulary, norm epsilon, context, tied head,
     BOS and EOS ids (``tie_default``: what a config without ``tie_word_embeddings`` means for the family)."""

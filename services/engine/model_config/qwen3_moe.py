@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.engine.model_config.layers import config_field, read_rope, shared_fields
+from services.engine.model_config.layers import config_field, decoder_fields
 
 
 @dataclass(frozen=True)
@@ -70,18 +70,4 @@ def qwen3_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("config field 'use_sliding_window' is set: windowed Qwen3-MoE attention is not supported")
     if config_field(d, "attention_bias", bool, False):
         raise ValueError("config field 'attention_bias' is set: Qwen3-MoE attention has no biases here")
-    hidden = config_field(d, "hidden_size", int)
-    heads = config_field(d, "num_attention_heads", int)
-    return dict(
-        architecture="qwen3_moe",
-        hidden_size=hidden,
-        intermediate_size=config_field(d, "intermediate_size", int),
-        **shared_fields(d),
-        num_layers=config_field(d, "num_hidden_layers", int),
-        num_heads=heads,
-        num_kv_heads=config_field(d, "num_key_value_heads", int, None) or heads,
-        head_dim=config_field(d, "head_dim", int, None) or hidden // heads,
-        rope=read_rope(d),
-        qk_norm=True,
-        qwen3_moe=qwen3_moe_spec(d),
-    )
+    return dict(**decoder_fields(d, "qwen3_moe"), qk_norm=True, qwen3_moe=qwen3_moe_spec(d))

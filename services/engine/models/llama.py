@@ -152,5 +152,10 @@ class LlamaForCausalLM(DecoderModel):
             spec = self.config.layers[i]
             out += attention_fp8_targets(f"layers.{i}.self_attn", f"model.layers.{i}.self_attn", layer.self_attn,
                                          self.parallel, spec.num_kv_heads, spec.head_dim)
-            out += mlp_fp8_targets(f"layers.{i}.mlp", f"model.layers.{i}.mlp", layer.mlp, self.parallel)
+            out += self._feed_forward_fp8_targets(i)
         return out
+
+    def _feed_forward_fp8_targets(self, layer_id: int) -> list[Fp8Target]:
+        """Layer ``layer_id``'s fused gate/up and down projections (a family's sparse block overrides this)."""
+        return mlp_fp8_targets(f"layers.{layer_id}.mlp", f"model.layers.{layer_id}.mlp", self.layers[layer_id].mlp,
+                               self.parallel)

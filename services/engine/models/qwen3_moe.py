@@ -22,7 +22,7 @@ from torch import nn
 from services.engine.model_config.hf import ModelConfig
 from services.engine.model_config.qwen3_moe import Qwen3MoESpec
 from services.engine.models.fp8_linear import Fp8Target
-from services.engine.models.layers import attention_fp8_targets, copy_weight, mlp_fp8_targets, param
+from services.engine.models.layers import copy_weight, param
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.moe import RoutedExperts
 from services.engine.parallel import ParallelConfig, all_reduce
@@ -113,13 +113,6 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             return self.layers[int(parts[2])].mlp.load(name, parts[4:], tensor)
         return super()._load_one(name, tensor)
 
-    def fp8_targets(self) -> list[Fp8Target]:
-        """Attention everywhere and the dense layers' MLPs; the routed experts are dequantized at load."""
-        out = []
-        for i, layer in enumerate(self.layers):
-            spec = self.config.layers[i]
-            out += attention_fp8_targets(f"layers.{i}.self_attn", f"model.layers.{i}.self_attn", layer.self_attn,
-                                         self.parallel, spec.num_kv_heads, spec.head_dim)
-            if not self._sparse(i):
-                out += mlp_fp8_targets(f"layers.{i}.mlp", f"model.layers.{i}.mlp", layer.mlp, self.parallel)
-        return out
+    def _feed_forward_fp8_targets(self, layer_id: int) -> list[Fp8Target]:
+        """The dense layers' MLPs only: the routed experts are dequantized at load."""
+        return [] if self._sparse(layer_id) else super()._feed_forward_fp8_targets(layer_id)
