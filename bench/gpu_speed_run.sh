@@ -51,6 +51,9 @@
 #   bash bench/gpu_speed_run.sh fp8_kernels  the FP8 KV cache's and GEMMs' CUDA tests (kernels against the CPU
 #                                         reference), the block GEMM's tile sweep (split-K) at 1 and 8 rows, and the
 #                                         KV pull of 2k/8k prompts with FP8 KV beside bf16 KV (bench/pull_path.py)
+#   bash bench/gpu_speed_run.sh qwen3_moe  dummy Qwen3-30B-A3B (128 experts, 8 a token), bf16 and its FP8 preset:
+#                                         prefill 512/2k and decode bs 1/8/32 at 2k beside floors on the active
+#                                         experts' bytes and FLOPs (bench/floors.py)
 #   bash bench/gpu_speed_run.sh fp8_final  FP8 as shipped: the CUDA tests, bench/fp8_engine.py once, and profiles
 #                                         of the FP8 engine's 2k prefill and batch-1 decode step (profiles.tgz)
 #   bash bench/gpu_speed_run.sh offload   the host KV tier: its tests on CUDA (pinned memory, copy stream),
@@ -174,6 +177,12 @@ for part in "$@"; do
       timeout 170 python3 bench/pull_path.py --device cuda --tokens 2048,8192 --pools contiguous,fragmented --repeats 5 \
           --kv-dtypes bfloat16,float8_e4m3fn --json-out "$OUT/pull_path_fp8.jsonl" 2>&1 | grep -v "NIXL INFO" \
           | tee "$OUT/pull_path_fp8.txt" | tail -8 ;;
+    qwen3_moe)
+      for model in qwen3-30b-a3b qwen3-30b-a3b-fp8; do
+        timeout 270 python3 bench/engine.py --model "dummy:$model" --dtype bfloat16 --device cuda \
+            --prefill-lens 512,2048 --batch-sizes 1,8,32 --decode-contexts 2048 --decode-steps 8 --rounds 2 \
+            --json-out "$OUT/engine_$model.jsonl" 2>&1 | grep -v Warning | tee "$OUT/engine_$model.txt"
+      done ;;
     fp8_final)
       PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/unit/engine/test_fp8_compute_cuda.py \
           tests/unit/engine/test_fp8_gemm.py tests/unit/engine/test_fp8_kv_kernels.py 2>&1 | tee "$OUT/fp8_final_tests.log" \

@@ -7,7 +7,7 @@ rest, and the decode worker reads that prefix straight from the prefill worker's
 of the model run colocated, ``usage.prompt_tokens_details.cached_tokens`` must report the prefix, and
 nothing may stay pinned afterwards on either tier. The model is a small random checkpoint whose
 tokens depend on the whole context (``tests/unit/test_context_checkpoint.py``), so KV that is wrong
-or missing changes them.
+or missing changes them; a Qwen3-MoE checkpoint (routed experts) goes the same way once.
 """
 
 from __future__ import annotations
@@ -94,4 +94,28 @@ def test_repeated_prompt_is_served_from_the_host_tier(model: str, colocated: lis
                     and metric_total(prefill, "pdserve_kv_offload_spans", 'state="used"') == 0
                     and metric_total(prefill, "pdserve_kv_offload_queue_depth") == 0)
         assert metric_total(prefill, "pdserve_kv_lease_expiries_total") == 0
+        assert metric_total(decode, "pdserve_local_recompute_fallbacks_total") == 0
+
+
+def test_a_moe_prompt_is_served_from_the_host_tier(tmp_path_factory) -> None:
+    """Qwen3-MoE (routed experts, q/k norms): the experts change nothing on either tier; the prompt served again
+    from the host tier gives the colocated engine's tokens and its decode worker reads the prefix from host
+    memory."""
+    directory, _ = make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
+    model = str(directory)
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=64))
+    colocated = engine.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                         ignore_eos=True))[0].token_ids
+    engine.close()
+    prefill_args = ("--block-size", "16", "--num-kv-blocks", "24", "--kv-offload-gib", "0.02",
+                    "--kv-offload-block-factor", "2", "--dtype", "float32")
+    decode_args = ("--block-size", "16", "--num-kv-blocks", "24", "--kv-layout", "per_layer", "--dtype", "float32")
+    with stack(model, prefill_args=prefill_args, decode_args=decode_args) as s:
+        (prefill,), (decode,) = s.prefill, s.decode
+        first, _ = _complete(s.url, PROMPT)
+        _eventually(lambda: metric_total(prefill, "pdserve_kv_offload_spans", 'state="cached"') >= 300 // 32)
+        _complete(s.url, OTHER)
+        again, cached = _complete(s.url, PROMPT)
+        assert first == again == colocated and cached == (len(PROMPT) - 1) // 32 * 32
+        assert metric_total(decode, "pdserve_kv_transfer_source_bytes_total", 'source="host"') > 0
         assert metric_total(decode, "pdserve_local_recompute_fallbacks_total") == 0
