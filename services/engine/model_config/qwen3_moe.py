@@ -44,10 +44,6 @@ class Qwen3MoESpec:
         """Weights of one sparse layer's block: every expert's gate, up and down, and the router."""
         return self.num_experts * (3 * hidden * self.moe_intermediate_size + hidden)
 
-    def active_parameters(self, hidden: int) -> int:
-        """The weights one token reads in a sparse layer: its experts' and the router."""
-        return self.num_experts_per_tok * 3 * hidden * self.moe_intermediate_size + self.num_experts * hidden
-
 
 def qwen3_moe_spec(d: dict[str, Any]) -> Qwen3MoESpec:
     only = d.get("mlp_only_layers") or []

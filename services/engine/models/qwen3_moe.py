@@ -81,13 +81,13 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         return self.config.qwen3_moe.is_moe_layer(layer_id)
 
     def _expected_names(self) -> Iterator[str]:
+        """Llama's names but a sparse layer's MLP, then every sparse layer's router and experts."""
         for name in super()._expected_names():
             parts = name.split(".")
-            if len(parts) > 4 and parts[3] == "mlp" and self._sparse(int(parts[2])):
-                if parts[4] == "gate_proj":  # once per sparse layer: its router and experts instead of the MLP
-                    yield from (f"model.layers.{parts[2]}.{k}" for k in self._sparse_shapes)
-                continue
-            yield name
+            if not (len(parts) > 4 and parts[3] == "mlp" and self._sparse(int(parts[2]))):
+                yield name
+        for i in filter(self._sparse, range(self.config.num_layers)):
+            yield from (f"model.layers.{i}.{k}" for k in self._sparse_shapes)
 
     @functools.cached_property
     def _sparse_shapes(self) -> dict[str, tuple[int, ...]]:
