@@ -37,6 +37,14 @@ _DEEPSEEK_V3 = dict(
 _QWEN3_MOE = dict(_BASE, num_hidden_layers=3, head_dim=16, moe_intermediate_size=32, num_experts=8,
                   num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
                   tie_word_embeddings=False)
+# gpt-oss: sliding (16-token window) and full layers alternating, 8 experts of 32 with biases, top-2 over the chosen
+# logits, a low SwiGLU limit so the clamps bite, YaRN without truncation; q/k/v/o biases and per-head sinks (the
+# sinks, biases and norms perturbed in make_checkpoint: transformers starts them at zero, zero and one).
+_GPT_OSS = dict(_BASE, num_hidden_layers=4, head_dim=16, intermediate_size=32, num_local_experts=8,
+                num_experts_per_tok=2, sliding_window=16, swiglu_limit=1.5, tie_word_embeddings=False,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})
 
 
 def hf_config(arch: str):
@@ -57,6 +65,8 @@ def hf_config(arch: str):
         return transformers.MistralConfig(**_BASE, sliding_window=24, tie_word_embeddings=False)
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**_QWEN3_MOE)
+    if arch == "gpt_oss":
+        return transformers.GptOssConfig(**_GPT_OSS)
     if arch == "deepseek_v3":
         return transformers.DeepseekV3Config(**{k: v for k, v in _DEEPSEEK_V3.items() if k != "num_key_value_heads"})
     if arch == "gemma2":
@@ -93,9 +103,9 @@ def make_checkpoint(arch: str, directory: Path, seed: int = 0):
 
     torch.manual_seed(seed)
     gemma = arch in GEMMA_ARCHITECTURES
-    # Eager attention for Gemma: transformers has no SDPA path for soft-capped scores.
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch), attn_implementation="eager" if gemma
-                                                          else "sdpa")
+    # Eager attention for Gemma and gpt-oss: transformers has no SDPA path for soft-capped scores or sinks.
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch), attn_implementation="eager"
+                                                          if gemma or arch == "gpt_oss" else "sdpa")
     model = model.float().eval()
     if arch == "qwen3_moe":
         # transformers starts the router at zero (every expert tied: the lowest ids chosen) and norms at one.
@@ -105,6 +115,16 @@ def make_checkpoint(arch: str, directory: Path, seed: int = 0):
                     tensor.copy_(0.5 * torch.randn_like(tensor))
                 elif name.endswith("norm.weight"):
                     tensor.add_(0.2 * torch.randn_like(tensor))
+    if arch == "gpt_oss":
+        # Sinks of HF's initial size barely move a softmax; unit norms would hide a norm read wrong.
+        with torch.no_grad():
+            for name, tensor in model.named_parameters():
+                if name.endswith("sinks"):
+                    tensor.copy_(1.5 * torch.randn_like(tensor))
+                elif name.endswith("norm.weight"):
+                    tensor.add_(0.2 * torch.randn_like(tensor))
+                elif name.endswith("bias"):  # transformers starts the biases at zero
+                    tensor.copy_(0.2 * torch.randn_like(tensor))
     if arch == "deepseek_v3":
         # Unit norms and zero routing biases would hide a norm or a correction bias read wrong.
         with torch.no_grad():

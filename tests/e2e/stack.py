@@ -187,3 +187,28 @@ def stop_up(proc: subprocess.Popen) -> None:
     if proc.poll() is None or subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode == 0:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def ideal_pull_bytes(model: str, prefill_args: tuple[str, ...], decode_args: tuple[str, ...], num_tokens: int) -> int:
+    """What a decode worker must pull for a ``num_tokens`` prompt: full groups every token, sliding groups the
+    tokens of the last window.
+
+    Counted in units of the finer of the two block sizes (the granularity a block can be moved in), on the
+    decode worker's layout at TP 1 (a TP decode worker's ranks pull their head slices of the same bytes).
+    """
+    from services.engine.engine_config import EngineConfig
+    from services.engine.llm_engine import LLMEngine
+
+    def block_size(args: tuple[str, ...]) -> int:
+        return int(args[args.index("--block-size") + 1])
+
+    unit = min(block_size(prefill_args), block_size(decode_args))
+    engine_config = EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=4,
+                                 block_size=block_size(decode_args))
+    layout = LLMEngine(engine_config).kv_layout
+    total = 0
+    for g in layout.groups:
+        start = 0 if g.sliding_window is None else max(0, num_tokens - g.sliding_window) // unit * unit
+        end = -(-num_tokens // unit) * unit
+        total += (end - start) * layout.block_bytes(g.group_id) // g.block_size
+    return total

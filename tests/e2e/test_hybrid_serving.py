@@ -17,10 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.engine_config import EngineConfig
-from services.engine.llm_engine import LLMEngine
 from tests.checkpoints import make_checkpoint
-from tests.e2e.stack import colocated_greedy, completion_tokens, http_client, info, metric_total, stack
+from tests.e2e.stack import (
+    colocated_greedy,
+    completion_tokens,
+    http_client,
+    ideal_pull_bytes,
+    info,
+    metric_total,
+    stack,
+)
 
 MAX_TOKENS = 8
 # (prefill args, decode args): both layouts on each side, block-size ratios in both directions.
@@ -92,27 +98,6 @@ def test_hybrid_disaggregated_equals_colocated(model: str, window: int, colocate
         before = metric_total(decode, "pdserve_kv_transfer_bytes_total")
         assert completion_tokens(s.url, prompt, MAX_TOKENS, stream=False) == colocated(prompt)
         pulled = metric_total(decode, "pdserve_kv_transfer_bytes_total") - before
-        ideal = _ideal_pull_bytes(model, prefill_args, decode_args, len(prompt))
+        ideal = ideal_pull_bytes(model, prefill_args, decode_args, len(prompt))
         assert ideal <= pulled <= 1.05 * ideal, (pulled, ideal)
         assert info(s.prefill[0]).kv_blocks_pinned == 0
-
-
-def _ideal_pull_bytes(model: str, prefill_args: tuple[str, ...], decode_args: tuple[str, ...], num_tokens: int) -> int:
-    """Full groups: every token of the prompt; sliding groups: the tokens of the last window.
-
-    Counted in units of the finer of the two block sizes (the granularity a block can be moved in),
-    on the decode worker's layout.
-    """
-    def block_size(args: tuple[str, ...]) -> int:
-        return int(args[args.index("--block-size") + 1])
-
-    unit = min(block_size(prefill_args), block_size(decode_args))
-    engine_config = EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=4,
-                                 block_size=block_size(decode_args))
-    layout = LLMEngine(engine_config).kv_layout
-    total = 0
-    for g in layout.groups:
-        start = 0 if g.sliding_window is None else max(0, num_tokens - g.sliding_window) // unit * unit
-        end = -(-num_tokens // unit) * unit
-        total += (end - start) * layout.block_bytes(g.group_id) // g.block_size
-    return total

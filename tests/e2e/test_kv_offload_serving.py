@@ -7,7 +7,8 @@ rest, and the decode worker reads that prefix straight from the prefill worker's
 of the model run colocated, ``usage.prompt_tokens_details.cached_tokens`` must report the prefix, and
 nothing may stay pinned afterwards on either tier. The model is a small random checkpoint whose
 tokens depend on the whole context (``tests/unit/test_context_checkpoint.py``), so KV that is wrong
-or missing changes them; a Qwen3-MoE checkpoint (routed experts) goes the same way once.
+or missing changes them; a Qwen3-MoE and a gpt-oss checkpoint (routed experts; sinks and a sliding-window
+group) go the same way once.
 """
 
 from __future__ import annotations
@@ -97,11 +98,12 @@ def test_repeated_prompt_is_served_from_the_host_tier(model: str, colocated: lis
         assert metric_total(decode, "pdserve_local_recompute_fallbacks_total") == 0
 
 
-def test_a_moe_prompt_is_served_from_the_host_tier(tmp_path_factory) -> None:
-    """Qwen3-MoE (routed experts, q/k norms): the experts change nothing on either tier; the prompt served again
-    from the host tier gives the colocated engine's tokens and its decode worker reads the prefix from host
-    memory."""
-    directory, _ = make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_a_moe_prompt_is_served_from_the_host_tier(tmp_path_factory, arch: str) -> None:
+    """Qwen3-MoE (routed experts, q/k norms) and gpt-oss (sinks, a sliding-window group beside the full one): the
+    experts change nothing on either tier; the prompt served again from the host tier gives the colocated engine's
+    tokens and its decode worker reads the prefix from host memory."""
+    directory, _ = make_checkpoint(arch, tmp_path_factory.mktemp(arch))
     model = str(directory)
     engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=64))
     colocated = engine.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,

@@ -162,12 +162,13 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
                 meta: GroupAttentionMetadata, scale: float, softcap: float | None,
                 fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_scale: tuple[float, float] = UNIT_SCALE) -> torch.Tensor:
+                kv_scale: tuple[float, float] = UNIT_SCALE, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``q`` [num_tokens, heads, head_dim] over the cache (this step's K/V already
         written). ``fresh``: this step's K/V rows as computed (absent in layers that write none), for a
         backend that attends to them without the pages. ``kv_scale``: the layer's (k, v) scales, which
-        an FP8 cache's values are multiplied by when read (``ops.kv_fp8``). Returns [num_tokens, heads *
-        head_dim] in ``q``'s dtype."""
+        an FP8 cache's values are multiplied by when read (``ops.kv_fp8``). ``sinks``: float32 [heads], one
+        learned logit per head that joins every softmax with a zero value (gpt-oss's attention sinks: a row
+        may give part of its weight to nothing). Returns [num_tokens, heads * head_dim] in ``q``'s dtype."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ def paged_attention(
     rope: Rope | None = None,
     kv_scale: tuple[float, float] = UNIT_SCALE,
     rounding_scale: tuple[float, float] = UNIT_SCALE,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V in the cache, then attend with the group's backend.
 
@@ -212,12 +214,13 @@ def paged_attention(
     cache stores ``K / k_scale`` and ``V / v_scale`` in e4m3 and attention reads them scaled back.
     ``rounding_scale``: the (k, v) scales an FP8 cache of the model would use for the layer
     (``LayerKV.fp8_scales``), which the rows ``batch.kv_rounding`` marks are rounded with.
+    ``sinks``: the layer's attention-sink logits (float32 [heads]; see ``AttentionBackend.forward``).
     Returns [num_tokens, heads * head_dim].
     """
     if k is None:
         if rope is not None:
             q, _ = ops.apply_rope(q, None, rope.cos, rope.sin, rope.positions)
-        return meta.backend.forward(q, k_cache, v_cache, batch, meta, scale, softcap, kv_scale=kv_scale)
+        return meta.backend.forward(q, k_cache, v_cache, batch, meta, scale, softcap, kv_scale=kv_scale, sinks=sinks)
     if batch.kv_rounding is not None:  # rotate first: the rounding is of the keys as stored
         if rope is not None:
             q, k = ops.apply_rope(q, k, rope.cos, rope.sin, rope.positions)
@@ -228,4 +231,5 @@ def paged_attention(
     else:
         q, k = ops.rope_and_write_kv(q, k, v, rope.cos, rope.sin, rope.positions, k_cache, v_cache,
                                      meta.write_blocks, meta.write_offsets, kv_scale)
-    return meta.backend.forward(q, k_cache, v_cache, batch, meta, scale, softcap, fresh=(k, v), kv_scale=kv_scale)
+    return meta.backend.forward(q, k_cache, v_cache, batch, meta, scale, softcap, fresh=(k, v), kv_scale=kv_scale,
+                                sinks=sinks)

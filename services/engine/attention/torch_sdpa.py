@@ -78,7 +78,7 @@ class TorchSDPABackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
                 meta: GroupAttentionMetadata, scale: float, softcap: float | None,
                 fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_scale: tuple[float, float] = UNIT_SCALE) -> torch.Tensor:
+                kv_scale: tuple[float, float] = UNIT_SCALE, sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         b, qm, lm = batch.num_reqs, batch.max_query_len, batch.max_context_len
         kv_heads = k_cache.shape[2]
@@ -95,22 +95,30 @@ class TorchSDPABackend(AttentionBackend):
         # An FP8 cache is gathered as it is (a byte per element), then dequantized: what every backend reads.
         keys = kv_fp8.from_cache(gather_context(k_cache, meta.block_tables, lm), kv_scale[0], q.dtype)
         values = kv_fp8.from_cache(gather_context(v_cache, meta.block_tables, lm), kv_scale[1], q.dtype)
-        if softcap is None:
+        if softcap is None and sinks is None:
             with sdpa_kernel(SDPA_BACKENDS):
                 out = F.scaled_dot_product_attention(folded_q, keys, values, attn_mask=mask, scale=scale)
-        else:
-            out = _softcapped_attention(folded_q, keys, values, mask, scale, softcap)
+        else:  # folded row r of KV head h is query head h * group + r // qm: its sink, repeated over the rows
+            row_sinks = None if sinks is None else sinks.view(kv_heads, group, 1).expand(kv_heads, group, qm)
+            out = _explicit_attention(folded_q, keys, values, mask, scale, softcap,
+                                      None if row_sinks is None else row_sinks.reshape(kv_heads, group * qm, 1))
         v_dim = values.shape[-1]  # the head dim, or narrower (MLA's latent values: the rows without the rope key)
         out = out.view(b, kv_heads, group, qm, v_dim).permute(0, 3, 1, 2, 4).reshape(b * qm, num_heads * v_dim)
         return out[meta.query_slots]
 
 
-def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                          softcap: float) -> torch.Tensor:
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                        softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Scores in float32, soft-capped, masked; with ``sinks`` [kv_heads, rows, 1] a sink column joins each row's
+    softmax and is dropped after it (its value is zero)."""
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
+    if sinks is None:
+        return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
+    with_sink = torch.cat((scores, sinks.float().expand(scores.shape[0], -1, -1, -1)), dim=-1)
+    return torch.matmul(with_sink.softmax(dim=-1)[..., :-1].to(v.dtype), v)
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: int) -> torch.Tensor:

@@ -40,6 +40,10 @@ e4m3 value is a float16/bfloat16/float32 value) and the layer's scales are appli
 number: the k scale folded into ``qk_scale`` on the host (a score is linear in its key), the v scale once
 on the accumulator after the key loop (every value of the weighted sum carries it), before any split or
 dense merge. Without ``FP8`` the kernels are what they were: the branches are constexpr.
+
+With ``SINKS`` (gpt-oss) each query head has a learned logit that joins its softmax with a zero value: it adds
+``exp(sink)`` to the denominator once, where the row's sum is final (the unsplit epilogue, the dense merge, or
+``_reduce_kernel`` after the splits), never per split.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ def _attention_kernel(
     Q, K, V, Out, PartAcc, PartMax, PartSum,
     BlockTables, QueryStart, ContextLens,
     Modes, Lse,  # used with MODES: per-request mode, and the dense half's log-sum-exp (natural log)
+    Sinks,  # used with SINKS: float32 [heads], each head's sink logit (natural log, unscaled)
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -85,6 +90,7 @@ def _attention_kernel(
     SPLIT: tl.constexpr,
     MODES: tl.constexpr,  # a DensePlan's per-request modes: 0 paged, 1 prefix then merge, 2 skip
     FP8: tl.constexpr,  # K/V pages are e4m3: cast to q's dtype on load, scores and output scaled (see above)
+    SINKS: tl.constexpr,  # a sink logit per head joins the softmax's denominator (unsplit epilogue or the reduce)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32 rounding); 16-bit inputs ignore it
     PDL: tl.constexpr,  # programmatic dependent launch (``triton_pdl``)
 ):
@@ -180,15 +186,25 @@ def _attention_kernel(
         tl.store(PartSum + part, l_i, mask=row_ok)
     else:
         out_ptrs = Out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
+        # A sink is one more logit with a zero value: it only adds exp(sink) to the denominator (base 2 here).
+        if SINKS:
+            sink = tl.load(Sinks + head, mask=row_ok, other=0.0) * _LOG2E
+        else:
+            sink = tl.full([BLOCK_M], float("-inf"), tl.float32)
         if mode == 1:
             # Merge with the dense half in Out: both halves weighted by their sums of exp (base 2),
             # the prefix's kept as (acc, m_i, l_i) unnormalised, the dense half's as its LSE.
             dense = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
             lse = tl.load(Lse + head * stride_lh + token * stride_lt, mask=row_ok, other=0.0) * _LOG2E
-            top = tl.maximum(m_i, lse)
+            top = tl.maximum(tl.maximum(m_i, lse), sink)
             w_prefix = tl.exp2(m_i - top)
             w_dense = tl.exp2(lse - top)
-            out = (acc * w_prefix[:, None] + dense * w_dense[:, None]) / (l_i * w_prefix + w_dense)[:, None]
+            denom = l_i * w_prefix + w_dense + tl.exp2(sink - top)
+            out = (acc * w_prefix[:, None] + dense * w_dense[:, None]) / denom[:, None]
+        elif SINKS:
+            top = tl.maximum(m_i, sink)
+            w = tl.exp2(m_i - top)
+            out = acc * w[:, None] / (l_i * w + tl.exp2(sink - top))[:, None]
         else:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=out_mask)
@@ -196,14 +212,17 @@ def _attention_kernel(
 
 def _reduce_kernel(
     Out, PartAcc, PartMax, PartSum,
+    Sinks,  # used with SINKS: float32 [heads] sink logits (natural log)
     stride_ot, stride_oh, stride_od,
     num_heads, num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS: tl.constexpr,  # num_splits rounded up to a power of two
+    SINKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Merge the splits of one (token, query head): weights exp2(max_s - max), divided by the total sum."""
+    """Merge the splits of one (token, query head): weights exp2(max_s - max), divided by the total sum (plus the
+    head's sink, with SINKS)."""
     pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -213,8 +232,13 @@ def _reduce_kernel(
     m = tl.load(PartMax + part, mask=s_ok, other=float("-inf"))
     total = tl.load(PartSum + part, mask=s_ok, other=0.0)
     m_max = _max(m, 0)
+    if SINKS:
+        sink = tl.load(Sinks + head) * _LOG2E
+        m_max = tl.maximum(m_max, sink)
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # an empty split (max -inf) weighs 0
     denom = _sum(total * w, 0)
+    if SINKS:
+        denom += tl.exp2(sink - m_max)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     acc = tl.load(PartAcc + part[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)

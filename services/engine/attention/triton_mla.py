@@ -115,8 +115,8 @@ class TritonMLABackend(TritonPagedBackend, MLABackend):
         )
         if splits > 1:
             compiled.reduce[(num_tokens, num_heads)](
-                out, part_acc, part_max, part_sum, *out.stride(), num_heads, splits,
-                HEAD_DIM=latent_dim, BLOCK_D=block_l, SPLITS=_next_pow2(splits), PDL=False, num_warps=4,
+                out, part_acc, part_max, part_sum, out, *out.stride(), num_heads, splits,
+                HEAD_DIM=latent_dim, BLOCK_D=block_l, SPLITS=_next_pow2(splits), SINKS=False, PDL=False, num_warps=4,
             )
         return out.reshape(num_tokens, num_heads * latent_dim)
 

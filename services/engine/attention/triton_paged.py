@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -133,6 +134,27 @@ def split_partials(out: torch.Tensor, splits: int, width: int) -> tuple[torch.Te
     return acc, running_max, torch.empty_like(running_max)
 
 
+def _reduce_splits(reduce_kernel: Any, out: torch.Tensor, partials: tuple[torch.Tensor, ...],
+                   sinks: torch.Tensor | None, pdl: bool) -> None:
+    """Merge the split-K partials into ``out`` [tokens, heads, head_dim] (the sinks joining each denominator)."""
+    from services.engine.triton_pdl import launch_options
+
+    num_tokens, num_heads, head_dim = out.shape
+    splits = partials[1].shape[2]
+    reduce_kernel[(num_tokens, num_heads)](
+        out, *partials, out if sinks is None else sinks, *out.stride(), num_heads, splits,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)), SPLITS=_next_pow2(splits),
+        SINKS=sinks is not None, PDL=pdl, num_warps=4, **launch_options(pdl),
+    )
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention output ``out`` [L, heads, d] with log-sum-exp ``lse`` [heads, L] renormalised with one more logit per
+    head (``sinks`` [heads]) whose value is zero."""
+    keep = torch.sigmoid(lse - sinks[:, None].float())  # exp(lse) / (exp(lse) + exp(sink))
+    return (out.float() * keep.t()[:, :, None]).to(out.dtype)
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -209,19 +231,28 @@ class TritonPagedBackend(AttentionBackend):
                          any_paged=any(m != SKIP for m in modes))
 
     def _dense_half(self, q: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor], plan: DensePlan,
-                    num_reqs: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out with every dense request's rows filled, lse [heads, num_tokens] where a prefix follows)."""
+                    num_reqs: int, scale: float, sinks: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out with every dense request's rows filled, lse [heads, num_tokens] where a prefix follows). A request
+        without a prefix is final here (the paged kernel skips it), so its rows take the sinks' share off here:
+        ``out * exp(lse) / (exp(lse) + exp(sink))``."""
         k, v = fresh
         num_tokens, num_heads, head_dim = q.shape
         if num_reqs == 1:  # the whole step is one chunk: its dense output is the output
-            return dense_causal(q, k, v, scale)
+            out, lse = dense_causal(q, k, v, scale)
+            if sinks is not None and not plan.any_paged:
+                out = _with_sinks(out, lse, sinks)
+            return out, lse
         out = q.new_empty(num_tokens, num_heads, head_dim)
         lse = torch.empty(num_heads, num_tokens, dtype=torch.float32, device=q.device)
         for req in plan.requests:
             rows = slice(req.token_start, req.token_start + req.num_tokens)
-            out[rows], part_lse = dense_causal(q[rows], k[rows], v[rows], scale)
+            part, part_lse = dense_causal(q[rows], k[rows], v[rows], scale)
             if req.prefix_len:
                 lse[:, rows] = part_lse
+            elif sinks is not None:
+                part = _with_sinks(part, part_lse, sinks)
+            out[rows] = part
         return out, lse
 
     def plan(self, batch: AttentionBatch, num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -251,7 +282,7 @@ class TritonPagedBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
                 meta: GroupAttentionMetadata, scale: float, softcap: float | None,
                 fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_scale: tuple[float, float] = UNIT_SCALE) -> torch.Tensor:
+                kv_scale: tuple[float, float] = UNIT_SCALE, sinks: torch.Tensor | None = None) -> torch.Tensor:
         from services.engine.attention.triton_kernels import LOG2E, kernels
         from services.engine.triton_pdl import launch_options
 
@@ -267,27 +298,28 @@ class TritonPagedBackend(AttentionBackend):
         if plan is not None:
             if quantized:  # attend to the fresh tokens as the cache holds them, as a later step (or a peer) reads them
                 fresh = (kv_fp8.round_trip(fresh[0], kv_scale[0]), kv_fp8.round_trip(fresh[1], kv_scale[1]))
-            out, lse = self._dense_half(q, fresh, plan, batch.num_reqs, scale)
+            out, lse = self._dense_half(q, fresh, plan, batch.num_reqs, scale, sinks)
             if not plan.any_paged:
                 return out.reshape(num_tokens, num_heads * head_dim)
             modes = plan.modes
         else:
             out = q.new_empty(num_tokens, num_heads, head_dim)
             lse = modes = out  # not read
+        sink_ptr = out if sinks is None else sinks  # not read without sinks
         group = num_heads // kv_heads
         config, q_tiles, splits = self.plan(batch, num_heads, kv_heads, head_dim, q.dtype, q.device)
         if plan is not None and splits > 1:
             raise ValueError("a dense plan needs an unsplit launch (fix num_splits to 1)")
         block_d = max(16, _next_pow2(head_dim))
         compiled = kernels(q.device.type)
-        attention_kernel, reduce_kernel = compiled.attention, compiled.reduce
+        attention_kernel = compiled.attention
         part_acc, part_max, part_sum = split_partials(out, splits, head_dim)
         window = meta.sliding_window
         pdl = pdl_enabled(q.device)
         qk_scale = (float(scale) if softcap is not None else float(scale) * LOG2E) * (kv_scale[0] if quantized else 1.0)
         attention_kernel[(batch.num_reqs * q_tiles, kv_heads, splits)](
             q, k_cache, v_cache, out, part_acc, part_max, part_sum,
-            meta.block_tables, batch.query_start, batch.context_lens, modes, lse,
+            meta.block_tables, batch.query_start, batch.context_lens, modes, lse, sink_ptr,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), meta.block_tables.stride(0), *out.stride(),
             *(lse.stride() if plan is not None else (0, 0)),
             num_heads, splits, q_tiles,
@@ -298,13 +330,10 @@ class TritonPagedBackend(AttentionBackend):
             BLOCK_SIZE=block_size, GROUP=group, TOKENS_PER_TILE=config.block_m // group, HEAD_DIM=head_dim,
             BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SOFTCAP=softcap is not None,
             WINDOW=window is not None, SPLIT=splits > 1, MODES=plan is not None, FP8=quantized,
+            SINKS=sinks is not None and splits == 1,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
             num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         )
         if splits > 1:
-            reduce_kernel[(num_tokens, num_heads)](
-                out, part_acc, part_max, part_sum, *out.stride(), num_heads, splits,
-                HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=_next_pow2(splits), PDL=pdl, num_warps=4,
-                **launch_options(pdl),
-            )
+            _reduce_splits(compiled.reduce, out, (part_acc, part_max, part_sum), sinks, pdl)
         return out.reshape(num_tokens, num_heads * head_dim)

@@ -29,7 +29,7 @@ FP8_MIN_CAPABILITY = (8, 9)
 def fp8_compute_chosen(choice: str, scheme: QuantScheme | None, device: torch.device, model_name: str) -> bool:
     """Whether ``--quantization`` ``choice`` keeps this checkpoint's FP8 weights (logged either way).
     ValueError for ``fp8`` on a checkpoint that is not FP8."""
-    if scheme is None:
+    if scheme is None or not scheme.groups:  # not quantized, or no FP8 weights (MXFP4 experts)
         if choice == "fp8":
             raise ValueError(f"--quantization fp8: {model_name} has no FP8 quantization_config (an FP8 checkpoint "
                              "or a dummy:*-fp8 preset is needed)")

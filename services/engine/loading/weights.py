@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from services.engine.loading.quant import mxfp4
 from services.engine.loading.quant.quantize import quantize_weight
 from services.engine.loading.quant.scheme import QuantScheme
 from services.engine.models import DecoderModel
@@ -61,11 +62,15 @@ def dummy_weights(model: DecoderModel, seed: int = 0) -> Iterator[tuple[str, tor
         yield name, dummy_tensor(name, model._hf_shape(name), dtype, device, seed, unit_norm)
 
 
-def dummy_fp8_checkpoint(model: DecoderModel, scheme: QuantScheme, seed: int = 0
-                         ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``dummy_weights`` as an FP8 checkpoint of ``scheme`` would store them: each matrix the scheme quantizes as
-    e4m3 and its scale (``quantize_weight``), named as the scheme's checkpoints name them. The same dummy values
-    as the unquantized preset's, so the two models differ by the FP8 rounding alone."""
+def dummy_quantized_checkpoint(model: DecoderModel, scheme: QuantScheme, seed: int = 0
+                               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``dummy_weights`` as a checkpoint of ``scheme`` would store them: for FP8, each matrix the scheme quantizes
+    as e4m3 and its scale (``quantize_weight``), named as the scheme's checkpoints name them; for MXFP4 the experts
+    as blocks and scales (``mxfp4.quantized_checkpoint``). The same dummy values as the unquantized preset's, so
+    the two models differ by the rounding alone."""
+    if scheme.method == "mxfp4":
+        yield from mxfp4.quantized_checkpoint(dummy_weights(model, seed))
+        return
     for name, tensor in dummy_weights(model, seed):
         module = name.removesuffix(".weight")
         fmt = scheme.weight_format(module) if name.endswith(".weight") and tensor.dim() == 2 else None

@@ -13,6 +13,7 @@ from typing import Any
 
 from services.engine.model_config.deepseek import MLASpec, MoESpec, deepseek_fields
 from services.engine.model_config.gemma import gemma_fields
+from services.engine.model_config.gpt_oss import GptOssSpec, gpt_oss_fields
 from services.engine.model_config.granite import GraniteSpec, granite_hybrid_fields
 from services.engine.model_config.layers import (
     SUPPORTED_ACTIVATIONS,
@@ -31,7 +32,7 @@ from services.kv.spec.groups import AttentionKind
 __all__ = ["SUPPORTED_ROPE_TYPES", "LayerSpec", "ModelConfig", "RopeSpec", "preset", "read_rope", "rope_from_dict"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma4",
-                           "deepseek_v3", "granitemoehybrid")
+                           "deepseek_v3", "granitemoehybrid", "gpt_oss")
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3", "gemma4")
 
 _ARCH_BY_CLASS = {
@@ -45,6 +46,7 @@ _ARCH_BY_CLASS = {
     "Gemma4ForCausalLM": "gemma4",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # config.json model_type -> our architecture, for the types whose name differs.
 _ARCH_BY_MODEL_TYPE = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
@@ -127,6 +129,7 @@ class ModelConfig:
     moe: MoESpec | None = None
     granite: GraniteSpec | None = None
     qwen3_moe: Qwen3MoESpec | None = None
+    gpt_oss: GptOssSpec | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -135,6 +138,8 @@ class ModelConfig:
             )
         if (self.qwen3_moe is not None) != (self.architecture == "qwen3_moe"):
             raise ValueError("a Qwen3-MoE spec goes with the qwen3_moe architecture, and only with it")
+        if (self.gpt_oss is not None) != (self.architecture == "gpt_oss"):
+            raise ValueError("a gpt-oss spec goes with the gpt_oss architecture, and only with it")
         if self.hidden_activation not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"unsupported hidden activation {self.hidden_activation!r}; "
                              f"supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
@@ -236,6 +241,9 @@ class ModelConfig:
             mixer = self._mamba_parameters() if n in state else h * (q + num_kv_proj * kv) + q * h
             sparse = self.qwen3_moe is not None and self.qwen3_moe.is_moe_layer(n)
             mlp = self.qwen3_moe.num_parameters(h) if sparse else 3 * h * self.layer_intermediate_size(n)
+            if self.gpt_oss is not None:  # experts in every layer; q/k/v/o biases and a sink per head
+                mlp = self.gpt_oss.num_parameters(h, self.intermediate_size)
+                mixer += q + 2 * kv + h + self.num_heads
             total += mixer + mlp + norms * h + (2 * layer.head_dim if self.qk_norm else 0)
         if self.granite is not None:
             total += self.num_layers * self.granite.routed_parameters(h)
@@ -264,6 +272,8 @@ class ModelConfig:
             return cls(**granite_hybrid_fields(d))
         if arch == "qwen3_moe":
             return cls(**qwen3_moe_fields(d))
+        if arch == "gpt_oss":
+            return cls(**gpt_oss_fields(d))
         sliding = config_field(d, "sliding_window", int, None)
         if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
             sliding = None  # Qwen2/3 configs carry a window they do not use unless asked
@@ -485,9 +495,33 @@ PRESETS.update({name: ModelConfig.from_hf_dict({**_QWEN3_MOE_COMMON, **d})
                 for name, d in _QWEN3_MOE_PRESETS.items()})
 
 
-# FP8 presets: a preset above (the same dummy weights) quantized at load by the given quantization_config, as
-# the FP8 checkpoints of these models store them: DeepSeek / Qwen3-FP8's 128 x 128 blocks, fbgemm's per-row scales.
+# gpt-oss presets, config.json-shaped: gpt-oss-20b-bf16 / -120b-bf16 have openai/gpt-oss-20b's and -120b's shapes (24
+# and 36 layers alternating 128-token windows and full attention, 32 and 128 experts of 2880, 4 a token; ~20.9B and
+# ~116.8B parameters) with unquantized experts; the MXFP4 presets below are them as released. gpt-oss-tiny keeps
+# every feature (sinks, both layer kinds, biased experts, YaRN) at test speed, its widths multiples of 32 for MXFP4.
+_GPT_OSS_COMMON = dict(model_type="gpt_oss", hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       attention_bias=True, swiglu_limit=7.0, num_experts_per_tok=4, head_dim=64,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                        "beta_slow": 1.0, "truncate": False,
+                                        "original_max_position_embeddings": 4096})
+_GPT_OSS_PRESETS: dict[str, dict[str, Any]] = {
+    "gpt-oss-20b-bf16": dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                             num_attention_heads=64, num_key_value_heads=8, num_local_experts=32, sliding_window=128,
+                             max_position_embeddings=131072, eos_token_id=200002),
+    "gpt-oss-tiny": dict(vocab_size=49152, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                         num_experts_per_tok=2, sliding_window=16, max_position_embeddings=2048, eos_token_id=2),
+}
+_GPT_OSS_PRESETS["gpt-oss-120b-bf16"] = dict(_GPT_OSS_PRESETS["gpt-oss-20b-bf16"], num_hidden_layers=36,
+                                             num_local_experts=128)
+PRESETS.update({name: ModelConfig.from_hf_dict({**_GPT_OSS_COMMON, **d}) for name, d in _GPT_OSS_PRESETS.items()})
+
+# Quantized presets: a preset above (the same dummy weights) quantized at load by the given quantization_config, as
+# the checkpoints of these models store them: DeepSeek / Qwen3-FP8's 128 x 128 blocks, fbgemm's per-row scales,
+# gpt-oss's MXFP4 experts.
 _FP8_BLOCKS = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+_MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]}
 QUANTIZED_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-3.1-8b-fp8": ("llama-3.1-8b", _FP8_BLOCKS),
     "llama-3.1-8b-fp8-channel": ("llama-3.1-8b", {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}),
@@ -495,6 +529,10 @@ QUANTIZED_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-0.6b-fp8": ("qwen3-0.6b", _FP8_BLOCKS),  # every projection whole 128 x 128 blocks: the GPU tests' size
     "qwen3-30b-a3b-fp8": ("qwen3-30b-a3b", _FP8_BLOCKS),  # Qwen/Qwen3-30B-A3B-FP8's format
     "tiny-fp8": ("tiny", {**_FP8_BLOCKS, "weight_block_size": [16, 16]}),
+    # gpt-oss as released: MXFP4 experts, everything else as stored.
+    "gpt-oss-20b": ("gpt-oss-20b-bf16", _MXFP4),
+    "gpt-oss-120b": ("gpt-oss-120b-bf16", _MXFP4),
+    "gpt-oss-tiny-mxfp4": ("gpt-oss-tiny", _MXFP4),
 }
 
 

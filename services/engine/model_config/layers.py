@@ -15,7 +15,7 @@ from services.kv.spec.groups import AttentionKind
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional", "yarn")
 # YaRN is read only for the architectures whose attention applies its magnitude scaling (the cos/sin
 # factor and, for DeepSeek, the softmax scale): elsewhere it would be read and then computed wrong.
-YARN_ARCHITECTURES = ("deepseek_v3",)
+YARN_ARCHITECTURES = ("deepseek_v3", "gpt_oss")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 # Keys a rope dict may carry, per rope type; anything else shapes the math in a way we do not

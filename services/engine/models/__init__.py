@@ -13,6 +13,7 @@ from services.engine.models.base import DecoderModel
 from services.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from services.engine.models.gemma import GemmaForCausalLM
 from services.engine.models.gemma4 import Gemma4ForCausalLM
+from services.engine.models.gpt_oss import GptOssForCausalLM
 from services.engine.models.granite_hybrid import GraniteHybridForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -29,6 +30,7 @@ MODEL_CLASSES: dict[str, type[DecoderModel]] = {
     "gemma4": Gemma4ForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
     "granitemoehybrid": GraniteHybridForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

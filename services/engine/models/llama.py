@@ -12,6 +12,8 @@ layer loop carries the residual stream and the last sublayer's output separately
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -34,8 +36,11 @@ from services.engine.parallel import ParallelConfig, all_reduce
 
 
 class Attention(nn.Module):
+    """Llama's attention: fused q/k/v, optional q/k norms and biases; ``sinks`` (gpt-oss) a learned logit per
+    local head, float32, that joins each row's softmax with a zero value."""
+
     def __init__(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, sinks: bool = False) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.parallel = parallel
@@ -53,6 +58,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = param(self.num_heads, dtype=torch.float32, device=device) if sinks else None
 
     def forward(self, x: torch.Tensor, rope: Rope, kv: LayerKV, batch: AttentionBatch, group: int) -> torch.Tensor:
         n = x.shape[0]
@@ -63,7 +69,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = paged_attention(q, k, v, kv[0], kv[1], batch, batch.groups[group], self.scale, rope=rope,
-                              kv_scale=kv.scales, rounding_scale=kv.fp8_scales)
+                              kv_scale=kv.scales, rounding_scale=kv.fp8_scales, sinks=self.sinks)
         return all_reduce(self.o_proj(out), self.parallel)
 
 
@@ -81,14 +87,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Attention then the feed-forward block ``mlp`` (a dense ``MLP``, or a family's sparse block)."""
+    """Attention then the feed-forward block ``mlp`` (a dense ``MLP``, or a family's sparse block), each after its
+    norm (``norm`` makes one)."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
-                 device: torch.device, mlp: nn.Module) -> None:
+    def __init__(self, norm: Callable[[], nn.Module], self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, layer_id, parallel, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.input_layernorm = norm()
+        self.self_attn = self_attn
+        self.post_attention_layernorm = norm()
         self.mlp = mlp
 
 
@@ -104,10 +110,14 @@ class LlamaForCausalLM(DecoderModel):
         self.config = config
         self.parallel = parallel
         self.embed_tokens = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel, dtype, device,
+
+        def norm() -> nn.Module:
+            return self._norm(config, dtype, device)
+
+        self.layers = nn.ModuleList(DecoderLayer(norm, self._attention(config, i, parallel, dtype, device),
                                                  self._feed_forward(config, i, parallel, dtype, device))
                                     for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = norm()
         self.lm_head = (
             None if config.tie_word_embeddings
             else param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
@@ -118,6 +128,16 @@ class LlamaForCausalLM(DecoderModel):
                       device: torch.device) -> nn.Module:
         """Layer ``layer_id``'s feed-forward block: the dense MLP (a family with sparse layers overrides this)."""
         return MLP(config, parallel, dtype, device)
+
+    def _attention(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
+                   device: torch.device) -> nn.Module:
+        """Layer ``layer_id``'s attention (a family with attention sinks overrides this)."""
+        return Attention(config, layer_id, parallel, dtype, device)
+
+    def _norm(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """One RMSNorm of the hidden width: Llama's, which casts before its weight (a family that scales in
+        float32 first overrides this)."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_views: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: list[int],

@@ -104,16 +104,20 @@ class RoutedExperts(nn.Module):
       token chose; each token's k outputs summed. No host sync: a step with it can be captured in a CUDA
       graph. Chosen over the loop by ``bench/mla_moe.py`` (``bench/RESULTS.md``).
 
-    ``path``: force one (tests and the benchmark); default ``grouped`` where ``grouped_mm_usable``.
+    ``path``: force one (tests and the benchmark); default ``grouped`` where ``grouped_mm_usable``. ``bias``: every
+    projection has one (``gate_up_bias`` [E, 2I], ``down_bias`` [E, H]); a family with another activation than
+    silu-gating overrides ``activate``.
     """
 
     PATHS = ("loop", "grouped")
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
-                 device: torch.device, path: str | None = None) -> None:
+                 device: torch.device, path: str | None = None, bias: bool = False) -> None:
         super().__init__()
         self.gate_up = param(num_experts, 2 * intermediate, hidden, dtype=dtype, device=device)
         self.down = param(num_experts, hidden, intermediate, dtype=dtype, device=device)
+        self.gate_up_bias = param(num_experts, 2 * intermediate, dtype=dtype, device=device) if bias else None
+        self.down_bias = param(num_experts, hidden, dtype=dtype, device=device) if bias else None
         if path is None:
             path = "grouped" if grouped_mm_usable(dtype, device, hidden, intermediate) else "loop"
         if path not in self.PATHS:
@@ -125,6 +129,10 @@ class RoutedExperts(nn.Module):
         """Whether a forward can be captured in a CUDA graph (no host sync); ``DecoderModel.supports_cuda_graphs``
         reads it."""
         return self.path == "grouped"
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The hidden activations [rows, I] of the gate/up projections' outputs [rows, 2I] (gate, then up)."""
+        return ops.silu_and_mul(gate_up)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Sum over each token's chosen ``experts`` [tokens, k] of its output times ``weights`` [tokens, k]."""
@@ -139,8 +147,12 @@ class RoutedExperts(nn.Module):
         counts = torch.zeros(self.gate_up.shape[0], dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         ends = counts.cumsum(0, dtype=torch.int32)
-        hidden = ops.silu_and_mul(torch._grouped_mm(x[order // k], self.gate_up.transpose(1, 2), offs=ends))
-        y = torch._grouped_mm(hidden, self.down.transpose(1, 2), offs=ends)
+        gate_up = torch._grouped_mm(x[order // k], self.gate_up.transpose(1, 2), offs=ends)
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias[flat[order]]
+        y = torch._grouped_mm(self.activate(gate_up), self.down.transpose(1, 2), offs=ends)
+        if self.down_bias is not None:
+            y = y + self.down_bias[flat[order]]
         y = (y * weights.view(-1)[order, None]).to(x.dtype)
         by_pair = torch.empty_like(y)
         by_pair[order] = y
@@ -153,6 +165,10 @@ class RoutedExperts(nn.Module):
         half = self.down.shape[2]  # this rank's width of one expert
         rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
         return copy_weight(name, self.gate_up[expert, rows], parallel.shard(tensor, 0))
+
+    def _bias(self, proj: str, expert: int) -> torch.Tensor | None:
+        bias = getattr(self, f"{proj}_bias")
+        return None if bias is None else bias[expert]
 
     def _loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         k = experts.shape[1]
@@ -167,8 +183,9 @@ class RoutedExperts(nn.Module):
             pairs = order[start: start + count]
             start += count
             tokens = pairs // k
-            hidden = ops.silu_and_mul(nn.functional.linear(x[tokens], self.gate_up[expert]))
-            y = nn.functional.linear(hidden, self.down[expert]) * weights.view(-1)[pairs, None]
+            gate_up = nn.functional.linear(x[tokens], self.gate_up[expert], self._bias("gate_up", expert))
+            y = nn.functional.linear(self.activate(gate_up), self.down[expert], self._bias("down", expert))
+            y = y * weights.view(-1)[pairs, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         return out
 

@@ -22,7 +22,7 @@ from services.engine.kv_cache.state_pool import StatePool
 from services.engine.loading.fp8_model import fp8_compute_chosen, keep_fp8_projections
 from services.engine.loading.quant.stream import checkpoint_tensors
 from services.engine.loading.source import ModelSource
-from services.engine.loading.weights import dummy_fp8_checkpoint, dummy_weights
+from services.engine.loading.weights import dummy_quantized_checkpoint, dummy_weights
 from services.engine.models import DecoderModel, build_model
 from services.engine.runner.cuda_graphs import DecodeGraphRunner
 from services.engine.runner.model_runner import ModelRunner
@@ -55,7 +55,7 @@ def load_model(config: EngineConfig, source: ModelSource, dtype: str, device: to
     if source.weights is not None:
         weights = source.weights(keep)
     elif scheme is not None:
-        weights = checkpoint_tensors(dummy_fp8_checkpoint(model, scheme, config.seed), scheme, keep)
+        weights = checkpoint_tensors(dummy_quantized_checkpoint(model, scheme, config.seed), scheme, keep)
     else:
         weights = dummy_weights(model, config.seed)
     with torch.no_grad():

@@ -115,14 +115,37 @@ class Problem:
         self.window = window
 
     def run(self, backend, tables: torch.Tensor, cache: KVCache, softcap: float | None,
-            step: AttentionBatch | None = None, fresh: tuple[torch.Tensor, torch.Tensor] | None = None
-            ) -> torch.Tensor:
+            step: AttentionBatch | None = None, fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
         step = step or self.step
         none = torch.empty(0, dtype=torch.long, device=DEVICE)
         meta = backend.build_metadata(step, tables, none, none, self.window)
         k_cache, v_cache = cache.views[1]
         scale = self.q.shape[-1] ** -0.5
-        return backend.forward(self.q, k_cache, v_cache, step.with_groups((meta,)), meta, scale, softcap, fresh)
+        return backend.forward(self.q, k_cache, v_cache, step.with_groups((meta,)), meta, scale, softcap, fresh,
+                               sinks=sinks)
+
+    def with_sinks(self, sinks: torch.Tensor, softcap: float | None) -> torch.Tensor:
+        """Attention with a sink logit per head, written out per request and token in float64 from the cache:
+        the scores of the visible keys and the head's sink, softmaxed together, the sink's share dropped."""
+        k_view, v_view = self.ref_cache.views[1]
+        heads, head_dim = self.q.shape[1:]
+        group = heads // k_view.shape[2]
+        out, row = torch.zeros(self.q.shape, dtype=torch.float64), 0
+        for i, (q_len, ctx) in enumerate(zip(*self.step.host_lens, strict=True)):
+            positions = torch.arange(ctx, device=DEVICE)
+            blocks = self.ref_tables[i][positions // k_view.shape[1]]
+            keys = k_view[blocks, positions % k_view.shape[1]].double().repeat_interleave(group, 1).cpu()
+            values = v_view[blocks, positions % k_view.shape[1]].double().repeat_interleave(group, 1).cpu()
+            for pos in range(ctx - q_len, ctx):
+                lo = 0 if self.window is None else max(0, pos - self.window + 1)
+                scores = torch.einsum("hd,khd->hk", self.q[row].double().cpu(), keys[lo: pos + 1]) * head_dim**-0.5
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                weights = torch.cat((scores, sinks.double().cpu()[:, None]), 1).softmax(1)[:, :-1]
+                out[row] = torch.einsum("hk,khd->hd", weights, values[lo: pos + 1])
+                row += 1
+        return out.reshape(self.q.shape[0], -1)
 
     def fresh(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's K/V rows as the layer computed them: each request's last query-length positions."""
@@ -139,8 +162,8 @@ class Problem:
         return self.run(TorchSDPABackend(), self.ref_tables, self.ref_cache, softcap)
 
     def kernel(self, backend: TritonPagedBackend, softcap: float | None, step: AttentionBatch | None = None,
-               fresh: tuple[torch.Tensor, torch.Tensor] | None = None):
-        return self.run(backend, self.kernel_tables, self.kernel_cache, softcap, step, fresh)
+               fresh: tuple[torch.Tensor, torch.Tensor] | None = None, sinks: torch.Tensor | None = None):
+        return self.run(backend, self.kernel_tables, self.kernel_cache, softcap, step, fresh, sinks)
 
 
 def _rel_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -212,6 +235,35 @@ def test_dense_fresh_tokens_merge_with_the_paged_prefix(name: str, dtype: torch.
     assert _rel_error(problem.kernel(backend, None), expected) < TOLERANCE[dtype]  # no fresh K/V: paged
     capped = problem.kernel(backend, 3.0, fresh=problem.fresh())
     assert _rel_error(capped, problem.reference(3.0)) < TOLERANCE[dtype]
+
+
+# (requests, heads, kv_heads, layout, window, softcap, splits, dense_min_query)
+SINK_CASES = {
+    "paged-window": (MIXED, 4, 2, HND_PER_LAYER, 12, None, 1, None),
+    "split3-softcap": (MIXED, 8, 2, NHD_CROSS, None, 3.0, 3, None),
+    "decode-split8-window": (((1, 1), (1, 3), (1, 40), (1, 17)), 4, 2, NHD_CROSS, 6, None, 8, None),
+    "dense-merge-and-dense-only": (MIXED, 4, 2, NHD_CROSS, None, None, 1, 5),
+    "one-fresh-dense-chunk": (((12, 12),), 4, 1, NHD_CROSS, None, None, 1, 8),
+}
+
+
+@pytest.mark.parametrize("name", list(SINK_CASES))
+def test_attention_sinks_in_every_backend(name: str) -> None:
+    """gpt-oss's sinks (a logit per head with a zero value) in ``torch_sdpa`` and in ``triton_paged``'s every
+    path -- the unsplit epilogue, the split reduce, the dense half merged with the prefix or alone -- against the
+    softmax written out with the sink column; sinks of this size change the output (they are not ignored)."""
+    requests, heads, kv_heads, layout, window, softcap, splits, dense = SINK_CASES[name]
+    dtype = torch.float32 if dense is None or ON_CPU else torch.float16  # cuDNN's dense half: 16-bit only
+    problem = Problem(requests, heads, kv_heads, 16, 16, layout, dtype, window)
+    sinks = torch.linspace(-1.0, 2.5, heads, device=DEVICE)
+    expected = problem.with_sinks(sinks, softcap)
+    assert _rel_error(problem.reference(softcap).cpu().double(), expected) > 0.02  # the sinks matter
+    sdpa = problem.run(TorchSDPABackend(), problem.ref_tables, problem.ref_cache, softcap, sinks=sinks)
+    assert _rel_error(sdpa.cpu().double(), expected) < TOLERANCE[dtype]
+    backend = TritonPagedBackend(num_splits=splits, dense_min_query=dense, dense_max_prefix_ratio=float("inf"))
+    fresh = problem.fresh() if dense else None
+    got = problem.kernel(backend, softcap, fresh=fresh, sinks=sinks)
+    assert _rel_error(got.cpu().double(), expected) < TOLERANCE[dtype]
 
 
 def test_dense_plan_rules() -> None:
@@ -288,18 +340,18 @@ for dtype, head_dim, group, max_q, modes in ((torch.bfloat16, 128, 4, 1, False),
     c = kernel_config(head_dim, group, max_q, dtype)
     t = TYPES[dtype]
     pointers = dict(Q=t, K=t, V=t, Out=t, PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32", BlockTables="*i64",
-                    QueryStart="*i32", ContextLens="*i32", Modes="*i32", Lse="*fp32", qk_scale="fp32",
-                    softcap="fp32")
+                    QueryStart="*i32", ContextLens="*i32", Modes="*i32", Lse="*fp32", Sinks="*fp32",
+                    qk_scale="fp32", softcap="fp32")
     constexprs = dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, BLOCK_SIZE=16, GROUP=group,
                       TOKENS_PER_TILE=c.block_m // group, HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)),
                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, SOFTCAP=not modes, WINDOW=not modes,
-                      SPLIT=max_q == 1, MODES=modes,
+                      SPLIT=max_q == 1, MODES=modes, SINKS=modes,
                       DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", PDL=max_q == 1)
     aligned = [n for n in pointers if n.isupper() or n[0].isupper()] + ["stride_kb", "stride_ks", "stride_kh"]
     print("attention", dtype, head_dim, group, max_q, modes, c, compile_(attention, pointers, constexprs, aligned,
                                                                   c.num_warps, c.num_stages))
-print("reduce", compile_(reduce, dict(Out="*bf16", PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32"),
-                         dict(stride_od=1, HEAD_DIM=128, BLOCK_D=128, SPLITS=16, PDL=True), [], 4, 2))
+print("reduce", compile_(reduce, dict(Out="*bf16", PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32", Sinks="*fp32"),
+                         dict(stride_od=1, HEAD_DIM=128, BLOCK_D=128, SPLITS=16, SINKS=True, PDL=True), [], 4, 2))
 """
 
 

@@ -89,7 +89,7 @@ def test_a_compressed_tensors_module_takes_its_most_specific_group() -> None:
     ({"quant_method": "awq", "bits": 4}, "'awq'"),
     ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
-    ({"quant_method": "mxfp4"}, "'mxfp4'.*not supported yet"),
+    ({"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"}, "modules_to_not_convert"),
     ({"quant_method": "modelopt", "quant_algo": "FP8"}, "'modelopt'"),
     ({**FP8, "activation_scheme": "static"}, "activation_scheme"),
     ({**FP8, "weight_block_size": [128]}, "weight_block_size"),

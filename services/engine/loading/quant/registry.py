@@ -1,4 +1,5 @@
-"""``quantization_config`` -> QuantScheme: one parser per supported method; every other method is refused by name."""
+"""``quantization_config`` -> QuantScheme: one parser per supported method (the FP8 formats and MXFP4); every other
+method is refused by name."""
 
 from __future__ import annotations
 
@@ -8,16 +9,15 @@ from typing import Any
 from services.engine.loading.quant.compressed_tensors import parse_compressed_tensors
 from services.engine.loading.quant.fbgemm_fp8 import parse_fbgemm_fp8
 from services.engine.loading.quant.finegrained_fp8 import parse_finegrained_fp8
+from services.engine.loading.quant.mxfp4 import parse_mxfp4
 from services.engine.loading.quant.scheme import QuantScheme
 
 PARSERS: dict[str, Callable[[dict[str, Any]], QuantScheme]] = {
     "fp8": parse_finegrained_fp8,
     "compressed-tensors": parse_compressed_tensors,
     "fbgemm_fp8": parse_fbgemm_fp8,
+    "mxfp4": parse_mxfp4,
 }
-
-# Methods known to be something else than the FP8 formats above, with what to say about them.
-_NOT_YET = {"mxfp4": "MXFP4 checkpoints are not supported yet"}
 
 
 def parse_quantization(config: dict[str, Any]) -> QuantScheme | None:
@@ -28,9 +28,7 @@ def parse_quantization(config: dict[str, Any]) -> QuantScheme | None:
     if not isinstance(quant, dict):
         raise ValueError(f"config field 'quantization_config' must be a mapping, got {quant!r}")
     method = quant.get("quant_method")
-    if method in _NOT_YET:
-        raise ValueError(f"quantization_config quant_method {method!r}: {_NOT_YET[method]}")
     if method not in PARSERS:
         raise ValueError(f"quantization_config quant_method {method!r} is not supported; supported: "
-                         f"{', '.join(PARSERS)} (FP8)")
+                         f"{', '.join(PARSERS)}")
     return PARSERS[method](quant)

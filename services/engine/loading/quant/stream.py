@@ -10,6 +10,7 @@ import torch
 
 from services.engine.loading.quant.dequantize import FP8_DTYPES, check_scale, dequantize
 from services.engine.loading.quant.kv_scales import kv_scale_of
+from services.engine.loading.quant.mxfp4 import mxfp4_tensors
 from services.engine.loading.quant.scheme import QuantScheme, ScaleGranularity, WeightFormat
 
 #: The name a kept module's scale reaches the model under (``<module>`` + this): a block grid [G0, G1] as stored,
@@ -28,7 +29,10 @@ def checkpoint_tensors(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Quan
     scale as ``<module>`` + ``KEPT_SCALE_SUFFIX`` (``kept_scale``). Weight and scale may come in any order and
     from different shards; only the one waiting for its partner is held. ValueError names a weight without its
     scale, a scale without its weight or of the wrong shape, and FP8 tensors in modules the scheme keeps
-    unquantized."""
+    unquantized. An MXFP4 scheme's stream is ``mxfp4_tensors``'."""
+    if scheme is not None and scheme.method == "mxfp4":
+        yield from mxfp4_tensors(tensors, scheme)
+        return
     pairing = _Pairing(scheme, keep_fp8) if scheme is not None else None
     for name, tensor in tensors:
         if kv_scale_of(name) is not None:

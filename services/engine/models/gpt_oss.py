@@ -1,0 +1,160 @@
+"""gpt-oss (gpt-oss-20b, gpt-oss-120b): Llama's decoder with attention sinks and a mixture of experts in every layer.
+
+What differs from ``llama.py``:
+
+* attention has biases on q/k/v/o and a learned sink logit per head (``Attention(sinks=True)``: every backend adds
+  it to each row's softmax denominator); sliding (128) and full layers alternate, as two KV-cache groups;
+* RMSNorm scales in float32 before the cast (``OffsetRMSNorm`` with offset 0), as transformers' ``GptOssRMSNorm``;
+* the feed-forward block (``GptOssMoE``) routes with a biased router -- the top k logits, softmaxed among
+  themselves -- to experts with biases and a clamped SwiGLU (``clamped_swiglu``).
+
+Checkpoints store the experts stacked and transposed (``mlp.experts.gate_up_proj`` [E, H, 2I] with gate and up
+interleaved column by column, ``down_proj`` [E, I, H], and their biases); ``GptOssExperts.load`` de-interleaves them
+into ``RoutedExperts``' layout (gate rows, then up rows), so the expert loop (CPU) and the grouped GEMMs (CUDA) are
+DeepSeek's and Qwen3-MoE's. An MXFP4 checkpoint's experts reach the model dequantized (``loading.quant.mxfp4``).
+Under TP every rank routes every token and holds ``1 / tp_size`` of each expert's width and of the heads (their
+sinks with them); the block's output is all-reduced once.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from services.engine.model_config.gpt_oss import GptOssSpec
+from services.engine.model_config.hf import ModelConfig
+from services.engine.models.fp8_linear import Fp8Target
+from services.engine.models.layers import OffsetRMSNorm, copy_weight, param, row_parallel_bias
+from services.engine.models.llama import Attention, LlamaForCausalLM
+from services.engine.models.moe import RoutedExperts
+from services.engine.parallel import ParallelConfig, all_reduce
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of [rows, 2I] (gate, then up): ``(up + 1) * g * sigmoid(alpha * g)``, ``g`` the gate
+    capped at ``limit`` and ``up`` clamped to ``[-limit, limit]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class GptOssRouter(nn.Module):
+    """Each token's ``num_experts_per_tok`` highest logits (``W h + b``), softmaxed among themselves in the model's
+    dtype, as transformers' ``GptOssTopKRouter``."""
+
+    def __init__(self, hidden: int, spec: GptOssSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.top_k = spec.num_experts_per_tok
+        self.weight = param(spec.num_experts, hidden, dtype=dtype, device=device)
+        self.bias = param(spec.num_experts, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [tokens, k] in x's dtype, expert ids [tokens, k])."""
+        top, experts = nn.functional.linear(x, self.weight, self.bias).topk(self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), experts
+
+
+class GptOssExperts(RoutedExperts):
+    """``RoutedExperts`` with biases and the clamped SwiGLU; loads transformers' stacked, interleaved tensors."""
+
+    def __init__(self, spec: GptOssSpec, hidden: int, intermediate: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(spec.num_experts, hidden, intermediate, dtype, device, bias=True)
+        self.alpha = spec.swiglu_alpha
+        self.limit = spec.swiglu_limit
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return clamped_swiglu(gate_up, self.alpha, self.limit)
+
+    def load_stacked(self, name: str, tail: str, tensor: torch.Tensor, parallel: ParallelConfig) -> None:
+        """Copy this rank's part of ``mlp.experts.<tail>``: ``gate_up_proj`` [E, H, 2I] and its bias [E, 2I]
+        (columns interleaved gate, up, gate, ...: this rank's columns of each), ``down_proj`` [E, I, H] (this
+        rank's rows) and its bias [E, H] (rank 0 only: the outputs are summed over ranks)."""
+        if tail == "down_proj":
+            return copy_weight(name, self.down, parallel.shard(tensor.transpose(1, 2), 2))
+        if tail == "down_proj_bias":
+            return copy_weight(name, self.down_bias, row_parallel_bias(tensor, parallel))
+        gate, up = tensor[..., ::2], tensor[..., 1::2]
+        if tail == "gate_up_proj":
+            gate, up = parallel.shard(gate.transpose(1, 2), 1), parallel.shard(up.transpose(1, 2), 1)
+            half = self.down.shape[2]
+            copy_weight(name, self.gate_up[:, :half], gate)
+            return copy_weight(name, self.gate_up[:, half:], up)
+        if tail == "gate_up_proj_bias":
+            return copy_weight(name, self.gate_up_bias, torch.cat((parallel.shard(gate, 1), parallel.shard(up, 1)), 1))
+        raise ValueError(f"unexpected tensor {name!r}")
+
+
+class GptOssMoE(nn.Module):
+    """One layer's feed-forward block: the router, then the experts; the output all-reduced under TP."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.router = GptOssRouter(config.hidden_size, config.gpt_oss, dtype, device)
+        self.experts = GptOssExperts(config.gpt_oss, config.hidden_size, config.intermediate_size // parallel.tp_size,
+                                     dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.experts(x, *self.router(x)), self.parallel)
+
+    def load(self, name: str, parts: list[str], tensor: torch.Tensor) -> None:
+        """Copy one HF tensor named ``...mlp.<parts>`` into place."""
+        if parts[0] == "router":
+            return copy_weight(name, getattr(self.router, parts[1]), tensor)
+        return self.experts.load_stacked(name, parts[1], tensor, self.parallel)
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    """Llama's decoder with sinks in attention, float32-scaled norms and ``GptOssMoE`` in every layer."""
+
+    def _attention(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
+                   device: torch.device) -> nn.Module:
+        return Attention(config, layer_id, parallel, dtype, device, sinks=True)
+
+    def _norm(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        return OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, 0.0, dtype, device)
+
+    def _feed_forward(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
+                      device: torch.device) -> nn.Module:
+        return GptOssMoE(config, parallel, dtype, device)
+
+    def _expected_names(self) -> Iterator[str]:
+        """Llama's names but the dense MLPs, then every layer's sinks, router and experts."""
+        for name in super()._expected_names():
+            parts = name.split(".")
+            if not (len(parts) > 4 and parts[3] == "mlp"):
+                yield name
+        for i in range(self.config.num_layers):
+            yield from (f"model.layers.{i}.{k}" for k in self._layer_shapes)
+
+    @functools.cached_property
+    def _layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name after ``model.layers.N.`` -> full shape, for what gpt-oss adds to a Llama layer."""
+        c = self.config
+        h, i, e = c.hidden_size, c.intermediate_size, c.gpt_oss.num_experts
+        return {"self_attn.sinks": (c.num_heads,), "mlp.router.weight": (e, h), "mlp.router.bias": (e,),
+                "mlp.experts.gate_up_proj": (e, h, 2 * i), "mlp.experts.gate_up_proj_bias": (e, 2 * i),
+                "mlp.experts.down_proj": (e, i, h), "mlp.experts.down_proj_bias": (e, h)}
+
+    def _hf_shape(self, name: str) -> tuple[int, ...]:
+        tail = name.split(".", 3)[3] if name.startswith("model.layers.") else ""
+        if tail in self._layer_shapes:
+            return self._layer_shapes[tail]
+        return super()._hf_shape(name)
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        parts = name.split(".")
+        if len(parts) > 4 and parts[3] == "mlp":
+            return self.layers[int(parts[2])].mlp.load(name, parts[4:], tensor)
+        if len(parts) == 5 and parts[4] == "sinks":
+            return copy_weight(name, self.layers[int(parts[2])].self_attn.sinks, self.parallel.shard(tensor, 0))
+        return super()._load_one(name, tensor)
+
+    def _feed_forward_fp8_targets(self, layer_id: int) -> list[Fp8Target]:
+        """None: the experts are not FP8 projections."""
+        return []
