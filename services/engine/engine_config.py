@@ -35,7 +35,7 @@ DTYPE_ALIASES = {
 #: How a quantized checkpoint runs: ``auto`` keeps its FP8 weights and computes FP8 GEMMs on CUDA devices of
 #: compute capability 8.9+, dequantized at load elsewhere; ``none`` dequantizes to ``--dtype`` at load everywhere
 #: (A/B runs); ``fp8`` computes in FP8 on every device (on CPU through the exact torch reference: for tests).
-QUANTIZATION_CHOICES = ("auto", "none", "fp8")
+QUANTIZATION_CHOICES = ("auto", "none", "fp8", "mxfp4")
 #: ``--kv-cache-dtype`` spellings -> the KV layout's dtype (torch's name); ``auto`` is the model dtype.
 KV_CACHE_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                    "fp8_e4m3": "float8_e4m3fn"}
@@ -51,10 +51,11 @@ class EngineConfig:
                                    "SmolLM2-135M-Instruct)")
     # auto: float32 on CPU, the checkpoint's 16-bit type (else bfloat16) on CUDA
     dtype: str = flag("auto", "auto, float32, float16 or bfloat16")
-    quantization: str = flag("auto", "how an FP8 checkpoint runs: auto (FP8 weights and GEMMs on CUDA devices of "
-                                     "compute capability 8.9+, else dequantized at load), none (dequantized to "
-                                     "--dtype at load) or fp8 (FP8 GEMMs on every device; on CPU the slow exact "
-                                     "reference)", choices=QUANTIZATION_CHOICES)
+    quantization: str = flag("auto", "how an FP8 or MXFP4 checkpoint runs: auto (FP8 weights and GEMMs on CUDA "
+                                     "devices of compute capability 8.9+, MXFP4 experts on CUDA, else dequantized "
+                                     "at load), none (dequantized to --dtype at load), fp8 (FP8 GEMMs on every "
+                                     "device; on CPU the slow exact reference) or mxfp4 (MXFP4 experts on every "
+                                     "device; on CPU the torch reference)", choices=QUANTIZATION_CHOICES)
     # auto: the model dtype; fp8_e4m3 stores K/V as float8 e4m3 with per-layer scales (half the bytes of bf16)
     kv_cache_dtype: str = flag("auto", "dtype of the KV cache: auto (the model dtype), float32, bfloat16, float16 or "
                                        "fp8_e4m3 (per-layer scales: the checkpoint's k_scale/v_scale, else 1.0)",
@@ -150,7 +151,7 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected auto, float32, float16 or bfloat16")
         if self.quantization not in QUANTIZATION_CHOICES:
-            raise ValueError(f"unknown quantization {self.quantization!r}; expected auto, none or fp8")
+            raise ValueError(f"unknown quantization {self.quantization!r}; expected {', '.join(QUANTIZATION_CHOICES)}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; expected auto, "
                              f"{', '.join(KV_CACHE_DTYPES)}")

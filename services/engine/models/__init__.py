@@ -34,13 +34,18 @@ MODEL_CLASSES: dict[str, type[DecoderModel]] = {
 }
 
 
-def build_model(config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype,
-                device: torch.device) -> DecoderModel:
-    """The architecture's module with uninitialised weights (a loader fills them)."""
+def build_model(config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, device: torch.device,
+                mxfp4_experts: bool = False) -> DecoderModel:
+    """The architecture's module with uninitialised weights (a loader fills them); ``mxfp4_experts``: its experts
+    kept as an MXFP4 checkpoint stores them (gpt-oss only)."""
     try:
         cls = MODEL_CLASSES[config.architecture]
     except KeyError:
         raise ValueError(f"no model class for architecture {config.architecture!r}") from None
+    if mxfp4_experts:
+        if cls is not GptOssForCausalLM:
+            raise ValueError(f"MXFP4 experts are computed for gpt-oss only, not {config.architecture!r}")
+        return cls(config, parallel, dtype, device, mxfp4_experts=True)
     return cls(config, parallel, dtype, device)
 
 

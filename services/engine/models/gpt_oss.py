@@ -30,6 +30,8 @@ from services.engine.models.fp8_linear import Fp8Target
 from services.engine.models.layers import OffsetRMSNorm, copy_weight, param, row_parallel_bias
 from services.engine.models.llama import Attention, LlamaForCausalLM
 from services.engine.models.moe import RoutedExperts
+from services.engine.ops.mxfp4_format import GROUP
+from services.engine.ops.mxfp4_moe import mxfp4_grouped_mm
 from services.engine.parallel import ParallelConfig, all_reduce
 
 
@@ -59,18 +61,53 @@ class GptOssRouter(nn.Module):
 
 
 class GptOssExperts(RoutedExperts):
-    """``RoutedExperts`` with biases and the clamped SwiGLU; loads transformers' stacked, interleaved tensors."""
+    """``RoutedExperts`` with biases and the clamped SwiGLU; loads transformers' stacked, interleaved tensors.
+
+    ``mxfp4``: the projections stay as the checkpoint stores them (``gate_up_blocks`` [E, 2I, H / 2] and
+    ``gate_up_scales`` [E, 2I, H / 32] uint8, rows gate then up; ``down_blocks`` [E, H, I / 2], ``down_scales``
+    [E, H, I / 32]) and every step's grouped GEMMs read them (``ops.mxfp4_moe``): a quarter of the bytes of bf16
+    experts, which gpt-oss-120b needs to fit one GPU."""
 
     def __init__(self, spec: GptOssSpec, hidden: int, intermediate: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__(spec.num_experts, hidden, intermediate, dtype, device, bias=True)
+                 device: torch.device, mxfp4: bool = False) -> None:
+        super().__init__(spec.num_experts, hidden, intermediate, dtype, device, path="grouped" if mxfp4 else None,
+                         bias=True, weights=not mxfp4)
         self.alpha = spec.swiglu_alpha
         self.limit = spec.swiglu_limit
+        self.mxfp4 = mxfp4
+        if mxfp4:
+            e, u8 = spec.num_experts, torch.uint8
+            self.gate_up_blocks = param(e, 2 * intermediate, hidden // 2, dtype=u8, device=device)
+            self.gate_up_scales = param(e, 2 * intermediate, hidden // GROUP, dtype=u8, device=device)
+            self.down_blocks = param(e, hidden, intermediate // 2, dtype=u8, device=device)
+            self.down_scales = param(e, hidden, intermediate // GROUP, dtype=u8, device=device)
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         return clamped_swiglu(gate_up, self.alpha, self.limit)
 
+    def project(self, proj: str, x: torch.Tensor, rows: torch.Tensor | None, ends: torch.Tensor,
+                by_expert: torch.Tensor) -> torch.Tensor:
+        if not self.mxfp4:
+            return super().project(proj, x, rows, ends, by_expert)
+        return mxfp4_grouped_mm(x, rows, getattr(self, f"{proj}_blocks"), getattr(self, f"{proj}_scales"),
+                                getattr(self, f"{proj}_bias"), ends)
+
+    def load_mxfp4(self, name: str, proj: str, part: str, tensor: torch.Tensor, parallel: ParallelConfig) -> None:
+        """This rank's part of ``<proj>_blocks`` [E, out, in / 32, 16] or ``<proj>_scales`` [E, out, in / 32]:
+        gate_up's interleaved rows (this rank's of each half), down's groups of 32 input columns."""
+        dest = getattr(self, f"{proj.removesuffix('_proj')}_{part}")
+        if proj == "down_proj":
+            return copy_weight(name, dest, parallel.shard(tensor, 2).reshape(dest.shape))
+        gate, up = parallel.shard(tensor[:, 0::2], 1), parallel.shard(tensor[:, 1::2], 1)
+        return copy_weight(name, dest, torch.cat((gate, up), 1).reshape(dest.shape))
+
     def load_stacked(self, name: str, tail: str, tensor: torch.Tensor, parallel: ParallelConfig) -> None:
+        if tail.endswith(("_blocks", "_scales")):
+            proj, _, part = tail.rpartition("_")
+            return self.load_mxfp4(name, proj, part, tensor, parallel)
+        return self._load_dense(name, tail, tensor, parallel)
+
+    def _load_dense(self, name: str, tail: str, tensor: torch.Tensor, parallel: ParallelConfig) -> None:
         """Copy this rank's part of ``mlp.experts.<tail>``: ``gate_up_proj`` [E, H, 2I] and its bias [E, 2I]
         (columns interleaved gate, up, gate, ...: this rank's columns of each), ``down_proj`` [E, I, H] (this
         rank's rows) and its bias [E, H] (rank 0 only: the outputs are summed over ranks)."""
@@ -81,7 +118,7 @@ class GptOssExperts(RoutedExperts):
         gate, up = tensor[..., ::2], tensor[..., 1::2]
         if tail == "gate_up_proj":
             gate, up = parallel.shard(gate.transpose(1, 2), 1), parallel.shard(up.transpose(1, 2), 1)
-            half = self.down.shape[2]
+            half = self.intermediate
             copy_weight(name, self.gate_up[:, :half], gate)
             return copy_weight(name, self.gate_up[:, half:], up)
         if tail == "gate_up_proj_bias":
@@ -92,12 +129,13 @@ class GptOssExperts(RoutedExperts):
 class GptOssMoE(nn.Module):
     """One layer's feed-forward block: the router, then the experts; the output all-reduced under TP."""
 
-    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, device: torch.device,
+                 mxfp4: bool = False) -> None:
         super().__init__()
         self.parallel = parallel
         self.router = GptOssRouter(config.hidden_size, config.gpt_oss, dtype, device)
         self.experts = GptOssExperts(config.gpt_oss, config.hidden_size, config.intermediate_size // parallel.tp_size,
-                                     dtype, device)
+                                     dtype, device, mxfp4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(self.experts(x, *self.router(x)), self.parallel)
@@ -110,7 +148,24 @@ class GptOssMoE(nn.Module):
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
-    """Llama's decoder with sinks in attention, float32-scaled norms and ``GptOssMoE`` in every layer."""
+    """Llama's decoder with sinks in attention, float32-scaled norms and ``GptOssMoE`` in every layer;
+    ``mxfp4_experts``: the experts kept in MXFP4 (``GptOssExperts``), their checkpoint tensors ``*_blocks`` and
+    ``*_scales`` (``mxfp4_modules``)."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, device: torch.device,
+                 mxfp4_experts: bool = False) -> None:
+        groups = config.intermediate_size // parallel.tp_size
+        if mxfp4_experts and groups % GROUP:
+            raise ValueError(f"MXFP4 experts of width {config.intermediate_size} cannot be split over "
+                             f"{parallel.tp_size} ranks in whole {GROUP}-value groups")
+        self.mxfp4_experts = mxfp4_experts
+        super().__init__(config, parallel, dtype, device)
+
+    def mxfp4_modules(self) -> frozenset[str]:
+        """The HF modules whose MXFP4 tensors load as stored (none when the experts were dequantized)."""
+        if not self.mxfp4_experts:
+            return frozenset()
+        return frozenset(f"model.layers.{i}.mlp.experts" for i in range(self.config.num_layers))
 
     def _attention(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
                    device: torch.device) -> nn.Module:
@@ -121,7 +176,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def _feed_forward(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype,
                       device: torch.device) -> nn.Module:
-        return GptOssMoE(config, parallel, dtype, device)
+        return GptOssMoE(config, parallel, dtype, device, self.mxfp4_experts)
 
     def _expected_names(self) -> Iterator[str]:
         """Llama's names but the dense MLPs, then every layer's sinks, router and experts."""
@@ -137,9 +192,15 @@ class GptOssForCausalLM(LlamaForCausalLM):
         """HF name after ``model.layers.N.`` -> full shape, for what gpt-oss adds to a Llama layer."""
         c = self.config
         h, i, e = c.hidden_size, c.intermediate_size, c.gpt_oss.num_experts
-        return {"self_attn.sinks": (c.num_heads,), "mlp.router.weight": (e, h), "mlp.router.bias": (e,),
-                "mlp.experts.gate_up_proj": (e, h, 2 * i), "mlp.experts.gate_up_proj_bias": (e, 2 * i),
-                "mlp.experts.down_proj": (e, i, h), "mlp.experts.down_proj_bias": (e, h)}
+        shapes = {"self_attn.sinks": (c.num_heads,), "mlp.router.weight": (e, h), "mlp.router.bias": (e,),
+                  "mlp.experts.gate_up_proj": (e, h, 2 * i), "mlp.experts.gate_up_proj_bias": (e, 2 * i),
+                  "mlp.experts.down_proj": (e, i, h), "mlp.experts.down_proj_bias": (e, h)}
+        if self.mxfp4_experts:  # stored [E, out, in / 32, 16] and [E, out, in / 32]
+            for proj, (rows, cols) in (("gate_up_proj", (2 * i, h)), ("down_proj", (h, i))):
+                del shapes[f"mlp.experts.{proj}"]
+                shapes[f"mlp.experts.{proj}_blocks"] = (e, rows, cols // GROUP, GROUP // 2)
+                shapes[f"mlp.experts.{proj}_scales"] = (e, rows, cols // GROUP)
+        return shapes
 
     def _hf_shape(self, name: str) -> tuple[int, ...]:
         tail = name.split(".", 3)[3] if name.startswith("model.layers.") else ""

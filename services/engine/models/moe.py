@@ -112,10 +112,12 @@ class RoutedExperts(nn.Module):
     PATHS = ("loop", "grouped")
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
-                 device: torch.device, path: str | None = None, bias: bool = False) -> None:
+                 device: torch.device, path: str | None = None, bias: bool = False, weights: bool = True) -> None:
         super().__init__()
-        self.gate_up = param(num_experts, 2 * intermediate, hidden, dtype=dtype, device=device)
-        self.down = param(num_experts, hidden, intermediate, dtype=dtype, device=device)
+        self.num_experts, self.intermediate = num_experts, intermediate
+        # weights False: a subclass holds the projections in its own format (and ``project`` reads them).
+        self.gate_up = param(num_experts, 2 * intermediate, hidden, dtype=dtype, device=device) if weights else None
+        self.down = param(num_experts, hidden, intermediate, dtype=dtype, device=device) if weights else None
         self.gate_up_bias = param(num_experts, 2 * intermediate, dtype=dtype, device=device) if bias else None
         self.down_bias = param(num_experts, hidden, dtype=dtype, device=device) if bias else None
         if path is None:
@@ -144,19 +146,25 @@ class RoutedExperts(nn.Module):
         tokens, k = experts.shape
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.zeros(self.gate_up.shape[0], dtype=torch.int32, device=x.device)
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         ends = counts.cumsum(0, dtype=torch.int32)
-        gate_up = torch._grouped_mm(x[order // k], self.gate_up.transpose(1, 2), offs=ends)
-        if self.gate_up_bias is not None:
-            gate_up = gate_up + self.gate_up_bias[flat[order]]
-        y = torch._grouped_mm(self.activate(gate_up), self.down.transpose(1, 2), offs=ends)
-        if self.down_bias is not None:
-            y = y + self.down_bias[flat[order]]
+        by_expert = flat[order]
+        gate_up = self.project("gate_up", x, order // k, ends, by_expert)
+        y = self.project("down", self.activate(gate_up), None, ends, by_expert)
         y = (y * weights.view(-1)[order, None]).to(x.dtype)
         by_pair = torch.empty_like(y)
         by_pair[order] = y
         return by_pair.view(tokens, k, -1).sum(dim=1)
+
+    def project(self, proj: str, x: torch.Tensor, rows: torch.Tensor | None, ends: torch.Tensor,
+                by_expert: torch.Tensor) -> torch.Tensor:
+        """One grouped projection (``gate_up`` or ``down``) of the (token, expert) pairs sorted by expert: ``rows``
+        the row of ``x`` each pair reads (None: ``x`` is already the pairs'), ``ends`` each expert's end pair,
+        ``by_expert`` each pair's expert."""
+        out = torch._grouped_mm(x if rows is None else x[rows], getattr(self, proj).transpose(1, 2), offs=ends)
+        bias = getattr(self, f"{proj}_bias")
+        return out if bias is None else out + bias[by_expert]
 
     def load(self, name: str, expert: int, proj: str, tensor: torch.Tensor, parallel: ParallelConfig) -> None:
         """Copy this rank's shard of one expert's HF ``gate_proj`` / ``up_proj`` (rows) or ``down_proj`` (columns)."""
@@ -174,7 +182,7 @@ class RoutedExperts(nn.Module):
         k = experts.shape[1]
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens ascending
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts):

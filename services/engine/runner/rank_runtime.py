@@ -20,6 +20,7 @@ from services.engine.kv_cache.buffers import TORCH_DTYPES, KVCache, kv_cache_gro
 from services.engine.kv_cache.kv_scales import KVScales
 from services.engine.kv_cache.state_pool import StatePool
 from services.engine.loading.fp8_model import fp8_compute_chosen, keep_fp8_projections
+from services.engine.loading.mxfp4_model import mxfp4_experts_chosen
 from services.engine.loading.quant.stream import checkpoint_tensors
 from services.engine.loading.source import ModelSource
 from services.engine.loading.weights import dummy_quantized_checkpoint, dummy_weights
@@ -44,11 +45,13 @@ def use_device(device: torch.device) -> None:
 
 def load_model(config: EngineConfig, source: ModelSource, dtype: str, device: torch.device) -> DecoderModel:
     """This rank's shard of the model, with the checkpoint's weights or seeded dummy ones; an FP8 checkpoint's
-    projections kept in FP8 where ``--quantization`` says so (``loading.fp8_model``), the rest dequantized."""
-    model = build_model(source.config, config.parallel, TORCH_DTYPES[dtype], device)
+    projections kept in FP8 and an MXFP4 checkpoint's experts in MXFP4 where ``--quantization`` says so
+    (``loading.fp8_model``, ``loading.mxfp4_model``), the rest dequantized."""
     scheme = source.quantization
-    keep: frozenset[str] = frozenset()
-    if fp8_compute_chosen(config.quantization, scheme, device, source.name):
+    mxfp4 = mxfp4_experts_chosen(config.quantization, scheme, device, source.name)
+    model = build_model(source.config, config.parallel, TORCH_DTYPES[dtype], device, mxfp4_experts=mxfp4)
+    keep: frozenset[str] = model.mxfp4_modules() if mxfp4 else frozenset()
+    if not mxfp4 and fp8_compute_chosen(config.quantization, scheme, device, source.name):
         keep = keep_fp8_projections(model, scheme)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the replaced bf16 storage: free memory sizes the KV cache

@@ -1,12 +1,12 @@
 """Engine vs Hugging Face transformers 5.23 on a small random gpt-oss checkpoint (``tests/checkpoints.py``).
 
 Four layers alternating a 16-token sliding window and full attention (two KV-cache groups), learned sinks per head,
-q/k/v/o biases, YaRN, 8 biased experts with top-2 routing and a SwiGLU clamped at 1.5 (so the clamps bite); the
+q/k/v/o biases, YaRN, 8 biased experts of 64 with top-2 routing and a SwiGLU clamped at 1.5 (so the clamps bite); the
 sinks, biases and norms perturbed away from transformers' initial zeros and ones. Prompts of 5-40 tokens (longer
 than the window), the last two sharing 16 tokens with the second, under a 24-token budget (chunked prefill) with
 4-token blocks: every computed position's logits match transformers' (float32, max relative error < 1e-4) and 32
 greedy tokens are identical; then with prefix-cache hits, at TP 2, and as an MXFP4 checkpoint against
-transformers loading that checkpoint (its own dequantization). The config reader and the MXFP4 reader refuse what
+transformers loading that checkpoint (its own dequantization), dequantized at load and kept as stored. The config reader and the MXFP4 reader refuse what
 they do not run, by name.
 """
 
@@ -76,7 +76,7 @@ def test_tensor_parallel_matches_hf(reference: Reference) -> None:
     engine = start_engine(config, ["cpu", "cpu"])
     try:
         layer = engine.runtime.model.layers[0]
-        assert layer.mlp.experts.down.shape[2] == 32 // 2 and layer.self_attn.sinks.shape == (2,)
+        assert layer.mlp.experts.down.shape[2] == 64 // 2 and layer.self_attn.sinks.shape == (2,)
         _, outputs = run_to_completion(engine, reference.prompts, GREEDY)
         assert_matches(reference.tokens, reference.logits, outputs)
     finally:
@@ -94,6 +94,32 @@ def test_mxfp4_checkpoint_matches_hf_loading_it(checkpoint, tmp_path) -> None:
     assert_matches(ref.tokens, ref.logits, outputs)
     plain_ref = reference_of(plain, hf_plain, PROMPT_LENS[:3], 16, seed=3, shared_from=0, shared_len=4)
     assert plain_ref.tokens != ref.tokens
+
+
+def test_mxfp4_experts_kept_as_stored_match_hf(checkpoint, tmp_path) -> None:
+    """``--quantization mxfp4``: the experts stay MXFP4 in the model (a quarter of the bytes) and every step's
+    grouped GEMMs read them (on CPU the torch reference of ``ops.mxfp4_moe``); TP 1 and TP 2 (each rank its rows of
+    gate/up, its 32-value groups of down) give transformers' tokens and logits on the checkpoint."""
+    plain, _ = checkpoint
+    directory, hf = mxfp4_checkpoint(plain, tmp_path / "mxfp4")
+    ref = reference_of(directory, hf, PROMPT_LENS[:3], 12, seed=5, shared_from=0, shared_len=4)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, return_logits=True)
+    engine = _engine(ref.checkpoint, quantization="mxfp4")
+    experts = engine.runtime.model.layers[0].mlp.experts
+    assert experts.mxfp4 and experts.gate_up is None and experts.gate_up_blocks.dtype == torch.uint8
+    _, outputs = run_to_completion(engine, ref.prompts, params)
+    assert_matches(ref.tokens, ref.logits, outputs)
+    config = EngineConfig(model=ref.checkpoint, device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
+                          max_num_batched_tokens=24, quantization="mxfp4", parallel=ParallelConfig(2, 0))
+    tp = start_engine(config, ["cpu", "cpu"])
+    try:
+        assert tp.runtime.model.layers[0].mlp.experts.down_scales.shape == (8, 64, 1)  # 2 groups, one a rank
+        _, outputs = run_to_completion(tp, ref.prompts, params)
+        assert_matches(ref.tokens, ref.logits, outputs)
+    finally:
+        tp.close()
+    with pytest.raises(ValueError, match="no MXFP4 quantization_config"):
+        _engine(str(plain), quantization="mxfp4")
 
 
 def test_mxfp4_codes_scales_and_refusals() -> None:

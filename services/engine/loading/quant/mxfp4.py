@@ -5,8 +5,9 @@ values a byte, the low nibble first -- and ``P_scales`` [E, out, in / 32] uint8,
 32 values: value = e2m1 * 2 ** (scale - 127). Every other tensor is stored as it is (``modules_to_not_convert``).
 
 Loading dequantizes (``mxfp4_tensors``): each pair becomes ``P`` in HF's layout and dtype bfloat16, which holds
-every e2m1 value times any power of two of the E8M0 range exactly. ``quantize_mxfp4`` is the inverse, for dummy
-presets (``dummy:gpt-oss-20b``) and tests.
+every e2m1 value times any power of two of the E8M0 range exactly -- unless the model keeps the experts as stored
+(``GptOssExperts`` with ``mxfp4``: ``ops.mxfp4_moe`` computes on them), when the pair passes through.
+``quantize_mxfp4`` is the inverse, for dummy presets (``dummy:gpt-oss-20b``) and tests.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import torch
 
 from services.engine.loading.quant.patterns import ModulePatterns, string_list
 from services.engine.loading.quant.scheme import QuantScheme
+from services.engine.ops.mxfp4_format import E2M1_VALUES, GROUP, SCALE_BIAS, dequantize_mxfp4
 
-#: The 16 e2m1 codes' values: sign bit 8, then exponent and mantissa (0, 0.5, 1, 1.5, 2, 3, 4, 6).
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-GROUP = 32  # values per E8M0 scale
-SCALE_BIAS = 127
+__all__ = ["dequantize_mxfp4", "mxfp4_tensors", "parse_mxfp4", "quantize_mxfp4", "quantized_checkpoint"]
+
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
 #: The tensors gpt-oss's MXFP4 checkpoints quantize: every layer's stacked experts.
 QUANTIZED_TENSORS = (".experts.gate_up_proj", ".experts.down_proj")
@@ -33,14 +33,6 @@ def parse_mxfp4(config: dict[str, Any]) -> QuantScheme:
     skip = string_list(config.get("modules_to_not_convert"), "modules_to_not_convert")
     return QuantScheme(method="mxfp4", groups=(), scale_suffix=SCALES_SUFFIX.lstrip("_"),
                        unquantized=ModulePatterns(names=skip), activation_scheme="none")
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """[..., G, 16] uint8 codes and [..., G] uint8 exponents -> [..., G * 32] values (stored layout, ``dtype``)."""
-    lut = torch.tensor(E2M1_VALUES, dtype=dtype, device=blocks.device)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # low nibble first
-    values = lut[codes] * torch.exp2(scales.to(torch.float32) - SCALE_BIAS).to(dtype)[..., None]
-    return values.flatten(-2)
 
 
 def quantize_mxfp4(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,16 +64,17 @@ def quantized_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterato
         if not is_quantized_tensor(name):
             yield name, tensor
             continue
-        blocks, scales = quantize_mxfp4(tensor.transpose(-1, -2))
-        yield name + BLOCKS_SUFFIX, blocks
-        yield name + SCALES_SUFFIX, scales
+        pairs = [quantize_mxfp4(expert.t()) for expert in tensor]  # one expert at a time: bounded temporaries
+        yield name + BLOCKS_SUFFIX, torch.stack([blocks for blocks, _ in pairs])
+        yield name + SCALES_SUFFIX, torch.stack([scales for _, scales in pairs])
 
 
-def mxfp4_tensors(tensors: Iterable[tuple[str, torch.Tensor]], scheme: QuantScheme
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
+def mxfp4_tensors(tensors: Iterable[tuple[str, torch.Tensor]], scheme: QuantScheme,
+                  keep: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors the model loads from an MXFP4 checkpoint: each ``P_blocks``/``P_scales`` pair as ``P``,
-    dequantized and transposed back to HF's [E, in, out]; everything else as stored. ValueError names a half
-    without its partner, a pair of the wrong dtype or shapes, and blocks of a module the config keeps unquantized."""
+    dequantized and transposed back to HF's [E, in, out], or as stored when ``P``'s module is in ``keep`` (a model
+    computing on MXFP4); everything else as stored. ValueError names a half without its partner, a pair of the
+    wrong dtype or shapes, and blocks of a module the config keeps unquantized."""
     waiting: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         suffix = BLOCKS_SUFFIX if name.endswith(BLOCKS_SUFFIX) else SCALES_SUFFIX if name.endswith(SCALES_SUFFIX) \
@@ -98,7 +91,13 @@ def mxfp4_tensors(tensors: Iterable[tuple[str, torch.Tensor]], scheme: QuantSche
         pair[suffix] = tensor
         if len(pair) == 2:
             del waiting[base]
-            yield base, _dequantized(base, pair[BLOCKS_SUFFIX], pair[SCALES_SUFFIX])
+            blocks, scales = pair[BLOCKS_SUFFIX], pair[SCALES_SUFFIX]
+            if base.rpartition(".")[0] in keep:
+                _check_pair(base, blocks, scales)
+                yield base + BLOCKS_SUFFIX, blocks
+                yield base + SCALES_SUFFIX, scales
+            else:
+                yield base, _dequantized(base, blocks, scales)
     if waiting:
         base, pair = next(iter(waiting.items()))
         (have,) = pair
@@ -106,10 +105,14 @@ def mxfp4_tensors(tensors: Iterable[tuple[str, torch.Tensor]], scheme: QuantSche
         raise ValueError(f"MXFP4 tensor {base + have!r} has no {base + other!r} in the checkpoint")
 
 
-def _dequantized(base: str, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _check_pair(base: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
     if blocks.dim() < 3 or blocks.shape[-1] != GROUP // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise ValueError(f"MXFP4 tensor {base}{BLOCKS_SUFFIX} has shape {list(blocks.shape)} and its scales "
                          f"{list(scales.shape)}: expected [..., G, {GROUP // 2}] and [..., G]")
+
+
+def _dequantized(base: str, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    _check_pair(base, blocks, scales)
     if blocks.dim() == 3:
         return dequantize_mxfp4(blocks, scales).transpose(-1, -2)
     out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * GROUP, dtype=torch.bfloat16, device=blocks.device)

@@ -29,9 +29,9 @@ def checkpoint_tensors(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Quan
     scale as ``<module>`` + ``KEPT_SCALE_SUFFIX`` (``kept_scale``). Weight and scale may come in any order and
     from different shards; only the one waiting for its partner is held. ValueError names a weight without its
     scale, a scale without its weight or of the wrong shape, and FP8 tensors in modules the scheme keeps
-    unquantized. An MXFP4 scheme's stream is ``mxfp4_tensors``'."""
+    unquantized. An MXFP4 scheme's stream is ``mxfp4_tensors``' (``keep_fp8``: the expert modules kept as MXFP4)."""
     if scheme is not None and scheme.method == "mxfp4":
-        yield from mxfp4_tensors(tensors, scheme)
+        yield from mxfp4_tensors(tensors, scheme, keep_fp8)
         return
     pairing = _Pairing(scheme, keep_fp8) if scheme is not None else None
     for name, tensor in tensors:

@@ -1,0 +1,87 @@
+"""The MXFP4 grouped expert GEMM (``ops.mxfp4_moe``): its Triton kernel against the torch reference, which
+dequantizes each expert with the loader's code (``mxfp4_format``), and the kernel compiled for sm_90.
+
+Without a GPU the kernel runs in Triton's interpreter on CPU tensors (``TRITON_INTERPRET`` set before triton is
+imported, as in ``test_attention_backends.py``), in float32 and float16 (the interpreter cannot dot bfloat16);
+with one, on CUDA in bfloat16 too. Cases: rows gathered from the tokens or already sorted, with and without
+biases, experts with no rows, one row, and more rows than a tile; random codes over the whole E8M0 range a real
+checkpoint uses, so a nibble, scale or row read wrong changes the output.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+pytest.importorskip("triton")
+
+from services.engine.ops.mxfp4_moe import mxfp4_grouped_mm, mxfp4_grouped_mm_reference  # noqa: E402
+from services.engine.ops.mxfp4_moe_triton import tile_map  # noqa: E402
+from tests.sm90_compile import compile_script_lines  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16] if DEVICE.type == "cpu" else [torch.float16, torch.bfloat16]
+
+
+def _problem(counts: list[int], n: int, k: int, dtype: torch.dtype, gather: bool, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    e, rows = len(counts), sum(counts)
+    blocks = torch.randint(0, 256, (e, n, k // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(120, 130, (e, n, k // 32), generator=gen, dtype=torch.uint8)  # 2**-7 .. 2**2
+    tokens = max(rows // 2, 1) if gather else rows
+    a = torch.randn(tokens, k, generator=gen).to(dtype)
+    row_of = torch.randint(0, tokens, (rows,), generator=gen) if gather else None
+    b = torch.randn(e, n, generator=gen).to(dtype) if bias else None
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    to = (lambda t: None if t is None else t.to(DEVICE))
+    return a.to(DEVICE), to(row_of), blocks.to(DEVICE), scales.to(DEVICE), to(b), ends.to(DEVICE)
+
+
+CASES = {
+    "gather-bias-uneven": ([3, 0, 17, 1, 0, 5], 64, 64, True, True),
+    "sorted-no-bias": ([2, 9, 0, 4], 48, 96, False, False),  # N off the tile, K in 32-steps (96 = 3 x 32)
+    "one-expert-many-rows": ([70], 32, 128, True, False),
+    "empty": ([0, 0, 0], 64, 64, True, True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_kernel_matches_the_dequantized_reference(name: str, dtype: torch.dtype) -> None:
+    counts, n, k, gather, bias = CASES[name]
+    a, row_of, blocks, scales, b, ends = _problem(counts, n, k, dtype, gather, bias)
+    expected = mxfp4_grouped_mm_reference(a.float(), row_of, blocks, scales, None if b is None else b.float(), ends)
+    got = mxfp4_grouped_mm(a, row_of, blocks, scales, b, ends, use_triton=True)
+    assert got.shape == (sum(counts), n) and got.dtype == dtype
+    if sum(counts):
+        error = ((got.float() - expected).abs().max() / expected.abs().max()).item()
+        assert error < (1e-5 if dtype == torch.float32 else 2e-2), error
+
+
+def test_tile_map() -> None:
+    experts, starts = tile_map(torch.tensor([3, 3, 20, 21]), 21, 8)  # counts 3, 0, 17, 1
+    valid = experts >= 0
+    assert experts[valid].tolist() == [0, 2, 2, 2, 3] and starts[valid].tolist() == [0, 3, 11, 19, 20]
+    assert experts.numel() == 21 // 8 + 4
+
+
+_COMPILE_FOR_SM90 = r"""
+from services.engine.ops import mxfp4_moe_triton as m
+from tests.sm90_compile import compile_for_sm90 as compile_
+
+types = dict(A="*bf16", RowOf="*i64", Blocks="*u8", Scales="*u8", Bias="*bf16", C="*bf16", TileExpert="*i32",
+             TileStart="*i32", Ends="*i32")
+for block_m in (16, 64):
+    constexprs = dict(GATHER=True, HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64)
+    print("mxfp4", block_m, compile_(m._mxfp4_grouped_mm_kernel, types, constexprs, None, m.warps_for(block_m), 3))
+"""
+
+
+@pytest.mark.slow
+def test_kernel_compiles_for_sm90_without_spills() -> None:
+    lines = compile_script_lines(_COMPILE_FOR_SM90)
+    assert len(lines) == 2, lines
