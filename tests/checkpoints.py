@@ -37,9 +37,10 @@ _DEEPSEEK_V3 = dict(
 _QWEN3_MOE = dict(_BASE, num_hidden_layers=3, head_dim=16, moe_intermediate_size=32, num_experts=8,
                   num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
                   tie_word_embeddings=False)
-# gpt-oss: sliding (16-token window) and full layers alternating, 8 experts of 64 with biases (two MXFP4 groups: TP 2 splits them), top-2 over the chosen
-# logits, a low SwiGLU limit so the clamps bite, YaRN without truncation; q/k/v/o biases and per-head sinks (the
-# sinks, biases and norms perturbed in make_checkpoint: transformers starts them at zero, zero and one).
+# gpt-oss: sliding (16-token window) and full layers alternating, 8 experts of 64 with biases (two MXFP4 groups: TP 2
+# splits them), top-2 over the chosen logits, a low SwiGLU limit so the clamps bite, YaRN without truncation; q/k/v/o
+# biases and per-head sinks (the sinks, biases and norms perturbed in make_checkpoint: transformers starts them at
+# zero, zero and one).
 _GPT_OSS = dict(_BASE, num_hidden_layers=4, head_dim=16, intermediate_size=64, num_local_experts=8,
                 num_experts_per_tok=2, sliding_window=16, swiglu_limit=1.5, tie_word_embeddings=False,
                 layer_types=["sliding_attention", "full_attention"] * 2,

@@ -1,13 +1,13 @@
 """Engine vs Hugging Face transformers 5.23 on a small random gpt-oss checkpoint (``tests/checkpoints.py``).
 
 Four layers alternating a 16-token sliding window and full attention (two KV-cache groups), learned sinks per head,
-q/k/v/o biases, YaRN, 8 biased experts of 64 with top-2 routing and a SwiGLU clamped at 1.5 (so the clamps bite); the
-sinks, biases and norms perturbed away from transformers' initial zeros and ones. Prompts of 5-40 tokens (longer
+q/k/v/o biases, YaRN, 8 biased experts of 64 with top-2 routing and a SwiGLU clamped at 1.5 (so the clamps bite);
+the sinks, biases and norms perturbed away from transformers' initial zeros and ones. Prompts of 5-40 tokens (longer
 than the window), the last two sharing 16 tokens with the second, under a 24-token budget (chunked prefill) with
 4-token blocks: every computed position's logits match transformers' (float32, max relative error < 1e-4) and 32
-greedy tokens are identical; then with prefix-cache hits, at TP 2, and as an MXFP4 checkpoint against
-transformers loading that checkpoint (its own dequantization), dequantized at load and kept as stored. The config reader and the MXFP4 reader refuse what
-they do not run, by name.
+greedy tokens are identical; then with prefix-cache hits, at TP 2, and as an MXFP4 checkpoint against transformers
+loading that checkpoint (its own dequantization), dequantized at load and kept as stored. The config reader and the
+MXFP4 reader refuse what they do not run, by name.
 """
 
 from __future__ import annotations
