@@ -192,6 +192,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--attention-backend", default=None, help="the engine's --attention-backend (default: auto)")
     ap.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs (eager column only)")
+    ap.add_argument("--quantization", default="auto", help="the engine's --quantization (auto, none, fp8, mxfp4)")
     ap.add_argument("--hf", action="store_true",
                     help="also time HF transformers on the same dummy weights (Llama presets) and print ratios")
     ap.add_argument("--skip-prompt-lens", default=None,
@@ -207,7 +208,7 @@ def main() -> None:
     config = EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, kv_layout=LayoutKind(args.kv_layout),
         max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=False, enforce_eager=args.enforce_eager, **extra,
+        enable_prefix_caching=False, enforce_eager=args.enforce_eager, quantization=args.quantization, **extra,
     )
     hf_seconds = {}
     if args.hf:

@@ -4,7 +4,8 @@ included.
 * Prefill: matmul FLOPs on the parameters a token really uses (a MoE layer: the router, the shared experts and
   the ``k`` routed experts it picks, not all of them) plus causal attention over the attention layers only
   (state layers have none; an MLA head's score and value widths are ``qk_head_dim`` and ``v_head_dim``).
-* Decode: the bytes a step must read once: every weight except the routed experts no token of the batch picked
+* Decode: the bytes a step must read once: every weight (in the format the model holds it: MXFP4 experts at 4.25
+  bits) except the routed experts no token of the batch picked
   (under uniform routing a batch of ``b`` tokens reads ``E * (1 - (1 - k/E)^b)`` of ``E`` experts per layer:
   ``k`` at batch 1), the KV of every context token as the engine's KV-cache groups hold it (an MLA group: one
   latent row per token and layer), and each request's state slot (Mamba2 layers).
@@ -31,7 +32,8 @@ class RoutedExperts:
 
 
 def routed_experts(mc) -> RoutedExperts | None:
-    """The routed experts of a DeepSeek-V3, Qwen3-MoE or Granite-4.0-H MoE config (None for a dense model)."""
+    """The routed experts of a DeepSeek-V3, Qwen3-MoE, gpt-oss or Granite-4.0-H MoE config (None for a dense
+    model)."""
     h = mc.hidden_size
     if mc.moe is not None:
         m = mc.moe
@@ -41,6 +43,9 @@ def routed_experts(mc) -> RoutedExperts | None:
         q = mc.qwen3_moe
         layers = sum(q.is_moe_layer(i) for i in range(mc.num_layers))
         return RoutedExperts(layers, q.num_experts, q.num_experts_per_tok, 3 * h * q.moe_intermediate_size)
+    if mc.gpt_oss is not None:  # every layer; gate/up and down with their biases
+        g, i = mc.gpt_oss, mc.intermediate_size
+        return RoutedExperts(mc.num_layers, g.num_experts, g.num_experts_per_tok, 3 * h * i + 2 * i + h)
     experts = mc.granite.experts if mc.granite is not None else None
     if experts is None:
         return None
@@ -76,7 +81,20 @@ def decode_floor_bytes(engine, weight_bytes: int, batch: int, context: int, dtyp
     routed = routed_experts(engine.model_config)
     unread = 0.0
     if routed is not None:
-        unread = routed.num_layers * (routed.num_experts - routed.expected_read(batch)) * routed.params_per_expert
+        unread = routed.num_layers * (routed.num_experts - routed.expected_read(batch)) * \
+            expert_bytes(engine, routed, dtype_bytes)
     pool = engine.runtime.state_pool
     state = pool.spec.slot_bytes if pool is not None else 0
-    return weight_bytes - unread * dtype_bytes + batch * (context * kv_bytes_per_token(engine) + state)
+    return weight_bytes - unread + batch * (context * kv_bytes_per_token(engine) + state)
+
+
+def expert_bytes(engine, routed: RoutedExperts, dtype_bytes: int) -> float:
+    """Bytes one routed expert's weights take as the model holds them (MXFP4 experts: their blocks, scales and
+    biases), read off its expert modules; ``params_per_expert`` at ``dtype_bytes`` where it has none."""
+    from services.engine.models.moe import RoutedExperts as ExpertsModule
+
+    modules = [m for m in engine.model.modules() if isinstance(m, ExpertsModule)]
+    if not modules:
+        return routed.params_per_expert * dtype_bytes
+    total = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+    return total / sum(m.num_experts for m in modules)

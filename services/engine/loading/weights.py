@@ -69,7 +69,7 @@ def dummy_quantized_checkpoint(model: DecoderModel, scheme: QuantScheme, seed: i
     as blocks and scales (``mxfp4.quantized_checkpoint``). The same dummy values as the unquantized preset's, so
     the two models differ by the rounding alone."""
     if scheme.method == "mxfp4":
-        yield from mxfp4.quantized_checkpoint(dummy_weights(model, seed))
+        yield from mxfp4.quantized_checkpoint(_dense_dummy_weights(model, seed))
         return
     for name, tensor in dummy_weights(model, seed):
         module = name.removesuffix(".weight")
@@ -80,6 +80,20 @@ def dummy_quantized_checkpoint(model: DecoderModel, scheme: QuantScheme, seed: i
         weight, scale = quantize_weight(tensor, fmt)
         yield name, weight
         yield f"{module}.{scheme.scale_suffix}", scale
+
+
+def _dense_dummy_weights(model: DecoderModel, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """``dummy_weights`` with every MXFP4 pair the model expects (experts kept as stored) as the dense [E, in, out]
+    tensor it quantizes: the same values whether the experts are kept or dequantized."""
+    device, dtype = model.embed_tokens.device, model.embed_tokens.dtype
+    for name in model._expected_names():
+        if name.endswith(mxfp4.SCALES_SUFFIX):
+            continue
+        shape = model._hf_shape(name)
+        if name.endswith(mxfp4.BLOCKS_SUFFIX):
+            experts, rows, groups, _ = shape
+            name, shape = name.removesuffix(mxfp4.BLOCKS_SUFFIX), (experts, groups * mxfp4.GROUP, rows)
+        yield name, dummy_tensor(name, shape, dtype, device, seed, 1.0 - model.config.norm_weight_offset)
 
 
 def dummy_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int = 0,

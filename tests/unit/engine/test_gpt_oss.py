@@ -175,12 +175,17 @@ def test_presets_and_refusals() -> None:
 
 
 def test_the_tiny_mxfp4_preset_runs() -> None:
-    """``dummy:gpt-oss-tiny-mxfp4``: the dummy weights quantized to MXFP4 and read back through the loader."""
+    """``dummy:gpt-oss-tiny-mxfp4``: the dummy weights quantized to MXFP4 and read back through the loader,
+    dequantized or kept as stored (the same values either way)."""
     outs = {}
-    for name in ("gpt-oss-tiny", "gpt-oss-tiny-mxfp4"):
-        engine = LLMEngine(EngineConfig(model=f"dummy:{name}", device="cpu", dtype="float32", num_kv_blocks=64))
+    for name, quantization in (("gpt-oss-tiny", "auto"), ("gpt-oss-tiny-mxfp4", "auto"),
+                               ("gpt-oss-tiny-mxfp4", "mxfp4")):
+        engine = LLMEngine(EngineConfig(model=f"dummy:{name}", device="cpu", dtype="float32", num_kv_blocks=64,
+                                        quantization=quantization))
         (out,) = engine.generate([[5, 6, 7, 8] * 6], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
                                                                    return_logits=True))
         assert len(out.token_ids) == 6
-        outs[name] = torch.cat([chunk for _, chunk in out.logits])
-    assert not torch.equal(outs["gpt-oss-tiny"], outs["gpt-oss-tiny-mxfp4"])  # the experts rounded
+        outs[name, quantization] = torch.cat([chunk for _, chunk in out.logits])
+    dequantized, kept = outs["gpt-oss-tiny-mxfp4", "auto"], outs["gpt-oss-tiny-mxfp4", "mxfp4"]
+    assert not torch.equal(outs["gpt-oss-tiny", "auto"], dequantized)  # the experts rounded
+    assert ((kept - dequantized).abs().max() / dequantized.abs().max()) < 1e-5  # the same values, kept as stored
