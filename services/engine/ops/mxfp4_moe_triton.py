@@ -29,7 +29,7 @@ def _e2m1(code):
 def _mxfp4_grouped_mm_kernel(A, RowOf, Blocks, Scales, Bias, C, TileExpert, TileStart, Ends, N, K,
                              stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_biase, stride_cm,
                              GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     expert = tl.load(TileExpert + tl.program_id(0))
     if expert < 0:  # a tile past the last expert's rows (the map is sized for the worst case)
         return
@@ -53,7 +53,7 @@ def _mxfp4_grouped_mm_kernel(A, RowOf, Blocks, Scales, Bias, C, TileExpert, Tile
                        mask=col_ok[:, None], other=127)
         scale = tl.exp2(exps.to(tl.float32) - 127.0)
         w = (w.reshape(BLOCK_N, BLOCK_K // 32, 32) * scale[:, :, None]).reshape(BLOCK_N, BLOCK_K)
-        acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+        acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(Bias + e * stride_biase + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = C + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
@@ -102,6 +102,7 @@ def mxfp4_grouped_mm(a: torch.Tensor, row_of: torch.Tensor | None, blocks: torch
         a, out if row_of is None else row_of, blocks, scales, out if bias is None else bias, out, experts, starts,
         ends, n, k, a.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
         0 if bias is None else bias.stride(0), out.stride(0), GATHER=row_of is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k_for(k), num_warps=warps_for(block_m), num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k_for(k), DOT_PRECISION="ieee" if a.dtype == torch.float32
+        else "tf32", num_warps=warps_for(block_m), num_stages=3,
     )
     return out

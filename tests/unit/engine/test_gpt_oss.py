@@ -12,6 +12,8 @@ MXFP4 reader refuse what they do not run, by name.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -189,3 +191,22 @@ def test_the_tiny_mxfp4_preset_runs() -> None:
     dequantized, kept = outs["gpt-oss-tiny-mxfp4", "auto"], outs["gpt-oss-tiny-mxfp4", "mxfp4"]
     assert not torch.equal(outs["gpt-oss-tiny", "auto"], dequantized)  # the experts rounded
     assert ((kept - dequantized).abs().max() / dequantized.abs().max()) < 1e-5  # the same values, kept as stored
+
+
+@pytest.mark.skipif(os.environ.get("PDSERVE_TEST_DEVICE") != "cuda", reason="needs PDSERVE_TEST_DEVICE=cuda")
+def test_cuda_engine_matches_hf(checkpoint, tmp_path) -> None:
+    """On CUDA in float32: the Triton attention kernel with sinks (paged and split; the dense half is 16-bit only:
+    ``test_attention_backends``), decode CUDA graphs, and the experts as MXFP4 through the Triton grouped GEMM or
+    dequantized, against transformers on the MXFP4 checkpoint (CPU)."""
+    plain, _ = checkpoint
+    directory, hf = mxfp4_checkpoint(plain, tmp_path / "mxfp4")
+    ref = reference_of(directory, hf, (5, 40, 300), 16, seed=11, shared_from=0, shared_len=4)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, return_logits=True)
+    for quantization in ("auto", "none"):
+        engine = LLMEngine(EngineConfig(model=ref.checkpoint, device="cuda", dtype="float32", block_size=16,
+                                        num_kv_blocks=256, quantization=quantization))
+        assert engine.runtime.model.layers[0].mlp.experts.mxfp4 == (quantization == "auto")
+        _, outputs = run_to_completion(engine, ref.prompts, params)
+        for out in outputs:
+            out.logits = [(start, chunk.cpu()) for start, chunk in out.logits]
+        assert_matches(ref.tokens, ref.logits, outputs, rel_tol=1e-3)

@@ -24,7 +24,7 @@ from services.engine.ops.mxfp4_moe_triton import tile_map  # noqa: E402
 from tests.sm90_compile import compile_script_lines  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [torch.float32, torch.float16] if DEVICE.type == "cpu" else [torch.float16, torch.bfloat16]
+DTYPES = [torch.float32, torch.float16] + ([] if DEVICE.type == "cpu" else [torch.bfloat16])
 
 
 def _problem(counts: list[int], n: int, k: int, dtype: torch.dtype, gather: bool, bias: bool, seed: int = 0):
@@ -76,7 +76,7 @@ from tests.sm90_compile import compile_for_sm90 as compile_
 types = dict(A="*bf16", RowOf="*i64", Blocks="*u8", Scales="*u8", Bias="*bf16", C="*bf16", TileExpert="*i32",
              TileStart="*i32", Ends="*i32")
 for block_m in (16, 64):
-    constexprs = dict(GATHER=True, HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64)
+    constexprs = dict(GATHER=True, HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32")
     print("mxfp4", block_m, compile_(m._mxfp4_grouped_mm_kernel, types, constexprs, None, m.warps_for(block_m), 3))
 """
 
