@@ -53,7 +53,8 @@
 #                                         KV pull of 2k/8k prompts with FP8 KV beside bf16 KV (bench/pull_path.py)
 #   bash bench/gpu_speed_run.sh qwen3_moe  dummy Qwen3-30B-A3B (128 experts, 8 a token), bf16 and its FP8 preset:
 #                                         prefill 512/2k and decode bs 1/8/32 at 2k beside floors on the active
-#                                         experts' bytes and FLOPs (bench/floors.py)
+#                                         experts' bytes and FLOPs (bench/floors.py); bf16 beside HF transformers
+#                                         on the same weights (QWEN3_MOE_LIMIT: seconds for both, default 500)
 #   bash bench/gpu_speed_run.sh fp8_final  FP8 as shipped: the CUDA tests, bench/fp8_engine.py once, and profiles
 #                                         of the FP8 engine's 2k prefill and batch-1 decode step (profiles.tgz)
 #   bash bench/gpu_speed_run.sh offload   the host KV tier: its tests on CUDA (pinned memory, copy stream),
@@ -177,11 +178,21 @@ for part in "$@"; do
       timeout 170 python3 bench/pull_path.py --device cuda --tokens 2048,8192 --pools contiguous,fragmented --repeats 5 \
           --kv-dtypes bfloat16,float8_e4m3fn --json-out "$OUT/pull_path_fp8.jsonl" 2>&1 | grep -v "NIXL INFO" \
           | tee "$OUT/pull_path_fp8.txt" | tail -8 ;;
-    qwen3_moe)
+    qwen3_moe)  # bf16 with HF transformers on the same weights (--hf: HF's model is built, timed and freed
+                # before the engine's, one process; ~61 GB each), then the FP8 preset without HF (its experts are
+                # dequantized at load; HF would only run the bf16 network again). QWEN3_MOE_LIMIT: seconds for
+                # both (default 500); the FP8 run gets what the bf16 run (at most 300 s) leaves.
+      start=$SECONDS
       for model in qwen3-30b-a3b qwen3-30b-a3b-fp8; do
-        timeout 270 python3 bench/engine.py --model "dummy:$model" --dtype bfloat16 --device cuda \
+        hf=$([ "$model" = qwen3-30b-a3b ] && echo --hf)
+        left=$(( ${QWEN3_MOE_LIMIT:-500} - (SECONDS - start) ))
+        limit=$([ -n "$hf" ] && [ "$left" -gt 300 ] && echo 300 || echo "$left")
+        [ "$limit" -lt 30 ] && { echo "== $model: skipped, $limit s left"; continue; }  # (timeout 0: no limit)
+        echo "== $model: timeout $limit s"
+        timeout "$limit" python3 bench/engine.py --model "dummy:$model" --dtype bfloat16 --device cuda \
             --prefill-lens 512,2048 --batch-sizes 1,8,32 --decode-contexts 2048 --decode-steps 8 --rounds 2 \
-            --json-out "$OUT/engine_$model.jsonl" 2>&1 | grep -v Warning | tee "$OUT/engine_$model.txt"
+            $hf --json-out "$OUT/engine_$model.jsonl" 2>&1 | grep -v Warning | tee "$OUT/engine_$model.txt"
+        echo "== $model: rc ${PIPESTATUS[0]} after $(( SECONDS - start )) s"
       done ;;
     fp8_final)
       PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/unit/engine/test_fp8_compute_cuda.py \
