@@ -212,10 +212,10 @@ def main() -> None:
     )
     hf_seconds = {}
     if args.hf:
-        from services.engine.model_config.hf import PRESETS
+        from services.engine.model_config.hf import preset
 
         dev = config.resolve_device()
-        hf_seconds = hf_rows(args, PRESETS[args.model.removeprefix("dummy:")], dev,
+        hf_seconds = hf_rows(args, preset(args.model.removeprefix("dummy:")), dev,
                              TORCH_DTYPES["bfloat16" if args.dtype == "auto" and dev.type == "cuda" else
                                           ("float32" if args.dtype == "auto" else args.dtype)])
     engine = LLMEngine(config)

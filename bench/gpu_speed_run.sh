@@ -55,6 +55,8 @@
 #                                         prefill 512/2k and decode bs 1/8/32 at 2k beside floors on the active
 #                                         experts' bytes and FLOPs (bench/floors.py); bf16 beside HF transformers
 #                                         on the same weights (QWEN3_MOE_LIMIT: seconds for both, default 500)
+#   bash bench/gpu_speed_run.sh gpt_oss   the gpt-oss CUDA tests, then dummy gpt-oss-20b: MXFP4 experts kept (beside HF
+#                                         transformers) and dequantized at load, prefill 512/2k, decode bs 1/8/32 at 2k
 #   bash bench/gpu_speed_run.sh fp8_final  FP8 as shipped: the CUDA tests, bench/fp8_engine.py once, and profiles
 #                                         of the FP8 engine's 2k prefill and batch-1 decode step (profiles.tgz)
 #   bash bench/gpu_speed_run.sh offload   the host KV tier: its tests on CUDA (pinned memory, copy stream),
@@ -193,6 +195,18 @@ for part in "$@"; do
             --prefill-lens 512,2048 --batch-sizes 1,8,32 --decode-contexts 2048 --decode-steps 8 --rounds 2 \
             $hf --json-out "$OUT/engine_$model.jsonl" 2>&1 | grep -v Warning | tee "$OUT/engine_$model.txt"
         echo "== $model: rc ${PIPESTATUS[0]} after $(( SECONDS - start )) s"
+      done ;;
+    gpt_oss)  # the CUDA tests (sinks in the Triton kernels, the MXFP4 grouped GEMM, the engine against HF), then
+              # dummy gpt-oss-20b with its MXFP4 experts kept (--quantization auto) beside HF transformers on the
+              # same (unquantized) weights, and dequantized at load (--quantization none): the A/B of the kernel
+      PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_mxfp4_moe.py \
+          tests/unit/engine/test_gpt_oss.py tests/unit/engine/test_attention_backends.py -k "cuda or sinks or kernel" \
+          2>&1 | tee "$OUT/gpt_oss_tests.log" | tail -8
+      for quant in auto none; do
+        hf=$([ "$quant" = auto ] && echo --hf)
+        timeout 220 python3 bench/engine.py --model dummy:gpt-oss-20b --dtype bfloat16 --device cuda --quantization "$quant" \
+            --prefill-lens 512,2048 --batch-sizes 1,8,32 --decode-contexts 2048 --decode-steps 8 --rounds 2 \
+            $hf --json-out "$OUT/engine_gpt_oss_$quant.jsonl" 2>&1 | grep -v Warning | tee "$OUT/engine_gpt_oss_$quant.txt"
       done ;;
     fp8_final)
       PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/unit/engine/test_fp8_compute_cuda.py \

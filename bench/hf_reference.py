@@ -30,11 +30,14 @@ def _rope(mc: ModelConfig) -> dict:
         rope.update(factor=mc.rope.factor, low_freq_factor=mc.rope.low_freq_factor,
                     high_freq_factor=mc.rope.high_freq_factor,
                     original_max_position_embeddings=mc.rope.original_max_position_embeddings)
+    if mc.rope.rope_type == "yarn":
+        rope.update(factor=mc.rope.factor, beta_fast=mc.rope.beta_fast, beta_slow=mc.rope.beta_slow,
+                    truncate=mc.rope.truncate, original_max_position_embeddings=mc.rope.original_max_position_embeddings)
     return rope
 
 
 def _hf_config(mc: ModelConfig):
-    """(config, model class) of transformers for a Llama or Qwen3-MoE preset."""
+    """(config, model class) of transformers for a Llama, Qwen3-MoE or gpt-oss preset."""
     import transformers
 
     common = dict(
@@ -53,7 +56,15 @@ def _hf_config(mc: ModelConfig):
             decoder_sparse_step=spec.decoder_sparse_step, mlp_only_layers=list(spec.mlp_only_layers),
         )
         return config, transformers.Qwen3MoeForCausalLM
-    raise ValueError(f"the HF reference maps Llama and Qwen3-MoE presets only, not {mc.architecture!r}")
+    if mc.architecture == "gpt_oss":  # its checkpoint names are the engine's dense ones: dummy_tensor fills them
+        spec = mc.gpt_oss
+        types = ["sliding_attention" if layer.sliding_window else "full_attention" for layer in mc.layers]
+        config = transformers.GptOssConfig(
+            **common, num_local_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+            swiglu_limit=spec.swiglu_limit, sliding_window=mc.sliding_window, layer_types=types,
+        )
+        return config, transformers.GptOssForCausalLM
+    raise ValueError(f"the HF reference maps Llama, Qwen3-MoE and gpt-oss presets only, not {mc.architecture!r}")
 
 
 def _stacked_experts(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int):
