@@ -32,7 +32,8 @@ def _rope(mc: ModelConfig) -> dict:
                     original_max_position_embeddings=mc.rope.original_max_position_embeddings)
     if mc.rope.rope_type == "yarn":
         rope.update(factor=mc.rope.factor, beta_fast=mc.rope.beta_fast, beta_slow=mc.rope.beta_slow,
-                    truncate=mc.rope.truncate, original_max_position_embeddings=mc.rope.original_max_position_embeddings)
+                    truncate=mc.rope.truncate,
+                    original_max_position_embeddings=mc.rope.original_max_position_embeddings)
     return rope
 
 
