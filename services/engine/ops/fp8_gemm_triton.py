@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from services.engine.ops.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from services.engine.ops.split_k_triton import sum_splits
 
 
 class Fp8Tile(NamedTuple):
@@ -187,30 +188,4 @@ def block_scaled_mm(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor, 
         BLOCK_N=t.block_n, BLOCK_K=block[1], GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages)
     if splits == 1:
         return out
-    return _sum_splits(out, bias, out_dtype)
-
-
-@triton.jit
-def _sum_splits_kernel(P, Bias, Y, M, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < M * N
-    acc = tl.load(P + i, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc += tl.load(P + s * M * N + i, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(Bias + i % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=ok)
-
-
-SUM_BLOCK = 1024
-
-
-def _sum_splits(partials: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """The split-K partial sums [splits, M, N] (fp32, contiguous) added in split order, plus the bias, in
-    ``out_dtype``: one launch where torch takes a sum, a bias add and a cast (a tenth of an FP8 decode step as
-    three kernels, measured on an H200)."""
-    splits, m, n = partials.shape
-    out = torch.empty((m, n), dtype=out_dtype, device=partials.device)
-    _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](partials, bias if bias is not None else out, out, m, n,
-                                                          SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK)
-    return out
+    return sum_splits(out, bias, out_dtype)

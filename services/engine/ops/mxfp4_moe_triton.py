@@ -6,30 +6,38 @@ row), W [E, N, K] stored as ``blocks`` [E, N, K / 2] uint8 (two e2m1 codes a byt
 on the device: no host sync, so a decode step with it is captured in a CUDA graph) and ``BLOCK_N`` output columns,
 and walks K ``BLOCK_K`` at a time: it loads the A tile (gathering rows through ``row_of`` when given), the weight
 tile's bytes and scales -- 4.25 bits a weight instead of 16 -- decodes them in registers to A's dtype (exact: every
-e2m1 value times a power of two is a bfloat16 value) and runs the tensor-core dot in float32.
+e2m1 value times a power of two is a bfloat16 value; integer ops build each value's float32 bits, no table and no
+exp2 per weight) and runs the tensor-core dot in float32. ``MxConfig`` holds the tile, chosen per shape by
+``config_for`` from ``bench/mxfp4_moe.py``'s sweep.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from services.engine.ops.split_k_triton import sum_splits
+
 
 @triton.jit
 def _e2m1(code):
-    """Codes 0..15 -> float32: sign bit 8, exponent bits 6..4 and mantissa bit 1 (0, 0.5, 1, 1.5, 2, 3, 4, 6)."""
-    exponent = (code >> 1) & 3
-    mantissa = (code & 1).to(tl.float32)
-    magnitude = tl.where(exponent == 0, mantissa * 0.5, (2.0 + mantissa) * tl.exp2(exponent.to(tl.float32) - 2.0))
-    return tl.where((code & 8) != 0, -magnitude, magnitude)
+    """Codes 0..15 (int32) -> float32: sign bit 8, then exponent and mantissa (0, 0.5, 1, 1.5, 2, 3, 4, 6). A
+    normal code's exponent field is its two exponent bits plus 126 and its mantissa bit the float's top one; code
+    1 (0.5) is 126 << 23 and 0 is 0."""
+    magnitude = code & 7
+    bits = tl.where(magnitude >= 2, (magnitude << 22) + (126 << 23), magnitude * (126 << 23))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _mxfp4_grouped_mm_kernel(A, RowOf, Blocks, Scales, Bias, C, TileExpert, TileStart, Ends, N, K,
+def _mxfp4_grouped_mm_kernel(A, RowOf, Blocks, Scales, Bias, C, TileExpert, TileStart, Ends, N, K, k_per_split,
                              stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_biase, stride_cm,
-                             GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                             stride_cs, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr):
     expert = tl.load(TileExpert + tl.program_id(0))
     if expert < 0:  # a tile past the last expert's rows (the map is sized for the worst case)
         return
@@ -40,23 +48,37 @@ def _mxfp4_grouped_mm_kernel(A, RowOf, Blocks, Scales, Bias, C, TileExpert, Tile
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     e = expert.to(tl.int64)
+    split = tl.program_id(2)  # this program's share of K (a multiple of BLOCK_K); one share when not split
+    k_first = split * k_per_split
+    a_ptrs = A + a_rows[:, None] * stride_am + (k_first + tl.arange(0, BLOCK_K))[None, :]
+    b_ptrs = (Blocks + e * stride_be + cols[:, None].to(tl.int64) * stride_bn
+              + (k_first // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
+    s_ptrs = (Scales + e * stride_se + cols[:, None].to(tl.int64) * stride_sn
+              + (k_first // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(A + a_rows[:, None] * stride_am + k[None, :], mask=row_ok[:, None], other=0.0)
-        byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(Blocks + e * stride_be + cols[:, None].to(tl.int64) * stride_bn + byte[None, :],
-                         mask=col_ok[:, None], other=0)
-        w = tl.join(_e2m1(packed & 15), _e2m1(packed >> 4)).reshape(BLOCK_N, BLOCK_K)  # low nibble: even k
-        group = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        exps = tl.load(Scales + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + group[None, :],
-                       mask=col_ok[:, None], other=127)
+    for k0 in range(k_first, tl.minimum(k_first + k_per_split, K), BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            packed = tl.load(b_ptrs, mask=col_ok[:, None], other=0)
+            exps = tl.load(s_ptrs, mask=col_ok[:, None], other=127)
+        else:  # the last step runs past K: its codes read as 0 (value 0) and its A columns as 0
+            k_ok = k0 + tl.arange(0, BLOCK_K) < K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            byte_ok = k0 // 2 + tl.arange(0, BLOCK_K // 2) < K // 2
+            packed = tl.load(b_ptrs, mask=col_ok[:, None] & byte_ok[None, :], other=0)
+            group_ok = k0 // 32 + tl.arange(0, BLOCK_K // 32) < K // 32
+            exps = tl.load(s_ptrs, mask=col_ok[:, None] & group_ok[None, :], other=127)
+        codes = packed.to(tl.int32)
+        w = tl.join(_e2m1(codes & 15), _e2m1(codes >> 4)).reshape(BLOCK_N, BLOCK_K)  # low nibble: even k
         scale = tl.exp2(exps.to(tl.float32) - 127.0)
         w = (w.reshape(BLOCK_N, BLOCK_K // 32, 32) * scale[:, :, None]).reshape(BLOCK_N, BLOCK_K)
         acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=DOT_PRECISION)
-    if HAS_BIAS:
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // 32
+    if HAS_BIAS and split == 0:
         acc += tl.load(Bias + e * stride_biase + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = C + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
+    out = C + split * stride_cs + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
     tl.store(out, acc.to(C.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -75,34 +97,49 @@ def tile_map(ends: torch.Tensor, num_rows: int, block_m: int) -> tuple[torch.Ten
     return torch.where(valid, expert, -1).to(torch.int32), start.to(torch.int32)
 
 
-def warps_for(block_m: int) -> int:
-    """8 warps for 64-row tiles (4 spill the decoded weight tile on sm_90), else 4."""
-    return 8 if block_m >= 64 else 4
+@dataclass(frozen=True)
+class MxConfig:
+    """One launch's tile: rows x columns x K step, warps, pipeline stages and K splits (``splits`` > 1: each
+    program sums a share of K into float32 partials, which ``split_k_triton.sum_splits`` adds in order)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    splits: int = 1
 
 
-def block_k_for(k: int) -> int:
-    """The K step: 64 where K divides by it (gpt-oss's 2880), else 32 (a group: K is always a multiple of it)."""
-    return 64 if k % 64 == 0 else 32
+def config_for(num_rows: int, num_experts: int) -> MxConfig:
+    """The tile for ``num_rows`` (token, expert) rows over ``num_experts``: 16-row tiles while most experts hold a
+    few rows (decode), 64-row ones past that (prefill), 8 warps for those (4 spill the decoded tile on sm_90)."""
+    if num_rows <= 16 * num_experts:
+        return MxConfig(16, 64, 64, 4, 3)
+    return MxConfig(64, 64, 64, 8, 3)
 
 
 def mxfp4_grouped_mm(a: torch.Tensor, row_of: torch.Tensor | None, blocks: torch.Tensor, scales: torch.Tensor,
-                     bias: torch.Tensor | None, ends: torch.Tensor) -> torch.Tensor:
-    """[rows, N] in ``a``'s dtype (see the module docstring); ``row_of`` None: ``a`` is already sorted."""
+                     bias: torch.Tensor | None, ends: torch.Tensor, config: MxConfig | None = None) -> torch.Tensor:
+    """[rows, N] in ``a``'s dtype (see the module docstring); ``row_of`` None: ``a`` is already sorted.
+    ``config``: the tile (default ``config_for``; the benchmark's sweep passes its own)."""
     num_rows = a.shape[0] if row_of is None else row_of.shape[0]
     _, n, half_k = blocks.shape
     k = 2 * half_k
     out = a.new_empty(num_rows, n)
     if num_rows == 0:
         return out
-    block_m = 16 if num_rows <= 16 * blocks.shape[0] else 64
-    block_n = 64
-    experts, starts = tile_map(ends, num_rows, block_m)
-    grid = (experts.numel(), triton.cdiv(n, block_n))
+    cfg = config or config_for(num_rows, blocks.shape[0])
+    experts, starts = tile_map(ends, num_rows, cfg.block_m)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.splits), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(k, k_per_split)
+    dest = out if splits == 1 else torch.empty(splits, num_rows, n, dtype=torch.float32, device=a.device)
+    grid = (experts.numel(), triton.cdiv(n, cfg.block_n), splits)
     _mxfp4_grouped_mm_kernel[grid](
-        a, out if row_of is None else row_of, blocks, scales, out if bias is None else bias, out, experts, starts,
-        ends, n, k, a.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
-        0 if bias is None else bias.stride(0), out.stride(0), GATHER=row_of is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k_for(k), DOT_PRECISION="ieee" if a.dtype == torch.float32
-        else "tf32", num_warps=warps_for(block_m), num_stages=3,
+        a, out if row_of is None else row_of, blocks, scales, out if bias is None else bias, dest, experts, starts,
+        ends, n, k, k_per_split, a.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
+        0 if bias is None else bias.stride(0), dest.stride(-2), 0 if splits == 1 else dest.stride(0),
+        GATHER=row_of is not None, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, DOT_PRECISION="ieee" if a.dtype == torch.float32
+        else "tf32", num_warps=cfg.warps, num_stages=cfg.stages,
     )
-    return out
+    return out if splits == 1 else sum_splits(dest, None, a.dtype)

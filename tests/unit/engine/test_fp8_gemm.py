@@ -174,6 +174,7 @@ def test_an_activation_bound_saturates_the_rows_above_it() -> None:
 
 
 _COMPILE_FOR_SM90 = """
+from services.engine.ops import split_k_triton as split_k
 from services.engine.ops import fp8_gemm_triton as k
 from tests.sm90_compile import compile_for_sm90
 t = {"A": "*fp8e4nv", "A_s": "*fp32", "B": "*fp8e4nv", "B_s": "*fp32", "C": "*bf16", "Bias": "*bf16"}
@@ -183,8 +184,8 @@ for limit, tile in k.TILES:
     print(tile, compile_for_sm90(k._block_scaled_mm_kernel, t, dict(SCALE_N=128, HAS_BIAS=False, BLOCK_M=tile.block_m,
           BLOCK_N=tile.block_n, BLOCK_K=128, GROUP_M=tile.group_m), aligned, num_warps=tile.num_warps,
           num_stages=tile.num_stages))
-print("sum", compile_for_sm90(k._sum_splits_kernel, {"P": "*fp32", "Bias": "*bf16", "Y": "*bf16"},
-      dict(SPLITS=4, HAS_BIAS=True, BLOCK=k.SUM_BLOCK)))
+print("sum", compile_for_sm90(split_k._sum_splits_kernel, {"P": "*fp32", "Bias": "*bf16", "Y": "*bf16"},
+      dict(SPLITS=4, HAS_BIAS=True, BLOCK=split_k.SUM_BLOCK)))
 q = {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "amax_ub": "fp32"}
 for group in (128, 4096):
     print(group, compile_for_sm90(k._quantize_groups_kernel, q, dict(GROUP=group, BLOCK=group, FMAX=448.0,

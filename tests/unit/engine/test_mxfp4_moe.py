@@ -20,7 +20,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from services.engine.ops.mxfp4_moe import mxfp4_grouped_mm, mxfp4_grouped_mm_reference  # noqa: E402
-from services.engine.ops.mxfp4_moe_triton import tile_map  # noqa: E402
+from services.engine.ops.mxfp4_moe_triton import MxConfig, tile_map  # noqa: E402
+from services.engine.ops.mxfp4_moe_triton import mxfp4_grouped_mm as triton_grouped_mm  # noqa: E402
 from tests.sm90_compile import compile_script_lines  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -62,6 +63,17 @@ def test_triton_kernel_matches_the_dequantized_reference(name: str, dtype: torch
         assert error < (1e-5 if dtype == torch.float32 else 2e-2), error
 
 
+@pytest.mark.parametrize("config", [MxConfig(16, 32, 128, 4, 2), MxConfig(32, 128, 32, 4, 3),
+                                    MxConfig(16, 32, 32, 4, 2, splits=2), MxConfig(16, 64, 64, 4, 3, splits=4)])
+def test_other_tiles_match_the_reference(config: MxConfig) -> None:
+    """The benchmark's sweep runs other tiles: a K step past K (96 by 128, masked), one of a single group and K
+    splits (96 in shares of 64 and 32; four asked of 64-wide steps: two shares, the second masked)."""
+    a, row_of, blocks, scales, b, ends = _problem([5, 0, 40, 2], 80, 96, torch.float32, True, True, seed=3)
+    expected = mxfp4_grouped_mm_reference(a, row_of, blocks, scales, b, ends)
+    got = triton_grouped_mm(a, row_of, blocks, scales, b, ends, config)
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
+
+
 def test_tile_map() -> None:
     experts, starts = tile_map(torch.tensor([3, 3, 20, 21]), 21, 8)  # counts 3, 0, 17, 1
     valid = experts >= 0
@@ -75,9 +87,11 @@ from tests.sm90_compile import compile_for_sm90 as compile_
 
 types = dict(A="*bf16", RowOf="*i64", Blocks="*u8", Scales="*u8", Bias="*bf16", C="*bf16", TileExpert="*i32",
              TileStart="*i32", Ends="*i32")
-for block_m in (16, 64):
-    constexprs = dict(GATHER=True, HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32")
-    print("mxfp4", block_m, compile_(m._mxfp4_grouped_mm_kernel, types, constexprs, None, m.warps_for(block_m), 3))
+for rows in (4, 4096):  # decode's tile and prefill's
+    c = m.config_for(rows, 32)
+    constexprs = dict(GATHER=True, HAS_BIAS=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                      EVEN_K=False, DOT_PRECISION="tf32")
+    print("mxfp4", rows, compile_(m._mxfp4_grouped_mm_kernel, types, constexprs, None, c.warps, c.stages))
 """
 
 
