@@ -98,6 +98,26 @@ def hf_config(arch: str):
     raise ValueError(arch)
 
 
+def _add(std: float):
+    return lambda t: t + std * torch.randn_like(t)
+
+
+def _draw(std: float):
+    return lambda t: std * torch.randn_like(t)
+
+
+# What transformers initialises to constants, moved per family (the first suffix a name ends with wins), so that a
+# tensor read wrong shows in the logits: unit norms would hide a norm read as 1 + w instead of w; a zero router
+# ties every expert (the lowest ids chosen); sinks of HF's initial size barely move a softmax; zero biases, zero
+# routing corrections and unit layer scalars would hide one not applied.
+PERTURBATIONS = {
+    "qwen3_moe": (("mlp.gate.weight", _draw(0.5)), ("norm.weight", _add(0.2))),
+    "gpt_oss": (("sinks", _draw(1.5)), ("norm.weight", _add(0.2)), ("bias", _draw(0.2))),
+    "deepseek_v3": (("norm.weight", _add(0.2)), ("e_score_correction_bias", _draw(0.3))),
+    "gemma": (("norm.weight", _add(0.2)), ("layer_scalar", lambda t: torch.empty_like(t).uniform_(0.5, 1.5))),
+}
+
+
 def make_checkpoint(arch: str, directory: Path, seed: int = 0):
     """Create, save and return (directory, HF model in eval mode, fp32)."""
     import transformers
@@ -108,41 +128,12 @@ def make_checkpoint(arch: str, directory: Path, seed: int = 0):
     model = transformers.AutoModelForCausalLM.from_config(hf_config(arch), attn_implementation="eager"
                                                           if gemma or arch == "gpt_oss" else "sdpa")
     model = model.float().eval()
-    if arch == "qwen3_moe":
-        # transformers starts the router at zero (every expert tied: the lowest ids chosen) and norms at one.
-        with torch.no_grad():
-            for name, tensor in model.named_parameters():
-                if name.endswith("mlp.gate.weight"):
-                    tensor.copy_(0.5 * torch.randn_like(tensor))
-                elif name.endswith("norm.weight"):
-                    tensor.add_(0.2 * torch.randn_like(tensor))
-    if arch == "gpt_oss":
-        # Sinks of HF's initial size barely move a softmax; unit norms would hide a norm read wrong.
-        with torch.no_grad():
-            for name, tensor in model.named_parameters():
-                if name.endswith("sinks"):
-                    tensor.copy_(1.5 * torch.randn_like(tensor))
-                elif name.endswith("norm.weight"):
-                    tensor.add_(0.2 * torch.randn_like(tensor))
-                elif name.endswith("bias"):  # transformers starts the biases at zero
-                    tensor.copy_(0.2 * torch.randn_like(tensor))
-    if arch == "deepseek_v3":
-        # Unit norms and zero routing biases would hide a norm or a correction bias read wrong.
-        with torch.no_grad():
-            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-                if name.endswith("norm.weight"):
-                    tensor.add_(0.2 * torch.randn_like(tensor))
-                elif name.endswith("e_score_correction_bias"):
-                    tensor.copy_(0.3 * torch.randn_like(tensor))
-    if gemma:
-        # Norms are initialised to a unit scale and layer scalars to 1: perturb them so that a
-        # norm read as 1 + w instead of w (or a scalar not applied) shows in the logits.
-        with torch.no_grad():
-            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-                if name.endswith("norm.weight"):
-                    tensor.add_(0.2 * torch.randn_like(tensor))
-                elif name.endswith("layer_scalar"):
-                    tensor.uniform_(0.5, 1.5)
+    rules = PERTURBATIONS.get("gemma" if gemma else arch, ())
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            rule = next((how for suffix, how in rules if name.endswith(suffix)), None)
+            if rule is not None:
+                tensor.copy_(rule(tensor))
     model.save_pretrained(directory, safe_serialization=True)
     return directory, model
 

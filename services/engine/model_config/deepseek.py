@@ -24,6 +24,7 @@ from services.engine.model_config.layers import (
     LayerSpec,
     config_field,
     read_rope,
+    require_positive_ints,
     required_key,
     shared_fields,
     yarn_mscale,
@@ -47,10 +48,7 @@ class MLASpec:
     rope_interleave: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"config field {name} must be a positive integer, got {value!r}")
+        require_positive_ints(self, ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
             raise ValueError(f"config field q_lora_rank must be a positive integer or null, got {self.q_lora_rank}")
         if self.qk_rope_head_dim % 2:
@@ -98,10 +96,8 @@ class MoESpec:
     first_k_dense_replace: int
 
     def __post_init__(self) -> None:
-        for name in ("n_routed_experts", "moe_intermediate_size", "num_experts_per_tok", "n_group", "topk_group"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"config field {name} must be a positive integer, got {value!r}")
+        require_positive_ints(self, ("n_routed_experts", "moe_intermediate_size", "num_experts_per_tok", "n_group",
+                                     "topk_group"))
         if self.n_shared_experts < 0 or self.first_k_dense_replace < 0:
             raise ValueError("config fields n_shared_experts and first_k_dense_replace must be >= 0")
         if self.n_routed_experts % self.n_group:

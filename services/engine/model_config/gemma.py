@@ -10,17 +10,16 @@ from typing import Any
 
 from services.engine.model_config.layers import (
     SUPPORTED_ACTIVATIONS,
+    WINDOWED_LAYER_KINDS,
     LayerSpec,
     RopeSpec,
+    check_windowed_layer_types,
     config_field,
     read_rope,
     required_key,
     rope_from_dict,
     shared_fields,
 )
-from services.kv.spec.groups import AttentionKind
-
-_LAYER_KINDS = {"sliding_attention": AttentionKind.SLIDING_WINDOW, "full_attention": AttentionKind.FULL}
 
 
 def gemma_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -56,7 +55,7 @@ def gemma_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
         shapes = [(kv_heads, head_dim)] * num_layers
         sources = [None] * num_layers
     layers = tuple(
-        LayerSpec(_LAYER_KINDS[t], heads, dim, ropes[t], window if t == "sliding_attention" else None, src)
+        LayerSpec(WINDOWED_LAYER_KINDS[t], heads, dim, ropes[t], window if t == "sliding_attention" else None, src)
         for t, (heads, dim), src in zip(types, shapes, sources, strict=True)
     )
     bias = config_field(d, "attention_bias", bool, False)
@@ -132,17 +131,12 @@ def _gemma_layer_types(d: dict[str, Any], arch: str, num_layers: int) -> list[st
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
             raise ValueError(f"config field 'sliding_window_pattern' must be a positive integer, got {pattern!r}")
         return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
-    if not isinstance(types, list) or len(types) != num_layers:
-        raise ValueError(f"config field 'layer_types' must list one type per layer ({num_layers}), got {types!r}")
-    unknown = sorted({t for t in types if t not in _LAYER_KINDS}, key=str)
-    if unknown:
-        raise ValueError(f"config field 'layer_types': unsupported layer types {unknown}; "
-                         f"supported: {', '.join(_LAYER_KINDS)}")
+    types = check_windowed_layer_types(types, num_layers)
     if arch == "gemma4" and types[-1] != "full_attention":
         # transformers silently turns such a last layer into a full one; we refuse to guess.
         raise ValueError("config field 'layer_types': Gemma-4's last layer must be 'full_attention', "
                          f"got {types[-1]!r}")
-    return list(types)
+    return types
 
 
 def _gemma_ropes(d: dict[str, Any], arch: str, types: list[str]) -> dict[str, RopeSpec]:

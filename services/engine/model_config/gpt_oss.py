@@ -10,10 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.engine.model_config.layers import LayerSpec, config_field, decoder_fields
-from services.kv.spec.groups import AttentionKind
-
-_LAYER_KINDS = {"sliding_attention": AttentionKind.SLIDING_WINDOW, "full_attention": AttentionKind.FULL}
+from services.engine.model_config.layers import (
+    WINDOWED_LAYER_KINDS,
+    LayerSpec,
+    check_windowed_layer_types,
+    config_field,
+    decoder_fields,
+    require_positive_ints,
+    require_top_k_within,
+)
 
 
 @dataclass(frozen=True)
@@ -29,13 +34,8 @@ class GptOssSpec:
     swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
-        for name in ("num_experts", "num_experts_per_tok"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"config field {name} must be a positive integer, got {value!r}")
-        if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(f"config field num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
-                             f"num_local_experts ({self.num_experts})")
+        require_positive_ints(self, ("num_experts", "num_experts_per_tok"))
+        require_top_k_within(self.num_experts_per_tok, self.num_experts, "num_local_experts")
         if not self.swiglu_limit > 0:
             raise ValueError(f"config field swiglu_limit must be > 0, got {self.swiglu_limit}")
 
@@ -55,14 +55,9 @@ def gpt_oss_fields(d: dict[str, Any]) -> dict[str, Any]:
     types = d.get("layer_types")
     if types is None:  # transformers' default: sliding first, then alternating
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-    if not isinstance(types, list) or len(types) != num_layers:
-        raise ValueError(f"config field 'layer_types' must list one type per layer ({num_layers}), got {types!r}")
-    unknown = sorted(set(types) - set(_LAYER_KINDS))
-    if unknown:
-        raise ValueError(f"config field 'layer_types': unsupported layer types {unknown}; "
-                         f"supported: {', '.join(_LAYER_KINDS)}")
+    types = check_windowed_layer_types(types, num_layers)
     window = config_field(d, "sliding_window", int) if "sliding_attention" in types else None
-    layers = tuple(LayerSpec(_LAYER_KINDS[t], fields["num_kv_heads"], fields["head_dim"], fields["rope"],
+    layers = tuple(LayerSpec(WINDOWED_LAYER_KINDS[t], fields["num_kv_heads"], fields["head_dim"], fields["rope"],
                              window if t == "sliding_attention" else None) for t in types)
     bias = config_field(d, "attention_bias", bool, True)
     spec = GptOssSpec(

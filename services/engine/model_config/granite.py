@@ -24,7 +24,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.engine.model_config.layers import LayerSpec, RopeSpec, config_field, read_rope, shared_fields
+from services.engine.model_config.layers import (
+    LayerSpec,
+    RopeSpec,
+    config_field,
+    read_rope,
+    require_positive_ints,
+    require_top_k_within,
+    shared_fields,
+)
 from services.kv.spec.groups import AttentionKind, MambaShape
 
 MAMBA_LAYER_TYPES = ("mamba", "linear_attention")
@@ -51,10 +59,8 @@ class MambaSpec:
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
 
     def __post_init__(self) -> None:
-        for name in ("num_heads", "head_dim", "d_state", "n_groups", "d_conv", "chunk_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"config field mamba {name} must be a positive integer, got {value!r}")
+        require_positive_ints(self, ("num_heads", "head_dim", "d_state", "n_groups", "d_conv", "chunk_size"),
+                              "config field mamba")
         if self.num_heads % self.n_groups:
             raise ValueError(f"mamba_n_heads ({self.num_heads}) must be a multiple of mamba_n_groups "
                              f"({self.n_groups})")
@@ -109,13 +115,8 @@ class GraniteExpertsSpec:
     intermediate_size: int
 
     def __post_init__(self) -> None:
-        for name in ("num_local_experts", "num_experts_per_tok", "intermediate_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"config field {name} must be a positive integer, got {value!r}")
-        if self.num_experts_per_tok > self.num_local_experts:
-            raise ValueError(f"config field num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
-                             f"num_local_experts ({self.num_local_experts})")
+        require_positive_ints(self, ("num_local_experts", "num_experts_per_tok", "intermediate_size"))
+        require_top_k_within(self.num_experts_per_tok, self.num_local_experts, "num_local_experts")
 
     def num_parameters(self, hidden: int) -> int:
         """Weights of one layer's routed experts and router (the shared MLP not counted)."""

@@ -24,6 +24,7 @@ from services.engine.model_config.layers import (
     config_field,
     decoder_fields,
     read_rope,
+    require_positive_ints,
     rope_from_dict,
 )
 from services.engine.model_config.qwen3_moe import Qwen3MoESpec, qwen3_moe_fields
@@ -151,11 +152,8 @@ class ModelConfig:
             raise ValueError("hidden_size_per_layer_input and vocab_size_per_layer_input are set together")
         if self.hidden_size_per_layer_input < 0 or self.vocab_size_per_layer_input < 0:
             raise ValueError("hidden_size_per_layer_input and vocab_size_per_layer_input must be >= 0")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"config field {name} must be a positive integer, got {value!r}")
+        require_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                     "num_kv_heads", "head_dim", "max_position_embeddings"))
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or null, got {self.sliding_window}")
         if not self.layers:

@@ -131,6 +131,35 @@ def config_field(d: dict[str, Any], name: str, convert: Any, default: Any = REQU
         raise ValueError(f"config field {name!r} has the wrong type: {value!r}") from None
 
 
+def require_positive_ints(spec: object, names: tuple[str, ...], what: str = "config field") -> None:
+    """ValueError naming the first of ``spec``'s attributes ``names`` that is not a positive int (a bool is not)."""
+    for name in names:
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what} {name} must be a positive integer, got {value!r}")
+
+
+def require_top_k_within(top_k: int, num_experts: int, experts_field: str) -> None:
+    """A router cannot pick more experts a token than there are: ValueError naming both fields."""
+    if top_k > num_experts:
+        raise ValueError(f"config field num_experts_per_tok ({top_k}) exceeds {experts_field} ({num_experts})")
+
+
+# The attention kind of each ``layer_types`` entry of the sliding/full families (Gemma, gpt-oss).
+WINDOWED_LAYER_KINDS = {"sliding_attention": AttentionKind.SLIDING_WINDOW, "full_attention": AttentionKind.FULL}
+
+
+def check_windowed_layer_types(types: Any, num_layers: int) -> list[str]:
+    """``layer_types`` as read: one ``WINDOWED_LAYER_KINDS`` key per layer, else a ValueError naming the field."""
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ValueError(f"config field 'layer_types' must list one type per layer ({num_layers}), got {types!r}")
+    unknown = sorted({t for t in types if t not in WINDOWED_LAYER_KINDS}, key=str)
+    if unknown:
+        raise ValueError(f"config field 'layer_types': unsupported layer types {unknown}; "
+                         f"supported: {', '.join(WINDOWED_LAYER_KINDS)}")
+    return list(types)
+
+
 def read_eos_token_ids(d: dict[str, Any]) -> tuple[int, ...]:
     """``eos_token_id`` as a tuple: configs hold one id or a list of them."""
     return config_field(d, "eos_token_id", lambda v: tuple(int(x) for x in (v if isinstance(v, list) else [v])), ())

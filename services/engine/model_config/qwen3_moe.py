@@ -11,7 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.engine.model_config.layers import config_field, decoder_fields
+from services.engine.model_config.layers import (
+    config_field,
+    decoder_fields,
+    require_positive_ints,
+    require_top_k_within,
+)
 
 
 @dataclass(frozen=True)
@@ -29,13 +34,9 @@ class Qwen3MoESpec:
     mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"config field {name} must be a positive integer, got {value!r}")
-        if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(f"config field num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
-                             f"({self.num_experts})")
+        require_positive_ints(self, ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                     "decoder_sparse_step"))
+        require_top_k_within(self.num_experts_per_tok, self.num_experts, "num_experts")
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
