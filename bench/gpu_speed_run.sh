@@ -57,6 +57,8 @@
 #                                         on the same weights (QWEN3_MOE_LIMIT: seconds for both, default 500)
 #   bash bench/gpu_speed_run.sh gpt_oss   the gpt-oss CUDA tests, then dummy gpt-oss-20b: MXFP4 experts kept (beside HF
 #                                         transformers) and dequantized at load, prefill 512/2k, decode bs 1/8/32 at 2k
+#   bash bench/gpu_speed_run.sh mxfp4_sweep  the MXFP4 grouped GEMM alone beside bf16 grouped_mm per projection of
+#                                         gpt-oss-20b/120b, 1-2048 tokens, with the tile sweep (bench/mxfp4_moe.py)
 #   bash bench/gpu_speed_run.sh fp8_final  FP8 as shipped: the CUDA tests, bench/fp8_engine.py once, and profiles
 #                                         of the FP8 engine's 2k prefill and batch-1 decode step (profiles.tgz)
 #   bash bench/gpu_speed_run.sh offload   the host KV tier: its tests on CUDA (pinned memory, copy stream),
@@ -196,6 +198,9 @@ for part in "$@"; do
             $hf --json-out "$OUT/engine_$model.jsonl" 2>&1 | grep -v Warning | tee "$OUT/engine_$model.txt"
         echo "== $model: rc ${PIPESTATUS[0]} after $(( SECONDS - start )) s"
       done ;;
+    mxfp4_sweep)
+      timeout 200 python3 bench/mxfp4_moe.py --sweep --samples 9 --json-out "$OUT/mxfp4_sweep.jsonl" 2>"$OUT/mxfp4_sweep.err" \
+          | tee "$OUT/mxfp4_sweep.txt" ;;
     gpt_oss)  # the CUDA tests (sinks in the Triton kernels, the MXFP4 grouped GEMM, the engine against HF), then
               # dummy gpt-oss-20b with its MXFP4 experts kept (--quantization auto) beside HF transformers on the
               # same (unquantized) weights, and dequantized at load (--quantization none): the A/B of the kernel

@@ -27,10 +27,8 @@ from bench._common import GPU_PEAKS, cuda_graph_ms, emit_json  # noqa: E402
 
 # (block_m, block_n, block_k, warps, stages, splits): decode's tiles split K (a few rows per expert leave the
 # GPU's SMs idle otherwise); prefill's fill the SMs by rows
-DECODE_TILES = [(16, n, k, 4, s, sp) for n, k, s, sp in itertools.product((32, 64), (64, 128, 256), (3, 4),
-                                                                          (1, 2, 4, 8))]
-PREFILL_TILES = [(m, n, k, w, s, 1) for m, n, k, w, s in itertools.product((64, 128), (64, 128), (64, 128), (4, 8),
-                                                                             (2, 3))]
+DECODE_TILES = [(16, n, k, 4, 3, sp) for n, k, sp in itertools.product((32, 64), (64, 128), (1, 2, 4, 8))]
+PREFILL_TILES = [(m, n, 64, w, 3, 1) for m, n, w in itertools.product((64, 128), (64, 128), (4, 8))]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -2,8 +2,9 @@
 
 ``C[r] = A[row_of[r]] @ W[e(r)].T + bias[e(r)]`` for rows ``r`` sorted by expert (``ends``: each expert's end
 row), W [E, N, K] stored as ``blocks`` [E, N, K / 2] uint8 (two e2m1 codes a byte, the low nibble the even k) and
-``scales`` [E, N, K / 32] uint8 (E8M0, bias 127). A program owns ``BLOCK_M`` rows of one expert (a tile map built
-on the device: no host sync, so a decode step with it is captured in a CUDA graph) and ``BLOCK_N`` output columns,
+``scales`` [E, N, K / 32] uint8 (E8M0, bias 127). A program owns ``BLOCK_M`` rows of one expert (it finds which from
+``ends`` itself: no host sync, so a decode step with it is captured in a CUDA graph, and no tile map made by a dozen
+small launches first) and ``BLOCK_N`` output columns,
 and walks K ``BLOCK_K`` at a time: it loads the A tile (gathering rows through ``row_of`` when given), the weight
 tile's bytes and scales -- 4.25 bits a weight instead of 16 -- decodes them in registers to A's dtype (exact: every
 e2m1 value times a power of two is a bfloat16 value; integer ops build each value's float32 bits, no table and no
@@ -33,17 +34,32 @@ def _e2m1(code):
 
 
 @triton.jit
-def _mxfp4_grouped_mm_kernel(A, RowOf, Blocks, Scales, Bias, C, TileExpert, TileStart, Ends, N, K, k_per_split,
-                             stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_biase, stride_cm,
-                             stride_cs, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr):
-    expert = tl.load(TileExpert + tl.program_id(0))
-    if expert < 0:  # a tile past the last expert's rows (the map is sized for the worst case)
+def _row_tile(Ends, num_experts, tile, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Row tile ``tile`` of the experts' rows cut into ``BLOCK_M``-row tiles, expert by expert: (its expert, or
+    ``num_experts`` past the last tile; its first row; the expert's end row)."""
+    e = tl.arange(0, BLOCK_E)
+    ends = tl.load(Ends + e, mask=e < num_experts, other=0)
+    starts = tl.load(Ends + e - 1, mask=(e > 0) & (e < num_experts), other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tl.cumsum(tiles, 0)
+    expert = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+    mine = e == expert
+    first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0), 0)
+    first = tl.sum(tl.where(mine, starts, 0), 0) + (tile - first_tile) * BLOCK_M
+    return expert, first, tl.sum(tl.where(mine, ends, 0), 0)
+
+
+@triton.jit
+def _mxfp4_grouped_mm_kernel(A, RowOf, Blocks, Scales, Bias, C, Ends, num_experts, N, K, k_per_split, stride_am,
+                             stride_be, stride_bn, stride_se, stride_sn, stride_biase, stride_cm, stride_cs,
+                             GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                             EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    expert, first, end = _row_tile(Ends, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
+    if expert >= num_experts:  # a tile past the last expert's rows (the grid is sized for the worst case)
         return
-    first = tl.load(TileStart + tl.program_id(0))
     rows = first + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.load(Ends + expert)
+    row_ok = rows < end
     a_rows = tl.load(RowOf + rows, mask=row_ok, other=0).to(tl.int64) if GATHER else rows.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -82,21 +98,6 @@ def _mxfp4_grouped_mm_kernel(A, RowOf, Blocks, Scales, Bias, C, TileExpert, Tile
     tl.store(out, acc.to(C.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def tile_map(ends: torch.Tensor, num_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert of each row tile, its first row): each expert's rows cut into ``block_m``-row tiles, sized for the
-    worst case (``num_rows / block_m`` plus one partial tile per expert) with -1 past the last; device ops only."""
-    ends = ends.long()
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    tiles = (counts + block_m - 1) // block_m
-    tile_ends = tiles.cumsum(0)
-    slots = torch.arange(num_rows // block_m + ends.numel(), device=ends.device)
-    expert = torch.searchsorted(tile_ends, slots, right=True)
-    valid = expert < ends.numel()
-    expert = expert.clamp(max=ends.numel() - 1)
-    start = (ends - counts)[expert] + (slots - (tile_ends - tiles)[expert]) * block_m
-    return torch.where(valid, expert, -1).to(torch.int32), start.to(torch.int32)
-
-
 @dataclass(frozen=True)
 class MxConfig:
     """One launch's tile: rows x columns x K step, warps, pipeline stages and K splits (``splits`` > 1: each
@@ -111,11 +112,12 @@ class MxConfig:
 
 
 def config_for(num_rows: int, num_experts: int) -> MxConfig:
-    """The tile for ``num_rows`` (token, expert) rows over ``num_experts``: 16-row tiles while most experts hold a
-    few rows (decode), 64-row ones past that (prefill), 8 warps for those (4 spill the decoded tile on sm_90)."""
+    """The tile for ``num_rows`` (token, expert) rows over ``num_experts``, from ``bench/mxfp4_moe.py``'s sweep on
+    an H200: while most experts hold a few rows (decode), 16-row tiles with K split (4 ways for one or two tokens,
+    2 past that) so that enough programs stream the weights; past that (prefill) 128x128 tiles on 8 warps."""
     if num_rows <= 16 * num_experts:
-        return MxConfig(16, 64, 64, 4, 3)
-    return MxConfig(64, 64, 64, 8, 3)
+        return MxConfig(16, 64, 64, 4, 3, splits=4 if num_rows <= 16 else 2)
+    return MxConfig(128, 128, 64, 8, 3)
 
 
 def mxfp4_grouped_mm(a: torch.Tensor, row_of: torch.Tensor | None, blocks: torch.Tensor, scales: torch.Tensor,
@@ -129,17 +131,19 @@ def mxfp4_grouped_mm(a: torch.Tensor, row_of: torch.Tensor | None, blocks: torch
     if num_rows == 0:
         return out
     cfg = config or config_for(num_rows, blocks.shape[0])
-    experts, starts = tile_map(ends, num_rows, cfg.block_m)
+    num_experts = blocks.shape[0]
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.splits), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     dest = out if splits == 1 else torch.empty(splits, num_rows, n, dtype=torch.float32, device=a.device)
-    grid = (experts.numel(), triton.cdiv(n, cfg.block_n), splits)
+    # row tiles: at most num_rows / block_m whole ones and a partial one per expert
+    grid = (num_rows // cfg.block_m + num_experts, triton.cdiv(n, cfg.block_n), splits)
     _mxfp4_grouped_mm_kernel[grid](
-        a, out if row_of is None else row_of, blocks, scales, out if bias is None else bias, dest, experts, starts,
-        ends, n, k, k_per_split, a.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
-        0 if bias is None else bias.stride(0), dest.stride(-2), 0 if splits == 1 else dest.stride(0),
-        GATHER=row_of is not None, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, DOT_PRECISION="ieee" if a.dtype == torch.float32
-        else "tf32", num_warps=cfg.warps, num_stages=cfg.stages,
+        a, out if row_of is None else row_of, blocks, scales, out if bias is None else bias, dest, ends,
+        num_experts, n, k, k_per_split, a.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0),
+        scales.stride(1), 0 if bias is None else bias.stride(0), dest.stride(-2),
+        0 if splits == 1 else dest.stride(0), GATHER=row_of is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=triton.next_power_of_2(num_experts),
+        EVEN_K=k % cfg.block_k == 0, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return out if splits == 1 else sum_splits(dest, None, a.dtype)

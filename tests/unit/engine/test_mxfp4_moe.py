@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from services.engine.ops.mxfp4_moe import mxfp4_grouped_mm, mxfp4_grouped_mm_reference  # noqa: E402
-from services.engine.ops.mxfp4_moe_triton import MxConfig, tile_map  # noqa: E402
+from services.engine.ops.mxfp4_moe_triton import MxConfig  # noqa: E402
 from services.engine.ops.mxfp4_moe_triton import mxfp4_grouped_mm as triton_grouped_mm  # noqa: E402
 from tests.sm90_compile import compile_script_lines  # noqa: E402
 
@@ -74,23 +74,24 @@ def test_other_tiles_match_the_reference(config: MxConfig) -> None:
     assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
 
 
-def test_tile_map() -> None:
-    experts, starts = tile_map(torch.tensor([3, 3, 20, 21]), 21, 8)  # counts 3, 0, 17, 1
-    valid = experts >= 0
-    assert experts[valid].tolist() == [0, 2, 2, 2, 3] and starts[valid].tolist() == [0, 3, 11, 19, 20]
-    assert experts.numel() == 21 // 8 + 4
+@pytest.mark.parametrize("counts", [[0, 0, 21, 0], [3, 0, 17, 1], [16, 16, 0, 33], [1, 1, 1, 1, 1]])
+def test_programs_find_their_rows(counts: list[int]) -> None:
+    """Each program finds its expert and rows from ``ends``: empty experts, tiles filled exactly, one row each."""
+    a, row_of, blocks, scales, b, ends = _problem(counts, 16, 64, torch.float32, True, True, seed=5)
+    expected = mxfp4_grouped_mm_reference(a, row_of, blocks, scales, b, ends)
+    got = triton_grouped_mm(a, row_of, blocks, scales, b, ends, MxConfig(16, 16, 64, 4, 2))
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
 
 
 _COMPILE_FOR_SM90 = r"""
 from services.engine.ops import mxfp4_moe_triton as m
 from tests.sm90_compile import compile_for_sm90 as compile_
 
-types = dict(A="*bf16", RowOf="*i64", Blocks="*u8", Scales="*u8", Bias="*bf16", C="*bf16", TileExpert="*i32",
-             TileStart="*i32", Ends="*i32")
+types = dict(A="*bf16", RowOf="*i64", Blocks="*u8", Scales="*u8", Bias="*bf16", C="*bf16", Ends="*i32")
 for rows in (4, 4096):  # decode's tile and prefill's
     c = m.config_for(rows, 32)
     constexprs = dict(GATHER=True, HAS_BIAS=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                      EVEN_K=False, DOT_PRECISION="tf32")
+                      BLOCK_E=32, EVEN_K=False, DOT_PRECISION="tf32")
     print("mxfp4", rows, compile_(m._mxfp4_grouped_mm_kernel, types, constexprs, None, c.warps, c.stages))
 """
 
