@@ -1,7 +1,8 @@
 """``pdserve router ...``: its flags, and running the app under uvicorn.
 
-``services/cli.py`` wires it in with ``add_router_parser(sub)``; the subcommand's ``func`` is
-:func:`run_router`.
+The HTTP door's timeouts and connection limit (``http_door.py``) are flags here, not ``RouterConfig`` fields:
+they shape the server, not the app. ``services/cli.py`` wires it in with ``add_router_parser(sub)``; the
+subcommand's ``func`` is :func:`run_router`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 from services.common.config_flags import add_flags, config_from_args
 from services.common.tls import add_tls_arguments, tls_from_args
 from services.router.config import RouterConfig
+from services.router.http_door import DoorLimits, room_for_connections, uvicorn_config
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +24,7 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     add_flags(p, RouterConfig)
+    add_flags(p, DoorLimits)  # the HTTP door's bounds: uvicorn's, not the app's (http_door.py)
     add_tls_arguments(p)
     p.set_defaults(func=run_router)
     return p
@@ -43,6 +46,9 @@ def run_router(args: argparse.Namespace) -> int:
     # create_app checks every address (a typo stops the start) and loads the tokenizer.
     app = create_app(router_config_from_args(args))
     log.info("router for %s on http://%s:%d", app.state.runtime.model_name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=getattr(args, "log_level", "WARNING").lower(),
-                access_log=False, timeout_graceful_shutdown=30)
+    limits = config_from_args(DoorLimits, args)
+    room_for_connections(limits.max_connections)
+    config = uvicorn_config(app, limits, host=args.host, port=args.port, access_log=False,
+                            log_level=getattr(args, "log_level", "WARNING").lower(), timeout_graceful_shutdown=30)
+    uvicorn.Server(config).run()
     return 0
