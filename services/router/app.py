@@ -23,6 +23,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.router import overhead
 from services.router.admin import ADMIN_PATHS, add_admin_routes
 from services.router.answers import ChatAnswer, CompletionAnswer, answer_for
 from services.router.choices import Choice, stream_choices
@@ -124,6 +125,7 @@ def _add_middleware(app: FastAPI, config: RouterConfig, metrics: RouterMetrics) 
         app.add_middleware(ApiKeyAuth, api_key=config.api_key)
     app.add_middleware(_CountRequests, metrics=metrics)
     app.add_middleware(RequestIds)
+    app.add_middleware(overhead.TimeStages, histogram=metrics.router_overhead)  # outermost: relay ends at the server
 
 
 def _runtime(request: Request) -> RouterRuntime:
@@ -263,12 +265,14 @@ async def _generate(request: Request, kind: type[RequestT]) -> Response:
     arrival_s = time.monotonic()
     rt = _runtime(request)
     body = decode_request(await read_body(request, rt.config.max_request_bytes), kind)
+    overhead.mark("decode")
     _check_model(body.model, rt)
     check_text_features(body, rt.tokenizer)
     prompts = prompt_token_ids(body, rt.tokenizer, rt.vocab_size)
     if rt.vocab_size is not None:  # else the workers check it (a 400 from INVALID_ARGUMENT)
         body.check_vocab(rt.vocab_size)
     max_tokens = [resolve_max_tokens(body, len(ids), rt.max_model_len()) for ids in prompts]
+    overhead.mark("tokenize")
     prefix = "chatcmpl" if kind is ChatCompletionRequest else "cmpl"
     request_id = worker_request_id(request, prefix)
     prompt_outcomes = [Outcome(num_prompt_tokens=len(ids)) for ids in prompts]

@@ -32,6 +32,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from services.router import overhead
 from services.router.config import RouterConfig
 from services.router.errors import DisaggregationUnavailable, NoHealthyWorkers, Overloaded
 from services.router.failover import DecodeWatch
@@ -70,6 +71,7 @@ class Dispatcher:
         ``affinity``: the pair to use if both are still available (a sibling choice of the same
         prompt, whose blocks their prefix caches hold).
         """
+        overhead.mark("prepare")
         limit = self.config.max_inflight_requests
         if limit is not None and self.num_in_flight >= limit:
             raise Overloaded(f"{self.num_in_flight} requests in flight (limit {limit})",
@@ -77,6 +79,7 @@ class Dispatcher:
         assignment = self.policy.acquire(len(request.prompt_token_ids),
                                          affinity and (affinity.prefill, affinity.decode),
                                          PromptKeys(request.prompt_token_ids), time.monotonic())
+        overhead.mark("pick_pair")
         if assignment is None:
             known = len(self.policy.workers(Role.DECODE))
             raise NoHealthyWorkers(f"no healthy decode worker ({known} known)",
@@ -159,6 +162,7 @@ async def _timed(deltas: AsyncIterator[Delta], metrics: RouterMetrics, arrival_s
     last_token_s: float | None = None
     async with aclosing(deltas):
         async for delta in deltas:
+            overhead.waited()
             now = time.monotonic()
             if delta.token_ids:
                 if last_token_s is None:

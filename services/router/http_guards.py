@@ -22,6 +22,7 @@ import uuid
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.router import overhead
 from services.router.errors import InvalidApiKey, RequestTooLarge, error_response, request_id_of
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -159,4 +160,5 @@ async def read_body(request: Request, limit: int) -> bytes:
         if size > limit:
             raise RequestTooLarge(f"the request body is longer than the limit of {limit} bytes")
         chunks.append(chunk)
+    overhead.mark("body_read")
     return b"".join(chunks)

@@ -3,8 +3,9 @@
 Latencies are what a client sees: TTFT from the request's arrival to its first token leaving the
 router, inter-token latency between tokens reaching the router, end-to-end to the last byte. The
 router's own cost is ``router_added_latency``: arrival to the first worker RPC (parse, validate,
-tokenize, pick a pair). Worker counts, and pair probe states and results, are read from the pairing
-table at scrape time; the prefix index's size and each worker's event staleness from the index.
+tokenize, pick a pair); ``router_overhead`` times each stage up to the first byte out (``overhead.py``).
+Worker counts, and pair probe states and results, are read from the pairing table at scrape time; the
+prefix index's size and each worker's event staleness from the index.
 Per-worker series are labelled ``worker`` by an opaque id (``worker_labels.py``), never by address:
 ``/metrics`` is open to whoever reaches the router's port.
 """
@@ -19,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from services.router.failover import FAILOVER_REASONS
+from services.router.overhead import STAGES
 from services.router.pair_probes import PairState
 from services.router.pairing import PairingPolicy, Role, ServingStatus
 from services.router.planner import Decision, DecisionReason
@@ -33,6 +35,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+_STAGE_BUCKETS_S = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                    0.1, 0.25, 1.0)
 _ROUTER_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
@@ -148,6 +152,11 @@ class RouterMetrics:
         self.added_latency = Histogram("pdserve_router_added_latency_seconds",
                                        "Router time before the first worker RPC (parse, tokenize, pair)",
                                        buckets=_ROUTER_BUCKETS_S, registry=r)
+        self.router_overhead = Histogram("pdserve_router_overhead_seconds", "The router's own time per answered "
+                                         "generation request, by stage: " + ", ".join(STAGES) + " (overhead.py)",
+                                         ["stage"], buckets=_STAGE_BUCKETS_S, registry=r)
+        for stage in STAGES:
+            self.router_overhead.labels(stage)
         self.routes = Counter("pdserve_router_routed_requests",
                               "Requests by final route, counted when they end: disaggregated, direct (decided by "
                               "cost or threshold, or no prefill worker) or fallback (the prefill worker or the KV pull "
