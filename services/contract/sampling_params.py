@@ -18,13 +18,14 @@ PENALTY_BOUNDS = (-2.0, 2.0)
 LOGIT_BIAS_BOUNDS = (-100.0, 100.0)
 
 
-STRUCTURED_KINDS = ("json_object", "json_schema")
+# "grammar": llguidance grammar text the router built itself (tool calls: services.contract.tool_grammar).
+STRUCTURED_KINDS = ("json_object", "json_schema", "grammar")
 
 
 @dataclass(frozen=True)
 class StructuredSpec:
     """A document every output must be a prefix of (``response_format``): any JSON object, or a JSON
-    schema's instances (``schema`` is the schema's JSON text)."""
+    schema's instances (``schema`` is the schema's JSON text), or a grammar's (``schema`` is its text)."""
 
     kind: str
     schema: str = ""
@@ -39,6 +40,8 @@ class StructuredSpec:
                 raise ValueError("a json_schema structured output needs the schema as JSON text") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object (or a boolean)")
+        if self.kind == "grammar" and not self.schema:
+            raise ValueError("a grammar structured output needs the grammar's text")
 
 
 @dataclass(frozen=True)

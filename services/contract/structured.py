@@ -20,6 +20,11 @@ class StructuredOutputError(ValueError):
 @functools.lru_cache(maxsize=256)
 def grammar_of(spec: StructuredSpec) -> str:
     """The grammar text of a spec, cached by spec; StructuredOutputError when the schema is not usable."""
+    if spec.kind == "grammar":
+        error = llguidance.LLMatcher.validate_grammar(spec.schema)
+        if error:
+            raise StructuredOutputError(f"the grammar cannot be used: {error}")
+        return spec.schema
     schema = {"type": "object"} if spec.kind == "json_object" else json.loads(spec.schema)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)

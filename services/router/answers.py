@@ -9,13 +9,15 @@ state (its logprobs' text offsets, whether its role or echo went out).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 
+from services.router.chat_output import ChatOutput, ChatPiece
 from services.router.generation import Delta
 from services.router.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest
 from services.router.responses import (
+    CalledFunctionOut,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -27,13 +29,20 @@ from services.router.responses import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
+    FunctionDeltaOut,
     LogprobFormatter,
+    ToolCallDeltaOut,
+    ToolCallOut,
     Usage,
 )
+from services.router.streaming import DONE_EVENT, sse_event
 from services.text.tokenizer import Tokenizer
+from services.text.tool_calls import ParsedDelta, join_deltas
 
 
 class _Answer:
+    done_event = DONE_EVENT  # a stream's last event
+
     def __init__(self, request_id: str, model: str, request: AnyRequest, tokenizer: Tokenizer | None) -> None:
         self.request_id = request_id
         self.model = model
@@ -43,6 +52,10 @@ class _Answer:
         self._tokenizer = tokenizer
         self._as_token_ids = request.return_tokens_as_token_ids
         self._formatters: dict[int, LogprobFormatter] = {}
+
+    @staticmethod
+    def sse(chunk: msgspec.Struct) -> bytes:
+        return sse_event(chunk)
 
     def _formatter(self, index: int) -> LogprobFormatter:
         if index not in self._formatters:
@@ -114,14 +127,28 @@ class CompletionAnswer(_Answer):
 
 
 class ChatAnswer(_Answer):
-    def __init__(self, request_id: str, model: str, request: AnyRequest, tokenizer: Tokenizer | None) -> None:
+    """``chat.completion`` bodies, each choice's text read by its ``ChatOutput`` (reasoning, content, tool calls)."""
+
+    def __init__(self, request_id: str, model: str, request: AnyRequest, tokenizer: Tokenizer | None,
+                 new_output: Callable[[], ChatOutput] = ChatOutput) -> None:
         super().__init__(request_id, model, request, tokenizer)
+        self._new_output = new_output
+        self._outputs: dict[int, ChatOutput] = {}
         self._sent_role: set[int] = set()
 
     def full(self, deltas: Mapping[int, Delta], usage: Usage) -> ChatCompletion:
-        choices = [ChatChoice(index, ChatMessageOut("assistant", deltas[index].text),
-                              self._logprobs(index, deltas[index]), deltas[index].finish_reason)
-                   for index in sorted(deltas)]
+        choices = []
+        for index in sorted(deltas):
+            delta, output = deltas[index], self._new_output()
+            piece = output.feed(delta.text, final=True)
+            calls = join_calls([piece])
+            message = ChatMessageOut("assistant", None if calls and not piece.content else piece.content)
+            if calls:
+                message.tool_calls = calls
+            if piece.reasoning:
+                message.reasoning_content = message.reasoning = piece.reasoning
+            choices.append(ChatChoice(index, message, self._logprobs(index, delta),
+                                      output.finish_reason(delta.finish_reason)))
         return ChatCompletion(self.request_id, self.created, self.model, choices, usage)
 
     def chunks(self, index: int, delta: Delta) -> list[ChatCompletionChunk]:
@@ -129,11 +156,14 @@ class ChatAnswer(_Answer):
         if index not in self._sent_role:
             # OpenAI opens each choice's stream with the role alone.
             self._sent_role.add(index)
+            self._outputs[index] = self._new_output()
             out.append(self._chunk(index, ChatDelta(role="assistant", content=""), None, None))
-        if delta.text or (self.wants_logprobs and delta.token_ids):
-            out.append(self._chunk(index, ChatDelta(content=delta.text), self._logprobs(index, delta), None))
+        output = self._outputs[index]
+        piece = output.feed(delta.text, final=delta.finish_reason is not None)
+        if piece or (self.wants_logprobs and delta.token_ids):
+            out.append(self._chunk(index, chat_delta(piece), self._logprobs(index, delta), None))
         if delta.finish_reason is not None:
-            out.append(self._chunk(index, ChatDelta(), None, delta.finish_reason))
+            out.append(self._chunk(index, ChatDelta(), None, output.finish_reason(delta.finish_reason)))
         return out
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
@@ -150,9 +180,32 @@ class ChatAnswer(_Answer):
         return self._formatter(index).chat(delta.token_ids, delta.logprobs, delta.top_logprobs)
 
 
+def chat_delta(piece: ChatPiece) -> ChatDelta:
+    """A piece of an answer in OpenAI's streamed shape (only the parts it has)."""
+    delta = ChatDelta(content=piece.content) if piece.content or not (piece.reasoning or piece.tool_calls) \
+        else ChatDelta()
+    if piece.reasoning:
+        delta.reasoning_content = delta.reasoning = piece.reasoning
+    if piece.tool_calls:
+        delta.tool_calls = [
+            ToolCallDeltaOut(c.index, FunctionDeltaOut(name=c.name if c.name is not None else msgspec.UNSET,
+                                                       arguments=c.arguments),
+                             id=c.id if c.id is not None else msgspec.UNSET,
+                             type="function" if c.id is not None else msgspec.UNSET)
+            for c in piece.tool_calls]
+    return delta
+
+
+def join_calls(pieces: Sequence[ChatPiece]) -> list[ToolCallOut]:
+    """The calls of an answer's pieces, whole (the non-streamed message)."""
+    _, calls = join_deltas([ParsedDelta("", p.tool_calls) for p in pieces])
+    return [ToolCallOut(c.id, CalledFunctionOut(c.name, c.arguments)) for c in calls]
+
+
 def answer_for(request_id: str, model: str, request: AnyRequest, tokenizer: Tokenizer | None,
-               prompts: Sequence[Sequence[int]] = (),
-               echo_texts: Sequence[str] | None = None) -> CompletionAnswer | ChatAnswer:
+               prompts: Sequence[Sequence[int]] = (), echo_texts: Sequence[str] | None = None,
+               new_output: Callable[[], ChatOutput] = ChatOutput) -> CompletionAnswer | ChatAnswer:
+    """``new_output``: a chat choice's parsers (``chat_output.chat_output``); plain text by default."""
     if isinstance(request, ChatCompletionRequest):
-        return ChatAnswer(request_id, model, request, tokenizer)
+        return ChatAnswer(request_id, model, request, tokenizer, new_output)
     return CompletionAnswer(request_id, model, request, tokenizer, prompts, echo_texts)

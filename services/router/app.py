@@ -26,6 +26,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.router import overhead
 from services.router.admin import ADMIN_PATHS, add_admin_routes
 from services.router.answers import ChatAnswer, CompletionAnswer, answer_for
+from services.router.chat_output import ChatOutput
+from services.router.chat_plan import chat_plan
 from services.router.choices import Choice, stream_choices
 from services.router.config import RouterConfig
 from services.router.discovery import PairProber, Probe, Resolver, resolve
@@ -46,6 +48,7 @@ from services.router.pair_probes import PairProbe, PairState
 from services.router.pairing import PairingPolicy, Role, ServingStatus, WorkerState
 from services.router.planner_loop import RoleSwitcher
 from services.router.protocol import (
+    AnyRequest,
     ChatCompletionRequest,
     CompletionRequest,
     RequestT,
@@ -61,9 +64,11 @@ from services.router.responses import (
     join_deltas,
     usage_of,
 )
+from services.router.responses_answer import ResponsesAnswer
+from services.router.responses_request import ResponsesRequest, decode_responses_request
 from services.router.routes import ROUTE_HEADER, Route, worst_route
 from services.router.runtime import RouterRuntime, build_runtime
-from services.router.streaming import DONE_EVENT, SSEResponse, run_until_disconnect, sse_event
+from services.router.streaming import SSEResponse, run_until_disconnect, sse_event
 from services.router.tokenize_api import DetokenizeRequest, TokenizeRequest, decode_body, detokenize, tokenize
 from services.router.tokenizing import (
     check_text_features,
@@ -148,6 +153,10 @@ def _add_generation_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, ChatCompletionRequest)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _responses(request)
 
 
 def _add_status_routes(app: FastAPI) -> None:
@@ -266,14 +275,29 @@ async def _generate(request: Request, kind: type[RequestT]) -> Response:
     rt = _runtime(request)
     body = decode_request(await read_body(request, rt.config.max_request_bytes), kind)
     overhead.mark("decode")
+    return await _serve(request, rt, body, arrival_s)
+
+
+async def _responses(request: Request) -> Response:
+    """``/v1/responses``: the chat request it amounts to, answered in the Responses shapes."""
+    arrival_s = time.monotonic()
+    rt = _runtime(request)
+    responses = decode_responses_request(await read_body(request, rt.config.max_request_bytes))
+    overhead.mark("decode")
+    return await _serve(request, rt, responses.to_chat(), arrival_s, responses)
+
+
+async def _serve(request: Request, rt: RouterRuntime, body: AnyRequest, arrival_s: float,
+                 responses: ResponsesRequest | None = None) -> Response:
     _check_model(body.model, rt)
     check_text_features(body, rt.tokenizer)
-    prompts = prompt_token_ids(body, rt.tokenizer, rt.vocab_size)
+    plan = chat_plan(body, rt.tokenizer, rt.chat_formats) if isinstance(body, ChatCompletionRequest) else None
+    prompts = [plan.prompt_token_ids] if plan is not None else prompt_token_ids(body, rt.tokenizer, rt.vocab_size)
     if rt.vocab_size is not None:  # else the workers check it (a 400 from INVALID_ARGUMENT)
         body.check_vocab(rt.vocab_size)
     max_tokens = [resolve_max_tokens(body, len(ids), rt.max_model_len()) for ids in prompts]
     overhead.mark("tokenize")
-    prefix = "chatcmpl" if kind is ChatCompletionRequest else "cmpl"
+    prefix = "resp" if responses is not None else "chatcmpl" if plan is not None else "cmpl"
     request_id = worker_request_id(request, prefix)
     prompt_outcomes = [Outcome(num_prompt_tokens=len(ids)) for ids in prompts]
     choices = []
@@ -282,11 +306,14 @@ async def _generate(request: Request, kind: type[RequestT]) -> Response:
         for i in range(per_prompt):
             index = p * per_prompt + i
             choice_id = request_id if len(prompts) * per_prompt == 1 else f"{request_id}-{index}"
-            generation = GenerationRequest(choice_id, ids, to_sampling_params(body, max_tokens[p], index), arrival_s)
+            params = to_sampling_params(body, max_tokens[p], index, plan.grammar if plan else None)
+            generation = GenerationRequest(choice_id, ids, params, arrival_s, bool(plan and plan.keep_special_tokens))
             outcome = prompt_outcomes[p] if i == 0 else Outcome(num_prompt_tokens=len(ids))
             choices.append(Choice(index, p, generation, outcome))
     echo = echo_texts(body, prompts, rt.tokenizer) if isinstance(body, CompletionRequest) and body.echo else None
-    answer = answer_for(request_id, rt.model_name, body, rt.tokenizer, prompts, echo)
+    answer = ResponsesAnswer(request_id, rt.model_name, responses, plan.new_output) if responses is not None \
+        and plan is not None else answer_for(request_id, rt.model_name, body, rt.tokenizer, prompts, echo,
+                                             plan.new_output if plan is not None else ChatOutput)
     outcomes = _Outcomes(prompt_outcomes, [c.outcome for c in choices])
     deltas = stream_choices(rt.dispatcher, choices)
     if body.stream:
@@ -362,7 +389,7 @@ async def _collect(deltas: AsyncIterator[tuple[int, Delta]]) -> dict[int, list[D
 
 
 async def _events(first: tuple[int, Delta], deltas: AsyncIterator[tuple[int, Delta]],
-                  answer: CompletionAnswer | ChatAnswer, outcomes: _Outcomes, num_choices: int,
+                  answer: CompletionAnswer | ChatAnswer | ResponsesAnswer, outcomes: _Outcomes, num_choices: int,
                   rt: RouterRuntime, request_id: str) -> AsyncIterator[bytes]:
     """SSE: chunks, the usage chunk if asked for, [DONE]; a failure mid-stream is an error event (the client's
     body; the full message is logged with ``request_id``). The last chunk before [DONE] carries the final route
@@ -375,14 +402,14 @@ async def _events(first: tuple[int, Delta], deltas: AsyncIterator[tuple[int, Del
             if chunks and delta.finish_reason is not None and unfinished == 1 and not answer.include_usage:
                 chunks[-1] = _with_route(chunks[-1], outcomes.route())
             for chunk in chunks:
-                yield sse_event(chunk)
+                yield answer.sse(chunk)
             if delta.finish_reason is not None:
                 unfinished -= 1
                 if not unfinished:
                     break
             index, delta = await anext(deltas)
         if answer.include_usage:
-            yield sse_event(_with_route(answer.usage_chunk(outcomes.usage()), outcomes.route()))
+            yield answer.sse(_with_route(answer.usage_chunk(outcomes.usage()), outcomes.route()))
     except StopAsyncIteration:
         yield sse_event(reported(WorkerFailure("the stream ended before the request finished"), request_id).body())
     except Exception as exc:  # the headers are out: report it in the stream, in the same error format
@@ -392,7 +419,8 @@ async def _events(first: tuple[int, Delta], deltas: AsyncIterator[tuple[int, Del
         raise
     finally:
         await deltas.aclose()  # runs the flows' clean-up now if they did not finish
-    yield DONE_EVENT
+    if answer.done_event:
+        yield answer.done_event
 
 
 class _CountRequests:

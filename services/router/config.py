@@ -40,6 +40,12 @@ class RouterConfig:
                                    "tokenizer and the model name (default: bundled SmolLM2-135M-Instruct)")
     served_model_name: str | None = flag(None, "model id clients name in requests and /v1/models lists (default: "
                                                "from --model)")
+    tool_call_parser: str = flag("auto", "how the model writes tool calls: hermes, llama3_json, mistral, deepseek_v3, "
+                                         "harmony, qwen3_coder; auto: from the chat template's markers (hermes when "
+                                         "it names none); none: tool calling off", metavar="FORMAT")
+    reasoning_parser: str = flag("auto", "how the model writes its reasoning, returned as reasoning_content: think "
+                                         "(also deepseek_r1, qwen3), harmony; auto: from the chat template; none: "
+                                         "left in the content", metavar="FORMAT")
     prefill: tuple[str, ...] = _address_flag("prefill worker addresses", "HOST:PORT,...")
     decode: tuple[str, ...] = _address_flag("decode worker addresses", "HOST:PORT,...")
     prefill_dns: tuple[str, ...] = _address_flag(

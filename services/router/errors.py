@@ -326,6 +326,10 @@ def install_error_handlers(app: FastAPI) -> None:
     """Route every exception a handler lets out through :func:`error_response`."""
 
     async def handle(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, StarletteHTTPException) and exc.status_code == 404 and exc.detail == "Not Found":
+            # No route: say so as OpenAI does, naming the endpoint (a bare "Not Found" reads as a missing model).
+            exc = NotFound(f"Invalid URL ({request.method} {request.url.path}): this endpoint does not exist",
+                           code="unknown_url")
         return error_response(exc, request_id_of(request.scope))
 
     app.add_exception_handler(RouterError, handle)

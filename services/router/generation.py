@@ -19,6 +19,7 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     params: worker_pb2.SamplingParams
     arrival_s: float  # time.monotonic() when the HTTP request arrived
+    keep_special_tokens: bool = False  # its text keeps special tokens (tool-call and reasoning markers)
 
 
 # The most likely tokens at one position, best first: (token id, logprob) pairs.

@@ -14,11 +14,13 @@ import msgspec
 from services.router.errors import ErrorBody
 from services.router.protocol import ChatCompletionRequest, CompletionRequest
 from services.router.responses import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, ModelList
+from services.router.responses_request import ResponsesRequest
 from services.router.tokenize_api import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 _REF = "#/components/schemas/{name}"
-_TYPES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, Completion, CompletionChunk,
-          ChatCompletion, ChatCompletionChunk, ModelList, TokenizeResponse, DetokenizeResponse, ErrorBody)
+_TYPES = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest, Completion,
+          CompletionChunk, ChatCompletion, ChatCompletionChunk, ModelList, TokenizeResponse, DetokenizeResponse,
+          ErrorBody)
 
 
 def _ref(kind: type) -> dict[str, str]:
@@ -67,6 +69,12 @@ def openapi_document(title: str = "pdserve router", version: str = "0.1.0") -> d
         "/v1/chat/completions": {"post": _operation("Answer a chat", ChatCompletionRequest,
                                                     _stream_or(ChatCompletion, ChatCompletionChunk),
                                                     *generation_errors)},
+        "/v1/responses": {"post": _operation(
+            "Answer input items (stateless: no stored responses)", ResponsesRequest,
+            {"description": "a response object, or with stream=true server-sent events typed by their `event:` "
+                            "line, from response.created to response.completed",
+             "content": {"application/json": {"schema": {"type": "object"}},
+                         "text/event-stream": {"schema": {"type": "string"}}}}, *generation_errors)},
         "/v1/models": {"get": _operation("The served model", None, _json(_ref(ModelList), "the model list"), 401)},
         "/tokenize": {"post": _operation("Token ids of a prompt or chat", TokenizeRequest,
                                          _json(_ref(TokenizeResponse), "the token ids"), 400, 401, 404, 413)},

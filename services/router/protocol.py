@@ -3,7 +3,7 @@
 Types and ranges are declared on the Structs, so msgspec rejects a wrong type or an out-of-range
 number with the JSON path of the field; what needs more than one field, or is an OpenAI feature
 pdserve does not have, is checked in ``check()``. Unknown fields are ignored, as OpenAI does; every
-field OpenAI documents that pdserve cannot honour (``suffix``, ``tools``, ``audio``, ...) is declared
+field OpenAI documents that pdserve cannot honour (``suffix``, ``audio``, ...) is declared
 here only so that setting it is a 400 naming it rather than a silently different answer. Nothing
 here talks to a worker.
 """
@@ -28,6 +28,15 @@ from services.contract.sampling_params import (
 from services.contract.structured import StructuredOutputError, check_spec
 from services.contract.wire import sampling_to_proto
 from services.proto_gen.pdserve.v1 import worker_pb2
+from services.router.chat_tools import (
+    ToolCallIn,
+    ToolChoice,
+    Tools,
+    check_tools,
+    offered_tools,
+    template_tool_calls,
+    tool_mode,
+)
 from services.router.errors import InvalidRequest, decode_json
 
 _MAX_U31 = 2**31 - 1
@@ -218,6 +227,21 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's answer to that call
+    reasoning_content: str | None = None  # an assistant turn's reasoning, for templates that show it
+
+    def template_dict(self, index: int) -> dict[str, Any]:
+        """The message as chat templates read it (only the fields it has)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = template_tool_calls(self.tool_calls, index)
+            if self.content is None:
+                message["content"] = None
+        for name in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        return message
 
     def text(self) -> str:
         """The message's text; a list of parts is joined (only text parts exist here)."""
@@ -267,7 +291,9 @@ class ResponseFormat(msgspec.Struct):
 
 
 # Chat fields OpenAI documents that pdserve has no use for at all; each may be sent with its "off" value.
-_INERT_IF_OFF = ("audio", "prediction", "web_search_options", "functions", "reasoning_effort", "verbosity")
+_INERT_IF_OFF = ("audio", "prediction", "web_search_options", "functions", "verbosity")
+# OpenAI's reasoning_effort values; passed to chat templates that read it (gpt-oss's), ignored by the rest.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -277,9 +303,10 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobCount | None = None
-    tools: list[msgspec.Raw] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None
     add_generation_prompt: bool = True
     # Documented by OpenAI, accepted without effect: pdserve stores nothing and has one service tier.
     store: bool | None = None
@@ -294,7 +321,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
     web_search_options: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    reasoning_effort: str | None = None
     verbosity: str | None = None
 
     @property
@@ -316,7 +342,21 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
     def template_messages(self) -> list[dict]:
         """The messages as the chat template reads them."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.template_dict(i) for i, m in enumerate(self.messages)]
+
+    @property
+    def tool_mode(self) -> str:
+        """``none``, ``auto``, ``required`` or ``named`` (``chat_tools.tool_mode``)."""
+        return tool_mode(self.tools, self.tool_choice)
+
+    def template_vars(self) -> dict[str, Any]:
+        """What the chat template gets beside the messages: the tools (unless turned off), the effort."""
+        out: dict[str, Any] = {}
+        if self.tool_mode != "none":
+            out["tools"] = offered_tools(self.tools, None)
+        if self.reasoning_effort is not None:
+            out["reasoning_effort"] = self.reasoning_effort
+        return out
 
     def check(self) -> None:
         self._check_common()
@@ -337,10 +377,14 @@ class ChatCompletionRequest(_Common, kw_only=True):
         for name in _INERT_IF_OFF:
             if getattr(self, name) not in (None, []):
                 raise InvalidRequest(f"{name} is not supported", param=name)
-        if self.tools:
-            raise InvalidRequest("tools are not supported (no tool calling)", param="tools")
-        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
-            raise InvalidRequest("tool_choice is not supported (no tool calling)", param="tool_choice")
+        check_tools(self.tools, self.tool_choice)
+        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
+            raise InvalidRequest(f"reasoning_effort must be one of {REASONING_EFFORTS}, got {self.reasoning_effort!r}",
+                                 param="reasoning_effort")
+        if self.tool_mode in ("required", "named") and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise InvalidRequest("response_format cannot be combined with a required or named tool_choice (the "
+                                 "answer is a tool call)", param="response_format")
         if self.function_call is not None and self.function_call not in ("none", "auto"):
             raise InvalidRequest("function_call is not supported (no function calling)", param="function_call")
         if self.store:
@@ -371,9 +415,11 @@ def decode_request(body: bytes, kind: type[RequestT]) -> RequestT:
     return request
 
 
-def to_sampling_params(request: AnyRequest, max_tokens: int, choice: int = 0) -> worker_pb2.SamplingParams:
+def to_sampling_params(request: AnyRequest, max_tokens: int, choice: int = 0,
+                       grammar: StructuredSpec | None = None) -> worker_pb2.SamplingParams:
     """The worker's SamplingParams for choice ``choice``; ``max_tokens`` is the router's final figure
-    (context-checked). A completion's ``echo`` with logprobs asks for the prompt's logprobs too.
+    (context-checked). A completion's ``echo`` with logprobs asks for the prompt's logprobs too. ``grammar``:
+    the router's own constraint (tool calls), in place of ``response_format``'s.
 
     Built as the contract's ``SamplingParams`` (the one set of rules the workers apply too) and
     converted by the one proto conversion; a combination it refuses is a 400 here.
@@ -399,7 +445,7 @@ def to_sampling_params(request: AnyRequest, max_tokens: int, choice: int = 0) ->
             min_p=request.min_p,
             top_logprobs=request.num_top_logprobs if request.wants_logprobs else 0,
             prompt_logprobs=request.num_top_logprobs if echo_logprobs else None,
-            structured=request.response_format.spec() if request.response_format is not None else None,
+            structured=grammar or (request.response_format.spec() if request.response_format is not None else None),
         )
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None

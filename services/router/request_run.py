@@ -102,7 +102,8 @@ class RequestRun:
     text: TextStream = field(init=False)
 
     def __post_init__(self) -> None:
-        self.text = TextStream(self.owner.tokenizer, self.request.prompt_token_ids, tuple(self.request.params.stop))
+        self.text = TextStream(self.owner.tokenizer, self.request.prompt_token_ids, tuple(self.request.params.stop),
+                               self.request.keep_special_tokens)
 
     def _deadline_s(self) -> float:
         """When the request's time is up (monotonic)."""

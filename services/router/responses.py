@@ -128,9 +128,26 @@ class Completion(msgspec.Struct, tag_field="object", tag="text_completion"):
     usage: Usage
 
 
+class CalledFunctionOut(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: CalledFunctionOut
+    type: str = "function"
+
+
 class ChatMessageOut(msgspec.Struct):
+    """An answer: content (null when it is only tool calls), its calls, its reasoning (``reasoning_content``,
+    and ``reasoning``, the name vLLM uses now, beside it)."""
+
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -148,9 +165,26 @@ class ChatCompletion(msgspec.Struct, tag_field="object", tag="chat.completion"):
     usage: Usage
 
 
+class FunctionDeltaOut(msgspec.Struct):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class ToolCallDeltaOut(msgspec.Struct):
+    """One piece of one call: its first carries id, type and name, the rest arguments only (OpenAI's shape)."""
+
+    index: int
+    function: FunctionDeltaOut
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+
+
 class ChatDelta(msgspec.Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDeltaOut] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -12,10 +12,11 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 
+from services.router.chat_output import ChatFormats, resolve_formats
 from services.router.config import RouterConfig
 from services.router.discovery import Discovery, EndpointSource, PairProber, Probe, Resolver
 from services.router.flow import Dispatcher
@@ -59,6 +60,7 @@ class RouterRuntime:
     # makes one for both), never a default of its own that could key the ids differently.
     worker_labels: WorkerLabels
     switching: RoleSwitching | None = None  # in-place role switches (role_switch.py)
+    chat_formats: ChatFormats = field(default_factory=ChatFormats)  # how answers are read (chat_output.py)
 
     def max_model_len(self) -> int | None:
         return self.config.max_model_len or self.policy.max_model_len()
@@ -121,6 +123,7 @@ def build_runtime(config: RouterConfig, tokenizer: Tokenizer | None, *, probe: P
         planner=planner,
         switching=switching,
         worker_labels=worker_labels,
+        chat_formats=resolve_formats(tokenizer, config.tool_call_parser, config.reasoning_parser),
     )
 
 

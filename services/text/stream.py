@@ -18,11 +18,18 @@ from services.text.tokenizer import Tokenizer
 class TextStream:
     """Token ids in, text deltas out; never half a character, never part of a stop string."""
 
-    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: Sequence[int], stops: tuple[str, ...]) -> None:
-        """Without a tokenizer there is no text (the client asked with token ids); stops need one."""
+    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: Sequence[int], stops: tuple[str, ...],
+                 keep_special_tokens: bool = False) -> None:
+        """Without a tokenizer there is no text (the client asked with token ids); stops need one.
+
+        ``keep_special_tokens``: special tokens are written as text (the tool-call and reasoning parsers read
+        markers such as harmony's ``<|channel|>``), all but the end-of-sequence ones.
+        """
         if tokenizer is None and stops:
             raise ValueError("stop strings need a tokenizer")
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, not keep_special_tokens) \
+            if tokenizer else None
+        self._hidden = tokenizer.eos_token_ids if tokenizer is not None and keep_special_tokens else frozenset()
         self._matcher = StopStringMatcher(stops) if stops else None
         self._stopped = False
 
@@ -40,6 +47,8 @@ class TextStream:
         """Text the new tokens complete; ``final`` flushes what was held back (the request ended)."""
         if self._detokenizer is None or self._stopped:
             return ""
+        if self._hidden:
+            token_ids = [t for t in token_ids if t not in self._hidden]
         text = self._detokenizer.step(token_ids)
         if final:
             text += self._detokenizer.flush()

@@ -218,8 +218,13 @@ class Tokenizer:
     # ----------------------------------------------------------------------------------------------
     # Chat template
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` ([{"role": ..., "content": ...}]) into the model's prompt text."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **template_vars: Any) -> str:
+        """Render ``messages`` ([{"role": ..., "content": ...}]) into the model's prompt text.
+
+        ``tools`` (OpenAI function tools) and ``template_vars`` (e.g. ``reasoning_effort``) are passed to the
+        template as Hugging Face passes them; a template that does not read them ignores them.
+        """
         if self._chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         _check_messages(messages)
@@ -227,11 +232,13 @@ class Tokenizer:
         try:
             return template.render(
                 messages=messages,
+                tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._token_text(self._bos_token_id),
                 eos_token=self._token_text(self._eos_token_id),
+                **template_vars,
             )
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError) as exc:  # TypeError: the template adds a str and a None, say
             raise ValueError(f"the chat template failed to render these messages: {exc}") from exc
 
     def _template(self) -> jinja2.Template:
@@ -282,9 +289,12 @@ def _check_messages(messages: Any) -> None:
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ValueError(f"messages[{index}] must be a dict, got {type(message).__name__}")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise ValueError(f"messages[{index}][{key!r}] must be a str, got {message.get(key)!r}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{index}]['role'] must be a str, got {message.get('role')!r}")
+        content = message.get("content")
+        # An assistant turn that only calls tools has no content (None), as Hugging Face templates expect.
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise ValueError(f"messages[{index}]['content'] must be a str, got {content!r}")
 
 
 # --------------------------------------------------------------------------------------------------

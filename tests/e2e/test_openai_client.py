@@ -189,7 +189,7 @@ def test_json_schema_output_parses_and_validates(served) -> None:
 def test_unsupported_fields_are_400_naming_them(served) -> None:
     _, client = served
     model = _model(client)
-    for kwargs, param in [({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    for kwargs, param in [({"tools": [{"type": "file_search", "function": {"name": "f"}}]}, "tools[0].type"),
                           ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
                           ({"top_logprobs": 3}, "top_logprobs"), ({"store": True}, "store")]:
         with pytest.raises(openai.BadRequestError) as info:
