@@ -14,8 +14,9 @@ Modes (the formats' syntax: ``services.contract.tool_formats``):
   that ends at the first trigger), two lexemes where it is a special token; for Llama-3 JSON (calls only as the
   whole answer) and harmony (calls in message headers) the grammar follows how the parser reads the answer.
 
-What the grammars do not do: they start at the first generated token, so a model that thinks first
-(``<think>``) cannot under "required"/"named" (harmony's analysis messages are allowed). Qwen3-Coder string
+A grammar starts at the first generated token: for a model that thinks first (``<think>``) the router puts the
+reasoning before it (``services.contract.reasoning_grammar``; harmony's analysis messages are in its grammar).
+What the grammars do not do: Qwen3-Coder string
 values keep ``enum``/``const`` and length bounds only (no ``pattern`` or ``format``); values of a parameter
 without a type are free text. Keywords llguidance does not implement are ignored (``lark_text.JSON_OPTIONS``).
 """

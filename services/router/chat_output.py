@@ -48,7 +48,9 @@ def resolve_formats(tokenizer: Tokenizer | None, tool_flag: str = AUTO, reasonin
         reasoning_format = None if reasoning_flag == OFF else reasoning_flag
         if reasoning_format is not None:
             reasoning_parser(reasoning_format)  # the name is known
-    special = added_tokens(tokenizer.backend_json()) if tokenizer is not None and tool_format is not None else {}
+    # A grammar names its markers (tool calls', </think>) by id where they are added tokens.
+    grammar_markers = tool_format is not None or reasoning_format is not None
+    special = added_tokens(tokenizer.backend_json()) if tokenizer is not None and grammar_markers else {}
     return ChatFormats(tool_format, reasoning_format, bool(template) and "tools" in template, special)
 
 

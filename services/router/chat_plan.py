@@ -1,6 +1,9 @@
 """What a chat request needs beyond its sampling: its prompt (rendered with tools and the reasoning effort), the
 grammar its tool choice asks for, and how its answer's text is read.
 
+A ``<think>`` model's grammar (the tool choice's, or ``response_format``'s) follows its reasoning
+(``services.contract.reasoning_grammar``): the tools and the structure apply to the answer after it.
+
 A template that does not render tools (SmolLM2's, say) gets them the Hermes way, as most open models were
 trained: a system message listing them and asking for ``<tool_call>`` JSON, earlier calls written as such.
 """
@@ -12,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from services.contract.reasoning_grammar import think_then
 from services.contract.sampling_params import StructuredSpec
 from services.contract.structured import StructuredOutputError
 from services.contract.tool_grammar import tool_call_grammar
@@ -26,7 +30,7 @@ from services.text.tokenizer import Tokenizer
 @dataclass(frozen=True)
 class ChatPlan:
     prompt_token_ids: list[int]
-    grammar: StructuredSpec | None  # the tool choice's constraint, in place of response_format's
+    grammar: StructuredSpec | None  # the tool choice's constraint, in place of response_format's; after any reasoning
     keep_special_tokens: bool  # the parsers read markers that may be special tokens
     new_output: Callable[[], ChatOutput]
 
@@ -49,6 +53,8 @@ def chat_plan(request: ChatCompletionRequest, tokenizer: Tokenizer | None, forma
     tools = request.template_vars().get("tools") if mode != "none" else None
     starts_in_reasoning = prompt_starts_in_reasoning(text)
     grammar = _grammar(request, formats, mode) if mode != "none" else None
+    if formats.reasoning_format == "think":
+        grammar = _after_reasoning(request, formats, grammar, starts_in_reasoning)
 
     def new_output() -> ChatOutput:
         return chat_output(formats, tools, starts_in_reasoning)
@@ -73,6 +79,20 @@ def _grammar(request: ChatCompletionRequest, formats: ChatFormats, mode: str) ->
     except StructuredOutputError as exc:
         raise InvalidRequest(str(exc), param="tools") from None
     return StructuredSpec("grammar", text)
+
+
+def _after_reasoning(request: ChatCompletionRequest, formats: ChatFormats, grammar: StructuredSpec | None,
+                     starts_in_reasoning: bool) -> StructuredSpec | None:
+    """The grammar that applies (the tools', else response_format's) after a ``<think>`` block; None if none."""
+    param = "tools" if grammar is not None else "response_format"
+    if grammar is None and request.response_format is not None:
+        grammar = request.response_format.spec()
+    if grammar is None:
+        return None
+    try:
+        return think_then(grammar, starts_in_reasoning, formats.special_tokens)
+    except StructuredOutputError as exc:
+        raise InvalidRequest(str(exc), param=param) from None
 
 
 def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
