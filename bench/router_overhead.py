@@ -98,7 +98,10 @@ async def _cell(stub, http: httpx.AsyncClient, router_url: str, body_bytes: int,
                 rounds: int) -> dict:
     text = _prompt_text(body_bytes, seed=body_bytes)
     body = json.dumps({"prompt": text, "max_tokens": 1, "temperature": 0, "stream": True}).encode()
-    token_ids = (await http.post("/tokenize", json={"prompt": text})).json()["tokens"]
+    tokenized = await http.post("/tokenize", json={"prompt": text})
+    if tokenized.status_code != 200:
+        raise SystemExit(f"/tokenize answered {tokenized.status_code}: {tokenized.text}")
+    token_ids = tokenized.json()["tokens"]
     for _ in range(2):  # warm-up: the prompt into the worker's prefix cache, the router's paths hot
         await _direct(stub, token_ids, -1)
         await _routed(http, body)
