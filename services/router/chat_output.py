@@ -24,7 +24,7 @@ OFF = "none"
 DEFAULT_TOOL_FORMAT = "hermes"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: one per router, a key of chat_plan's grammar caches
 class ChatFormats:
     """The model's tool-call and reasoning formats (None: not read), whether its template renders tools, and its
     added tokens (text -> id: a tool grammar names the markers among them by id)."""
