@@ -46,6 +46,10 @@ EXCLUDED: dict[str, str] = {
     "--advertise-host": "every process runs on this machine: peers dial 127.0.0.1",
     "--engine-id": "one id for several workers would collide; each worker's follows from the address up gives it",
     "--role-switching": "up's --role-planner starts every worker with it",
+    "--header-timeout-s": "the HTTP door's slow-client bounds keep their defaults on up's local router",
+    "--body-timeout-s": "the HTTP door's slow-client bounds keep their defaults on up's local router",
+    "--keep-alive-timeout-s": "the HTTP door's slow-client bounds keep their defaults on up's local router",
+    "--max-connections": "the HTTP door's slow-client bounds keep their defaults on up's local router",
 }
 """Flags of the router or the workers that ``pdserve up`` does not take, and why."""
 
