@@ -27,7 +27,6 @@ from services.router import overhead
 from services.router.admin import ADMIN_PATHS, add_admin_routes
 from services.router.answers import ChatAnswer, CompletionAnswer, answer_for
 from services.router.chat_output import ChatOutput
-from services.router.chat_plan import chat_plan
 from services.router.choices import Choice, stream_choices
 from services.router.config import RouterConfig
 from services.router.discovery import PairProber, Probe, Resolver, resolve
@@ -47,6 +46,7 @@ from services.router.openapi import openapi_document
 from services.router.pair_probes import PairProbe, PairState
 from services.router.pairing import PairingPolicy, Role, ServingStatus, WorkerState
 from services.router.planner_loop import RoleSwitcher
+from services.router.prompt_prep import OFF_LOOP_BYTES, PromptSetting, prepare_off_loop
 from services.router.protocol import (
     AnyRequest,
     ChatCompletionRequest,
@@ -70,13 +70,7 @@ from services.router.routes import ROUTE_HEADER, Route, worst_route
 from services.router.runtime import RouterRuntime, build_runtime
 from services.router.streaming import SSEResponse, run_until_disconnect, sse_event
 from services.router.tokenize_api import DetokenizeRequest, TokenizeRequest, decode_body, detokenize, tokenize
-from services.router.tokenizing import (
-    check_text_features,
-    echo_texts,
-    load_tokenizer,
-    prompt_token_ids,
-    resolve_max_tokens,
-)
+from services.router.tokenizing import echo_texts, load_tokenizer
 from services.router.worker_labels import WorkerLabels
 from services.text.tokenizer import Tokenizer
 
@@ -273,29 +267,32 @@ async def _generate(request: Request, kind: type[RequestT]) -> Response:
     """Validate, tokenize, then run the request's choices over worker pairs, streamed or collected."""
     arrival_s = time.monotonic()
     rt = _runtime(request)
-    body = decode_request(await read_body(request, rt.config.max_request_bytes), kind)
+    raw = await read_body(request, rt.config.max_request_bytes)
+    body = decode_request(raw, kind)
     overhead.mark("decode")
-    return await _serve(request, rt, body, arrival_s)
+    return await _serve(request, rt, body, arrival_s, len(raw))
 
 
 async def _responses(request: Request) -> Response:
     """``/v1/responses``: the chat request it amounts to, answered in the Responses shapes."""
     arrival_s = time.monotonic()
     rt = _runtime(request)
-    responses = decode_responses_request(await read_body(request, rt.config.max_request_bytes))
+    raw = await read_body(request, rt.config.max_request_bytes)
+    responses = decode_responses_request(raw)
     overhead.mark("decode")
-    return await _serve(request, rt, responses.to_chat(), arrival_s, responses)
+    return await _serve(request, rt, responses.to_chat(), arrival_s, len(raw), responses)
 
 
-async def _serve(request: Request, rt: RouterRuntime, body: AnyRequest, arrival_s: float,
+def _prompt_setting(rt: RouterRuntime, body_bytes: int) -> PromptSetting:
+    key_specs = frozenset(rt.policy.prompt_key_specs()) if body_bytes >= OFF_LOOP_BYTES else frozenset()
+    return PromptSetting(rt.tokenizer, rt.chat_formats, rt.vocab_size, rt.max_model_len(), key_specs)
+
+
+async def _serve(request: Request, rt: RouterRuntime, body: AnyRequest, arrival_s: float, body_bytes: int,
                  responses: ResponsesRequest | None = None) -> Response:
     _check_model(body.model, rt)
-    check_text_features(body, rt.tokenizer)
-    plan = chat_plan(body, rt.tokenizer, rt.chat_formats) if isinstance(body, ChatCompletionRequest) else None
-    prompts = [plan.prompt_token_ids] if plan is not None else prompt_token_ids(body, rt.tokenizer, rt.vocab_size)
-    if rt.vocab_size is not None:  # else the workers check it (a 400 from INVALID_ARGUMENT)
-        body.check_vocab(rt.vocab_size)
-    max_tokens = [resolve_max_tokens(body, len(ids), rt.max_model_len()) for ids in prompts]
+    prepared = await prepare_off_loop(body, _prompt_setting(rt, body_bytes), body_bytes)
+    plan, prompts, max_tokens = prepared.plan, prepared.token_ids, prepared.max_tokens
     overhead.mark("tokenize")
     prefix = "resp" if responses is not None else "chatcmpl" if plan is not None else "cmpl"
     request_id = worker_request_id(request, prefix)
@@ -307,7 +304,8 @@ async def _serve(request: Request, rt: RouterRuntime, body: AnyRequest, arrival_
             index = p * per_prompt + i
             choice_id = request_id if len(prompts) * per_prompt == 1 else f"{request_id}-{index}"
             params = to_sampling_params(body, max_tokens[p], index, plan.grammar if plan else None)
-            generation = GenerationRequest(choice_id, ids, params, arrival_s, bool(plan and plan.keep_special_tokens))
+            generation = GenerationRequest(choice_id, ids, params, arrival_s, bool(plan and plan.keep_special_tokens),
+                                           prepared.keys[p])
             outcome = prompt_outcomes[p] if i == 0 else Outcome(num_prompt_tokens=len(ids))
             choices.append(Choice(index, p, generation, outcome))
     echo = echo_texts(body, prompts, rt.tokenizer) if isinstance(body, CompletionRequest) and body.echo else None

@@ -78,7 +78,8 @@ class Dispatcher:
                              retry_after_s=self.config.retry_after_s)
         assignment = self.policy.acquire(len(request.prompt_token_ids),
                                          affinity and (affinity.prefill, affinity.decode),
-                                         PromptKeys(request.prompt_token_ids), time.monotonic())
+                                         request.prompt_keys or PromptKeys(request.prompt_token_ids),
+                                         time.monotonic())
         overhead.mark("pick_pair")
         if assignment is None:
             known = len(self.policy.workers(Role.DECODE))

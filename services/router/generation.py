@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.proto_gen.pdserve.v1 import worker_pb2
+from services.router.prefix_index import PromptKeys
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class GenerationRequest:
     params: worker_pb2.SamplingParams
     arrival_s: float  # time.monotonic() when the HTTP request arrived
     keep_special_tokens: bool = False  # its text keeps special tokens (tool-call and reasoning markers)
+    prompt_keys: PromptKeys | None = None  # its prefix keys, shared by the prompt's choices (else made when routed)
 
 
 # The most likely tokens at one position, best first: (token id, logprob) pairs.

@@ -196,6 +196,16 @@ class PairingPolicy:
     def workers(self, role: Role | None = None) -> list[WorkerState]:
         return [w for (r, _), w in self._workers.items() if role is None or r == role]
 
+    def prompt_key_specs(self) -> set[tuple[int, bytes]]:
+        """Every (block size, salt) a prompt is keyed by when the available workers are scored and predicted."""
+        specs: set[tuple[int, bytes]] = set()
+        for worker in self._workers.values():
+            if worker.available and worker.identity is not None and worker.identity.block_size:
+                salt = cache_salt_for(worker.identity.compat_hash)
+                sizes = self.index.block_sizes(worker.address) | {worker.identity.block_size}
+                specs.update((size, salt) for size in sizes)
+        return specs
+
     def mark_healthy(self, role: Role, address: str, identity: WorkerIdentity) -> None:
         worker = self._workers.get((role, address))
         if worker is not None:

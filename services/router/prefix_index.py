@@ -132,6 +132,13 @@ class PromptKeys:
             cached = self._keys[(block_size, salt)] = hash_request_blocks(self.token_ids, block_size, salt)
         return cached
 
+    def warm(self, specs: Iterable[tuple[int, bytes]]) -> PromptKeys:
+        """Compute the keys of every (block size, salt) now: a long prompt's keys take milliseconds, which
+        the caller spends off the event loop (with its tokenizing) rather than in the pair choice."""
+        for block_size, salt in specs:
+            self.keys(block_size, salt)
+        return self
+
 
 def full_attention_groups(compat_fields: Mapping[str, str]) -> frozenset[int] | None:
     """The KV groups whose leading run bounds a prefix hit (``kv_groups`` of the compat fields: each entry
@@ -243,6 +250,14 @@ class PrefixIndex:
                 self._lru.pop((address, _PREDICTED, key), None)
 
     # ---- what routing reads ------------------------------------------------------------------------
+
+    def block_sizes(self, address: str) -> set[int]:
+        """The block sizes a lookup or prediction on the worker keys prompts by (its groups', its predictions')."""
+        worker = self._workers.get(address)
+        if worker is None:
+            return set()
+        sizes = {group.block_size for group in worker.groups.values()}
+        return sizes | {worker.predicted_block_size} if worker.predicted_block_size else sizes
 
     def lookup(self, address: str, epoch: int, salt: bytes, prompt: PromptKeys,
                groups: frozenset[int] | None, now_s: float) -> CacheHit:

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 # GGUFMetadata and open_gguf_reader are also imported from here (the weight loader, tests).
 from services.text.gguf_metadata import GGUFMetadata, open_gguf_reader, split_merges
 from services.text.gguf_sentencepiece import sentencepiece_backend
+from services.text.long_text import MIN_SPLIT_CHARS, encode_long, encode_whole, splits_at_word_spaces
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
@@ -80,6 +81,7 @@ class Tokenizer:
         self._add_eos_token = add_eos_token
         self._chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
+        self._splittable: bool | None = None
 
     # ----------------------------------------------------------------------------------------------
     # Construction
@@ -187,12 +189,19 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise ValueError(f"encode expects a str, got {type(text).__name__}")
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        ids = encode_long(self._backend, text, self._splits_at_word_spaces()) if len(text) >= MIN_SPLIT_CHARS \
+            else encode_whole(self._backend, text)
         if add_special_tokens and self._add_bos_token:
             ids = [self._bos_token_id, *ids]
         if add_special_tokens and self._add_eos_token:
             ids = [*ids, self._eos_token_id]
         return ids
+
+    def _splits_at_word_spaces(self) -> bool:
+        """Whether long texts may be encoded in pieces (``long_text.py``), checked on first use."""
+        if self._splittable is None:
+            self._splittable = splits_at_word_spaces(self._backend)
+        return self._splittable
 
     def backend_json(self) -> str:
         """The ``tokenizers`` JSON of the vocabulary and its pre/post-processing (grammar libraries read it)."""

@@ -17,6 +17,7 @@ import transformers
 
 from services.text.detokenizer import IncrementalDetokenizer
 from services.text.gguf_sentencepiece import merges_by_score
+from services.text.long_text import MIN_SPLIT_CHARS
 from services.text.tokenizer import Tokenizer
 from tests.gguf_files import finish
 from tests.unit.text._sentencepiece_reference import reference_encode
@@ -318,3 +319,12 @@ def test_mismatched_scores_are_refused(tmp_path):
     vocab.scores.pop()
     with pytest.raises(ValueError, match="token scores for"):
         Tokenizer.from_gguf(write_sentencepiece_gguf(tmp_path / "short.gguf", "llama", vocab, special_ids={}))
+
+
+def test_long_texts_get_the_whole_texts_ids(style):
+    """A prompt long enough for the pieces path (long_text.py) encodes as it does whole, whether or not the
+    vocabulary passes the pieces check (a space prefix sees the cut)."""
+    text = " ".join(t for t in TEXTS if "<" not in t)
+    text = " ".join([text] * (2 * MIN_SPLIT_CHARS // len(text) + 1))
+    assert style.ours.encode(text, add_special_tokens=False) == \
+        style.ours._backend.encode(text, add_special_tokens=False).ids
