@@ -24,10 +24,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from services.engine import ops
 from services.engine.kv_cache.state_pool import StateBatch
 from services.engine.model_config.granite import MambaSpec
 from services.engine.models.layers import Linear, copy_weight, param, row_parallel_bias
 from services.engine.parallel import ParallelConfig, all_reduce
+from services.engine.triton_support import triton_import_error
 
 
 class Mamba2Mixer(nn.Module):
@@ -113,7 +115,11 @@ class Mamba2Mixer(nn.Module):
             conv_states[rows] = 0
             ssm_states[rows] = 0
         z, xbc, dt = self.in_proj(x).split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
-        if query_lens is None or max(query_lens) == 1:
+        decode = query_lens is None or max(query_lens) == 1
+        if decode and use_decode_kernels(x):
+            gated = self._step_fused(xbc, dt, z, states.slots_tensor, conv_states, ssm_states)
+            return all_reduce(self.out_proj(self._fused_norm(gated).to(x.dtype)), self.parallel)
+        if decode:
             y = self._step(xbc, dt, states.slots_tensor, conv_states, ssm_states)
         else:
             start, outs = 0, []
@@ -155,6 +161,24 @@ class Mamba2Mixer(nn.Module):
         y = torch.einsum("nhpd,nhd->nhp", h, c) + self.D.float()[:, None] * x
         return y.reshape(len(x), s.intermediate_size)
 
+    def _step_fused(self, xbc: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, slots: torch.Tensor,
+                    conv_states: torch.Tensor, ssm_states: torch.Tensor) -> torch.Tensor:
+        """``_step`` in two Triton launches (``ops/mamba_decode_triton.py``), the states updated in their slots
+        without gathering them; returns ``y * silu(z)`` [N, inner] (fp32), the gated norm's input."""
+        from services.engine.ops import mamba_decode_triton as kernels
+
+        s = self.spec
+        conv = kernels.conv_update(xbc, conv_states, slots, self.conv_weight, self.conv_bias)
+        return kernels.selective_update(conv, dt, z, ssm_states, slots, self.dt_bias, self.A_log, self.D,
+                                        s.n_groups, s.time_step_limit)
+
+    def _fused_norm(self, gated: torch.Tensor) -> torch.Tensor:
+        """The gated norm of ``_step_fused``'s output: one fused RMSNorm launch (``ops.rms_norm``, weight applied in
+        fp32 as ``_group_norm`` does) when the norm's one group is on this rank, else ``_group_norm``."""
+        if self.spec.n_groups == 1 and not self.split_norm_group:
+            return ops.rms_norm(gated, self.norm_weight, self.eps, 0.0)
+        return self._group_norm(gated)
+
     # ---- shared pieces ----------------------------------------------------------------------
     def _split_conv(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output [T, conv_dim] -> x [T, heads, head_dim], B and C [T, heads, d_state] (fp32; each group's
@@ -176,14 +200,27 @@ class Mamba2Mixer(nn.Module):
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """``y * silu(z)``, RMS-normalised per group of ``inner / n_groups`` channels, times the weight (fp32)."""
+        return self._group_norm(y * F.silu(z.float()))
+
+    def _group_norm(self, gated: torch.Tensor) -> torch.Tensor:
+        """The RMS norm of the gated ``y * silu(z)`` [N, inner] per group, times the weight (fp32)."""
         s = self.spec
-        g = (y * F.silu(z.float())).view(len(y), s.n_groups, -1)
+        g = gated.view(len(gated), s.n_groups, -1)
         if self.split_norm_group:  # the one group's channels are spread over every rank
             mean_square = all_reduce(g.pow(2).sum(-1, keepdim=True), self.parallel) / self.full.intermediate_size
         else:
             mean_square = g.pow(2).mean(-1, keepdim=True)
         g = g * torch.rsqrt(mean_square + self.eps)
-        return self.norm_weight.float() * g.view(len(y), s.intermediate_size)
+        return self.norm_weight.float() * g.view(len(gated), s.intermediate_size)
+
+
+def use_decode_kernels(x: torch.Tensor) -> bool:
+    """Whether a decode step on ``x`` takes the Triton kernels: the fused ops' backend decides (``ops``): ``auto``
+    on CUDA when Triton imports, ``triton`` everywhere (CPU: under the interpreter, for tests), ``torch`` never."""
+    backend = ops.get_backend()
+    if backend == "torch" or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    return backend == "triton" or (x.is_cuda and triton_import_error() is None)
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
