@@ -52,6 +52,11 @@ class DecoderModel(nn.Module):
         architecture without them runs an FP8 checkpoint dequantized)."""
         return []
 
+    def fp8_experts(self) -> list[tuple[str, str]]:
+        """The routed experts that can stay FP8: (the ``RoutedExperts`` module's path, the HF prefix its experts
+        are stored under as ``<prefix>.<e>.gate_proj`` ...); none by default (stacked experts are dequantized)."""
+        return []
+
     def replace_module(self, path: str, module: nn.Module) -> None:
         """Put ``module`` at ``path`` (``layers.0.mlp.down_proj``) in place of what is there."""
         parent, _, name = path.rpartition(".")

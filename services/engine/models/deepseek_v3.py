@@ -274,7 +274,7 @@ class DeepseekV3ForCausalLM(LayerShapeTable, DecoderModel):
 
     def fp8_targets(self) -> list[Fp8Target]:
         """Every layer's q (or q_a/q_b), kv_a and o projections, its dense MLP or shared experts. kv_b is read as
-        matrices in the absorbed form and routed experts run grouped: both stay dequantized."""
+        matrices in the absorbed form: it stays dequantized. The routed experts are ``fp8_experts``."""
         tp, out = self.parallel, []
         for i, layer in enumerate(self.layers):
             path, hf, attn = f"layers.{i}.self_attn", f"model.layers.{i}.self_attn", layer.self_attn
@@ -297,6 +297,11 @@ class DeepseekV3ForCausalLM(LayerShapeTable, DecoderModel):
                 out += mlp_fp8_targets(f"layers.{i}.mlp.shared_experts", f"model.layers.{i}.mlp.shared_experts",
                                        mlp.shared_experts, tp)
         return out
+
+    def fp8_experts(self) -> list[tuple[str, str]]:
+        """Every MoE layer's routed experts (stored by name: ``mlp.experts.<e>.gate_proj``)."""
+        return [(f"layers.{i}.mlp.experts", f"model.layers.{i}.mlp.experts") for i, layer in enumerate(self.layers)
+                if isinstance(layer.mlp, DeepseekMoE)]
 
 
 def _mlp_shapes(prefix: str, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:

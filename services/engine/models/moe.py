@@ -15,6 +15,9 @@ which ``DecoderModel.supports_cuda_graphs`` reads).
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -22,6 +25,8 @@ from services.engine import ops
 from services.engine.model_config.deepseek import MoESpec
 from services.engine.model_config.granite import GraniteExpertsSpec
 from services.engine.models.layers import Linear, copy_weight, gated_mlp, param
+from services.engine.ops.fp8_format import FP8_DTYPE
+from services.engine.ops.fp8_moe import fp8_grouped_mm
 from services.engine.parallel import ParallelConfig
 
 
@@ -106,7 +111,8 @@ class RoutedExperts(nn.Module):
 
     ``path``: force one (tests and the benchmark); default ``grouped`` where ``grouped_mm_usable``. ``bias``: every
     projection has one (``gate_up_bias`` [E, 2I], ``down_bias`` [E, H]); a family with another activation than
-    silu-gating overrides ``activate``.
+    silu-gating overrides ``activate``. ``keep_fp8``: the projections held as an FP8 checkpoint stores them
+    (``loading.fp8_model`` decides), grouped through ``ops.fp8_moe``.
     """
 
     PATHS = ("loop", "grouped")
@@ -125,6 +131,33 @@ class RoutedExperts(nn.Module):
         if path not in self.PATHS:
             raise ValueError(f"expert path must be one of {', '.join(self.PATHS)}, got {path!r}")
         self.path = path
+        self.fp8_block: tuple[int, int] | None = None
+
+    def keep_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the projections as e4m3 with float32 scales per ``block`` (``gate_up_scale`` [E, 2I / b0,
+        ceil(H / b1)], rows gate then up; ``down_scale`` [E, ceil(H / b0), I / b1]): half the bytes of bf16, read
+        by the grouped FP8 GEMM on every step (the grouped path; on CPU its torch reference). This rank's width
+        ``I`` must be whole blocks both ways (gate and up fused by rows, down's TP shard by columns): ValueError
+        otherwise."""
+        (b0, b1), i = block, self.intermediate
+        if i % b0 or i % b1:
+            raise ValueError(f"FP8 experts {i} wide (per rank) are not whole {b0}x{b1} blocks")
+        e, h, dev = self.num_experts, self.down.shape[1], self.down.device
+        self.gate_up = param(e, 2 * i, h, dtype=FP8_DTYPE, device=dev)
+        self.down = param(e, h, i, dtype=FP8_DTYPE, device=dev)
+        self.gate_up_scale = param(e, 2 * i // b0, math.ceil(h / b1), dtype=torch.float32, device=dev)
+        self.down_scale = param(e, math.ceil(h / b0), i // b1, dtype=torch.float32, device=dev)
+        self.fp8_block, self.path = tuple(block), "grouped"
+
+    def load_fp8_scale(self, expert: int, proj: str, scale: torch.Tensor, parallel: ParallelConfig) -> None:
+        """Copy this rank's blocks of one expert's HF scale grid: ``gate_proj`` / ``up_proj`` [I / b0, ceil(H / b1)]
+        (this rank's block rows), ``down_proj`` [ceil(H / b0), I / b1] (its block columns)."""
+        name = f"expert {expert} {proj} scale"
+        if proj == "down_proj":
+            return copy_weight(name, self.down_scale[expert], parallel.shard(scale, 1))
+        half = self.gate_up_scale.shape[1] // 2
+        rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
+        return copy_weight(name, self.gate_up_scale[expert, rows], parallel.shard(scale, 0))
 
     @property
     def graph_safe(self) -> bool:
@@ -162,7 +195,10 @@ class RoutedExperts(nn.Module):
         """One grouped projection (``gate_up`` or ``down``) of the (token, expert) pairs sorted by expert: ``rows``
         the row of ``x`` each pair reads (None: ``x`` is already the pairs'), ``ends`` each expert's end pair,
         ``by_expert`` each pair's expert."""
-        out = torch._grouped_mm(x if rows is None else x[rows], getattr(self, proj).transpose(1, 2), offs=ends)
+        if self.fp8_block is not None:
+            out = fp8_grouped_mm(x, rows, getattr(self, proj), getattr(self, f"{proj}_scale"), self.fp8_block, ends)
+        else:
+            out = torch._grouped_mm(x if rows is None else x[rows], getattr(self, proj).transpose(1, 2), offs=ends)
         bias = getattr(self, f"{proj}_bias")
         return out if bias is None else out + bias[by_expert]
 
@@ -196,6 +232,20 @@ class RoutedExperts(nn.Module):
             y = y * weights.view(-1)[pairs, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         return out
+
+
+@dataclass(frozen=True)
+class ExpertScaleSlot:
+    """Where one expert's HF scale grid goes (``<prefix>.<e>.<proj>.weight_fp8_scale``): the loader's
+    counterpart of ``fp8_linear.ScaleSlot`` for experts kept in FP8."""
+
+    experts: RoutedExperts
+    expert: int
+    proj: str
+    parallel: ParallelConfig
+
+    def place(self, scale: torch.Tensor) -> None:
+        self.experts.load_fp8_scale(self.expert, self.proj, scale, self.parallel)
 
 
 class DeepseekMoE(nn.Module):

@@ -8,7 +8,8 @@ every rank routes every token and holds ``1 / tp_size`` of each expert's width; 
 once. Dense layers (``mlp_only_layers``, off the ``decoder_sparse_step`` beat) keep Llama's MLP.
 
 Checkpoints store every expert's projections by name (``mlp.experts.<e>.gate_proj.weight``) and the router as
-``mlp.gate.weight``; an FP8 checkpoint's experts are dequantized at load (only attention and dense MLPs stay FP8).
+``mlp.gate.weight``; an FP8 checkpoint's experts stay FP8 where ``loading.fp8_model`` keeps them (``fp8_experts``:
+the grouped FP8 GEMM on CUDA), else they are dequantized at load.
 """
 
 from __future__ import annotations
@@ -114,5 +115,10 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         return super()._load_one(name, tensor)
 
     def _feed_forward_fp8_targets(self, layer_id: int) -> list[Fp8Target]:
-        """The dense layers' MLPs only: the routed experts are dequantized at load."""
+        """The dense layers' MLPs only: the routed experts are ``fp8_experts``."""
         return [] if self._sparse(layer_id) else super()._feed_forward_fp8_targets(layer_id)
+
+    def fp8_experts(self) -> list[tuple[str, str]]:
+        """Every sparse layer's routed experts (stored by name: ``mlp.experts.<e>.gate_proj``)."""
+        return [(f"layers.{i}.mlp.experts", f"model.layers.{i}.mlp.experts")
+                for i in filter(self._sparse, range(self.config.num_layers))]
