@@ -59,8 +59,17 @@
 #                                         transformers) and dequantized at load, prefill 512/2k, decode bs 1/8/32 at 2k
 #   bash bench/gpu_speed_run.sh mxfp4_sweep  the MXFP4 grouped GEMM alone beside bf16 grouped_mm per projection of
 #                                         gpt-oss-20b/120b, 1-2048 tokens, with the tile sweep (bench/mxfp4_moe.py)
+#   bash bench/gpu_speed_run.sh fp8_moe   FP8 routed experts kept as stored: their CUDA tests (the grouped FP8 GEMM
+#                                         against the torch reference, a CUDA-graph replay, the sm_90 compile), then
+#                                         the GEMM beside bf16 grouped_mm per projection of DeepSeek-V2-Lite and
+#                                         Qwen3-30B-A3B, 1/8/32/2048 tokens, with the tile sweep (bench/fp8_moe.py)
 #   bash bench/gpu_speed_run.sh fp8_final  FP8 as shipped: the CUDA tests, bench/fp8_engine.py once, and profiles
 #                                         of the FP8 engine's 2k prefill and batch-1 decode step (profiles.tgz)
+#   bash bench/gpu_speed_run.sh mamba_decode  Mamba2's fused decode step: its CUDA tests (the kernels against the torch
+#                                         step, a CUDA graph, the engine with the kernels and without, the sm_90
+#                                         compile), bench/mamba_decode.py (one layer's step, fused vs the torch chain,
+#                                         bs 1/8/32 beside the state+weight floor, the tile sweep), then the engine
+#                                         on dummy Granite-4.0-H-Tiny shapes, bf16, decode bs 1/8/32 at 2k
 #   bash bench/gpu_speed_run.sh offload   the host KV tier: its tests on CUDA (pinned memory, copy stream),
 #                                         the e2e serving test (decode reading the prefill's host tier into
 #                                         VRAM), and TTFT/store/load of an 8k prompt (bench/offload.py)
@@ -126,6 +135,15 @@ for part in "$@"; do
             --prefill-lens 512,2048 --batch-sizes 1,32 --decode-contexts 2048 --decode-steps 8 --rounds 2 \
             --json-out "$OUT/engine_$model.jsonl" 2>&1 | grep -v Warning | tee "$OUT/engine_$model.txt"
       done ;;
+    mamba_decode)  # the Mamba2 decode kernels (ops/mamba_decode_triton.py): correctness, one layer, then the engine
+      PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_mamba_decode_kernel.py \
+          2>&1 | tee "$OUT/mamba_decode_tests.log" | tail -8
+      timeout 150 python3 bench/mamba_decode.py --json-out "$OUT/mamba_decode.jsonl" 2>&1 | tee "$OUT/mamba_decode.txt" \
+          | tail -12
+      timeout "${FAMILY_LIMIT:-280}" python3 bench/engine.py --model dummy:granite-4.0-h-tiny-shape --dtype bfloat16 \
+          --device cuda --prefill-lens 512 --batch-sizes 1,8,32 --decode-contexts 2048 --decode-steps 8 --rounds 2 \
+          --json-out "$OUT/engine_granite_mamba_decode.jsonl" 2>&1 | grep -v Warning \
+          | tee "$OUT/engine_granite_mamba_decode.txt" ;;
     decode_fused)  # the K/V write fused with RoPE (1) against RoPE then two index_put scatters (0)
       PDSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_fused_kv_write.py \
           tests/unit/engine/test_fused_ops.py tests/unit/engine/test_cuda_graphs.py 2>&1 | tee "$OUT/decode_fused_tests.log" \
@@ -201,6 +219,11 @@ for part in "$@"; do
     mxfp4_sweep)
       timeout 200 python3 bench/mxfp4_moe.py --sweep --samples 9 --json-out "$OUT/mxfp4_sweep.jsonl" 2>"$OUT/mxfp4_sweep.err" \
           | tee "$OUT/mxfp4_sweep.txt" ;;
+    fp8_moe)  # the CUDA tests of the FP8 grouped GEMM, then it beside bf16 grouped_mm on the same experts, in one run
+      PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_fp8_moe.py \
+          2>&1 | tee "$OUT/fp8_moe_tests.log" | tail -8
+      timeout 300 python3 bench/fp8_moe.py --sweep --samples 9 --json-out "$OUT/fp8_moe.jsonl" 2>"$OUT/fp8_moe.err" \
+          | tee "$OUT/fp8_moe.txt" ;;
     gpt_oss)  # the CUDA tests (sinks in the Triton kernels, the MXFP4 grouped GEMM, the engine against HF), then
               # dummy gpt-oss-20b with its MXFP4 experts kept (--quantization auto) beside HF transformers on the
               # same (unquantized) weights, and dequantized at load (--quantization none): the A/B of the kernel
