@@ -60,6 +60,7 @@ class Subscriptions(Protocol):
     async def close(self) -> None: ...
 
 
+_NO_ANSWER = "no answer within"  # a health probe that timed out (not refused, not an error)
 #: How long past its own timeout a pair prober is waited for before its probe counts as failed.
 PROBE_GRACE_S = 1.0
 
@@ -102,11 +103,15 @@ class Discovery:
         pair_prober: PairProber | None = None,
         pair_probe_timeout_s: float = 30.0,
         kv_subscriptions: Subscriptions | None = None,
+        busy_timeouts_down: int = 3,
     ) -> None:
         """``on_removed`` is awaited for an address no role lists any more (to close its channel), once the
         router has no request outstanding on it.
         ``pair_prober`` probes the pairs of the policy's probe table (none without either).
-        ``kv_subscriptions``: kept to the listed workers after each health round."""
+        ``kv_subscriptions``: kept to the listed workers after each health round.
+        ``busy_timeouts_down``: probe timeouts in a row that take out a healthy worker with requests outstanding
+        (one busy with a long prefill answers late, not never); an idle one, an error or a refused connection
+        takes a worker out at the first probe."""
         self._policy = policy
         self._sources = tuple(sources)
         self._probe = probe
@@ -124,6 +129,8 @@ class Discovery:
         self._probe_tasks: set[asyncio.Task[None]] = set()
         self._unprobed_decodes: set[str] = set()  # decode workers logged as predating Probe
         self._kv_subscriptions = kv_subscriptions
+        self._busy_timeouts_down = busy_timeouts_down
+        self._late_probes: dict[tuple[Role, str], int] = {}  # busy workers' probe timeouts in a row
         # Dropped workers whose channel stays open while the router has requests outstanding on them.
         self._leaving: dict[str, list[WorkerState]] = {}
         self._listed: dict[Role, list[str]] = {role: [] for role in Role}  # the sources' addresses, by role
@@ -199,6 +206,9 @@ class Discovery:
                     moved.append((worker, identity))  # it switched roles (under another router, or restarted)
                     continue
                 identity, error = None, f"listed as {worker.role} but reports role {identity.role!r}"
+            if identity is None and self._only_late(worker, error):
+                continue
+            self._late_probes.pop((worker.role, worker.address), None)
             if identity is not None:
                 self._policy.mark_healthy(worker.role, worker.address, identity)
                 if not was_healthy:
@@ -216,6 +226,20 @@ class Discovery:
         self.probe_pairs()
         if self._kv_subscriptions is not None:
             self._kv_subscriptions.sync((w.role, w.address) for w in self._policy.workers())
+
+    def _only_late(self, worker: WorkerState, error: str) -> bool:
+        """Whether a failed probe leaves the worker in: it timed out, the worker is healthy and busy, and fewer
+        than ``busy_timeouts_down`` probes in a row did."""
+        if not (worker.healthy and worker.outstanding_requests and error.startswith(_NO_ANSWER)):
+            return False
+        key = (worker.role, worker.address)
+        late = self._late_probes[key] = self._late_probes.get(key, 0) + 1
+        if late >= self._busy_timeouts_down:
+            return False
+        log.info("%s worker %s answered no probe within %g s (%d requests outstanding): kept in (%d of %d)",
+                 worker.role, worker.address, self._health_timeout_s, worker.outstanding_requests, late,
+                 self._busy_timeouts_down)
+        return True
 
     def _log_unpaired(self) -> None:
         """Warn when a worker becomes unpairable (or its reasons change); note when it pairs again."""
@@ -237,7 +261,7 @@ class Discovery:
         try:
             identity = await asyncio.wait_for(self._probe(role, address), self._health_timeout_s)
         except TimeoutError:
-            return None, f"no answer within {self._health_timeout_s:g} s"
+            return None, f"{_NO_ANSWER} {self._health_timeout_s:g} s"
         except Exception as exc:  # any failure of the probe means "not healthy", never a crash of the loop
             return None, f"{type(exc).__name__}: {exc}"
         return identity, ""  # another role than listed: check_health decides (a switchable worker moves)

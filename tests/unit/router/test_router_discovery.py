@@ -340,3 +340,38 @@ def test_kv_event_subscriptions_follow_the_listed_workers_each_round() -> None:
         assert subscriptions.closed
 
     asyncio.run(scenario())
+
+
+def test_a_busy_worker_late_with_its_probe_stays_in_until_timeouts_in_a_row() -> None:
+    """A worker with requests outstanding that answers no probe in time (busy with a long prefill) is taken out
+    at the third timeout in a row, not the first; an answer in between starts the count again; a refused probe
+    takes it out at once."""
+    async def scenario() -> None:
+        policy, probe = PairingPolicy(), ScriptedProbe()
+        sources = [EndpointSource(Role.PREFILL, static=("p:1",)), EndpointSource(Role.DECODE, static=("d:1",))]
+        discovery = Discovery(policy, sources, probe, health_timeout_s=0.05, busy_timeouts_down=3)
+        probe.up = {"p:1": _identity(Role.PREFILL), "d:1": _identity(Role.DECODE)}
+        await discovery.refresh()
+        policy.get(Role.DECODE, "d:1").outstanding_requests = 2
+
+        probe.hang.add("d:1")
+        for _ in range(2):
+            await discovery.refresh()
+            assert _states(policy)["d:1"]
+        probe.hang.clear()
+        await discovery.refresh()  # answered: the count starts again
+        probe.hang.add("d:1")
+        for _ in range(2):
+            await discovery.refresh()
+            assert _states(policy)["d:1"]
+        await discovery.refresh()
+        assert not _states(policy)["d:1"] and "within" in policy.get(Role.DECODE, "d:1").last_error
+
+        probe.hang.clear()
+        await discovery.refresh()
+        assert _states(policy)["d:1"]
+        probe.up.pop("d:1")  # refused, not late: out at once, busy or not
+        await discovery.refresh()
+        assert not _states(policy)["d:1"]
+
+    asyncio.run(scenario())
