@@ -1,8 +1,9 @@
 """Reasoning from generated text, torch-free: one streaming parser per format behind ``ReasoningParser``.
 
-``base`` (the interface, ``ReasoningDelta``, ``parse_reasoning``, ``join_reasoning``), ``think``
-(``<think>...</think>``: DeepSeek-R1, Qwen3), ``harmony`` (gpt-oss's analysis channel), ``registry`` (name -> class,
-the format a template speaks, whether a rendered prompt opened the reasoning).
+``base`` (the interface, ``StreamingReasoningParser``: the feed/finish guard the formats share, ``ReasoningDelta``,
+``parse_reasoning``, ``join_reasoning``), ``think`` (``<think>...</think>``: DeepSeek-R1, Qwen3), ``harmony``
+(gpt-oss's analysis channel), ``registry`` (name -> class, the format a template speaks, whether a rendered prompt
+opened the reasoning).
 
 Use: ``parser = reasoning_parser(name)(starts_in_reasoning=prompt_starts_in_reasoning(prompt))``; per decoded delta
 ``parser.feed(text)``, at the end ``parser.finish()``; with tools, feed each delta's ``content`` to the tool-call

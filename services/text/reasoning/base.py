@@ -40,6 +40,30 @@ class ReasoningParser(ABC):
         """End of generation: flush what was held back."""
 
 
+class StreamingReasoningParser(ReasoningParser):
+    """The feed/finish guard every format shares (no feed after finish; a second finish adds nothing), around the
+    format's ``_advance``, as ``BufferedToolParser`` does for the tool-call parsers."""
+
+    def __init__(self, starts_in_reasoning: bool = False) -> None:
+        super().__init__(starts_in_reasoning)
+        self._finished = False
+
+    def feed(self, text: str) -> ReasoningDelta:
+        if self._finished:
+            raise ValueError(f"{type(self).__name__} fed after finish")
+        return self._advance(text, final=False)
+
+    def finish(self) -> ReasoningDelta:
+        if self._finished:
+            return ReasoningDelta()
+        self._finished = True
+        return self._advance("", final=True)
+
+    @abstractmethod
+    def _advance(self, text: str, final: bool) -> ReasoningDelta:
+        """Read ``text``; at ``final`` everything held must be resolved. What it adds now."""
+
+
 def join_reasoning(deltas: Iterable[ReasoningDelta]) -> tuple[str, str]:
     """(reasoning, content), each concatenated."""
     reasoning: list[str] = []

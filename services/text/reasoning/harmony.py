@@ -15,10 +15,10 @@ content to the client. Consecutive analysis messages are joined as they are; ``s
 from __future__ import annotations
 
 from services.text.harmony import HarmonyEvent, HarmonyHeader, HarmonySplitter
-from services.text.reasoning.base import ReasoningDelta, ReasoningParser
+from services.text.reasoning.base import ReasoningDelta, StreamingReasoningParser
 
 
-class HarmonyReasoningParser(ReasoningParser):
+class HarmonyReasoningParser(StreamingReasoningParser):
     """Harmony messages to reasoning (analysis) and content (everything else, tool calls as harmony text)."""
 
     name = "harmony"
@@ -27,18 +27,6 @@ class HarmonyReasoningParser(ReasoningParser):
         super().__init__(starts_in_reasoning)
         self._splitter = HarmonySplitter()
         self._header: HarmonyHeader | None = None
-        self._finished = False
-
-    def feed(self, text: str) -> ReasoningDelta:
-        if self._finished:
-            raise ValueError("HarmonyReasoningParser fed after finish")
-        return self._advance(text, final=False)
-
-    def finish(self) -> ReasoningDelta:
-        if self._finished:
-            return ReasoningDelta()
-        self._finished = True
-        return self._advance("", final=True)
 
     def _advance(self, text: str, final: bool) -> ReasoningDelta:
         reasoning: list[str] = []

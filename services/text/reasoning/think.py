@@ -18,13 +18,13 @@ tags: vLLM's deepseek_r1 and qwen3 parsers cut at the tags only, and we return t
 from __future__ import annotations
 
 from services.text.markers import hold_start
-from services.text.reasoning.base import ReasoningDelta, ReasoningParser
+from services.text.reasoning.base import ReasoningDelta, StreamingReasoningParser
 
 THINK_START = "<think>"
 THINK_END = "</think>"
 
 
-class ThinkReasoningParser(ReasoningParser):
+class ThinkReasoningParser(StreamingReasoningParser):
     """States: before (content, looking for ``<think>``), reasoning (looking for ``</think>``), after (content)."""
 
     name = "think"
@@ -33,18 +33,6 @@ class ThinkReasoningParser(ReasoningParser):
         super().__init__(starts_in_reasoning)
         self._state = "reasoning" if starts_in_reasoning else "before"
         self._buf = ""
-        self._finished = False
-
-    def feed(self, text: str) -> ReasoningDelta:
-        if self._finished:
-            raise ValueError("ThinkReasoningParser fed after finish")
-        return self._advance(text, final=False)
-
-    def finish(self) -> ReasoningDelta:
-        if self._finished:
-            return ReasoningDelta()
-        self._finished = True
-        return self._advance("", final=True)
 
     def _advance(self, text: str, final: bool) -> ReasoningDelta:
         reasoning: list[str] = []

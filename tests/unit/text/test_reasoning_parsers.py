@@ -7,6 +7,7 @@ import random
 import pytest
 
 from services.text.reasoning import (
+    REASONING_PARSERS,
     ReasoningDelta,
     join_reasoning,
     parse_reasoning,
@@ -109,6 +110,16 @@ def test_partial_marker_is_held_until_known() -> None:
     assert parser.feed("ink>c") == ReasoningDelta(content="c")
     assert parser.finish() == ReasoningDelta()
     with pytest.raises(ValueError):
+        parser.feed("x")
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+def test_every_format_keeps_the_feed_finish_guard(name: str) -> None:
+    parser = reasoning_parser(name)()
+    parser.feed("text")
+    parser.finish()
+    assert parser.finish() == ReasoningDelta()
+    with pytest.raises(ValueError, match="fed after finish"):
         parser.feed("x")
 
 
