@@ -23,7 +23,6 @@ from services.contract.sampling_params import StructuredSpec
 from services.contract.structured import StructuredOutputError
 from services.contract.tool_grammar import tool_call_grammar
 from services.router.chat_output import ChatFormats, ChatOutput, chat_output
-from services.router.chat_tools import offered_tools
 from services.router.errors import InvalidRequest
 from services.router.protocol import ChatCompletionRequest
 from services.text.reasoning import prompt_starts_in_reasoning
@@ -46,16 +45,16 @@ def chat_plan(request: ChatCompletionRequest, tokenizer: Tokenizer | None, forma
     if mode != "none" and formats.tool_format is None:
         raise InvalidRequest("tool calling is off on this server (--tool-call-parser none)", param="tools")
     messages, template_vars = request.template_messages(), request.template_vars()
+    tools = template_vars.get("tools")  # absent when tool_choice is "none"
     if not formats.template_reads_tools:
-        messages = hermes_messages(messages, template_vars.pop("tools", None))
+        messages = hermes_messages(messages, template_vars.pop("tools", None))  # the template gets them as text
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
                                              **template_vars)
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="messages") from None
-    tools = request.template_vars().get("tools") if mode != "none" else None
     starts_in_reasoning = prompt_starts_in_reasoning(text)
-    grammar = _grammar(request, formats, mode) if mode != "none" else None
+    grammar = _grammar(request, formats, mode, tools) if tools is not None else None
     if formats.reasoning_format == "think":
         grammar = _after_reasoning(request, formats, grammar, starts_in_reasoning)
 
@@ -72,13 +71,14 @@ def chat_plan(request: ChatCompletionRequest, tokenizer: Tokenizer | None, forma
     )
 
 
-def _grammar(request: ChatCompletionRequest, formats: ChatFormats, mode: str) -> StructuredSpec | None:
-    """The grammar of the calls the tool choice allows (``auto``: free text until a call starts)."""
+def _grammar(request: ChatCompletionRequest, formats: ChatFormats, mode: str,
+             tools: list[dict[str, Any]]) -> StructuredSpec | None:
+    """The grammar of the calls the tool choice allows (``auto``: free text until a call starts) among ``tools``
+    (all the request's, as the template got them)."""
     named = request.tool_choice.function.name if mode == "named" else None
     parallel = request.parallel_tool_calls and named is None  # a named choice is one call of it, as OpenAI's
-    tools = msgspec.json.encode(offered_tools(request.tools, None))
     try:
-        return _tool_grammar(formats, tools, mode, parallel, named)
+        return _tool_grammar(formats, msgspec.json.encode(tools), mode, parallel, named)
     except StructuredOutputError as exc:
         raise InvalidRequest(str(exc), param="tools") from None
 
