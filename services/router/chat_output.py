@@ -17,11 +17,13 @@ from services.text.reasoning import reasoning_parser, reasoning_parser_name_for_
 from services.text.reasoning.base import ReasoningParser
 from services.text.tokenizer import Tokenizer
 from services.text.tool_calls import ToolCallDelta, ToolCallParser, parser_name_for_template, tool_call_parser
+from services.text.tool_calls.harmony import HarmonyToolParser
 
 AUTO = "auto"
 OFF = "none"
 # The format of templates that name none (SmolLM2's, say): Hermes' <tool_call> JSON, the most widely trained.
 DEFAULT_TOOL_FORMAT = "hermes"
+HARMONY = HarmonyToolParser.name
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: one per router, a key of chat_plan's grammar caches
@@ -98,12 +100,17 @@ class ChatOutput:
 
 
 def chat_output(formats: ChatFormats, tools: Sequence[dict] | None, starts_in_reasoning: bool) -> ChatOutput:
-    """The parsers one choice needs: reasoning when the model has a format, tool calls when tools are offered
-    (harmony's always: its channels are read by the tool-call parser)."""
+    """The parsers one choice needs: reasoning when the model has a format, tool calls when tools are offered.
+
+    Harmony's tool parser runs always, as it reads the channels (the harmony reasoning parser passes call messages
+    on as harmony text); with no tools offered (``tool_choice: "none"``) it drops the calls, so the answer has none.
+    """
     reasoning = None
     if formats.reasoning_format is not None:
         reasoning = reasoning_parser(formats.reasoning_format)(starts_in_reasoning=starts_in_reasoning)
-    parser = None
-    if formats.tool_format is not None and (tools or formats.tool_format == "harmony"):
-        parser = tool_call_parser(formats.tool_format)(list(tools or ()))
+    parser: ToolCallParser | None = None
+    if formats.tool_format is not None and tools:
+        parser = tool_call_parser(formats.tool_format)(list(tools))
+    elif HARMONY in (formats.tool_format, formats.reasoning_format):
+        parser = HarmonyToolParser(calls=False)
     return ChatOutput(reasoning, parser)

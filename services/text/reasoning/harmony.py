@@ -8,8 +8,9 @@ Parses (see ``services.text.harmony`` for the message syntax)::
 are content, bodies only. A message with a recipient (a tool call) is passed through as content in full, its header
 rendered canonically (``<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>``)
 and its terminator kept, so that ``HarmonyToolParser`` reading this parser's content finds the call. So with
-harmony the router always runs the tool parser after this one (with or without tools), and sends the tool parser's
-content to the client. Consecutive analysis messages are joined as they are; ``starts_in_reasoning`` has no effect.
+harmony the router always runs the tool parser after this one (with no tools offered, one that drops the calls), and
+sends the tool parser's content to the client. Consecutive analysis messages are joined as they are;
+``starts_in_reasoning`` has no effect.
 """
 
 from __future__ import annotations

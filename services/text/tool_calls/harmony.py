@@ -10,6 +10,12 @@ content. ``final`` and commentary without a recipient (a preamble) are content, 
 dropped here (``services.text.reasoning.harmony`` returns it), text outside messages is content. A call is held until
 its ``<|call|>`` (or the end of generation: ``<|call|>`` is a stop token) and emitted whole; a body that is not a JSON
 object, or a recipient outside ``functions.``, is content, header and all, as generated.
+
+With no tools offered (``tool_choice: "none"``, or none sent) the router still runs this parser, as it separates the
+channels, but with ``calls=False``: a message that would be a call is dropped, never returned as ``tool_calls``
+(OpenAI: with ``none`` the answer has no calls). Dropped, not content: it is an action addressed to a tool, not words
+for the user, as vLLM's harmony output keeps only ``final`` and preambles as content when no tool parser reads calls;
+its JSON alone would read as the answer, and its harmony text would put special tokens in the content.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ class HarmonyToolParser(BufferedToolParser):
     name = "harmony"
     start_marker = "to=functions."
 
-    def __init__(self, tools: Sequence[dict] = ()) -> None:
+    def __init__(self, tools: Sequence[dict] = (), *, calls: bool = True) -> None:
         super().__init__(tools)
+        self._calls = calls  # False: calls are dropped (no tools offered)
         self._splitter = HarmonySplitter()
         self._header: HarmonyHeader | None = None
         self._body: list[str] = []
@@ -62,6 +69,6 @@ class HarmonyToolParser(BufferedToolParser):
             call = FoundCall(name, arguments) if arguments is not None and name else None
         if call is None:
             self._emit_text(header.raw + MESSAGE + body + terminator)
-        else:
+        elif self._calls:
             self._emit_call(call)
         self._header, self._body = None, []

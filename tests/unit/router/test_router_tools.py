@@ -58,6 +58,33 @@ def test_chat_answer_splits_reasoning_content_and_calls_the_same_way_however_str
     assert message.tool_calls[0].function.name == "get_weather" and body.choices[0].finish_reason == "tool_calls"
 
 
+HARMONY_CALL_TEXT = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary"
+                     "<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "
+                     '<|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_harmony_with_tool_choice_none_answers_without_calls(size: int) -> None:
+    """gpt-oss may still write a call when none is allowed: it is dropped (no tool_calls, finish_reason stop);
+    the preamble stays content and the analysis reasoning, streamed or not."""
+    formats = ChatFormats("harmony", "harmony", True)
+    request = _chat(tools=[TOOL], tool_choice="none")
+    assert "tools" not in request.template_vars()
+    answer = ChatAnswer("chatcmpl-1", "m", request, None, lambda: chat_output(formats, None, False))
+    chunks = [c for d in _deltas(HARMONY_CALL_TEXT, size) for c in answer.chunks(0, d)]
+    assert all(c.choices[0].delta.tool_calls is msgspec.UNSET for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Checking."
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    whole = ChatAnswer("chatcmpl-1", "m", request, None, lambda: chat_output(formats, None, False))
+    body = whole.full({0: Delta(HARMONY_CALL_TEXT, (), (), "stop")}, USAGE)
+    message = body.choices[0].message
+    assert (message.content, message.reasoning_content) == ("Checking.", "Need weather.")
+    assert b"tool_calls" not in msgspec.json.encode(body) and body.choices[0].finish_reason == "stop"
+    offered = ChatAnswer("chatcmpl-1", "m", request, None, lambda: chat_output(formats, [TOOL], False))
+    called = offered.full({0: Delta(HARMONY_CALL_TEXT, (), (), "stop")}, USAGE)
+    assert called.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
 def test_plain_text_is_untouched_without_tools_or_formats() -> None:
     answer = ChatAnswer("chatcmpl-1", "m", _chat(), None)
     body = answer.full({0: Delta(CALL_TEXT, (), (), "stop")}, USAGE)

@@ -15,6 +15,7 @@ from services.text.tool_calls import (
     parser_name_for_template,
     tool_call_parser,
 )
+from services.text.tool_calls.harmony import HarmonyToolParser
 from services.text.tool_calls.qwen3_coder import convert_parameter
 
 _PROPERTIES = {
@@ -170,6 +171,15 @@ CASES: list[tuple[str, str, str, list[tuple[str, str]]]] = [
 @pytest.mark.parametrize(("fmt", "text", "content", "calls"), CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_golden_output_under_every_split(fmt: str, text: str, content: str, calls: list[tuple[str, str]]) -> None:
     assert _split_invariant(fmt, text) == (content, calls)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [c[1:] for c in CASES if c[0] == "harmony"])
+def test_harmony_without_calls_drops_what_would_be_a_call(text: str, content: str, calls: list) -> None:
+    """``tool_choice: "none"`` (no tools offered): the same content as with calls, and never a call."""
+    for cut in range(len(text) + 1):
+        parser = HarmonyToolParser(calls=False)
+        got = join_deltas([parser.feed(text[:cut]), parser.feed(text[cut:]), parser.finish()])
+        assert got == (content, []), f"split at {cut}: {text[:cut]!r}"
 
 
 def test_partial_marker_is_held_until_known() -> None:
