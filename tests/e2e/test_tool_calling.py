@@ -12,28 +12,12 @@ import openai
 import pytest
 
 from tests.e2e.stack import Stack, http_post, pull_totals, stack
+from tests.e2e.tool_fixtures import add_tool, tool_schemas, weather_tool
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                        "unit": {"enum": ["celsius", "fahrenheit"]}},
-                       "required": ["city", "unit"], "additionalProperties": False},
-    },
-}
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                       "required": ["a", "b"], "additionalProperties": False},
-    },
-}
+WEATHER = weather_tool(city_max_length=20)
+ADD = add_tool()
 TOOLS = [WEATHER, ADD]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+SCHEMAS = tool_schemas(TOOLS)
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 

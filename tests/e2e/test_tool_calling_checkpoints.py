@@ -37,29 +37,12 @@ from services.router.protocol import ChatCompletionRequest
 from services.text.tokenizer import Tokenizer
 from tests.checkpoints import make_checkpoint
 from tests.e2e.stack import TP_PAIRS, Stack, http_client, pull_totals, stack
+from tests.e2e.tool_fixtures import add_tool, tool_schemas, weather_tool
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                                        "unit": {"enum": ["celsius", "fahrenheit"]}},
-                       "required": ["city", "unit"], "additionalProperties": False},
-    },
-}
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
-                                                        "b": {"type": "integer", "minimum": 0, "maximum": 999}},
-                       "required": ["a", "b"], "additionalProperties": False},
-    },
-}
+WEATHER = weather_tool(city_max_length=8)
+ADD = add_tool(minimum=0, maximum=999)
 TOOLS = [WEATHER, ADD]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+SCHEMAS = tool_schemas(TOOLS)
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 NAMED_ADD = {"type": "function", "function": {"name": "add"}}
 MAX_TOKENS = 72
