@@ -1,7 +1,8 @@
 """Router overhead: the same requests straight to a worker and through the router, side by side in one run.
 
     python bench/router_overhead.py --model dummy:tiny --bodies 1024,3800 --rounds 4     # CPU check (small prompts)
-    python bench/router_overhead.py --device cuda --model dummy:llama-3.1-8b --worker-args "--max-model-len 131072"
+    python bench/router_overhead.py --make-model build/overhead_model                   # the GPU run's model, once
+    python bench/router_overhead.py --device cuda --model build/overhead_model --worker-args "--max-model-len 131072"
 
 One decode worker (``pdserve decode``) and a decode-only router in front of it (``services.launch.spawn``).
 Each cell (a body size, a concurrency) sends one prompt whose completion body is that many bytes, with
@@ -14,7 +15,9 @@ token (gRPC chunk with a token, or SSE event). Printed per cell: p50 and p99 of 
 latency (router - direct, per percentile) and the ratio; and the router's own time per stage from its
 ``pdserve_router_overhead_seconds`` (mean over the cell's requests), which is what it adds besides the HTTP
 hop. The prompt's random short words are about 2 bytes a token, so a 200 KB body is a ~100K-token prompt: the
-worker's context (``--max-model-len``) must hold it; on CPU use small bodies (the first command).
+worker's context (``--max-model-len``) must hold it; on CPU use small bodies (the first command). ``--make-model``
+writes ``bench/overhead_model.py``'s model (a random 2-layer Llama with 131072 positions and the bundled SmolLM2
+tokenizer, ~8 MB, no transformers needed) and exits.
 """
 
 from __future__ import annotations
@@ -157,7 +160,14 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=8, help="rounds per cell, each side (default 8)")
     p.add_argument("--worker-args", default="", help="more flags for the decode worker, one string")
     p.add_argument("--json-out", default=None, help="append the rows as JSON lines to this file")
+    p.add_argument("--make-model", default=None, metavar="DIR",
+                   help="write the bench's model (bench/overhead_model.py) to DIR and exit")
     args = p.parse_args()
+    if args.make_model:
+        from bench.overhead_model import make_overhead_model
+
+        print(f"wrote {make_overhead_model(args.make_model)}")
+        return 0
     args.bodies = [int(x) for x in args.bodies.split(",")]
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     decode = start_daemon("decode", args.model, "--device", args.device, *shlex.split(args.worker_args))
