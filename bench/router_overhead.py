@@ -14,7 +14,9 @@ prefix cache holds it and TTFT is mostly what sits around the model. Measured at
 token (gRPC chunk with a token, or SSE event). Printed per cell: p50 and p99 of both, the router's added
 latency (router - direct, per percentile) and the ratio; and the router's own time per stage from its
 ``pdserve_router_overhead_seconds`` (mean over the cell's requests), which is what it adds besides the HTTP
-hop. The prompt's random short words are about 2 bytes a token, so a 200 KB body is a ~100K-token prompt: the
+hop. The routed side is timed with ``bench/raw_http.py`` (``--client raw``): httpx's own parsing costs ~2 ms a
+request on the 2-core build machine, which is the client's, not the router's; ``--client httpx`` measures with it.
+The prompt's random short words are about 2 bytes a token, so a 200 KB body is a ~100K-token prompt: the
 worker's context (``--max-model-len``) must hold it; on CPU use small bodies (the first command). ``--make-model``
 writes ``bench/overhead_model.py``'s model (a random 2-layer Llama with 131072 positions and the bundled SmolLM2
 tokenizer, ~8 MB, no transformers needed) and exits.
@@ -31,6 +33,8 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 import httpx  # noqa: E402
 
+from bench.raw_http import StreamTimer  # noqa: E402
 from services.launch.spawn import start_daemon, start_router, stop_daemon, stop_router  # noqa: E402
 from services.proto_gen.pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
@@ -72,7 +77,7 @@ async def _direct(stub: worker_pb2_grpc.DecodeWorkerStub, token_ids: list[int], 
     raise RuntimeError("the worker's stream ended without a token")
 
 
-async def _routed(http: httpx.AsyncClient, body: bytes) -> float:
+async def _routed_httpx(http: httpx.AsyncClient, body: bytes) -> float:
     start = time.perf_counter()
     async with http.stream("POST", "/v1/completions", content=body,
                            headers={"content-type": "application/json"}) as response:
@@ -98,29 +103,39 @@ def _stage_totals(router_url: str) -> dict[str, tuple[float, float]]:
 
 
 async def _cell(stub, http: httpx.AsyncClient, router_url: str, body_bytes: int, concurrency: int,
-                rounds: int) -> dict:
+                rounds: int, client: str) -> dict:
     text = _prompt_text(body_bytes, seed=body_bytes)
     body = json.dumps({"prompt": text, "max_tokens": 1, "temperature": 0, "stream": True}).encode()
+    timer = StreamTimer(router_url, "/v1/completions", body)
+    try:
+        return await _timed_cell(stub, http, router_url, text, body, concurrency, rounds,
+                                 timer.first_event if client == "raw" else partial(_routed_httpx, http, body))
+    finally:
+        await timer.close()
+
+
+async def _timed_cell(stub, http: httpx.AsyncClient, router_url: str, text: str, body: bytes, concurrency: int,
+                      rounds: int, routed: Callable[[], Awaitable[float]]) -> dict:
     tokenized = await http.post("/tokenize", json={"prompt": text})
     if tokenized.status_code != 200:
         raise SystemExit(f"/tokenize answered {tokenized.status_code}: {tokenized.text}")
     token_ids = tokenized.json()["tokens"]
     for _ in range(2):  # warm-up: the prompt into the worker's prefix cache, the router's paths hot
         await _direct(stub, token_ids, -1)
-        await _routed(http, body)
+        await routed()
     before = _stage_totals(router_url)
     direct: list[float] = []
-    routed: list[float] = []
+    via_router: list[float] = []
     for r in range(rounds):
         direct += await asyncio.gather(*(_direct(stub, token_ids, r * concurrency + i) for i in range(concurrency)))
-        routed += await asyncio.gather(*(_routed(http, body) for _ in range(concurrency)))
+        via_router += await asyncio.gather(*(routed() for _ in range(concurrency)))
     after = _stage_totals(router_url)
     stages = {stage: (after[stage][1] - before.get(stage, (0, 0))[1])
               / max(after[stage][0] - before.get(stage, (0, 0))[0], 1) * 1e3 for stage in after}
     row = {"body_bytes": len(body), "prompt_tokens": len(token_ids), "concurrency": concurrency,
-           "requests": len(routed)}
+           "requests": len(via_router)}
     for q, name in ((0.5, "p50"), (0.99, "p99")):
-        d, t = _percentile(direct, q) * 1e3, _percentile(routed, q) * 1e3
+        d, t = _percentile(direct, q) * 1e3, _percentile(via_router, q) * 1e3
         row.update({f"direct_{name}_ms": round(d, 3), f"router_{name}_ms": round(t, 3),
                     f"added_{name}_ms": round(t - d, 3), f"ratio_{name}": round(t / d, 3)})
     row["direct_mean_ms"] = round(statistics.fmean(direct) * 1e3, 3)
@@ -136,7 +151,7 @@ async def _run(args: argparse.Namespace, decode_address: str, router_url: str) -
         stub = worker_pb2_grpc.DecodeWorkerStub(channel)
         for body_bytes in args.bodies:
             for concurrency in args.concurrency:
-                rows.append(await _cell(stub, http, router_url, body_bytes, concurrency, args.rounds))
+                rows.append(await _cell(stub, http, router_url, body_bytes, concurrency, args.rounds, args.client))
                 _print_row(rows[-1])
     return rows
 
@@ -159,6 +174,9 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,32", help="concurrent requests per round (default 1,32)")
     p.add_argument("--rounds", type=int, default=8, help="rounds per cell, each side (default 8)")
     p.add_argument("--worker-args", default="", help="more flags for the decode worker, one string")
+    p.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                   help="the router's HTTP client: raw (bench/raw_http.py, the default: what is timed is the router, "
+                        "not a client library) or httpx")
     p.add_argument("--json-out", default=None, help="append the rows as JSON lines to this file")
     p.add_argument("--make-model", default=None, metavar="DIR",
                    help="write the bench's model (bench/overhead_model.py) to DIR and exit")
@@ -182,7 +200,8 @@ def main() -> int:
     if args.json_out:
         with open(args.json_out, "a") as out:
             for row in rows:
-                out.write(json.dumps({"bench": "router_overhead", "device": args.device, **row}) + "\n")
+                out.write(json.dumps({"bench": "router_overhead", "device": args.device, "client": args.client,
+                                      **row}) + "\n")
     return 0
 
 
