@@ -3,6 +3,7 @@
     python bench/profile_step.py --batch 32             # decode steps at 512 tokens of context
     python bench/profile_step.py --batch 32 --context 2048
     python bench/profile_step.py --prefill 8192         # one prefill of an 8192-token prompt
+    python bench/profile_step.py --batch 32 --eager     # decode steps without CUDA graphs
 
 Besides torch.profiler's tables, a decode run prints GPU time per step by kind of kernel (projections,
 attention, norms, ...), the breakdown RESULTS gives for what limits a step. With programmatic dependent
@@ -38,10 +39,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="decode: prompt tokens per request")
     ap.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens instead")
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--eager", action="store_true", help="decode without CUDA graphs (the engine's --enforce-eager)")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, enable_prefix_caching=False,
                                     max_num_batched_tokens=max(8192, args.prefill),
-                                    attention_backend=args.attention_backend))
+                                    attention_backend=args.attention_backend, enforce_eager=args.eager))
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     if args.prefill:
         for warm in range(2):  # the same length once before, so nothing is compiled or allocated first inside
