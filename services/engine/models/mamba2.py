@@ -16,6 +16,10 @@ A prefill chunk runs the same recurrence in its chunked (SSD) form: within a sca
 is then decayed across the chunk and the chunk's inputs added. A step whose chunks are all one
 token (decode) runs the recurrence directly for all requests at once. The states live in the
 engine's ``StatePool`` rows (``StateBatch`` says which); both paths update them in place.
+
+On CUDA both forms run as Triton kernels (``use_state_kernels``): a prefill step's conv and chunked scan over all
+its requests at once (``ops/causal_conv_triton.py``, ``ops/ssd_scan_triton.py``), a decode step's update in two
+launches (``ops/mamba_decode_triton.py``). The torch code here is the CPU path and the tests' reference.
 """
 
 from __future__ import annotations
@@ -107,16 +111,22 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x: torch.Tensor, query_lens: list[int] | None, states: StateBatch, conv_states: torch.Tensor,
                 ssm_states: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, hidden]; chunk i's rows are its ``query_lens[i]`` tokens (None: one
-        token each, a decode step, which a CUDA graph may capture: nothing here then asks the host)."""
+        token each, a decode step, which a CUDA graph may capture: nothing here then asks the host). With the kernels
+        (``use_state_kernels``) a prefill step runs all its requests in one set of launches (``_chunks_fused``), a
+        decode step in two (``_step_fused``); otherwise each request's chunk through ``_chunk``, the reference."""
         s = self.spec
+        z, xbc, dt = self.in_proj(x).split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
+        decode = query_lens is None or max(query_lens) == 1
+        kernels = use_state_kernels(x)
+        if kernels and not decode:  # the kernels start fresh requests from the zero state themselves
+            gated = self._chunks_fused(xbc, dt, z, query_lens, states, conv_states, ssm_states)
+            return all_reduce(self.out_proj(self._fused_norm(gated).to(x.dtype)), self.parallel)
         fresh = [slot for slot, f in zip(states.slots, states.fresh, strict=True) if f]
         if fresh:  # a request (re)starting at token 0 starts from the zero state
             rows = torch.tensor(fresh, device=x.device)
             conv_states[rows] = 0
             ssm_states[rows] = 0
-        z, xbc, dt = self.in_proj(x).split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
-        decode = query_lens is None or max(query_lens) == 1
-        if decode and use_decode_kernels(x):
+        if kernels:
             gated = self._step_fused(xbc, dt, z, states.slots_tensor, conv_states, ssm_states)
             return all_reduce(self.out_proj(self._fused_norm(gated).to(x.dtype)), self.parallel)
         if decode:
@@ -172,6 +182,24 @@ class Mamba2Mixer(nn.Module):
         return kernels.selective_update(conv, dt, z, ssm_states, slots, self.dt_bias, self.A_log, self.D,
                                         s.n_groups, s.time_step_limit)
 
+    def _chunks_fused(self, xbc: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, query_lens: list[int],
+                      states: StateBatch, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> torch.Tensor:
+        """``_chunk`` for every request of a prefill step at once in Triton (``ops/causal_conv_triton.py``, then
+        ``ops/ssd_scan_triton.py``): the conv and the scan from each request's slots (the zero state when it
+        starts at token 0), both states updated in place; returns ``y * silu(z)`` [tokens, inner] (fp32)."""
+        from services.engine.ops import causal_conv_triton, ssd_scan_triton
+        from services.engine.ops.scan_chunks import scan_chunks
+
+        s = self.spec
+        table = scan_chunks(query_lens, states.slots, states.fresh, s.chunk_size, xbc.device)
+        conv = causal_conv_triton.causal_conv(xbc, conv_states, self.conv_weight, self.conv_bias, table)
+        x, b, c = conv.split([s.intermediate_size, s.n_groups * s.d_state, s.n_groups * s.d_state], dim=-1)
+        tokens = len(conv)
+        return ssd_scan_triton.ssd_chunks(
+            x.view(tokens, s.num_heads, s.head_dim), dt, self.A_log, b.view(tokens, s.n_groups, s.d_state),
+            c.view(tokens, s.n_groups, s.d_state), ssm_states, table, dt_bias=self.dt_bias,
+            dt_limit=s.time_step_limit, d_skip=self.D, z=z)
+
     def _fused_norm(self, gated: torch.Tensor) -> torch.Tensor:
         """The gated norm of ``_step_fused``'s output: one fused RMSNorm launch (``ops.rms_norm``, weight applied in
         fp32 as ``_group_norm`` does) when the norm's one group is on this rank, else ``_group_norm``."""
@@ -214,9 +242,10 @@ class Mamba2Mixer(nn.Module):
         return self.norm_weight.float() * g.view(len(gated), s.intermediate_size)
 
 
-def use_decode_kernels(x: torch.Tensor) -> bool:
-    """Whether a decode step on ``x`` takes the Triton kernels: the fused ops' backend decides (``ops``): ``auto``
-    on CUDA when Triton imports, ``triton`` everywhere (CPU: under the interpreter, for tests), ``torch`` never."""
+def use_state_kernels(x: torch.Tensor) -> bool:
+    """Whether a step on ``x`` (decode or prefill) takes the Triton kernels: the fused ops' backend decides
+    (``ops``): ``auto`` on CUDA when Triton imports, ``triton`` everywhere (CPU: under the interpreter, for
+    tests), ``torch`` never."""
     backend = ops.get_backend()
     if backend == "torch" or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
