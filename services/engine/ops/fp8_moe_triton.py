@@ -4,8 +4,8 @@
 row). W [E, N, K] is e4m3 with float32 scales [E, ceil(N / SCALE_N), ceil(K / BLOCK_K)] (DeepSeek-V3's and
 Qwen3-FP8's 128 x 128 blocks, a ragged edge rounded up); A [tokens, K] is e4m3 with one float32 scale per row and
 ``BLOCK_K`` columns (``fp8_gemm``'s 1 x 128 activation groups, quantized once per token before the gather). A
-program owns ``BLOCK_M`` rows of one expert -- it finds which from ``ends`` itself (``mxfp4_moe_triton``'s
-``_row_tile``: no host sync, so a decode step with it is captured in a CUDA graph) -- and ``BLOCK_N`` output
+program owns ``BLOCK_M`` rows of one expert -- it finds which from ``ends`` itself (``grouped_rows_triton``'s
+``row_tile``: no host sync, so a decode step with it is captured in a CUDA graph) -- and ``BLOCK_N`` output
 columns, and walks K one scale slab at a time, as ``fp8_gemm_triton``'s dense kernel does::
 
     acc += dot(A[rows, slab], W[e, cols, slab].T) * a_scale[rows, slab] * w_scale[e, cols // SCALE_N, slab]
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from services.engine.ops.fp8_gemm_triton import supported_block
-from services.engine.ops.mxfp4_moe_triton import _row_tile
+from services.engine.ops.grouped_rows_triton import row_tile, row_tiles
 from services.engine.ops.split_k_triton import sum_splits
 
 
@@ -34,7 +34,7 @@ def _fp8_grouped_mm_kernel(A, A_s, RowOf, B, B_s, C, Ends, num_experts, N, K, sl
                            GATHER: tl.constexpr, SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
                            EVEN_K: tl.constexpr):
-    expert, first, end = _row_tile(Ends, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
+    expert, first, end = row_tile(Ends, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
     if expert >= num_experts:  # a tile past the last expert's rows (the grid is sized for the worst case)
         return
     rows = first + tl.arange(0, BLOCK_M)
@@ -127,8 +127,7 @@ def fp8_grouped_mm(xq: torch.Tensor, x_scales: torch.Tensor, row_of: torch.Tenso
     per_split = triton.cdiv(num_slabs, cfg.splits)
     splits = triton.cdiv(num_slabs, per_split)  # no empty split
     dest = out if splits == 1 else _empty((splits, num_rows, n), torch.float32, xq.device)
-    # row tiles: at most num_rows / block_m whole ones and a partial one per expert
-    grid = (num_rows // cfg.block_m + num_experts, triton.cdiv(n, cfg.block_n), splits)
+    grid = (row_tiles(num_rows, num_experts, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
     _fp8_grouped_mm_kernel[grid](
         xq, x_scales, out if row_of is None else row_of, wq, w_scales, dest, ends, num_experts, n, k, per_split,
         xq.stride(0), x_scales.stride(0), wq.stride(0), wq.stride(1), w_scales.stride(0), w_scales.stride(1),

@@ -4,7 +4,7 @@
 row), W [E, N, K] stored as ``blocks`` [E, N, K / 2] uint8 (two e2m1 codes a byte, the low nibble the even k) and
 ``scales`` [E, N, K / 32] uint8 (E8M0, bias 127). A program owns ``BLOCK_M`` rows of one expert (it finds which from
 ``ends`` itself: no host sync, so a decode step with it is captured in a CUDA graph, and no tile map made by a dozen
-small launches first) and ``BLOCK_N`` output columns,
+small launches first: ``grouped_rows_triton.row_tile``) and ``BLOCK_N`` output columns,
 and walks K ``BLOCK_K`` at a time: it loads the A tile (gathering rows through ``row_of`` when given), the weight
 tile's bytes and scales -- 4.25 bits a weight instead of 16 -- decodes them in registers to A's dtype (exact: every
 e2m1 value times a power of two is a bfloat16 value; integer ops build each value's float32 bits, no table and no
@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.ops.grouped_rows_triton import row_tile, row_tiles
 from services.engine.ops.split_k_triton import sum_splits
 
 
@@ -34,28 +35,12 @@ def _e2m1(code):
 
 
 @triton.jit
-def _row_tile(Ends, num_experts, tile, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Row tile ``tile`` of the experts' rows cut into ``BLOCK_M``-row tiles, expert by expert: (its expert, or
-    ``num_experts`` past the last tile; its first row; the expert's end row)."""
-    e = tl.arange(0, BLOCK_E)
-    ends = tl.load(Ends + e, mask=e < num_experts, other=0)
-    starts = tl.load(Ends + e - 1, mask=(e > 0) & (e < num_experts), other=0)
-    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
-    tile_ends = tl.cumsum(tiles, 0)
-    expert = tl.sum((tile_ends <= tile).to(tl.int32), 0)
-    mine = e == expert
-    first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0), 0)
-    first = tl.sum(tl.where(mine, starts, 0), 0) + (tile - first_tile) * BLOCK_M
-    return expert, first, tl.sum(tl.where(mine, ends, 0), 0)
-
-
-@triton.jit
 def _mxfp4_grouped_mm_kernel(A, RowOf, Blocks, Scales, Bias, C, Ends, num_experts, N, K, k_per_split, stride_am,
                              stride_be, stride_bn, stride_se, stride_sn, stride_biase, stride_cm, stride_cs,
                              GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
                              EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    expert, first, end = _row_tile(Ends, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
+    expert, first, end = row_tile(Ends, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
     if expert >= num_experts:  # a tile past the last expert's rows (the grid is sized for the worst case)
         return
     rows = first + tl.arange(0, BLOCK_M)
@@ -135,8 +120,7 @@ def mxfp4_grouped_mm(a: torch.Tensor, row_of: torch.Tensor | None, blocks: torch
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.splits), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     dest = out if splits == 1 else torch.empty(splits, num_rows, n, dtype=torch.float32, device=a.device)
-    # row tiles: at most num_rows / block_m whole ones and a partial one per expert
-    grid = (num_rows // cfg.block_m + num_experts, triton.cdiv(n, cfg.block_n), splits)
+    grid = (row_tiles(num_rows, num_experts, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
     _mxfp4_grouped_mm_kernel[grid](
         a, out if row_of is None else row_of, blocks, scales, out if bias is None else bias, dest, ends,
         num_experts, n, k, k_per_split, a.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0),
