@@ -30,6 +30,7 @@ from services.engine.models.fp8_linear import Fp8Target
 from services.engine.models.layers import OffsetRMSNorm, copy_weight, param, row_parallel_bias
 from services.engine.models.llama import Attention, LlamaForCausalLM
 from services.engine.models.moe import RoutedExperts
+from services.engine.ops.moe_fused import ExpertOrder, RouterSpec, route
 from services.engine.ops.mxfp4_format import GROUP
 from services.engine.ops.mxfp4_moe import mxfp4_grouped_mm
 from services.engine.parallel import ParallelConfig, all_reduce
@@ -58,6 +59,12 @@ class GptOssRouter(nn.Module):
         """(weights [tokens, k] in x's dtype, expert ids [tokens, k])."""
         top, experts = nn.functional.linear(x, self.weight, self.bias).topk(self.top_k, dim=-1)
         return torch.softmax(top, dim=-1, dtype=top.dtype), experts
+
+    def route(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, ExpertOrder | None]:
+        """``forward``'s (weights, ids) and, ``fused``, their order by expert (``ops.moe_fused.route``)."""
+        if not fused:
+            return (*self(x), None)
+        return route(nn.functional.linear(x, self.weight, self.bias), RouterSpec(self.top_k, "logits"), None, x.dtype)
 
 
 class GptOssExperts(RoutedExperts):
@@ -138,7 +145,7 @@ class GptOssMoE(nn.Module):
                                      dtype, device, mxfp4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.experts(x, *self.router(x)), self.parallel)
+        return all_reduce(self.experts(x, *self.router.route(x, self.experts.path == "fused")), self.parallel)
 
     def load(self, name: str, parts: list[str], tensor: torch.Tensor) -> None:
         """Copy one HF tensor named ``...mlp.<parts>`` into place."""

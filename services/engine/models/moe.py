@@ -6,10 +6,13 @@ experts with sigmoids, a correction bias and expert groups (see ``MoESpec``), Gr
 top-k router logits and softmaxes them (``GraniteExpertsSpec``). ``RoutedExperts`` holds the
 experts of either, stacked, and runs them either one at a time over the tokens that chose them, in
 expert order (the CPU path: the order transformers adds them in, so float32 results agree to the
-last bits wherever the matmuls do), or as grouped GEMMs over all experts at once (CUDA).
+last bits wherever the matmuls do), or as grouped GEMMs over all experts at once (CUDA): the fused
+layer of ``ops.moe_fused`` by default, ``torch._grouped_mm`` as the reference. On the fused path the
+routers route through ``ops.moe_fused.route`` too (``route(x, fused=True)``: scores, top-k, weights and
+the sort by expert in one launch), handing the experts the sorted order with the weights.
 
 The expert loop asks the host how many tokens each expert got (``bincount(...).tolist()``), so a
-step with it cannot be captured in a CUDA graph; the grouped path can (``RoutedExperts.graph_safe``,
+step with it cannot be captured in a CUDA graph; the grouped and fused paths can (``RoutedExperts.graph_safe``,
 which ``DecoderModel.supports_cuda_graphs`` reads).
 """
 
@@ -27,6 +30,7 @@ from services.engine.model_config.granite import GraniteExpertsSpec
 from services.engine.models.layers import Linear, copy_weight, gated_mlp, param
 from services.engine.ops.fp8_format import FP8_DTYPE
 from services.engine.ops.fp8_moe import fp8_grouped_mm
+from services.engine.ops.moe_fused import ExpertOrder, RouterSpec, align, fused_experts, fused_moe_usable, route
 from services.engine.parallel import ParallelConfig
 
 
@@ -70,6 +74,17 @@ class ExpertRouter(nn.Module):
         self.weight = param(spec.n_routed_experts, hidden, dtype=dtype, device=device)
         self.e_score_correction_bias = param(spec.n_routed_experts, dtype=torch.float32, device=device)
 
+    def route(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, ExpertOrder | None]:
+        """``forward``'s (weights, ids) and, ``fused``, their order by expert from ``ops.moe_fused.route`` (the same
+        choice from the same float32 logits)."""
+        if not fused:
+            return (*self(x), None)
+        s = self.spec
+        spec = RouterSpec(s.num_experts_per_tok, "sigmoid", s.norm_topk_prob, 1e-20, s.routed_scaling_factor,
+                          s.n_group, s.topk_group)
+        return route(nn.functional.linear(x.float(), self.weight.float()), spec, self.e_score_correction_bias,
+                     torch.float32)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [tokens, k] float32, expert ids [tokens, k])."""
         s = self.spec
@@ -100,7 +115,7 @@ def grouped_mm_usable(dtype: torch.dtype, device: torch.device, *dims: int) -> b
 class RoutedExperts(nn.Module):
     """``num_experts`` silu-gated MLPs stacked: ``gate_up`` [E, 2I, H] (rows: gate, then up), ``down`` [E, H, I].
 
-    Two paths with the same result (up to the order bf16 partial sums are added in):
+    Three paths with the same result (up to the order bf16 partial sums are added in):
 
     * ``loop`` (the CPU path): one expert at a time over the tokens that chose it, added in expert order
       as transformers adds them. It asks the host for each expert's token count.
@@ -108,14 +123,18 @@ class RoutedExperts(nn.Module):
       (``torch._grouped_mm``: gate_up, down) over every expert at once, each reading only the experts some
       token chose; each token's k outputs summed. No host sync: a step with it can be captured in a CUDA
       graph. Chosen over the loop by ``bench/mla_moe.py`` (``bench/RESULTS.md``).
+    * ``fused`` (CUDA, 16/32-bit, where the fused ops take Triton: ``ops.moe_fused``): the same sort, GEMMs
+      and sum as Triton kernels with the row gather, the activation and the un-permute inside them, over the
+      order the router hands in (``forward``'s ``order``) or one sorted here. No host sync either.
 
-    ``path``: force one (tests and the benchmark); default ``grouped`` where ``grouped_mm_usable``. ``bias``: every
+    ``path``: force one (tests and the benchmark); default ``fused`` where ``fused_moe_usable`` (not under
+    ``PDSERVE_FUSED_OPS=torch``), else ``grouped`` where ``grouped_mm_usable``, else ``loop``. ``bias``: every
     projection has one (``gate_up_bias`` [E, 2I], ``down_bias`` [E, H]); a family with another activation than
     silu-gating overrides ``activate``. ``keep_fp8``: the projections held as an FP8 checkpoint stores them
     (``loading.fp8_model`` decides), grouped through ``ops.fp8_moe``.
     """
 
-    PATHS = ("loop", "grouped")
+    PATHS = ("loop", "grouped", "fused")
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
                  device: torch.device, path: str | None = None, bias: bool = False, weights: bool = True) -> None:
@@ -127,7 +146,8 @@ class RoutedExperts(nn.Module):
         self.gate_up_bias = param(num_experts, 2 * intermediate, dtype=dtype, device=device) if bias else None
         self.down_bias = param(num_experts, hidden, dtype=dtype, device=device) if bias else None
         if path is None:
-            path = "grouped" if grouped_mm_usable(dtype, device, hidden, intermediate) else "loop"
+            path = ("fused" if fused_moe_usable(dtype, device) else
+                    "grouped" if grouped_mm_usable(dtype, device, hidden, intermediate) else "loop")
         if path not in self.PATHS:
             raise ValueError(f"expert path must be one of {', '.join(self.PATHS)}, got {path!r}")
         self.path = path
@@ -163,17 +183,29 @@ class RoutedExperts(nn.Module):
     def graph_safe(self) -> bool:
         """Whether a forward can be captured in a CUDA graph (no host sync); ``DecoderModel.supports_cuda_graphs``
         reads it."""
-        return self.path == "grouped"
+        return self.path in ("grouped", "fused")
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The hidden activations [rows, I] of the gate/up projections' outputs [rows, 2I] (gate, then up)."""
         return ops.silu_and_mul(gate_up)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's chosen ``experts`` [tokens, k] of its output times ``weights`` [tokens, k]."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                order: ExpertOrder | None = None) -> torch.Tensor:
+        """Sum over each token's chosen ``experts`` [tokens, k] of its output times ``weights`` [tokens, k];
+        ``order``: the pairs already sorted by expert (the fused router's), read by the fused path only."""
+        if self.path == "fused":
+            return self._fused(x, weights, experts, order)
         if self.path == "grouped":
             return self._grouped(x, weights, experts)
         return self._loop(x, weights, experts)
+
+    def _fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+               order: ExpertOrder | None) -> torch.Tensor:
+        if order is None:
+            order = align(experts, self.num_experts)
+        # silu-gating is fused into gate_up; a family's own activation (gpt-oss) runs between the GEMMs
+        activate = None if type(self).activate is RoutedExperts.activate else self.activate
+        return fused_experts(x, self.gate_up, self.down, weights, order, self.gate_up_bias, self.down_bias, activate)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         tokens, k = experts.shape
@@ -267,7 +299,7 @@ class DeepseekMoE(nn.Module):
                                if spec.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, *self.gate(x))
+        out = self.experts(x, *self.gate.route(x, self.experts.path == "fused"))
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
     def load(self, name: str, parts: list[str], tensor: torch.Tensor) -> None:
@@ -298,6 +330,12 @@ class SoftmaxTopKRouter(nn.Module):
         logits, experts = nn.functional.linear(x, self.weight).float().topk(self.top_k, dim=-1)
         return logits.softmax(dim=-1).to(x.dtype), experts
 
+    def route(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, ExpertOrder | None]:
+        """``forward``'s (weights, ids) and, ``fused``, their order by expert (``ops.moe_fused.route``)."""
+        if not fused:
+            return (*self(x), None)
+        return route(nn.functional.linear(x, self.weight), RouterSpec(self.top_k, "logits"), None, x.dtype)
+
 
 class GraniteMoE(nn.Module):
     """Granite-4.0-H's routed experts (``block_sparse_moe``); the layer adds its shared MLP's output.
@@ -317,7 +355,7 @@ class GraniteMoE(nn.Module):
                                      dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, *self.router(x))
+        return self.experts(x, *self.router.route(x, self.experts.path == "fused"))
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF name (after ``block_sparse_moe.``) -> the model's shape, for every tensor of the block."""

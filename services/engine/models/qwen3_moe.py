@@ -3,7 +3,8 @@
 The decoder is ``llama.LlamaForCausalLM`` (Qwen3's per-head q/k norms included); a sparse layer's feed-forward
 block (``Qwen3MoeBlock``) softmaxes its router's logits over every expert in float32, keeps the top k
 (renormalised when ``norm_topk_prob``), and runs the chosen experts through ``moe.RoutedExperts``, the experts
-path DeepSeek-V3 uses (the expert loop on CPU, grouped GEMMs on CUDA), so both gain from its speed work. Under TP
+path DeepSeek-V3 uses (the expert loop on CPU, the fused layer of ``ops.moe_fused`` on CUDA, router included), so
+both gain from its speed work. Under TP
 every rank routes every token and holds ``1 / tp_size`` of each expert's width; the block's output is all-reduced
 once. Dense layers (``mlp_only_layers``, off the ``decoder_sparse_step`` beat) keep Llama's MLP.
 
@@ -26,6 +27,7 @@ from services.engine.models.fp8_linear import Fp8Target
 from services.engine.models.layers import copy_weight, param
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.moe import RoutedExperts
+from services.engine.ops.moe_fused import ExpertOrder, RouterSpec, route
 from services.engine.parallel import ParallelConfig, all_reduce
 
 
@@ -47,6 +49,13 @@ class Qwen3MoeRouter(nn.Module):
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(logits.dtype), experts
 
+    def route(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, ExpertOrder | None]:
+        """``forward``'s (weights, ids) and, ``fused``, their order by expert (``ops.moe_fused.route``)."""
+        if not fused:
+            return (*self(x), None)
+        spec = RouterSpec(self.spec.num_experts_per_tok, "softmax", self.spec.norm_topk_prob)
+        return route(nn.functional.linear(x, self.weight), spec, None, x.dtype)
+
 
 class Qwen3MoeBlock(nn.Module):
     """A sparse layer's feed-forward block: the router, then the routed experts (no shared expert)."""
@@ -60,7 +69,7 @@ class Qwen3MoeBlock(nn.Module):
                                      device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.experts(x, *self.gate(x)), self.parallel)
+        return all_reduce(self.experts(x, *self.gate.route(x, self.experts.path == "fused")), self.parallel)
 
     def load(self, name: str, parts: list[str], tensor: torch.Tensor) -> None:
         """Copy one HF tensor named ``...mlp.<parts>`` into place (the router whole, an expert's shard)."""

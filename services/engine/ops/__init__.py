@@ -114,6 +114,15 @@ def use_backend(name: str) -> Iterator[None]:
         set_backend(previous)
 
 
+def triton_serves(device: torch.device) -> bool:
+    """Whether the fused ops take their Triton path on ``device`` under the process-wide backend (``auto``: CUDA
+    when Triton imports; ``triton``: every device; ``torch``: none): what a layer that picks its path once, when it
+    is built (``RoutedExperts``' ``fused``), asks."""
+    if _backend == "torch" or triton_import_error() is not None:
+        return False
+    return _backend == "triton" or device.type == "cuda"
+
+
 def _kernels(x: torch.Tensor) -> ModuleType | None:
     """``triton_ops`` when ``x`` should take the Triton path, else None."""
     global _triton_ops
@@ -268,6 +277,7 @@ __all__ = [
     "rope_and_write_kv",
     "set_backend",
     "silu_and_mul",
+    "triton_serves",
     "use_backend",
     "write_kv",
 ]
