@@ -70,6 +70,11 @@
 #                                         compile), bench/mamba_decode.py (one layer's step, fused vs the torch chain,
 #                                         bs 1/8/32 beside the state+weight floor, the tile sweep), then the engine
 #                                         on dummy Granite-4.0-H-Tiny shapes, bf16, decode bs 1/8/32 at 2k
+#   bash bench/gpu_speed_run.sh mamba_prefill  Mamba2's prefill in Triton (conv + chunked SSD scan): its CUDA tests (the
+#                                         kernels against ssd_scan/_chunk, the engine with the kernels and without, the
+#                                         sm_90 compile), bench/mamba_prefill.py (one layer's prefill 512/2k/8k, 1 and
+#                                         4 requests, Triton vs the torch chain, FLOPs/MFU and the byte floor), then the
+#                                         engine on dummy Granite-4.0-H-Tiny shapes, bf16, prefill 512/2k
 #   bash bench/gpu_speed_run.sh offload   the host KV tier: its tests on CUDA (pinned memory, copy stream),
 #                                         the e2e serving test (decode reading the prefill's host tier into
 #                                         VRAM), and TTFT/store/load of an 8k prompt (bench/offload.py)
@@ -144,6 +149,15 @@ for part in "$@"; do
           --device cuda --prefill-lens 512 --batch-sizes 1,8,32 --decode-contexts 2048 --decode-steps 8 --rounds 2 \
           --json-out "$OUT/engine_granite_mamba_decode.jsonl" 2>&1 | grep -v Warning \
           | tee "$OUT/engine_granite_mamba_decode.txt" ;;
+    mamba_prefill)  # the Mamba2 prefill kernels (ops/ssd_scan_triton.py): correctness, one layer, then the engine
+      PDSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_ssd_scan_kernel.py \
+          2>&1 | tee "$OUT/mamba_prefill_tests.log" | tail -8
+      timeout 200 python3 bench/mamba_prefill.py --json-out "$OUT/mamba_prefill.jsonl" 2>&1 | tee "$OUT/mamba_prefill.txt" \
+          | tail -10
+      timeout "${FAMILY_LIMIT:-280}" python3 bench/engine.py --model dummy:granite-4.0-h-tiny-shape --dtype bfloat16 \
+          --device cuda --prefill-lens 512,2048 --batch-sizes 1 --decode-contexts 2048 --decode-steps 8 --rounds 2 \
+          --json-out "$OUT/engine_granite_mamba_prefill.jsonl" 2>&1 | grep -v Warning \
+          | tee "$OUT/engine_granite_mamba_prefill.txt" ;;
     decode_fused)  # the K/V write fused with RoPE (1) against RoPE then two index_put scatters (0)
       PDSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_fused_kv_write.py \
           tests/unit/engine/test_fused_ops.py tests/unit/engine/test_cuda_graphs.py 2>&1 | tee "$OUT/decode_fused_tests.log" \
