@@ -4,7 +4,8 @@ A prefill step packs several requests' tokens back to back (``query_lens``). A c
 request's tokens into chunks of ``chunk_size`` from the request's own first token, so no chunk spans two
 requests and every kernel of the scan can run over all requests' chunks in one launch (no per-request
 Python loop). The table is built from host lists (the step's lengths, state slots and whether each request
-starts at token 0), copied to the device once, and cached: every state layer of a step asks for the same one.
+starts at token 0), copied to the device once (from pinned memory, so the host does not wait for the GPU), and
+cached: every state layer of a step asks for the same one.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def _cached(lengths: tuple[int, ...], slots: tuple[int, ...], fresh: tuple[bool,
             chunks += [start + at, min(chunk_size, n - at), seq, 0]
         seqs += [start, n, slot, int(is_fresh), first, len(chunks) // CHUNK_FIELDS - first, 0, 0]
         start += n
-    table = torch.tensor(chunks + seqs, dtype=torch.int32).to(device)
+    table = torch.tensor(chunks + seqs, dtype=torch.int32)
+    pinned = device.type == "cuda"  # a pageable copy would stall the host until the GPU catches up
+    table = (table.pin_memory() if pinned else table).to(device, non_blocking=pinned)
     num_chunks = len(chunks) // CHUNK_FIELDS
     return ScanChunks(table[:len(chunks)].view(num_chunks, CHUNK_FIELDS),
                       table[len(chunks):].view(len(lengths), SEQ_FIELDS), num_chunks, len(lengths), start, chunk_size)
