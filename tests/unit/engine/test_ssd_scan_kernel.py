@@ -192,11 +192,11 @@ def _engine_run(checkpoint, device: str, backend: str, prompts: list[list[int]],
         return run_to_completion(engine, prompts, params)[1]
 
 
-def _assert_same_run(got, want) -> None:
+def _assert_same_run(got, want, rel_tol: float = 1e-4) -> None:
     for fused, ref in zip(got, want, strict=True):
         assert fused.token_ids == ref.token_ids
         for (start, a), (start_b, b) in zip(fused.logits, ref.logits, strict=True):
-            assert start == start_b and ((a - b).abs().max() / b.abs().max()).item() < 1e-4
+            assert start == start_b and ((a - b).abs().max() / b.abs().max()).item() < rel_tol
 
 
 def test_engine_prefill_with_the_kernels_equals_the_torch_chain(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,14 +219,15 @@ def test_engine_prefill_with_the_kernels_equals_the_torch_chain(tmp_path, monkey
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the prefill kernels run in the engine only on CUDA")
 def test_engine_on_cuda_equals_the_torch_chain(tmp_path) -> None:
-    """The same on CUDA with the default backend (``auto``: every kernel compiled) against ``torch``."""
+    """The same on CUDA with the default backend (``auto``: every kernel compiled, every other fused op too, hence
+    the looser logits) against ``torch``."""
     from tests.unit.engine.test_granite_hybrid import make_granite_checkpoint
 
     directory, _ = make_granite_checkpoint("moe", tmp_path)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (70, 9, 33, 1)]
     runs = {backend: _engine_run(directory, "cuda", backend, prompts, 8) for backend in ("torch", "auto")}
-    _assert_same_run(runs["auto"], runs["torch"])
+    _assert_same_run(runs["auto"], runs["torch"], rel_tol=1e-3)
 
 
 _COMPILE_FOR_SM90 = r"""
