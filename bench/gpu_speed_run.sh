@@ -63,6 +63,15 @@
 #                                         against the torch reference, a CUDA-graph replay, the sm_90 compile), then
 #                                         the GEMM beside bf16 grouped_mm per projection of DeepSeek-V2-Lite and
 #                                         Qwen3-30B-A3B, 1/8/32/2048 tokens, with the tile sweep (bench/fp8_moe.py)
+#   bash bench/gpu_speed_run.sh moe_fused  the fused MoE layer (ops/moe_fused.py): its CUDA tests (kernels against
+#                                         the loop and the torch routers, DeepSeek-V2-Lite shapes against grouped_mm, a
+#                                         CUDA-graph replay, the sm_90 compile), DeepSeek's and gpt-oss's CUDA engine
+#                                         tests against HF (their experts now fused), then
+#                                         bench/moe_fused.py: fused vs grouped_mm vs the weight-read floor, routing alone
+#                                         and included, DeepSeek-V2-Lite / Qwen3-30B-A3B / Granite-4.0-H-Tiny experts,
+#                                         1/8/32/2048 tokens
+#   bash bench/gpu_speed_run.sh moe_fused_sweep  bench/moe_fused.py --sweep: every tile per projection alone at 1, 32
+#                                         and 2048 tokens beside config_for's (what to pick it by)
 #   bash bench/gpu_speed_run.sh fp8_final  FP8 as shipped: the CUDA tests, bench/fp8_engine.py once, and profiles
 #                                         of the FP8 engine's 2k prefill and batch-1 decode step (profiles.tgz)
 #   bash bench/gpu_speed_run.sh mamba_decode  Mamba2's fused decode step: its CUDA tests (the kernels against the torch
@@ -250,6 +259,17 @@ for part in "$@"; do
             --prefill-lens 512,2048 --batch-sizes 1,8,32 --decode-contexts 2048 --decode-steps 8 --rounds 2 \
             $hf --json-out "$OUT/engine_gpt_oss_$quant.jsonl" 2>&1 | grep -v Warning | tee "$OUT/engine_gpt_oss_$quant.txt"
       done ;;
+    moe_fused)  # the fused MoE layer: correctness on CUDA (its tests, then the MoE models' CUDA tests, which now take
+                # it), then one run of fused vs grouped_mm vs the floor (the table: the last lines of moe_fused.txt)
+      PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_moe_fused.py \
+          2>&1 | tee "$OUT/moe_fused_tests.log" | tail -8
+      PDSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_mla_moe_kernels.py \
+          "tests/unit/engine/test_gpt_oss.py::test_cuda_engine_matches_hf" 2>&1 | tee "$OUT/moe_fused_model_tests.log" | tail -8
+      timeout 240 python3 bench/moe_fused.py --samples 9 --json-out "$OUT/moe_fused.jsonl" 2>"$OUT/moe_fused.err" \
+          | tee "$OUT/moe_fused.txt" ;;
+    moe_fused_sweep)  # the fused MoE GEMM's tiles per projection (rows as they come, in moe_fused_sweep.err)
+      timeout 290 python3 bench/moe_fused.py --sweep --tokens 1,32,2048 --samples 5 \
+          --json-out "$OUT/moe_fused_sweep.jsonl" 2>"$OUT/moe_fused_sweep.err" | tee "$OUT/moe_fused_sweep.txt" ;;
     fp8_final)
       PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/unit/engine/test_fp8_compute_cuda.py \
           tests/unit/engine/test_fp8_gemm.py tests/unit/engine/test_fp8_kv_kernels.py 2>&1 | tee "$OUT/fp8_final_tests.log" \
