@@ -8,12 +8,35 @@ from stat import S_ISREG
 from typing import Any
 
 import gguf
+import numpy as np
 
 # Readers of the last few files opened, by (path, inode, size, mtime): a process that opens the same unchanged
 # file again (the tokenizer, then the weight loader; engines made one after another) skips the header parse,
 # ~3 s for a 49k-token vocabulary on a small CPU. A reader is a read-only memory map, so sharing it is safe.
 _READERS: OrderedDict[tuple, gguf.GGUFReader] = OrderedDict()
 _MAX_READERS = 4
+
+
+class _PlainViewReader(gguf.GGUFReader):
+    """``gguf.GGUFReader`` slicing a plain ndarray view of its memory map instead of the ``np.memmap`` itself.
+
+    The reader slices the file once per field part and tensor (about 250k slices for a 49k-token vocabulary and its
+    merges), and every slice of an ``np.memmap`` runs numpy's Python-level ``memmap.__getitem__`` and
+    ``__array_finalize__``: 70% of the header parse. A view of the same mapping as a base ``ndarray`` reads the same
+    bytes without them: SmolLM2's header parses in 0.65 s instead of 2.3 s, and its tensors (plain views too)
+    dequantize without the same overhead. ``mapping`` keeps the ``np.memmap`` (its ``filename``).
+    """
+
+    mapping: np.memmap
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, value: np.memmap) -> None:
+        self.mapping = value
+        self._plain = value.view(np.ndarray)
 
 
 def open_gguf_reader(path: str | Path) -> gguf.GGUFReader:
@@ -38,7 +61,7 @@ def open_gguf_reader(path: str | Path) -> gguf.GGUFReader:
     if magic != b"GGUF":
         raise ValueError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _PlainViewReader(path)
     except (ValueError, IndexError, KeyError, OverflowError, TypeError, MemoryError) as exc:
         # The reader reports a short or damaged file as a failed reshape or index deep inside numpy.
         raise ValueError(f"{path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from exc
@@ -53,7 +76,7 @@ class GGUFMetadata:
 
     def __init__(self, reader: gguf.GGUFReader) -> None:
         self._reader = reader
-        self.where = str(getattr(reader.data, "filename", None) or "GGUF file")
+        self.where = str(getattr(getattr(reader, "mapping", reader.data), "filename", None) or "GGUF file")
 
     def get(self, key: str) -> Any:
         field = self._reader.fields.get(key)
