@@ -210,13 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name()
     peaks = next((v for k, v in GPU_PEAKS.items() if k in name), None)
     tokens = [int(t) for t in args.tokens.split(",")]
-    rows = []
-    for model in args.models.split(","):
-        rows += rows_for(model, tokens, args.sweep, args.samples, torch.device("cuda"), peaks)
-        emit_json(rows, args.json_out, False)  # after each model: a timed-out run keeps what it measured
     print(f"# {name}, torch {torch.__version__}; us per call, CUDA-graph replays; floor: chosen experts' bf16 "
-          "weights + rows at the HBM peak")
-    print_table(rows)
+          "weights + rows at the HBM peak", flush=True)
+    rows = []
+    for model in args.models.split(","):  # a table and the JSON after each model: a timed-out run keeps what it had
+        done = rows_for(model, tokens, args.sweep, args.samples, torch.device("cuda"), peaks)
+        rows += done
+        emit_json(rows, args.json_out, False)
+        print_table(done)
+        sys.stdout.flush()
     return 0
 
 
