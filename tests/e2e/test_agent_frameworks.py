@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Iterator
 
 import jsonschema
 import pytest
 
-from tests.e2e.stack import Stack, stack
+from tests.e2e.stack import Stack
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm fetches a price list at import otherwise
 
@@ -25,12 +24,12 @@ CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxL
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[Stack, str]]:
-    with stack(None, 1, 1, "--direct-decode-threshold", "0") as s:
-        import openai
+def served(smollm2_stack: Stack) -> tuple[Stack, str]:
+    """The shared SmolLM2 stack (tests/e2e/conftest.py) and the name it serves the model by."""
+    import openai
 
-        model = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused").models.list().data[0].id
-        yield s, model
+    model = openai.OpenAI(base_url=f"{smollm2_stack.url}/v1", api_key="unused").models.list().data[0].id
+    return smollm2_stack, model
 
 
 def test_openai_agents_calls_a_tool_and_answers(served) -> None:

@@ -4,7 +4,6 @@ pdserve serves, checked against the colocated engine where the answer is determi
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import jsonschema
 import openai
@@ -13,7 +12,7 @@ import pytest
 from services.contract.sampling_params import SamplingParams
 from services.engine.engine_config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from tests.e2e.stack import Stack, metric_total, stack
+from tests.e2e.stack import Stack, metric_total
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "Once upon a time, in a small village"
@@ -21,10 +20,10 @@ TOKEN_IDS = {"return_tokens_as_token_ids": True}
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[Stack, openai.OpenAI]]:
-    with stack(None) as s:
-        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        yield s, client
+def served(smollm2_stack: Stack) -> tuple[Stack, openai.OpenAI]:
+    """The shared SmolLM2 stack (tests/e2e/conftest.py) and a client of it."""
+    client = openai.OpenAI(base_url=f"{smollm2_stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return smollm2_stack, client
 
 
 @pytest.fixture(scope="module")

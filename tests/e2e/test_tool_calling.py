@@ -5,13 +5,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import jsonschema
 import openai
 import pytest
 
-from tests.e2e.stack import Stack, http_post, pull_totals, stack
+from tests.e2e.stack import Stack, http_post, pull_totals
 from tests.e2e.tool_fixtures import add_tool, tool_schemas, weather_tool
 
 WEATHER = weather_tool(city_max_length=20)
@@ -22,10 +21,10 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[Stack, openai.OpenAI]]:
-    with stack(None, 1, 1, "--direct-decode-threshold", "0") as s:
-        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        yield s, client
+def served(smollm2_stack: Stack) -> tuple[Stack, openai.OpenAI]:
+    """The shared SmolLM2 stack (tests/e2e/conftest.py) and a client of it."""
+    client = openai.OpenAI(base_url=f"{smollm2_stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return smollm2_stack, client
 
 
 def _model(client: openai.OpenAI) -> str:
